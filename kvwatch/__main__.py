@@ -1,0 +1,5 @@
+import sys
+
+from kvwatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""Histogram bucket boundaries of kvwatch's request histograms.
+
+Chosen so the thresholds SREs write SLOs against are exact boundaries (an SLO threshold must be a
+bucket boundary, or the error ratio is an interpolation). ``kvwatch rules`` rejects a threshold that
+is not in these lists. Upper bounds only; ``+Inf`` is implicit. Documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+TTFT_SECONDS: tuple[float, ...] = (
+    0.025, 0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0, 300.0,
+)
+
+TPOT_SECONDS: tuple[float, ...] = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3,
+    0.5, 0.75, 1.0, 2.0,
+)
+
+INTER_CHUNK_SECONDS: tuple[float, ...] = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5,
+    0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
+)
+
+DURATION_SECONDS: tuple[float, ...] = (
+    0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0, 300.0, 450.0,
+    600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0,
+)
+
+QUEUE_SECONDS: tuple[float, ...] = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+
+OUTPUT_TOKENS: tuple[float, ...] = (
+    16, 64, 128, 256, 512, 1000, 2000, 3000, 5000, 7500, 10000, 15000, 20000, 32000, 64000, 128000,
+)
+
+
+def output_token_bounds(band_edges: tuple[int, ...]) -> tuple[float, ...]:
+    """Output-token buckets that always contain the configured band edges."""
+    return tuple(sorted(set(OUTPUT_TOKENS) | {float(e) for e in band_edges}))
+
+
+def le_label(bound: float) -> str:
+    """Render an upper bound the way Prometheus 3 normalises ``le`` (``1`` -> ``1.0``)."""
+    if bound == float("inf"):
+        return "+Inf"
+    return repr(float(bound))

@@ -1,0 +1,237 @@
+"""Every metric family kvwatch exports: name, type, labels, help. The one contract.
+
+Collectors build their families from these specs (``spec.gauge()``, ``spec.counter()``, ...), the
+rule and dashboard generators refuse queries on names that are not here, and docs/metrics.md is
+generated from this table (``kvwatch docs --check``). Add a family here before exporting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+
+REPLICA = ("replica", "model_name", "backend", "dp_rank")
+GPU = ("gpu", "uuid")
+REQUEST = ("replica", "model_name", "length_band", "source")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # exposed name without _total / _bucket / _info suffixes
+    kind: str  # gauge | counter | histogram | info
+    labels: tuple[str, ...]
+    help: str
+    area: str  # self | replica | derived | gpu | request
+
+    def gauge(self) -> GaugeMetricFamily:
+        assert self.kind == "gauge", self.name
+        return GaugeMetricFamily(self.name, self.help, labels=self.labels)
+
+    def counter(self) -> CounterMetricFamily:
+        assert self.kind == "counter", self.name
+        return CounterMetricFamily(self.name, self.help, labels=self.labels)
+
+    def histogram(self) -> HistogramMetricFamily:
+        assert self.kind == "histogram", self.name
+        return HistogramMetricFamily(self.name, self.help, labels=self.labels)
+
+    def info(self) -> InfoMetricFamily:
+        assert self.kind == "info", self.name
+        return InfoMetricFamily(self.name, self.help, labels=self.labels)
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Names that appear on the wire for this family."""
+        if self.kind == "counter":
+            return (f"{self.name}_total",)
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind == "info":
+            return (f"{self.name}_info",)
+        return (self.name,)
+
+
+def _m(name: str, kind: str, labels: tuple[str, ...], help_: str, area: str) -> MetricSpec:
+    return MetricSpec(name, kind, labels, help_, area)
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # ---- kvwatch itself ---------------------------------------------------------------------
+    _m("kvwatch_build", "info", (), "kvwatch version and runtime.", "self"),
+    _m("kvwatch_collector_success", "gauge", ("collector",),
+       "1 if the collector's last run succeeded, 0 if it failed.", "self"),
+    _m("kvwatch_collector_duration_seconds", "gauge", ("collector",),
+       "Duration of the collector's last run.", "self"),
+    _m("kvwatch_source_last_success_timestamp_seconds", "gauge", ("source",),
+       "Unix time of the source's last successful poll or receive; staleness = time() - this.", "self"),
+    _m("kvwatch_target_up", "gauge", ("replica", "backend"),
+       "1 if the replica's last metrics scrape succeeded and parsed, else 0.", "self"),
+    _m("kvwatch_target_scrape_duration_seconds", "gauge", ("replica",),
+       "Duration of the last scrape of the replica's metrics endpoint.", "self"),
+    _m("kvwatch_target_scrape_errors", "counter", ("replica", "reason"),
+       "Failed scrapes of a replica by reason (timeout, connect, http_status, too_large, malformed, "
+       "not_metrics, no_engine_metrics).", "self"),
+    _m("kvwatch_target_restarts", "counter", ("replica",),
+       "Engine restarts detected (engine counters went backwards).", "self"),
+    _m("kvwatch_proxy_accounting_errors", "counter", ("replica",),
+       "Exceptions inside kvwatch's request accounting; the client's stream kept flowing.", "self"),
+    _m("kvwatch_proxy_connections_timed_out", "counter", ("replica",),
+       "Client connections closed because headers or body did not arrive in time.", "self"),
+    _m("kvwatch_otlp_spans", "counter", ("result",),
+       "OTLP spans received, by result (request, ignored, malformed).", "self"),
+    _m("kvwatch_request_file_lines", "counter", ("replica", "result"),
+       "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
+    _m("kvwatch_ledger_write_errors", "counter", (),
+       "Request ledger lines that could not be written.", "self"),
+    # ---- engine replicas (as the engine reports them) -----------------------------------------
+    _m("kvwatch_replica", "info", (*REPLICA, "version_hint", "cache_dtype"),
+       "Replica identity: one series per replica and data-parallel rank.", "replica"),
+    _m("kvwatch_kv_capacity_tokens", "gauge", REPLICA,
+       "KV cache capacity in tokens (num_gpu_blocks x block_size, or the engine's token count).",
+       "replica"),
+    _m("kvwatch_kv_capacity_bytes", "gauge", REPLICA,
+       "KV cache capacity in bytes, where the model's KV bytes per token are known.", "replica"),
+    _m("kvwatch_kv_block_size_tokens", "gauge", REPLICA, "Tokens per KV block (page).", "replica"),
+    _m("kvwatch_kv_usage_ratio", "gauge", REPLICA,
+       "KV occupancy as the engine reports it (vLLM: blocks held by live requests; SGLang: tokens).",
+       "replica"),
+    _m("kvwatch_kv_used_blocks", "gauge", REPLICA, "KV blocks in use.", "replica"),
+    _m("kvwatch_kv_used_tokens", "gauge", REPLICA,
+       "KV token slots in use, where the engine counts tokens exactly (SGLang).", "replica"),
+    _m("kvwatch_kv_evictable_tokens", "gauge", REPLICA,
+       "KV token slots held only by the prefix/radix cache (free on demand).", "replica"),
+    _m("kvwatch_kv_free_tokens", "gauge", REPLICA,
+       "KV token slots not held by live requests (capacity - used).", "replica"),
+    _m("kvwatch_requests_running", "gauge", REPLICA, "Requests in the engine's running batch.",
+       "replica"),
+    _m("kvwatch_requests_waiting", "gauge", REPLICA, "Requests waiting in the engine's queue.",
+       "replica"),
+    _m("kvwatch_preemptions", "counter", REPLICA,
+       "Preemptions (vLLM) or retractions (SGLang) counted by the engine.", "replica"),
+    _m("kvwatch_prompt_tokens", "counter", REPLICA, "Prompt tokens processed by the engine.", "replica"),
+    _m("kvwatch_generation_tokens", "counter", REPLICA, "Output tokens generated by the engine.",
+       "replica"),
+    _m("kvwatch_prefix_cache_queried_tokens", "counter", REPLICA,
+       "Prompt tokens looked up in the GPU prefix cache.", "replica"),
+    _m("kvwatch_prefix_cache_hit_tokens", "counter", REPLICA,
+       "Prompt tokens found in the GPU prefix cache.", "replica"),
+    _m("kvwatch_engine_finished_requests", "counter", (*REPLICA, "finished_reason"),
+       "Requests the engine finished, by the engine's finish reason.", "replica"),
+    _m("kvwatch_kv_tier_transfer_bytes", "counter", (*REPLICA, "family", "src_tier", "dst_tier"),
+       "KV bytes moved between tiers (gpu, host, disk, remote, object), per engine metric family.",
+       "replica"),
+    _m("kvwatch_kv_tier_transfer_tokens", "counter", (*REPLICA, "family", "src_tier", "dst_tier"),
+       "KV tokens moved between tiers, where the engine counts tokens.", "replica"),
+    _m("kvwatch_kv_tier_transfer_blocks", "counter", (*REPLICA, "family", "src_tier", "dst_tier"),
+       "KV blocks moved between tiers, where the engine counts blocks (Dynamo KVBM).", "replica"),
+    _m("kvwatch_kv_tier_transfer_seconds", "counter", (*REPLICA, "family", "src_tier", "dst_tier"),
+       "Time spent moving KV between tiers, where the engine measures it.", "replica"),
+    _m("kvwatch_replica_gpu", "info", ("replica", "dp_rank", "gpu", "uuid", "mapped_by"),
+       "Which GPUs a replica runs on (mapped_by: config, pid, cuda_visible_devices).", "replica"),
+    # ---- derived KV signals --------------------------------------------------------------------
+    _m("kvwatch_kv_live_tokens", "gauge", (*REPLICA, "source"),
+       "Tokens held by running requests; source=engine is measured, source=proxy_estimate is the "
+       "proxy's in-flight accounting.", "derived"),
+    _m("kvwatch_kv_fragmentation_ratio", "gauge", (*REPLICA, "source"),
+       "Internal fragmentation: 1 - live tokens / (used blocks x block size).", "derived"),
+    _m("kvwatch_kv_headroom_seconds", "gauge", REPLICA,
+       "Seconds until the KV pool is full at the current net growth; +Inf when not growing.",
+       "derived"),
+    _m("kvwatch_kv_overcommitted_requests", "gauge", REPLICA,
+       "Running requests whose max_tokens could not all fit if every request ran to its limit.",
+       "derived"),
+    _m("kvwatch_kv_stranded_tokens", "gauge", ("model_name",),
+       "Free KV tokens on idle replicas of a model while another replica of it queues or preempts.",
+       "derived"),
+    _m("kvwatch_recomputed_tokens", "counter", (*REPLICA, "source"),
+       "Tokens recomputed after preemption; source=engine is reported, source=estimate is "
+       "preemptions x mean live tokens per running request.", "derived"),
+    _m("kvwatch_gpu_pcie_link_max_bytes_per_second", "gauge", GPU,
+       "Theoretical one-direction PCIe bandwidth of the link as currently trained.", "derived"),
+    # ---- GPUs (NVML) ---------------------------------------------------------------------------
+    _m("kvwatch_gpu", "info", (*GPU, "name", "pci_bus_id", "driver_version"), "GPU identity.", "gpu"),
+    _m("kvwatch_gpu_lost", "gauge", GPU, "1 if NVML reports the GPU lost (fallen off the bus).", "gpu"),
+    _m("kvwatch_gpu_memory_total_bytes", "gauge", GPU, "GPU memory (FB) total.", "gpu"),
+    _m("kvwatch_gpu_memory_used_bytes", "gauge", GPU, "GPU memory used by processes.", "gpu"),
+    _m("kvwatch_gpu_memory_reserved_bytes", "gauge", GPU, "GPU memory reserved by driver/firmware.",
+       "gpu"),
+    _m("kvwatch_gpu_memory_free_bytes", "gauge", GPU, "GPU memory free.", "gpu"),
+    _m("kvwatch_gpu_utilization_ratio", "gauge", GPU,
+       "Fraction of the last sample period in which a kernel ran (not SM occupancy).", "gpu"),
+    _m("kvwatch_gpu_memory_utilization_ratio", "gauge", GPU,
+       "Fraction of the last sample period in which device memory was read or written.", "gpu"),
+    _m("kvwatch_gpu_pcie_tx_bytes", "counter", GPU, "PCIe bytes transmitted by the GPU (NVML field 197).",
+       "gpu"),
+    _m("kvwatch_gpu_pcie_rx_bytes", "counter", GPU, "PCIe bytes received by the GPU (NVML field 198).",
+       "gpu"),
+    _m("kvwatch_gpu_pcie_replays", "counter", GPU, "PCIe replay counter.", "gpu"),
+    _m("kvwatch_gpu_pcie_link_generation", "gauge", GPU, "PCIe link generation as currently trained.",
+       "gpu"),
+    _m("kvwatch_gpu_pcie_link_generation_max", "gauge", GPU, "Maximum PCIe link generation.", "gpu"),
+    _m("kvwatch_gpu_pcie_link_width", "gauge", GPU, "PCIe link width (lanes) as currently trained.", "gpu"),
+    _m("kvwatch_gpu_pcie_link_width_max", "gauge", GPU, "Maximum PCIe link width (lanes).", "gpu"),
+    _m("kvwatch_gpu_nvlink_tx_bytes", "counter", (*GPU, "link"), "NVLink data bytes transmitted per link.",
+       "gpu"),
+    _m("kvwatch_gpu_nvlink_rx_bytes", "counter", (*GPU, "link"), "NVLink data bytes received per link.",
+       "gpu"),
+    _m("kvwatch_gpu_nvlink_active", "gauge", (*GPU, "link"), "1 if the NVLink link is active.", "gpu"),
+    _m("kvwatch_gpu_power_watts", "gauge", GPU, "Power draw.", "gpu"),
+    _m("kvwatch_gpu_power_limit_watts", "gauge", GPU, "Enforced power limit.", "gpu"),
+    _m("kvwatch_gpu_energy_joules", "counter", GPU, "Energy consumed since the driver loaded.", "gpu"),
+    _m("kvwatch_gpu_temperature_celsius", "gauge", (*GPU, "sensor"), "Temperature (sensor: gpu, memory).",
+       "gpu"),
+    _m("kvwatch_gpu_clock_hertz", "gauge", (*GPU, "clock"), "Current clock (clock: sm, memory).", "gpu"),
+    _m("kvwatch_gpu_clock_event_active", "gauge", (*GPU, "reason"),
+       "1 while a clock-event (throttle) reason is active.", "gpu"),
+    _m("kvwatch_gpu_ecc_errors", "counter", (*GPU, "type"),
+       "Volatile ECC errors since the driver loaded (type: corrected, uncorrected).", "gpu"),
+    _m("kvwatch_gpu_remapped_rows", "gauge", (*GPU, "type"),
+       "HBM rows remapped (type: correctable, uncorrectable).", "gpu"),
+    _m("kvwatch_gpu_row_remap_pending", "gauge", GPU, "1 if a row remap is pending a GPU reset.", "gpu"),
+    _m("kvwatch_gpu_row_remap_failure", "gauge", GPU, "1 if a row remap failed.", "gpu"),
+    _m("kvwatch_gpu_xid_errors", "counter", (*GPU, "xid"), "XID events seen, per XID code.", "gpu"),
+    _m("kvwatch_gpu_process_memory_bytes", "gauge", (*GPU, "pid", "replica"),
+       "GPU memory used per process; replica when the process is mapped to one.", "gpu"),
+    # ---- requests --------------------------------------------------------------------------------
+    _m("kvwatch_request_ttft_seconds", "histogram", REQUEST,
+       "Time to first token: request received -> first content-bearing chunk sent.", "request"),
+    _m("kvwatch_request_tpot_seconds", "histogram", REQUEST,
+       "Time per output token: (e2e - TTFT) / (output tokens - 1).", "request"),
+    _m("kvwatch_request_inter_chunk_seconds", "histogram", REQUEST,
+       "Gaps between successive content chunks (one observation per gap).", "request"),
+    _m("kvwatch_request_duration_seconds", "histogram", REQUEST,
+       "End to end: request received -> last byte sent.", "request"),
+    _m("kvwatch_request_queue_seconds", "histogram", REQUEST,
+       "Time in the engine's queue (engine-side sources only).", "request"),
+    _m("kvwatch_request_output_tokens", "histogram", REQUEST, "Output tokens per request.", "request"),
+    _m("kvwatch_requests", "counter", (*REQUEST, "outcome"),
+       "Finished requests by outcome (completed, truncated, aborted, error, rejected) and length band.",
+       "request"),
+    _m("kvwatch_request_output_tokens_estimated", "counter", REQUEST,
+       "Requests whose output tokens were counted from chunks because no usage arrived.", "request"),
+    _m("kvwatch_requests_in_flight", "gauge", ("replica", "model_name", "admission_band"),
+       "Requests being relayed now, by admission band (from max_tokens).", "request"),
+    _m("kvwatch_in_flight_tokens", "gauge", ("replica", "model_name", "admission_band"),
+       "Estimated tokens held by in-flight requests (prompt + generated so far).", "request"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
+
+
+def spec(name: str) -> MetricSpec:
+    """The spec of a family; KeyError names the unknown family."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/export/catalog.py)") from None
+
+
+def exported_series_names() -> set[str]:
+    """Every series name kvwatch can put on the wire (for rule/dashboard checks)."""
+    return {series for s in CATALOG for series in s.series_names}

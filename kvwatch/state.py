@@ -1,0 +1,267 @@
+"""The agent's current view of the node: what sources wrote last, and cumulative request stats.
+
+Sources write here (whole immutable samples replace old ones, so a reader never sees half an
+update); exporters and the status page only read. A target that fails keeps ``up = False`` and its
+samples are dropped rather than served as if fresh.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvwatch import buckets
+from kvwatch.model import (
+    OUTCOMES,
+    GpuSample,
+    InFlightRequest,
+    LengthBands,
+    ReplicaSample,
+    RequestRecord,
+    SlotSample,
+)
+
+# --------------------------------------------------------------------------------------------
+# collectors and targets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CollectorStatus:
+    """node_exporter-style self report of one collector (``engine:r0``, ``nvml``, ...)."""
+
+    success: bool = False
+    duration_s: float = 0.0
+    last_success_ts: float | None = None
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class TargetState:
+    """One scrape target (a configured replica: one engine server, maybe several DP ranks)."""
+
+    name: str
+    backend: str = "unknown"
+    up: bool = False
+    samples: tuple[ReplicaSample, ...] = ()
+    slots: tuple[SlotSample, ...] = ()
+    last_success_ts: float | None = None
+    last_error: str | None = None
+    scrape_duration_s: float = 0.0
+    consecutive_failures: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    restarts: int = 0
+
+
+class NodeState:
+    """Everything the outputs read. Writes are whole-object replacements under a lock."""
+
+    def __init__(self, node: str, bands: LengthBands) -> None:
+        self.node = node
+        self.bands = bands
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        self.targets: dict[str, TargetState] = {}
+        self.collectors: dict[str, CollectorStatus] = {}
+        self.gpus: tuple[GpuSample, ...] = ()
+        self.driver_version: str | None = None
+        self.xid_counts: Counter[tuple[str, str, int]] = Counter()  # (gpu index, uuid, xid)
+        #: replica name -> ((gpu index, uuid, mapped_by), ...)
+        self.replica_gpus: dict[str, tuple[tuple[str, str, str], ...]] = {}
+        #: pid -> replica name, for per-process GPU memory attribution
+        self.pid_replica: dict[int, str] = {}
+        self.requests = RequestStats(bands)
+        self.in_flight = InFlightTracker()
+        self.counters: Counter[tuple[str, ...]] = Counter()  # self-metrics: (family, *label values)
+
+    # -- targets --------------------------------------------------------------------------------
+    def target(self, name: str) -> TargetState:
+        with self._lock:
+            state = self.targets.get(name)
+            if state is None:
+                state = self.targets[name] = TargetState(name)
+            return state
+
+    def live_samples(self) -> list[ReplicaSample]:
+        """Samples of targets that are up: what may be exported as current."""
+        return [s for t in list(self.targets.values()) if t.up for s in t.samples]
+
+    # -- collectors -----------------------------------------------------------------------------
+    def report(self, collector: str, success: bool, duration_s: float, error: str | None = None,
+               now: float | None = None) -> None:
+        status = self.collectors.setdefault(collector, CollectorStatus())
+        status.success = success
+        status.duration_s = duration_s
+        if success:
+            status.last_success_ts = time.time() if now is None else now
+            status.last_error = None
+        else:
+            status.last_error = error
+
+    def count(self, family: str, *labels: str, amount: float = 1) -> None:
+        """Increment a self-metric counter (``count("kvwatch_otlp_spans", "malformed")``)."""
+        with self._lock:
+            self.counters[(family, *labels)] += amount
+
+    def counters_for(self, family: str) -> list[tuple[tuple[str, ...], float]]:
+        with self._lock:
+            return [(key[1:], value) for key, value in self.counters.items() if key[0] == family]
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------
+
+
+class Histogram:
+    """A cumulative histogram with fixed bounds (non-cumulative bins internally)."""
+
+    __slots__ = ("bins", "bounds", "count", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.bins = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.bins[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def merge_bins(self, bounds: tuple[float, ...], counts: Iterable[int], total: float) -> None:
+        """Fold a request's pre-binned gaps in; bounds must be this histogram's bounds."""
+        if bounds != self.bounds:
+            raise ValueError("gap bins were made with different bounds")
+        n = 0
+        for i, c in enumerate(counts):
+            self.bins[i] += c
+            n += c
+        self.count += n
+        self.sum += total
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, c in zip((*self.bounds, float("inf")), self.bins, strict=True):
+            running += c
+            out.append((buckets.le_label(bound), float(running)))
+        return out
+
+
+HISTOGRAM_FAMILIES = {
+    "kvwatch_request_ttft_seconds": buckets.TTFT_SECONDS,
+    "kvwatch_request_tpot_seconds": buckets.TPOT_SECONDS,
+    "kvwatch_request_inter_chunk_seconds": buckets.INTER_CHUNK_SECONDS,
+    "kvwatch_request_duration_seconds": buckets.DURATION_SECONDS,
+    "kvwatch_request_queue_seconds": buckets.QUEUE_SECONDS,
+}
+
+
+class RequestStats:
+    """Cumulative per-(replica, model, band, source) request histograms and outcome counts.
+
+    ``observe`` is called once per finished request (never per chunk). Thread-safe.
+    """
+
+    def __init__(self, bands: LengthBands) -> None:
+        self.bands = bands
+        self.bounds = dict(HISTOGRAM_FAMILIES)
+        self.bounds["kvwatch_request_output_tokens"] = buckets.output_token_bounds(bands.edges)
+        self._lock = threading.Lock()
+        # (replica, model, band, source) -> family -> Histogram
+        self.histograms: dict[tuple[str, str, str, str], dict[str, Histogram]] = {}
+        self.outcomes: Counter[tuple[str, str, str, str, str]] = Counter()
+        self.estimated: Counter[tuple[str, str, str, str]] = Counter()
+        self.observed = 0
+
+    def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
+        hists = self.histograms.get(key)
+        if hists is None:
+            hists = self.histograms[key] = {name: Histogram(b) for name, b in self.bounds.items()}
+        return hists
+
+    def observe(self, record: RequestRecord) -> str:
+        """Fold one finished request in; returns the length band it was counted in."""
+        band = self.bands.band_for(record.output_tokens)
+        key = (record.replica, record.model_name, band, record.source)
+        tpot = record.tpot_seconds
+        with self._lock:
+            hists = self._hists(key)
+            if record.ttft_seconds is not None:
+                hists["kvwatch_request_ttft_seconds"].observe(record.ttft_seconds)
+            if tpot is not None:
+                hists["kvwatch_request_tpot_seconds"].observe(tpot)
+            if record.e2e_seconds is not None:
+                hists["kvwatch_request_duration_seconds"].observe(record.e2e_seconds)
+            if record.queue_seconds is not None:
+                hists["kvwatch_request_queue_seconds"].observe(record.queue_seconds)
+            if record.output_tokens is not None:
+                hists["kvwatch_request_output_tokens"].observe(record.output_tokens)
+            if record.gap_counts:
+                hists["kvwatch_request_inter_chunk_seconds"].merge_bins(
+                    record.gap_bounds, record.gap_counts, record.gap_sum)
+            self.outcomes[(*key, record.outcome.value)] += 1
+            if record.output_tokens_estimated:
+                self.estimated[key] += 1
+            self.observed += 1
+        return band
+
+    def snapshot(self) -> tuple[dict[tuple[str, str, str, str], dict[str, Histogram]],
+                                dict[tuple[str, str, str, str, str], int],
+                                dict[tuple[str, str, str, str], int]]:
+        """Copies for exporters (scrape must not hold the lock while rendering)."""
+        with self._lock:
+            hists = {}
+            for key, fams in self.histograms.items():
+                copies = {}
+                for name, h in fams.items():
+                    c = Histogram(h.bounds)
+                    c.bins, c.sum, c.count = list(h.bins), h.sum, h.count
+                    copies[name] = c
+                hists[key] = copies
+            return hists, dict(self.outcomes), dict(self.estimated)
+
+    def outcome_keys(self) -> tuple[str, ...]:
+        return OUTCOMES
+
+
+class InFlightTracker:
+    """Requests the proxy relays right now; the proxy updates generated tokens as chunks pass."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._requests: dict[int, InFlightRequest] = {}
+        self._generated: dict[int, int] = {}
+
+    def start(self, request: InFlightRequest) -> int:
+        with self._lock:
+            self._next += 1
+            handle = self._next
+            self._requests[handle] = request
+            self._generated[handle] = 0
+            return handle
+
+    def progress(self, handle: int, generated_tokens: int) -> None:
+        # plain dict store: cheap enough for the per-chunk path, atomic under the GIL
+        if handle in self._generated:
+            self._generated[handle] = generated_tokens
+
+    def finish(self, handle: int) -> None:
+        with self._lock:
+            self._requests.pop(handle, None)
+            self._generated.pop(handle, None)
+
+    def current(self) -> list[InFlightRequest]:
+        with self._lock:
+            out = []
+            for handle, req in self._requests.items():
+                gen = self._generated.get(handle, 0)
+                out.append(InFlightRequest(req.replica, req.model_name, req.admission_band,
+                                           req.prompt_tokens_estimate, gen, req.started_at,
+                                           req.max_tokens))
+            return out
