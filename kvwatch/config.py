@@ -473,6 +473,21 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
     return out
 
 
+def read_yaml_file(path: str | Path) -> Any:
+    """Parse a YAML file; ConfigError names the file and the line of a syntax error."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("(file)", f"cannot read: {exc.strerror or exc}")], source) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise ConfigError([(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")], source) from None
+
+
 def load_config(path: str | Path | None, environ: Mapping[str, str] | None = None) -> Config:
     """Read YAML (or start empty), apply ``KVWATCH_*`` overrides, validate."""
     environ = os.environ if environ is None else environ
@@ -480,16 +495,7 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] | None = Non
     source = "environment"
     if path is not None:
         source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError([("(file)", f"cannot read: {exc.strerror or exc}")], source) from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-            raise ConfigError([(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")], source) from None
+        data = read_yaml_file(path) or {}
     if not isinstance(data, dict):
         raise ConfigError([("(top level)", "expected a mapping of settings")], source)
     return config_from_mapping(apply_env_overrides(data, environ), source)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvwatch import buckets
+from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
     OUTCOMES,
     GpuSample,
@@ -55,6 +56,12 @@ class TargetState:
     consecutive_failures: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
+    #: scrapes are skipped until this unix time after consecutive failures (exponential backoff)
+    backoff_until: float | None = None
+    #: last good samples, kept while down only to detect counter resets (engine restarts); never exported
+    previous_samples: tuple[ReplicaSample, ...] = ()
+    #: why the last llama.cpp /slots fetch failed (the target stays up), None when it worked
+    slots_error: str | None = None
 
 
 class NodeState:
@@ -77,6 +84,8 @@ class NodeState:
         self.requests = RequestStats(bands)
         self.in_flight = InFlightTracker()
         self.counters: Counter[tuple[str, ...]] = Counter()  # self-metrics: (family, *label values)
+        #: derived KV signals, replaced whole by kvwatch.derived.update_derived after each scrape
+        self.derived: DerivedView | None = None
 
     # -- targets --------------------------------------------------------------------------------
     def target(self, name: str) -> TargetState:

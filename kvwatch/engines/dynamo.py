@@ -1,0 +1,168 @@
+"""NVIDIA Dynamo pages that are not an engine's own (reference/engines.md §3).
+
+* **Frontend** (``dynamo_frontend_*``, Rust, HTTP port): one sample per served ``model`` (the label's
+  case differs between families, so models are grouped case-insensitively). The frontend sees queues,
+  not KV: ``requests_waiting`` = ``queued_requests`` (waiting for a first token), ``requests_running`` =
+  active - queued (streaming past the first token). Block size and KV blocks are the workers' runtime
+  config, not one pool, so no capacity is claimed.
+* **Worker KV stats** without engine pass-through (``dynamo_component_kvstats_*`` Jan-2026 names,
+  ``dynamo_component_{total_blocks,gpu_cache_usage_percent}`` 1.6 names): one sample per (model, dp_rank).
+* **KVBM** (``kvbm_*``, port 6880): block counters per transfer direction, mapped to plain tiers.
+  KVBM's direction words mean different things per verb (offload ``h2d`` is host->disk, onboard ``h2d``
+  is host->GPU), so the mapping is a table, below. Units are blocks, not bytes.
+
+A Dynamo *worker* page that carries ``vllm:``/``sglang:``/``trtllm_`` families is that engine's for
+KV purposes (``registry`` tries the engine adapters first): the engine families are the source of
+truth and the ``dynamo_component_*`` copies are ignored there.
+"""
+
+from __future__ import annotations
+
+from kvwatch.engines.base import (
+    Field,
+    RankView,
+    VersionHint,
+    as_int,
+    rank_sort_key,
+    read_fields,
+    read_histograms,
+    sample,
+    traffic,
+    version_hint,
+)
+from kvwatch.engines.exposition import Exposition, Labels
+from kvwatch.model import ReplicaSample
+
+BACKEND = "dynamo"
+FRONTEND = "dynamo_frontend_"
+KVBM = "kvbm_"
+
+#: KVBM counter -> (src tier, dst tier). G1=GPU, G2=host, G3=disk, G4=object.
+KVBM_BLOCKS: dict[str, tuple[str, str]] = {
+    "kvbm_offload_blocks_d2h": ("gpu", "host"),
+    "kvbm_offload_blocks_h2d": ("host", "disk"),  # "h2d" = host-to-disk when offloading
+    "kvbm_offload_blocks_d2d": ("gpu", "disk"),
+    "kvbm_offload_blocks_d2o": ("gpu", "object"),
+    "kvbm_onboard_blocks_h2d": ("host", "gpu"),  # "h2d" = host-to-device when onboarding
+    "kvbm_onboard_blocks_d2d": ("disk", "gpu"),
+    "kvbm_onboard_blocks_o2d": ("object", "gpu"),
+}
+KVBM_BYTES: dict[str, tuple[str, str]] = {
+    "kvbm_offload_bytes_object": ("gpu", "object"),
+    "kvbm_onboard_bytes_object": ("object", "gpu"),
+}
+
+FRONTEND_FIELDS: tuple[Field, ...] = (
+    Field("requests_waiting", ("dynamo_frontend_queued_requests",)),
+    Field("generation_tokens_total", ("dynamo_frontend_output_tokens_total",)),
+)
+FRONTEND_ACTIVE = ("dynamo_frontend_active_requests", "dynamo_frontend_inflight_requests")
+FRONTEND_HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "ttft": ("dynamo_frontend_time_to_first_token_seconds",),
+    "itl": ("dynamo_frontend_inter_token_latency_seconds",),
+    "e2e": ("dynamo_frontend_request_duration_seconds",),
+    "generation_tokens": ("dynamo_frontend_output_sequence_tokens",),
+}
+
+KVSTATS_FIELDS: tuple[Field, ...] = (
+    Field("kv_usage_ratio", ("dynamo_component_gpu_cache_usage_percent",
+                             "dynamo_component_kvstats_gpu_cache_usage_percent")),
+    Field("kv_used_blocks", ("dynamo_component_kvstats_active_blocks",)),
+    Field("num_gpu_blocks", ("dynamo_component_total_blocks", "dynamo_component_kvstats_total_blocks")),
+)
+KVSTATS_ANCHORS = tuple(n for f in KVSTATS_FIELDS for n in f.names)
+
+VERSION_HINTS: tuple[VersionHint, ...] = (
+    VersionHint(("dynamo_component_gpu_cache_usage_percent",), (), "dynamo>=1.6 (component KV stats)"),
+    VersionHint(("dynamo_component_kvstats_total_blocks",), (), "dynamo 0.7-0.8 (kvstats_* names)"),
+    VersionHint(("dynamo_frontend_active_requests",), (), "dynamo frontend (active_requests)"),
+    VersionHint(("dynamo_frontend_inflight_requests",), (), "dynamo frontend (older: inflight_requests)"),
+)
+
+
+def detect(expo: Exposition) -> bool:
+    return (expo.has_prefix(FRONTEND) or any(expo.has(n) for n in KVBM_BLOCKS)
+            or any(expo.has(n) for n in KVSTATS_ANCHORS))
+
+
+class _ModelView(RankView):
+    """Frontend families label the model as ``model``, in varying case."""
+
+    def matches(self, labels: Labels, shared: bool = False) -> bool:
+        model = labels.get("model")
+        return model is None or model.lower() == self.key["model"]
+
+
+def _frontend_models(expo: Exposition) -> dict[str, str]:
+    """lower-cased model -> the first spelling seen."""
+    models: dict[str, str] = {}
+    for fam in expo:
+        if fam.name.startswith(FRONTEND):
+            for _, labels, _ in fam.samples:
+                if "model" in labels:
+                    models.setdefault(labels["model"].lower(), labels["model"])
+    return models
+
+
+def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -> list[ReplicaSample]:
+    out = []
+    for lower, model in sorted(_frontend_models(expo).items()):
+        view = _ModelView(expo, {"model": lower})
+        values = read_fields(view, FRONTEND_FIELDS)
+        active = view.value(*FRONTEND_ACTIVE)
+        queued = values["requests_waiting"]
+        out.append(sample(
+            replica, BACKEND, scraped_at,
+            model_name=model,
+            version_hint=version,
+            block_size=as_int(view.value("dynamo_frontend_model_kv_cache_block_size")),
+            num_gpu_blocks=as_int(view.value("dynamo_frontend_model_total_kv_blocks")),
+            requests_running=max(active - queued, 0.0) if active is not None and queued is not None else None,
+            finished_requests_total=view.by_label("dynamo_frontend_requests_total", "status"),
+            histograms=read_histograms(view, FRONTEND_HISTOGRAMS),
+            **values,
+        ))
+    return out
+
+
+def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) -> list[ReplicaSample]:
+    keys = {(labels.get("model"), labels.get("dp_rank"))
+            for name in KVSTATS_ANCHORS for labels, _ in expo.series(name)}
+    ranked = len({dp for _, dp in keys}) > 1
+    out = []
+    for model, dp_rank in sorted(keys, key=lambda k: (k[0] or "", rank_sort_key(k[1]))):
+        view = RankView(expo, {"model": model, "dp_rank": dp_rank}, ranked=ranked)
+        values = read_fields(view, KVSTATS_FIELDS)
+        blocks = as_int(values.pop("num_gpu_blocks"))
+        out.append(sample(replica, BACKEND, scraped_at, model_name=model,
+                          dp_rank=None if dp_rank in (None, "none") else dp_rank,
+                          version_hint=version, num_gpu_blocks=blocks, **values))
+    return out
+
+
+def _kvbm(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
+    if not any(expo.has(n) for n in (*KVBM_BLOCKS, *KVBM_BYTES)):
+        return []
+    view = RankView(expo, {})
+    tiers = [traffic("kvbm", src, dst, blocks_total=view.value(name))
+             for name, (src, dst) in KVBM_BLOCKS.items()]
+    tiers += [traffic("kvbm", src, dst, bytes_total=view.value(name))
+              for name, (src, dst) in KVBM_BYTES.items()]
+    return [sample(replica, BACKEND, scraped_at, version_hint="dynamo KVBM (block counters, no labels)",
+                   tier_traffic=tuple(t for t in tiers if t is not None))]
+
+
+def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
+    version = version_hint(expo, VERSION_HINTS, "dynamo")
+    return [*_frontend(expo, replica, scraped_at, version),
+            *_kvstats(expo, replica, scraped_at, version),
+            *_kvbm(expo, replica, scraped_at)]
+
+
+def notes(expo: Exposition) -> list[str]:
+    out = []
+    if expo.has_prefix(FRONTEND):
+        out.append("Dynamo frontend: queue view per model; KV occupancy lives on the workers' pages")
+    if any(expo.has(n) for n in KVBM_BLOCKS):
+        out.append("KVBM counts blocks (engine block size), not bytes")
+    return out

@@ -1,0 +1,145 @@
+"""llama.cpp ``llama-server --metrics`` (``llamacpp:*``, hand-written, no labels) and ``GET /slots``.
+
+``/metrics``: requests processing/deferred, token counters. Builds up to early 2025 also had
+``kv_cache_usage_ratio`` (used cells / n_ctx) and ``kv_cache_tokens``; newer builds have no KV gauge and
+the per-slot state on ``/slots`` is the only KV source. In 2026 builds ``prompt_tokens_total`` excludes
+cached prompt tokens (``prompt_tokens_cached_total`` counts those), so prompt tokens = processed + cached.
+
+``/slots``: one JSON object per slot (``-np``), each with its own ``n_ctx`` (the context is split
+evenly between slots). A slot keeps its tokens in the KV cache after a request ends, for prompt
+reuse. Tokens held (``SlotSample.tokens_in_use``):
+
+* 2025+ builds: ``n_prompt_tokens`` is the slot's whole token list (prompt *and* generated so far;
+  seen live: 42 = 18 processed + 24 decoded); ``n_prompt_tokens_processed + n_prompt_tokens_cache +
+  next_token.n_decoded`` gives the same while generating. The larger of the two is used, which is
+  also right for builds where ``n_prompt_tokens`` was the prompt alone.
+* older builds without token counts: None.
+
+``apply_slots`` fills the sample: capacity = sum of slot ``n_ctx``; live tokens = tokens of processing
+slots (= ``kv_used_tokens``, the usage ratio's numerator, matching vLLM/SGLang where cached-but-idle
+KV counts as free); tokens kept by idle slots = ``kv_evictable_tokens``. The slot JSON also carries
+the prompt and generated text: only the numbers above are read, the text is never kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvwatch.engines.base import Field, RankView, VersionHint, read_fields, sample, version_hint
+from kvwatch.engines.exposition import Exposition
+from kvwatch.model import ReplicaSample, SlotSample
+
+BACKEND = "llamacpp"
+PREFIX = "llamacpp:"
+
+FIELDS: tuple[Field, ...] = (
+    Field("requests_running", ("llamacpp:requests_processing",)),
+    Field("requests_waiting", ("llamacpp:requests_deferred",)),
+    Field("generation_tokens_total", ("llamacpp:tokens_predicted_total",)),
+    Field("kv_usage_ratio", ("llamacpp:kv_cache_usage_ratio",)),
+    Field("kv_used_tokens", ("llamacpp:kv_cache_tokens",)),
+)
+PROMPT_PROCESSED = "llamacpp:prompt_tokens_total"
+PROMPT_CACHED = "llamacpp:prompt_tokens_cached_total"
+
+VERSION_HINTS: tuple[VersionHint, ...] = (
+    VersionHint(("llamacpp:kv_cache_usage_ratio",), (),
+                "llama.cpp <= early 2025 (kv_cache_usage_ratio, kv_cache_tokens)"),
+    VersionHint((PROMPT_CACHED,), (), "llama.cpp 2026 (prompt_tokens_cached_total; KV only on /slots)"),
+)
+DEFAULT_HINT = "llama.cpp 2025 (no KV gauge; KV only on /slots)"
+
+
+class SlotsError(ValueError):
+    """``/slots`` did not hold a list of slot objects."""
+
+
+def detect(expo: Exposition) -> bool:
+    return expo.has_prefix(PREFIX)
+
+
+def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
+    view = RankView(expo, {})
+    values = read_fields(view, FIELDS)
+    processed, cached = view.value(PROMPT_PROCESSED), view.value(PROMPT_CACHED)
+    prompt = processed + cached if processed is not None and cached is not None else processed
+    return [sample(
+        replica, BACKEND, scraped_at,
+        version_hint=version_hint(expo, VERSION_HINTS, DEFAULT_HINT),
+        prompt_tokens_total=prompt,
+        prefix_cache_queries_total=prompt if cached is not None else None,
+        prefix_cache_hits_total=cached,
+        **values,
+    )]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _slot(raw: Any, index: int) -> SlotSample:
+    if not isinstance(raw, dict):
+        raise SlotsError(f"slot {index} is a {type(raw).__name__}, expected an object")
+    next_token = raw.get("next_token")
+    if isinstance(next_token, list):  # 2025+ builds: a one-element list
+        next_token = next_token[0] if next_token else None
+    decoded = _int(next_token.get("n_decoded")) if isinstance(next_token, dict) else None
+    listed = _int(raw.get("n_prompt_tokens"))
+    parts = (_int(raw.get("n_prompt_tokens_processed")), _int(raw.get("n_prompt_tokens_cache")), decoded)
+    summed = sum(p for p in parts if p is not None) if all(p is not None for p in parts) else None
+    candidates = [v for v in (listed, summed) if v is not None]
+    processing = raw.get("is_processing")
+    if processing is None and "state" in raw:  # 2024 builds: state 0 = idle
+        processing = raw.get("state") != 0
+    return SlotSample(
+        slot_id=_int(raw.get("id")) if _int(raw.get("id")) is not None else index,
+        n_ctx=_int(raw.get("n_ctx")),
+        tokens_in_use=max(candidates) if candidates else None,
+        is_processing=bool(processing),
+    )
+
+
+def parse_slots(text: str | bytes) -> tuple[SlotSample, ...]:
+    """``GET /slots`` body -> SlotSamples (numbers only; prompt/generated text is dropped)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise SlotsError(f"not JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("slots"), list):
+        data = data["slots"]
+    if not isinstance(data, list):
+        raise SlotsError(f"expected a JSON list of slots, got {type(data).__name__}")
+    return tuple(_slot(raw, i) for i, raw in enumerate(data))
+
+
+def _total(values: Sequence[int | None]) -> float | None:
+    """Sum, or None when any slot did not report the number (an empty selection sums to 0)."""
+    if any(v is None for v in values):
+        return None
+    return float(sum(v for v in values if v is not None))
+
+
+def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> ReplicaSample:
+    """Fill KV capacity, usage and live tokens from slots where ``/metrics`` had none."""
+    if not slots:
+        return replica_sample
+    capacity = _total([s.n_ctx for s in slots])
+    live = _total([s.tokens_in_use for s in slots if s.is_processing])
+    idle = _total([s.tokens_in_use for s in slots if not s.is_processing])
+    used = replica_sample.kv_used_tokens if replica_sample.kv_used_tokens is not None else live
+    usage = replica_sample.kv_usage_ratio
+    if usage is None and used is not None and capacity:
+        usage = used / capacity
+    hint = replica_sample.version_hint or DEFAULT_HINT
+    return dataclasses.replace(
+        replica_sample,
+        kv_capacity_tokens=replica_sample.kv_capacity_tokens or capacity,
+        kv_used_tokens=used,
+        kv_usage_ratio=usage,
+        kv_evictable_tokens=idle,
+        live_tokens=live,
+        version_hint=f"{hint}; KV from /slots ({len(slots)} slots)",
+    )

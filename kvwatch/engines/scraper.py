@@ -1,0 +1,194 @@
+"""One scrape of one configured replica: fetch, parse, and update its ``TargetState``.
+
+The agent calls ``scrape_target`` on an interval per replica. Failure semantics (DESIGN.md): a failed
+scrape sets ``up = False`` and drops the samples at once, so nothing stale is exported; the error is
+counted by reason; consecutive failures back off exponentially (1 s, 2 s, 4 s, ... up to
+``scrape.backoff_max``), so a dead engine is not hammered; one log line per state change (up -> down
+with the reason, a new reason while down, down -> up), never one per failed scrape. An engine restart
+shows as cumulative counters going backwards between the last good scrape and this one.
+
+llama.cpp: ``/slots`` is fetched after ``/metrics`` (``slots_url``, or ``/metrics`` -> ``/slots``).
+Its failure only loses the slot-derived KV numbers; the target stays up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from kvwatch.config import ReplicaConfig, ScrapeConfig
+from kvwatch.engines import llamacpp
+from kvwatch.engines.exposition import ExpositionError
+from kvwatch.engines.fetch import ACCEPT_JSON, ScrapeError, fetch_body, fetch_metrics
+from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, parse_exposition
+from kvwatch.model import ReplicaSample
+from kvwatch.state import NodeState, TargetState
+
+log = logging.getLogger(__name__)
+
+BACKOFF_BASE_S = 1.0
+
+#: cumulative ReplicaSample fields: one going backwards means the engine restarted
+COUNTER_FIELDS = (
+    "preemptions_total", "recomputed_tokens_total", "prompt_tokens_total", "generation_tokens_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total",
+)
+
+
+def slots_url(replica_cfg: ReplicaConfig) -> str:
+    """Configured ``slots_url``, else the metrics URL with ``/metrics`` replaced by ``/slots``."""
+    if replica_cfg.slots_url:
+        return replica_cfg.slots_url
+    parts = urlsplit(replica_cfg.metrics_url)
+    path = parts.path.rstrip("/")
+    base = path[: -len("/metrics")] if path.endswith("/metrics") else ""
+    return urlunsplit((parts.scheme, parts.netloc, f"{base}/slots", "", ""))
+
+
+def backoff_delay(consecutive_failures: int, backoff_max_s: float) -> float:
+    """Seconds to wait after the n-th consecutive failure: 1, 2, 4, ... capped at ``backoff_max_s``."""
+    return min(backoff_max_s, BACKOFF_BASE_S * 2.0 ** max(consecutive_failures - 1, 0))
+
+
+def _counters(sample: ReplicaSample) -> Iterable[tuple[str, float | None]]:
+    for name in COUNTER_FIELDS:
+        yield name, getattr(sample, name)
+    if sample.finished_requests_total:
+        yield "finished_requests_total", sum(v for _, v in sample.finished_requests_total)
+    for t in sample.tier_traffic:
+        label = f"tier_traffic[{t.family} {t.src_tier}->{t.dst_tier}]"
+        yield label, next((v for v in (t.bytes_total, t.tokens_total, t.blocks_total) if v is not None), None)
+
+
+def counters_reset(previous: Iterable[ReplicaSample], current: Iterable[ReplicaSample]) -> list[str]:
+    """Names of cumulative fields that went backwards for the same replica key (empty: no restart)."""
+    before = {s.key: dict(_counters(s)) for s in previous}
+    went_back = []
+    for s in current:
+        old = before.get(s.key)
+        if old is None:
+            continue
+        for name, value in _counters(s):
+            was = old.get(name)
+            if value is not None and was is not None and value < was:
+                went_back.append(f"{name} {was:g} -> {value:g}")
+    return went_back
+
+
+def _parse(text: str, replica_cfg: ReplicaConfig, scraped_at: float) -> ParseResult:
+    where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
+    try:
+        return parse_exposition(text, replica_cfg.name, replica_cfg.backend, scraped_at)
+    except ExpositionError as exc:
+        raise ScrapeError("malformed", f"{where} is not valid Prometheus text: {exc}") from None
+    except NoEngineMetricsError as exc:
+        raise ScrapeError("no_engine_metrics", f"{where}: {exc}") from None
+    except Exception as exc:  # an adapter bug must not take the agent down; it shows as malformed
+        log.debug("adapter failed on %s", where, exc_info=True)
+        raise ScrapeError("malformed", f"{where} could not be read by the {replica_cfg.backend} adapter: "
+                                       f"{exc!r}") from None
+
+
+def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tuple[ReplicaSample, ...]:
+    """Engines without a model label (llama.cpp, TGI) get the configured model_name."""
+    if not model_name:
+        return tuple(samples)
+    return tuple(s if s.model_name else dataclasses.replace(s, model_name=model_name) for s in samples)
+
+
+async def _slots(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
+                 target: TargetState, samples: tuple[ReplicaSample, ...]) -> tuple[ReplicaSample, ...]:
+    url = slots_url(replica_cfg)
+    try:
+        body, _ = await fetch_body(client, url, replica=replica_cfg.name, accept=ACCEPT_JSON,
+                                   timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
+                                   max_bytes=scrape_cfg.max_response_bytes)
+        slots = llamacpp.parse_slots(body)
+    except (ScrapeError, llamacpp.SlotsError) as exc:
+        error = f"{url}: {exc}"
+        if target.slots_error is None:
+            log.warning("replica %s: /slots failed (%s); KV numbers from /slots unavailable, target stays "
+                        "up (start llama-server with --slots, or set replicas[].slots_url)",
+                        replica_cfg.name, error)
+        target.slots_error = error
+        target.slots = ()
+        return samples
+    if target.slots_error is not None:
+        log.info("replica %s: /slots works again (%d slots)", replica_cfg.name, len(slots))
+    target.slots_error = None
+    target.slots = slots
+    return tuple(llamacpp.apply_slots(s, slots) for s in samples)
+
+
+def _failed(target: TargetState, err: ScrapeError, started: float, backoff_max_s: float) -> None:
+    was_up = target.up
+    target.up = False
+    target.samples = ()
+    target.slots = ()
+    target.errors[err.reason] += 1
+    target.consecutive_failures += 1
+    target.backoff_until = started + backoff_delay(target.consecutive_failures, backoff_max_s)
+    new_reason = target.last_error is None or not target.last_error.startswith(f"{err.reason}:")
+    if was_up or target.consecutive_failures == 1:
+        log.warning("replica %s down (%s): %s", target.name, err.reason, err.message)
+    elif new_reason:
+        log.warning("replica %s still down, now (%s): %s", target.name, err.reason, err.message)
+    target.last_error = str(err)
+
+
+def _succeeded(target: TargetState, result: ParseResult, samples: tuple[ReplicaSample, ...],
+               started: float) -> None:
+    reset = counters_reset(target.previous_samples, samples)
+    if reset:
+        target.restarts += 1
+        log.warning("replica %s: engine restart detected (counters went backwards: %s)",
+                    target.name, "; ".join(reset[:3]))
+    if not target.up:
+        hint = samples[0].version_hint if samples else None
+        failures = target.consecutive_failures
+        after = f" after {failures} failed scrape(s)" if failures else ""
+        log.info("replica %s up%s: %s, %d replica sample(s), %s", target.name, after, result.backend,
+                 len(samples), hint)
+    target.backend = result.backend
+    target.samples = samples
+    target.previous_samples = samples
+    target.up = True
+    target.last_success_ts = started
+    target.last_error = None
+    target.consecutive_failures = 0
+    target.backoff_until = None
+
+
+async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
+                        state: NodeState, now: Callable[[], float] = time.time) -> None:
+    """Scrape one replica and update ``state.target(name)`` and ``state.report("engine:<name>")``.
+
+    Never raises: every failure becomes a counted, logged ``ScrapeError`` and ``up = False``.
+    Skips the scrape (returns at once) while the target is in backoff.
+    """
+    target = state.target(replica_cfg.name)
+    started = now()
+    if target.backoff_until is not None and started < target.backoff_until:
+        return
+    clock = time.perf_counter()
+    try:
+        text = await fetch_metrics(client, replica_cfg.metrics_url, replica=replica_cfg.name,
+                                   timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
+                                   max_bytes=scrape_cfg.max_response_bytes)
+        result = _parse(text, replica_cfg, started)
+    except ScrapeError as err:
+        target.scrape_duration_s = time.perf_counter() - clock
+        _failed(target, err, started, scrape_cfg.backoff_max_s)
+        state.report(f"engine:{replica_cfg.name}", False, target.scrape_duration_s, str(err), now=started)
+        return
+    samples = _with_model(result.samples, replica_cfg.model_name)
+    if result.backend == llamacpp.BACKEND:
+        samples = await _slots(client, replica_cfg, scrape_cfg, target, samples)
+    target.scrape_duration_s = time.perf_counter() - clock
+    _succeeded(target, result, samples, started)
+    state.report(f"engine:{replica_cfg.name}", True, target.scrape_duration_s, now=started)

@@ -1,0 +1,152 @@
+"""Engine replicas as the engines report them (catalog area ``replica``), plus each target's health.
+
+Only samples of targets that are up are rendered: a target whose last scrape failed drops out of
+every replica family at once (``kvwatch_target_up`` says 0) instead of repeating stale values. A field
+the engine does not expose (None) produces no series. ``dp_rank`` is "" for engines without ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+
+from kvwatch.config import Config
+from kvwatch.engines.fetch import REASONS
+from kvwatch.export.catalog import spec
+from kvwatch.model import ReplicaSample
+from kvwatch.state import NodeState
+
+#: gauge family -> ReplicaSample attribute
+GAUGES: tuple[tuple[str, str], ...] = (
+    ("kvwatch_kv_capacity_tokens", "kv_capacity_tokens"),
+    ("kvwatch_kv_block_size_tokens", "block_size"),
+    ("kvwatch_kv_usage_ratio", "kv_usage_ratio"),
+    ("kvwatch_kv_used_blocks", "kv_used_blocks"),
+    ("kvwatch_kv_used_tokens", "kv_used_tokens"),
+    ("kvwatch_kv_evictable_tokens", "kv_evictable_tokens"),
+    ("kvwatch_requests_running", "requests_running"),
+    ("kvwatch_requests_waiting", "requests_waiting"),
+)
+
+#: counter family -> ReplicaSample attribute
+COUNTERS: tuple[tuple[str, str], ...] = (
+    ("kvwatch_preemptions", "preemptions_total"),
+    ("kvwatch_prompt_tokens", "prompt_tokens_total"),
+    ("kvwatch_generation_tokens", "generation_tokens_total"),
+    ("kvwatch_prefix_cache_queried_tokens", "prefix_cache_queries_total"),
+    ("kvwatch_prefix_cache_hit_tokens", "prefix_cache_hits_total"),
+)
+
+#: tier counter family -> TierTraffic attribute
+TIER_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("kvwatch_kv_tier_transfer_bytes", "bytes_total"),
+    ("kvwatch_kv_tier_transfer_tokens", "tokens_total"),
+    ("kvwatch_kv_tier_transfer_blocks", "blocks_total"),
+    ("kvwatch_kv_tier_transfer_seconds", "seconds_total"),
+)
+
+
+def replica_labels(s: ReplicaSample) -> list[str]:
+    """Values of catalog.REPLICA (replica, model_name, backend, dp_rank) for a sample."""
+    return [s.replica, s.model_name or "", s.backend, s.dp_rank or ""]
+
+
+def free_tokens(s: ReplicaSample) -> float | None:
+    """KV token slots not held by live requests: capacity minus what the engine counts as used.
+
+    Used is the engine's token count where it has one (SGLang, llama.cpp /slots), else used blocks x
+    block size (vLLM, TRT-LLM), else usage x capacity.
+    """
+    if s.kv_capacity_tokens is None:
+        return None
+    if s.kv_used_tokens is not None:
+        used = s.kv_used_tokens
+    elif s.kv_used_blocks is not None and s.block_size:
+        used = s.kv_used_blocks * s.block_size
+    elif s.kv_usage_ratio is not None:
+        used = s.kv_usage_ratio * s.kv_capacity_tokens
+    else:
+        return None
+    return max(s.kv_capacity_tokens - used, 0.0)
+
+
+class ReplicaCollector:
+    """Const families for live replica samples and per-target scrape health."""
+
+    def __init__(self, state: NodeState, config: Config) -> None:
+        self.state = state
+        self.config = config
+
+    def collect(self) -> Iterator[Metric]:
+        samples = self.state.live_samples()
+        yield from self._identity(samples)
+        yield from self._gauges(samples)
+        yield from self._counters(samples)
+        yield from self._tiers(samples)
+        yield from self._targets()
+
+    def _identity(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
+        info = spec("kvwatch_replica").info()
+        for s in samples:
+            info.add_metric([*replica_labels(s), s.version_hint or "", s.cache_dtype or ""], {})
+        yield info
+
+    def _gauges(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
+        for family, attr in GAUGES:
+            gauge = spec(family).gauge()
+            for s in samples:
+                value = getattr(s, attr)
+                if value is not None:
+                    gauge.add_metric(replica_labels(s), float(value))
+            yield gauge
+        free = spec("kvwatch_kv_free_tokens").gauge()
+        for s in samples:
+            value = free_tokens(s)
+            if value is not None:
+                free.add_metric(replica_labels(s), value)
+        yield free
+
+    def _counters(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
+        for family, attr in COUNTERS:
+            counter = spec(family).counter()
+            for s in samples:
+                value = getattr(s, attr)
+                if value is not None:
+                    counter.add_metric(replica_labels(s), value)
+            yield counter
+        finished = spec("kvwatch_engine_finished_requests").counter()
+        for s in samples:
+            for reason, value in s.finished_requests_total:
+                finished.add_metric([*replica_labels(s), reason], value)
+        yield finished
+
+    def _tiers(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
+        for family, attr in TIER_COUNTERS:
+            counter = spec(family).counter()
+            for s in samples:
+                for t in s.tier_traffic:
+                    value = getattr(t, attr)
+                    if value is not None:
+                        counter.add_metric([*replica_labels(s), t.family, t.src_tier, t.dst_tier], value)
+            yield counter
+
+    def _targets(self) -> Iterator[Metric]:
+        up = spec("kvwatch_target_up").gauge()
+        duration = spec("kvwatch_target_scrape_duration_seconds").gauge()
+        errors = spec("kvwatch_target_scrape_errors").counter()
+        restarts = spec("kvwatch_target_restarts").counter()
+        for name, target in sorted(dict(self.state.targets).items()):
+            up.add_metric([name, self._backend(name, target.backend)], 1.0 if target.up else 0.0)
+            duration.add_metric([name], target.scrape_duration_s)
+            for reason in REASONS:  # every reason from the start, so rate() sees the first error
+                errors.add_metric([name, reason], float(target.errors.get(reason, 0)))
+            restarts.add_metric([name], float(target.restarts))
+        yield from (up, duration, errors, restarts)
+
+    def _backend(self, name: str, scraped: str) -> str:
+        """The detected backend; before the first good scrape, the configured one (if not auto)."""
+        if scraped != "unknown":
+            return scraped
+        cfg = self.config.replica(name)
+        return cfg.backend if cfg is not None and cfg.backend != "auto" else scraped

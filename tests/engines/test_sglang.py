@@ -1,0 +1,114 @@
+"""SGLang adapter: the real Dynamo capture and pages for 0.4.10, 0.5.8 and 0.5.20 (reference §2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwatch.engines import sglang
+from kvwatch.engines.exposition import parse_text
+
+from .helpers import SCRAPED_AT, SGLANG_DYNAMO, only, parse, samples, tiers
+
+
+def test_real_dynamo_capture():
+    result = parse(SGLANG_DYNAMO)
+    s, = result.samples
+    assert (s.backend, s.model_name, s.dp_rank) == ("sglang", "Qwen/Qwen3-0.6B", None)
+    assert (s.kv_capacity_tokens, s.kv_usage_ratio, s.kv_used_tokens) == (92962.0, 0.0, 0.0)
+    assert (s.prompt_tokens_total, s.generation_tokens_total) == (33.0, 300.0)
+    assert s.histogram("ttft").count == 1.0
+    assert s.histogram("num_preemptions").count == 1.0
+    assert s.version_hint == ("sglang 0.5.6-0.5.8 (max_total_num_tokens; "
+                              "retractions only as a per-interval gauge)")
+
+
+def test_per_interval_retraction_gauge_is_not_a_counter():
+    s = only(SGLANG_DYNAMO)
+    assert s.preemptions_total is None
+    assert any("per-interval gauge" in n for n in parse(SGLANG_DYNAMO).notes)
+
+
+def test_0_4_10_has_no_capacity_and_no_retraction_counter():
+    s = only("sglang_0_4_10_no_capacity.prom")
+    assert s.kv_capacity_tokens is None  # not reverse-engineered from usage
+    assert (s.kv_usage_ratio, s.kv_used_tokens, s.live_tokens) == (0.61, 61000.0, 61000.0)
+    assert (s.requests_running, s.requests_waiting) == (14.0, 3.0)
+    assert s.preemptions_total is None
+    assert (s.prefix_cache_hits_total, s.prefix_cache_queries_total) == (52000.0, 210000.0)
+    ttft = s.histogram("ttft")
+    assert (ttft.sum, ttft.count) == (160.0, 400.0)
+    assert s.version_hint == ("sglang 0.4.10-0.5.1 (no capacity gauge; "
+                              "retractions only as a per-interval gauge)")
+
+
+def test_0_5_8_retraction_counters_and_recompute_upper_bound():
+    s = only("sglang_0_5_8_retraction_counters.prom")
+    assert s.preemptions_total == 57.0
+    assert s.recomputed_tokens_total == 114000.0 + 228000.0
+    assert (s.kv_capacity_tokens, s.kv_usage_ratio) == (200000.0, 0.9)
+    assert s.requests_swapped_or_paused == 0.0
+    assert s.histogram("num_preemptions").count == 3053.0
+    assert s.version_hint == "sglang 0.5.8-0.5.11 (max_total_num_tokens, retraction counters)"
+
+
+def test_0_5_8_hicache_load_back_without_pool_label():
+    found = tiers(only("sglang_0_5_8_retraction_counters.prom"))
+    load = found[("sglang_hicache", "host", "gpu")]
+    assert (load.tokens_total, load.bytes_total, load.seconds_total) == (30000.0, None, 1.5)
+    assert ("sglang_hicache", "gpu", "host") not in found
+
+
+class TestTwoDataParallelRanksWithHiCache:
+    @pytest.fixture
+    def ranks(self):
+        return {s.dp_rank: s for s in samples("sglang_0_5_20_two_dp_ranks_hicache.prom")}
+
+    def test_one_sample_per_dp_rank_reading_one_tp_rank(self, ranks):
+        assert sorted(ranks) == ["0", "1"]
+        zero, one = ranks["0"], ranks["1"]
+        assert (zero.requests_running, one.requests_running) == (64.0, 10.0)  # not 128 / 20: not summed
+        assert (zero.kv_used_tokens, one.kv_evictable_tokens) == (485000.0, 100000.0)
+        assert (zero.preemptions_total, one.preemptions_total) == (210.0, 0.0)
+        assert zero.recomputed_tokens_total == 1.6e6
+
+    def test_capacity_and_pages(self, ranks):
+        assert (ranks["1"].kv_capacity_tokens, ranks["1"].block_size, ranks["1"].num_gpu_blocks) == (
+            500000.0, 64, 7812)
+
+    def test_live_tokens_unknown_with_pages_larger_than_one_token(self, ranks):
+        assert ranks["0"].live_tokens is None
+
+    def test_tokenizer_counters_without_rank_are_not_given_to_any_rank(self, ranks):
+        for s in ranks.values():
+            assert s.prompt_tokens_total is None and s.generation_tokens_total is None
+            assert s.histogram("ttft") is None
+
+    def test_hicache_reads_one_tp_rank_and_the_kv_pool(self, ranks):
+        found = tiers(ranks["0"])
+        load = found[("sglang_hicache", "host", "gpu")]
+        assert (load.tokens_total, load.bytes_total, load.seconds_total) == (640000.0, 4.4e10, 4.0)
+        assert found[("sglang_hicache", "gpu", "host")].tokens_total == 2.0e6  # swa pool left out
+        assert tiers(ranks["1"])[("sglang_hicache", "host", "gpu")].tokens_total == 64000.0
+
+    def test_storage_file_backend_is_the_disk_tier(self, ranks):
+        found = tiers(ranks["0"])
+        assert found[("sglang_storage", "disk", "host")].tokens_total == 128000.0
+        assert found[("sglang_storage", "host", "disk")].tokens_total == 900000.0
+
+
+def test_single_rank_sums_is_streaming_split_and_reads_device_cache_hits():
+    text = ('sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
+            'sglang:prompt_tokens_total{is_streaming="true",model_name="m"} 30\n'
+            'sglang:prompt_tokens_total{is_streaming="false",model_name="m"} 10\n'
+            'sglang:cached_tokens_total{cache_source="device",model_name="m"} 7\n'
+            'sglang:cached_tokens_total{cache_source="total",model_name="m"} 9\n')
+    s, = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
+    assert (s.prompt_tokens_total, s.prefix_cache_queries_total) == (40.0, 40.0)
+    assert s.prefix_cache_hits_total == 7.0
+
+
+def test_remote_storage_backend_is_the_remote_tier():
+    text = ('sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
+            'sglang:backuped_tokens_total{storage_backend="mooncake",tp_rank="0"} 5\n')
+    s, = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
+    assert tiers(s)[("sglang_storage", "host", "remote")].tokens_total == 5.0
