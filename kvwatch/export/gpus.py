@@ -1,0 +1,130 @@
+"""GPU metrics on /metrics (catalog area "gpu"), rendered from ``NodeState.gpus`` at scrape time.
+
+Only the last poll's GPUs appear, so a GPU that vanished (or all of them, while NVML is down)
+drops out instead of going stale. A lost GPU exports its identity, ``kvwatch_gpu_lost 1`` and its
+XID counts (XID 79 is usually why it was lost), nothing else. Also here: which GPUs each replica
+runs on (``kvwatch_replica_gpu_info``) and the derived link bandwidth, which needs only the sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from kvwatch.config import Config
+from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.export.catalog import CATALOG, spec
+from kvwatch.model import GpuSample
+from kvwatch.state import NodeState
+
+_FAMILY_ORDER = {s.name: i for i, s in enumerate(CATALOG)}
+
+#: plain per-GPU families: (family, GpuSample attribute)
+_SCALARS: tuple[tuple[str, str], ...] = (
+    ("kvwatch_gpu_memory_total_bytes", "memory_total_bytes"),
+    ("kvwatch_gpu_memory_used_bytes", "memory_used_bytes"),
+    ("kvwatch_gpu_memory_reserved_bytes", "memory_reserved_bytes"),
+    ("kvwatch_gpu_memory_free_bytes", "memory_free_bytes"),
+    ("kvwatch_gpu_utilization_ratio", "utilization_gpu_ratio"),
+    ("kvwatch_gpu_memory_utilization_ratio", "utilization_memory_ratio"),
+    ("kvwatch_gpu_pcie_tx_bytes", "pcie_tx_bytes_total"),
+    ("kvwatch_gpu_pcie_rx_bytes", "pcie_rx_bytes_total"),
+    ("kvwatch_gpu_pcie_replays", "pcie_replay_total"),
+    ("kvwatch_gpu_pcie_link_generation", "pcie_link_gen_current"),
+    ("kvwatch_gpu_pcie_link_generation_max", "pcie_link_gen_max"),
+    ("kvwatch_gpu_pcie_link_width", "pcie_link_width_current"),
+    ("kvwatch_gpu_pcie_link_width_max", "pcie_link_width_max"),
+    ("kvwatch_gpu_power_watts", "power_watts"),
+    ("kvwatch_gpu_power_limit_watts", "power_limit_watts"),
+    ("kvwatch_gpu_energy_joules", "energy_joules_total"),
+    ("kvwatch_gpu_row_remap_pending", "remap_pending"),
+    ("kvwatch_gpu_row_remap_failure", "remap_failure"),
+)
+#: per-GPU families with one extra label: (family, label value, GpuSample attribute)
+_LABELLED: tuple[tuple[str, str, str], ...] = (
+    ("kvwatch_gpu_temperature_celsius", "gpu", "temperature_gpu_celsius"),
+    ("kvwatch_gpu_temperature_celsius", "memory", "temperature_memory_celsius"),
+    ("kvwatch_gpu_clock_hertz", "sm", "sm_clock_hz"),
+    ("kvwatch_gpu_clock_hertz", "memory", "memory_clock_hz"),
+    ("kvwatch_gpu_ecc_errors", "corrected", "ecc_corrected_volatile_total"),
+    ("kvwatch_gpu_ecc_errors", "uncorrected", "ecc_uncorrected_volatile_total"),
+    ("kvwatch_gpu_remapped_rows", "correctable", "remapped_rows_correctable"),
+    ("kvwatch_gpu_remapped_rows", "uncorrectable", "remapped_rows_uncorrectable"),
+)
+
+
+class _Families:
+    """Families created on first sample, yielded in catalog order; empty ones are left out."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Any] = {}
+
+    def add(self, name: str, labels: list[str], value: float | bool | None) -> None:
+        if value is None:
+            return
+        family = self._families.get(name)
+        if family is None:
+            s = spec(name)
+            family = self._families[name] = getattr(s, s.kind)()
+        family.add_metric(labels, float(value))
+
+    def info(self, name: str, labels: list[str]) -> None:
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = spec(name).info()
+        family.add_metric(labels, {})
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(sorted(self._families.values(), key=lambda f: _FAMILY_ORDER[f.name]))
+
+
+class GpuCollector:
+    """Every "gpu" family of the catalog, plus kvwatch_replica_gpu and the link bandwidth."""
+
+    def __init__(self, state: NodeState, config: Config | None = None) -> None:
+        self.state = state
+        self.config = config
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.state
+        out = _Families()
+        gpus = state.gpus
+        pid_replica = dict(state.pid_replica)
+        driver = state.driver_version or ""
+        for gpu in gpus:
+            ident = [str(gpu.index), gpu.uuid]
+            out.info("kvwatch_gpu", [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
+            out.add("kvwatch_gpu_lost", ident, gpu.lost)
+            if not gpu.lost:
+                _gpu_readings(out, gpu, ident, pid_replica)
+        present = {(str(g.index), g.uuid) for g in gpus}
+        for (index, uuid, xid), count in sorted(dict(state.xid_counts).items()):
+            if (index, uuid) in present:
+                out.add("kvwatch_gpu_xid_errors", [index, uuid, str(xid)], count)
+        for labels, value in sorted(state.counters_for("kvwatch_gpu_nvml_errors")):
+            out.add("kvwatch_gpu_nvml_errors", list(labels), value)
+        for replica, mapped in sorted(state.replica_gpus.items()):
+            for index, uuid, mapped_by in mapped:
+                out.info("kvwatch_replica_gpu", [replica, "", index, uuid, mapped_by])
+        yield from out
+
+
+def _gpu_readings(out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str]) -> None:
+    for name, attr in _SCALARS:
+        out.add(name, ident, getattr(gpu, attr))
+    for name, label, attr in _LABELLED:
+        out.add(name, [*ident, label], getattr(gpu, attr))
+    out.add("kvwatch_gpu_pcie_link_max_bytes_per_second", ident,
+            link_bytes_per_second(gpu.pcie_link_gen_current, gpu.pcie_link_width_current))
+    for link in gpu.nvlinks:
+        labels = [*ident, str(link.link)]
+        out.add("kvwatch_gpu_nvlink_active", labels, link.active)
+        out.add("kvwatch_gpu_nvlink_tx_bytes", labels, link.tx_bytes_total)
+        out.add("kvwatch_gpu_nvlink_rx_bytes", labels, link.rx_bytes_total)
+    for reason, active in gpu.clock_event_reasons:
+        out.add("kvwatch_gpu_clock_event_active", [*ident, reason], active)
+    for proc in gpu.processes:
+        out.add("kvwatch_gpu_process_memory_bytes", [*ident, str(proc.pid), pid_replica.get(proc.pid, "")],
+                proc.used_memory_bytes)

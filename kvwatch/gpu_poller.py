@@ -1,0 +1,112 @@
+"""Glue the agent schedules: NVML poll -> NodeState, /proc + NVML -> replica GPU mapping.
+
+Wiring (the agent's layer, like ``kvwatch/derived.py``): the one writer of ``NodeState.gpus``,
+``driver_version``, ``xid_counts``, ``replica_gpus`` and ``pid_replica``. Each function does one
+refresh and stores whole new values (never a partial update). They block on NVML and /proc, so the
+agent runs them in a thread executor every ``intervals.gpu_s`` and ``intervals.process_map_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvwatch.config import Config, NvmlConfig
+from kvwatch.derive.gpu_mapping import GpuMapping, GpuRef, ReplicaTarget, map_replicas
+from kvwatch.gpu.nvml import NvmlCollector, PollReport
+from kvwatch.gpu.processes import ProcessInfo, ProcReader, read_pid_file
+from kvwatch.state import NodeState
+
+log = logging.getLogger(__name__)
+
+COLLECTOR = "nvml"
+NVML_ERRORS = "kvwatch_gpu_nvml_errors"
+
+
+def nvml_backend(config: NvmlConfig) -> Any | None:
+    """The NVML module to use: None when disabled, a FakeNvml for ``fake_gpus``, else pynvml."""
+    if not config.enabled:
+        return None
+    if config.fake_gpus:
+        from kvwatch.gpu.fake import FakeNvml
+
+        return FakeNvml(config.fake_gpus)
+    import pynvml
+
+    return pynvml
+
+
+def refresh_gpu_state(collector: NvmlCollector, state: NodeState, now: float | None = None) -> PollReport:
+    """Poll every GPU once; replace ``state.gpus``; report collector success and count errors.
+
+    While NVML is unavailable ``state.gpus`` becomes empty, so no GPU value is served as fresh.
+    """
+    started = time.perf_counter()
+    samples = collector.poll()
+    report = collector.report
+    state.gpus = tuple(samples)
+    state.driver_version = collector.driver_version()
+    for call, error in report.call_errors:
+        state.count(NVML_ERRORS, call, error)
+    state.report(COLLECTOR, report.success, time.perf_counter() - started, report.error, now=now)
+    return report
+
+
+def xid_recorder(state: NodeState) -> Callable[[int, str, int], None]:
+    """The ``on_xid`` callback for ``XidWatcher``: one counter per (GPU, XID code)."""
+
+    def on_xid(index: int, uuid: str, xid: int) -> None:
+        state.xid_counts[(str(index), uuid, int(xid))] += 1
+        log.warning("GPU %d (%s): XID %d", index, uuid, xid)
+
+    return on_xid
+
+
+def replica_targets(config: Config, notes: list[str]) -> list[ReplicaTarget]:
+    """Configured replicas with their engine PID (``pid``, else read from ``pid_file`` now)."""
+    targets = []
+    for i, rep in enumerate(config.replicas):
+        pid = rep.pid
+        if pid is None and rep.pid_file:
+            try:
+                pid = read_pid_file(rep.pid_file)
+            except ValueError as exc:
+                notes.append(f"replicas[{i}].pid_file ({rep.name}): {exc}")
+        targets.append(ReplicaTarget(rep.name, rep.gpus, pid))
+    return targets
+
+
+def refresh_mapping(config: Config, state: NodeState, proc: ProcReader | None = None,
+                    seen_notes: set[str] | None = None) -> GpuMapping:
+    """Recompute replica -> GPUs and pid -> replica from config, /proc and the last NVML poll.
+
+    Notes (a missing PID, an unknown GPU in config, ...) are logged once each while they persist
+    when the caller keeps ``seen_notes`` between calls.
+    """
+    proc = proc or ProcReader()
+    notes: list[str] = []
+    targets = replica_targets(config, notes)
+    processes: dict[int, ProcessInfo] = {}
+    for target in targets:
+        if target.pid is not None:
+            processes.update(proc.tree(target.pid))
+    gpus = [g for g in state.gpus if g.uuid != "unknown"]
+    inventory = [GpuRef(g.index, g.uuid) for g in gpus]
+    nvml_pids = {g.uuid: {p.pid for p in g.processes} for g in gpus if not g.lost}
+    result = map_replicas(targets, processes, inventory, nvml_pids)
+    state.replica_gpus = result.replica_gpus
+    state.pid_replica = result.pid_replica
+    _log_notes([*notes, *result.notes], seen_notes)
+    return result
+
+
+def _log_notes(notes: list[str], seen: set[str] | None) -> None:
+    current = set(notes)
+    for note in notes:
+        if seen is None or note not in seen:
+            log.warning("GPU mapping: %s", note)
+    if seen is not None:
+        seen.clear()
+        seen.update(current)
