@@ -1,0 +1,213 @@
+"""All derived KV signals of a node, from one snapshot of its inputs and the previous view.
+
+``derive_node(previous_view, inputs, now, settings) -> DerivedView`` is pure: the view carries the
+little memory the signals need (recent samples per unit for rates, recent GPU polls, recompute
+estimator states), and the caller keeps the returned view for the next call. Rates are taken over a
+window: the baseline of a unit is its newest sample at least ``rate_window_s`` older than the
+current one (or the oldest one kept, while the history is shorter), so a 5 s scrape interval gives
+rates over ~30 s rather than over one noisy interval.
+
+Only samples of targets that are up are inputs; a unit that is absent loses its rate history (rates
+across an outage would describe the outage), but keeps its recompute estimate, so that counter never
+goes backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvwatch.derive import counters, pool
+from kvwatch.derive.fragmentation import Fragmentation, replica_fragmentation
+from kvwatch.derive.headroom import Headroom, headroom
+from kvwatch.derive.overcommit import Overcommit, overcommitted_requests
+from kvwatch.derive.recompute import (
+    RecomputeEstimate,
+    accumulate_recompute,
+    preemption_rate,
+    recomputed_tokens,
+)
+from kvwatch.derive.stranded import Stranded, stranded_capacity
+from kvwatch.derive.tiers import BusThresholds, GpuLink, TierLink, gpu_link, tier_links, tier_rates
+from kvwatch.model import GpuSample, InFlightRequest, ReplicaSample
+
+T = TypeVar("T")
+UnitKey = tuple[str, str | None, str | None]  # ReplicaSample.key: (replica, model_name, dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedSettings:
+    """Tunables of the derived signals (defaults documented in docs/kv-signals.md)."""
+
+    rate_window_s: float = 30.0
+    max_history: int = 64  # samples kept per unit, whatever the window
+    include_admissions: bool = True  # headroom counts admitted prompt tokens as growth
+    bus: BusThresholds = field(default_factory=BusThresholds)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInputs:
+    samples: tuple[ReplicaSample, ...]  # current samples of targets that are up
+    gpus: tuple[GpuSample, ...] = ()
+    replica_gpus: Mapping[str, Sequence[tuple[str, str, str]]] = field(default_factory=dict)
+    in_flight: tuple[InFlightRequest, ...] = ()
+    proxied: Collection[str] = ()  # replicas a kvwatch proxy fronts
+    kv_bytes_per_token: Mapping[str, float] = field(default_factory=dict)  # per replica, when known
+    link_bandwidth: Callable[[int, int], float | None] | None = None  # (PCIe gen, width) -> bytes/s
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSignals:
+    """Per replica and DP rank signals; ``sample`` is the current sample (identity and inputs)."""
+
+    sample: ReplicaSample
+    headroom: Headroom
+    preemptions_per_second: float | None
+    recomputed_tokens: float | None
+    recomputed_source: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOvercommit:
+    replica: str
+    model_name: str | None
+    backend: str
+    dp_rank: str | None  # the rank when the replica has one, else None (replica level)
+    overcommit: Overcommit
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedView:
+    computed_at: float
+    fragmentation: tuple[Fragmentation, ...] = ()
+    units: tuple[UnitSignals, ...] = ()
+    overcommit: tuple[ReplicaOvercommit, ...] = ()
+    stranded: tuple[Stranded, ...] = ()
+    tier_links: tuple[TierLink, ...] = ()
+    # memory for the next call
+    history: Mapping[UnitKey, tuple[ReplicaSample, ...]] = field(default_factory=dict)
+    gpu_history: Mapping[str, tuple[GpuSample, ...]] = field(default_factory=dict)
+    recompute: Mapping[UnitKey, RecomputeEstimate] = field(default_factory=dict)
+
+    def baseline(self, key: UnitKey) -> ReplicaSample | None:
+        """The sample rates of this unit are measured from (None with fewer than two samples)."""
+        kept = self.history.get(key, ())
+        return kept[0] if len(kept) >= 2 else None
+
+
+def keep_window(history: tuple[T, ...], newest: T, at: Callable[[T], float],
+                window_s: float, max_items: int) -> tuple[T, ...]:
+    """Append ``newest`` (unless it is the last one already) and drop what the window no longer needs.
+
+    Keeps every item within ``window_s`` of the newest plus the newest one before that, so the
+    oldest kept item spans at least the window once the history is deep enough.
+    """
+    if history and at(history[-1]) == at(newest):
+        items = (*history[:-1], newest)
+    elif history and at(newest) < at(history[-1]):
+        items = (newest,)  # time went backwards: start over rather than compute negative rates
+    else:
+        items = (*history, newest)
+    edge = at(newest) - window_s
+    first = 0
+    for i, item in enumerate(items):
+        if at(item) <= edge:
+            first = i
+    return items[max(first, len(items) - max_items):]
+
+
+def _scraped_at(sample: ReplicaSample) -> float:
+    return sample.scraped_at
+
+
+def _sampled_at(gpu: GpuSample) -> float:
+    return gpu.sampled_at
+
+
+def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
+                settings: DerivedSettings = DerivedSettings()) -> DerivedView:
+    """The node's derived signals now, and the memory for the next call."""
+    prev = previous or DerivedView(computed_at=now)
+    history = {s.key: keep_window(prev.history.get(s.key, ()), s, _scraped_at, settings.rate_window_s,
+                                  settings.max_history) for s in inputs.samples}
+    gpu_history = {g.uuid: keep_window(prev.gpu_history.get(g.uuid, ()), g, _sampled_at,
+                                       settings.rate_window_s, settings.max_history)
+                   for g in inputs.gpus if not g.lost}
+    view = DerivedView(now, history=history, gpu_history=gpu_history)
+
+    by_replica: dict[str, list[ReplicaSample]] = {}
+    for sample in inputs.samples:
+        by_replica.setdefault(sample.replica, []).append(sample)
+    in_flight: dict[str, list[InFlightRequest]] = {}
+    for request in inputs.in_flight:
+        in_flight.setdefault(request.replica, []).append(request)
+
+    fragmentation = [f for name, samples in by_replica.items()
+                     for f in replica_fragmentation(samples, in_flight.get(name, ()), name in inputs.proxied)]
+    recompute = dict(prev.recompute)
+    units = []
+    for sample in inputs.samples:
+        baseline = view.baseline(sample.key)
+        estimate = recompute[sample.key] = accumulate_recompute(
+            prev.recompute.get(sample.key, RecomputeEstimate()), sample.preemptions_total,
+            _tokens_per_running(sample, fragmentation))
+        value, source = recomputed_tokens(sample, estimate)
+        units.append(UnitSignals(sample, headroom(sample, baseline, settings.include_admissions),
+                                 preemption_rate(sample, baseline), value, source))
+    baselines = {s.key: b for s in inputs.samples if (b := view.baseline(s.key)) is not None}
+    stranded = stranded_capacity(inputs.samples, baselines)
+    overcommit = [o for name, samples in by_replica.items() if name in inputs.proxied
+                  if (o := _replica_overcommit(samples, in_flight.get(name, ()))) is not None]
+    links = [link for name, samples in by_replica.items()
+             for link in _replica_links(name, samples, view, inputs, settings)]
+    return DerivedView(now, tuple(fragmentation), tuple(units), tuple(overcommit),
+                       tuple(stranded.values()), tuple(links), history, gpu_history, recompute)
+
+
+def _tokens_per_running(sample: ReplicaSample, fragmentation: Sequence[Fragmentation]) -> float | None:
+    """Mean tokens a running request of this unit holds: live tokens, else allocated slots."""
+    running = sample.requests_running
+    if not running:
+        return None
+    for f in fragmentation:
+        if (f.replica, f.model_name, f.dp_rank) == sample.key and f.live_tokens is not None:
+            return f.live_tokens / running
+    allocated = pool.allocated_tokens(sample)
+    return None if allocated is None else allocated / running
+
+
+def _replica_overcommit(samples: Sequence[ReplicaSample],
+                        requests: Sequence[InFlightRequest]) -> ReplicaOvercommit | None:
+    capacity = counters.total(pool.usable_tokens(s) for s in samples)
+    if capacity is None:
+        return None
+    first = samples[0]
+    result = overcommitted_requests(requests, capacity, first.block_size,
+                                    counters.total(s.requests_running for s in samples))
+    rank = first.dp_rank if len(samples) == 1 else None
+    return ReplicaOvercommit(first.replica, first.model_name, first.backend, rank, result)
+
+
+def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedView, inputs: NodeInputs,
+                   settings: DerivedSettings) -> list[TierLink]:
+    mapped = inputs.replica_gpus.get(name, ())
+    if not mapped or inputs.link_bandwidth is None:
+        return []
+    bandwidth = inputs.link_bandwidth
+    current = {g.uuid: g for g in inputs.gpus if not g.lost}
+    gpus: list[GpuLink] = []
+    for _index, uuid, _mapped_by in mapped:
+        gpu = current.get(uuid)
+        if gpu is None:
+            return []  # a mapped GPU is lost or unpolled: the sum over the replica's links is unknown
+        kept = view.gpu_history.get(uuid, ())
+        gpus.append(gpu_link(gpu, kept[0] if len(kept) >= 2 else None, bandwidth, settings.bus))
+    kv_bytes = inputs.kv_bytes_per_token.get(name)
+    unit_rates = []
+    for sample in samples:
+        baseline = view.baseline(sample.key)
+        if baseline is None:
+            return []  # no rate for this rank yet
+        unit_rates.append(tier_rates(sample, baseline, kv_bytes))
+    return tier_links(name, unit_rates, gpus, settings.bus)

@@ -1,0 +1,68 @@
+"""The KV pool of one replica (DP rank) in tokens: usable, allocated, free.
+
+Engines count the pool in different units (vLLM blocks and a usage ratio, SGLang token slots,
+TRT-LLM blocks); these functions turn a ``ReplicaSample`` into token counts, once, for every derived
+signal. ``None`` means the engine did not give enough to say.
+
+vLLM detail (engines.md §1.3): the block pool keeps block 0 as a *null block* that is never free,
+and ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. So blocks in use are
+``usage x (num_gpu_blocks - 1)`` and the pool a request can use is ``num_gpu_blocks - 1`` blocks.
+Blocks the prefix cache holds but no request references count as free (evictable on demand).
+"""
+
+from __future__ import annotations
+
+from kvwatch.model import ReplicaSample
+
+#: blocks an engine's pool reserves and never hands to a request, by backend
+RESERVED_BLOCKS: dict[str, int] = {"vllm": 1}
+
+
+def usable_blocks(sample: ReplicaSample) -> int | None:
+    """Blocks requests can hold: ``num_gpu_blocks`` minus the engine's reserved blocks."""
+    if sample.num_gpu_blocks is None:
+        return None
+    return max(int(sample.num_gpu_blocks) - RESERVED_BLOCKS.get(sample.backend, 0), 0)
+
+
+def used_blocks(sample: ReplicaSample) -> float | None:
+    """Blocks held by requests: the engine's count, else usage ratio x usable blocks (whole blocks)."""
+    if sample.kv_used_blocks is not None:
+        return float(sample.kv_used_blocks)
+    usable = usable_blocks(sample)
+    if sample.kv_usage_ratio is None or usable is None:
+        return None
+    return float(round(sample.kv_usage_ratio * usable))
+
+
+def usable_tokens(sample: ReplicaSample) -> float | None:
+    """Token slots requests can hold (usable blocks x block size, else the engine's token capacity)."""
+    usable = usable_blocks(sample)
+    if usable is not None and sample.block_size:
+        return float(usable * sample.block_size)
+    return sample.kv_capacity_tokens
+
+
+def allocated_tokens(sample: ReplicaSample) -> float | None:
+    """Token slots held by requests, counting every slot of a partly filled block.
+
+    Token-exact engines (SGLang ``num_used_tokens``) give it directly; block engines give used blocks
+    x block size; failing both, usage ratio x token capacity.
+    """
+    if sample.kv_used_tokens is not None:
+        return float(sample.kv_used_tokens)
+    blocks = used_blocks(sample)
+    if blocks is not None and sample.block_size:
+        return blocks * sample.block_size
+    if sample.kv_usage_ratio is not None and sample.kv_capacity_tokens is not None:
+        return sample.kv_usage_ratio * sample.kv_capacity_tokens
+    return None
+
+
+def free_tokens(sample: ReplicaSample) -> float | None:
+    """Token slots a request could still be given (evictable prefix-cache slots count as free)."""
+    usable = usable_tokens(sample)
+    allocated = allocated_tokens(sample)
+    if usable is None or allocated is None:
+        return None
+    return max(usable - allocated, 0.0)

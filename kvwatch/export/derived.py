@@ -1,0 +1,111 @@
+"""Derived KV signals on /metrics (catalog area "derived"), read from ``NodeState.derived``.
+
+The view is computed by ``kvwatch.derived.update_derived`` after each scrape; this collector only
+renders it. A value is exported only while the target it was computed from is up and the unit
+(replica, model, DP rank) still exists there, so nothing derived from a down target is served.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+
+from kvwatch.config import Config
+from kvwatch.derive.node import DerivedView, UnitKey
+from kvwatch.export.catalog import spec
+from kvwatch.state import NodeState
+
+TIER_CONDITIONS = ("offload_pcie_bound", "link_down_trained", "foreign_bus_traffic")
+
+
+def _replica_labels(replica: str, model_name: str | None, backend: str, dp_rank: str | None) -> list[str]:
+    return [replica, model_name or "", backend, dp_rank or ""]
+
+
+def _present(replica: str, model_name: str | None, dp_rank: str | None, units: set[UnitKey],
+             up: set[str]) -> bool:
+    """A per-rank value needs its rank still scraped; a replica-level one needs the replica up."""
+    return (replica, model_name, dp_rank) in units if dp_rank is not None else replica in up
+
+
+class DerivedCollector:
+    def __init__(self, state: NodeState, config: Config) -> None:
+        self.state = state
+        self.config = config
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.state.derived or DerivedView(computed_at=0.0)
+        units = {s.key for s in self.state.live_samples()}
+        up = {key[0] for key in units}
+        yield from self._fragmentation(view, units, up)
+        yield from self._units(view, units)
+        yield from self._overcommit(view, units, up)
+        yield from self._stranded(view, up)
+        yield from self._tier_links(view, up)
+
+    @staticmethod
+    def _fragmentation(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
+        live = spec("kvwatch_kv_live_tokens").gauge()
+        ratio = spec("kvwatch_kv_fragmentation_ratio").gauge()
+        for f in view.fragmentation:
+            if not _present(f.replica, f.model_name, f.dp_rank, units, up) or f.live_tokens is None \
+                    or f.source is None:
+                continue
+            labels = [*_replica_labels(f.replica, f.model_name, f.backend, f.dp_rank), f.source]
+            live.add_metric(labels, f.live_tokens)
+            if f.ratio is not None:
+                ratio.add_metric(labels, f.ratio)
+        yield live
+        yield ratio
+
+    @staticmethod
+    def _units(view: DerivedView, units: set[UnitKey]) -> Iterator[Metric]:
+        headroom = spec("kvwatch_kv_headroom_seconds").gauge()
+        recomputed = spec("kvwatch_recomputed_tokens").counter()
+        for u in view.units:
+            s = u.sample
+            if s.key not in units:
+                continue
+            labels = _replica_labels(s.replica, s.model_name, s.backend, s.dp_rank)
+            if u.headroom.seconds is not None:
+                headroom.add_metric(labels, u.headroom.seconds)
+            if u.recomputed_tokens is not None:
+                recomputed.add_metric([*labels, u.recomputed_source], u.recomputed_tokens)
+        yield headroom
+        yield recomputed
+
+    @staticmethod
+    def _overcommit(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
+        family = spec("kvwatch_kv_overcommitted_requests").gauge()
+        for o in view.overcommit:
+            if _present(o.replica, o.model_name, o.dp_rank, units, up):
+                family.add_metric(_replica_labels(o.replica, o.model_name, o.backend, o.dp_rank),
+                                  o.overcommit.requests)
+        yield family
+
+    @staticmethod
+    def _stranded(view: DerivedView, up: set[str]) -> Iterator[Metric]:
+        family = spec("kvwatch_kv_stranded_tokens").gauge()
+        for s in view.stranded:
+            if all(r in up for r in s.replicas):
+                family.add_metric([s.model_name], s.stranded_tokens)
+        yield family
+
+    @staticmethod
+    def _tier_links(view: DerivedView, up: set[str]) -> Iterator[Metric]:
+        utilization = spec("kvwatch_kv_tier_link_utilization_ratio").gauge()
+        condition = spec("kvwatch_kv_tier_link_condition").gauge()
+        for link in view.tier_links:
+            if link.replica not in up:
+                continue
+            ratio = link.link_utilization
+            if ratio is not None and math.isfinite(ratio):
+                utilization.add_metric([link.replica, link.direction], ratio)
+            for name in TIER_CONDITIONS:
+                flag = getattr(link, name)
+                if flag is not None:
+                    condition.add_metric([link.replica, link.direction, name], float(flag))
+        yield utilization
+        yield condition

@@ -1,0 +1,138 @@
+"""derive_node: the node's derived view, its rate window, and the memory it carries between calls."""
+
+import math
+
+import pytest
+
+from kvwatch.derive.node import DerivedSettings, NodeInputs, derive_node, keep_window
+from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.model import TierTraffic
+
+from .factories import gpu, request, vllm
+
+
+def at(t: float) -> float:
+    return t
+
+
+@pytest.mark.parametrize(("history", "newest", "expected"), [
+    ((), 0.0, (0.0,)),
+    ((0.0, 5.0), 10.0, (0.0, 5.0, 10.0)),
+    ((0.0, 5.0), 5.0, (0.0, 5.0)),  # the same scrape again replaces, never duplicates
+    ((0.0, 5.0), 3.0, (3.0,)),  # time went backwards: start over
+    ((0.0, 10.0, 20.0, 30.0, 40.0), 45.0, (10.0, 20.0, 30.0, 40.0, 45.0)),  # keeps one at/behind the edge
+    ((0.0, 10.0, 14.0, 20.0), 45.0, (14.0, 20.0, 45.0)),
+])
+def test_keep_window_keeps_what_the_30_s_window_needs(history, newest, expected):
+    assert keep_window(history, newest, at, 30.0, 64) == expected
+
+
+def test_keep_window_is_bounded_in_items():
+    assert keep_window(tuple(float(t) for t in range(10)), 10.0, at, 1000.0, 4) == (7.0, 8.0, 9.0, 10.0)
+
+
+def scrape(t: float, **fields):
+    """A vLLM rank with 8000 free token slots and 10 sequences decoding 10 tokens/s each."""
+    base = {"kv_usage_ratio": 0.5, "requests_running": 10.0, "requests_waiting": 0.0,
+            "preemptions_total": 0.0, "generation_tokens_total": 100.0 * t, "prompt_tokens_total": 0.0,
+            "finished_requests_total": (("stop", 0.0),)}
+    return vllm(scraped_at=t, **{**base, **fields})
+
+
+def run(samples_per_call, **inputs):
+    view = None
+    for samples in samples_per_call:
+        now = samples[0].scraped_at if samples else 0.0
+        view = derive_node(view, NodeInputs(samples=tuple(samples), **inputs), now)
+    return view
+
+
+def test_rates_are_measured_over_the_window_not_one_interval():
+    view = run([[scrape(t)] for t in range(0, 65, 5)])
+    [unit] = view.units
+    assert view.baseline(unit.sample.key).scraped_at == 30.0
+    assert unit.headroom.seconds == pytest.approx(8000 / 100.0)
+
+
+def test_unit_that_disappears_loses_its_rate_history_but_not_its_recompute_estimate():
+    calls = [[scrape(0.0, preemptions_total=0.0, kv_usage_ratio=0.4)],
+             [scrape(5.0, preemptions_total=2.0, kv_usage_ratio=0.4)],  # 2 x 6400/10 tokens recomputed
+             [],  # target down
+             [scrape(60.0, preemptions_total=1.0, kv_usage_ratio=0.4)]]  # restarted engine, 1 more
+    view = None
+    estimates = []
+    for samples in calls:
+        view = derive_node(view, NodeInputs(samples=tuple(samples)), 0.0)
+        estimates.append([u.recomputed_tokens for u in view.units])
+    assert estimates == [[0.0], [1280.0], [], [1920.0]]
+    assert view.baseline(view.units[0].sample.key) is None  # history restarted with the outage
+
+
+def test_engine_recompute_counter_is_passed_through_as_the_engines():
+    view = run([[scrape(0.0, recomputed_tokens_total=50.0)], [scrape(5.0, recomputed_tokens_total=70.0)]])
+    assert (view.units[0].recomputed_tokens, view.units[0].recomputed_source) == (70.0, "engine")
+
+
+def test_proxy_estimates_and_overcommitment_only_for_proxied_replicas():
+    samples = [scrape(0.0, requests_running=1.0, kv_usage_ratio=0.1)]
+    flights = (request(1.0, 1000, 200, max_tokens=20_000),)
+    proxied = run([samples], in_flight=flights, proxied={"r0"})
+    direct = run([samples], in_flight=flights)
+    estimate = proxied.fragmentation[0]
+    assert (estimate.source, estimate.live_tokens) == ("proxy_estimate", 1200.0)
+    assert proxied.overcommit[0].overcommit.requests == 1  # 21000 tokens > 16000 usable
+    assert (direct.fragmentation[0].source, direct.overcommit) == (None, ())
+
+
+def test_stranded_capacity_uses_the_window_baseline():
+    def pair(t, waiting_0):
+        return [scrape(t, dp_rank="0", requests_waiting=waiting_0, kv_usage_ratio=1.0),
+                scrape(t, dp_rank="1", requests_waiting=0.0, kv_usage_ratio=0.25)]
+    view = run([pair(0.0, 2.0), pair(5.0, 3.0)])
+    assert view.stranded[0].stranded_tokens == 750 * 16
+
+
+def tiered(t: float, offloaded: float):
+    return scrape(t, tier_traffic=(TierTraffic("vllm_offload", "gpu", "host", bytes_total=offloaded),))
+
+
+def test_tier_links_join_the_replicas_gpus():
+    view = None
+    for t, offloaded, tx in [(0.0, 0.0, 0.0), (10.0, 5.5e11, 5.6e11)]:
+        inputs = NodeInputs(samples=(tiered(t, offloaded),), gpus=(gpu(at=t, tx=tx, rx=0.0),),
+                            replica_gpus={"r0": (("0", "GPU-0", "config"),)},
+                            link_bandwidth=link_bytes_per_second)
+        view = derive_node(view, inputs, t)
+    offload = next(link for link in view.tier_links if link.direction == "offload")
+    assert offload.kv_bytes_per_second == 5.5e10
+    assert offload.offload_pcie_bound is True
+    assert offload.link_utilization == pytest.approx(5.5e10 / link_bytes_per_second(5, 16))
+
+
+@pytest.mark.parametrize("change", [
+    {"gpus": (gpu(at=10.0, lost=True),)},  # a mapped GPU fell off the bus
+    {"gpus": ()},  # not polled
+    {"link_bandwidth": None},
+    {"replica_gpus": {}},  # not mapped
+])
+def test_no_tier_join_without_every_mapped_gpu(change):
+    first = NodeInputs(samples=(tiered(0.0, 0.0),), gpus=(gpu(at=0.0),),
+                       replica_gpus={"r0": (("0", "GPU-0", "config"),)}, link_bandwidth=link_bytes_per_second)
+    second = NodeInputs(**{**{"samples": (tiered(10.0, 1e9),), "gpus": (gpu(at=10.0),),
+                              "replica_gpus": {"r0": (("0", "GPU-0", "config"),)},
+                              "link_bandwidth": link_bytes_per_second}, **change})
+    view = derive_node(derive_node(None, first, 0.0), second, 10.0)
+    assert view.tier_links == ()
+
+
+def test_idle_unit_has_infinite_headroom_and_settings_switch_admissions():
+    view = run([[scrape(0.0, requests_running=0.0)], [scrape(5.0, requests_running=0.0)]])
+    assert math.isinf(view.units[0].headroom.seconds)
+    grow = [[scrape(0.0)], [scrape(10.0, prompt_tokens_total=1000.0)]]
+    with_admissions = run(grow).units[0].headroom.seconds
+    view = None
+    decode_only = DerivedSettings(include_admissions=False)
+    for samples in grow:
+        view = derive_node(view, NodeInputs(samples=tuple(samples)), 0.0, decode_only)
+    assert with_admissions == pytest.approx(8000 / 200.0)
+    assert view.units[0].headroom.seconds == pytest.approx(8000 / 100.0)

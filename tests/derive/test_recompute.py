@@ -1,0 +1,103 @@
+"""Preemption rate, recomputed tokens (engine vs estimate) and preemption stalls by band."""
+
+import pytest
+
+from kvwatch.derive.recompute import (
+    ENGINE,
+    ESTIMATE,
+    PreemptionWindow,
+    RecomputeEstimate,
+    RequestGap,
+    accumulate_recompute,
+    is_stall,
+    preemption_rate,
+    preemption_windows,
+    recomputed_tokens,
+    stall_exposure_by_band,
+)
+
+from .factories import sglang, vllm
+
+
+@pytest.mark.parametrize(("before", "now", "rate"), [
+    (10.0, 30.0, 2.0), (10.0, 10.0, 0.0), (100.0, 5.0, 0.5),  # restart: 5 since
+    (None, 5.0, None)])
+def test_preemption_rate_from_counter_deltas(before, now, rate):
+    assert preemption_rate(vllm(scraped_at=20.0, preemptions_total=now),
+                           vllm(scraped_at=10.0, preemptions_total=before)) == rate
+
+
+def test_preemption_rate_needs_a_previous_sample():
+    assert preemption_rate(vllm(preemptions_total=3.0), None) is None
+
+
+def run(steps, state=None):
+    """Fold (preemptions_total, tokens_per_running) readings into the estimator."""
+    state = state or RecomputeEstimate()
+    seen = []
+    for preemptions, per_request in steps:
+        state = accumulate_recompute(state, preemptions, per_request)
+        seen.append(state.tokens)
+    return state, seen
+
+
+def test_estimate_is_preemptions_times_mean_tokens_per_running_request():
+    _, seen = run([(0.0, 500.0), (2.0, 500.0), (3.0, 1000.0)])
+    assert seen == [0.0, 1000.0, 2000.0]  # first reading is the baseline
+
+
+def test_estimate_starts_from_the_counter_as_first_seen():
+    _, seen = run([(40.0, 100.0), (41.0, 100.0)])
+    assert seen == [0.0, 100.0]
+
+
+def test_estimate_never_decreases_across_an_engine_restart():
+    _, seen = run([(0.0, 100.0), (10.0, 100.0), (2.0, 100.0), (2.0, 100.0)])
+    assert seen == [0.0, 1000.0, 1200.0, 1200.0]
+    assert seen == sorted(seen)
+
+
+def test_unknown_tokens_per_request_falls_back_to_the_last_known():
+    _, seen = run([(0.0, 300.0), (1.0, None)])  # the preempted request left the batch empty
+    assert seen == [0.0, 300.0]
+
+
+def test_missing_counter_keeps_the_estimate_and_baseline():
+    state, seen = run([(0.0, 100.0), (None, 100.0), (1.0, 100.0)])
+    assert seen == [0.0, 0.0, 100.0]
+    assert state.preemptions_seen == 1.0
+
+
+def test_engine_counter_wins_over_the_estimate():
+    estimate, _ = run([(0.0, 100.0), (5.0, 100.0)])
+    assert recomputed_tokens(sglang(recomputed_tokens_total=1234.0), estimate) == (1234.0, ENGINE)
+    assert recomputed_tokens(vllm(), estimate) == (500.0, ESTIMATE)
+
+
+def test_no_estimate_before_the_counter_was_seen():
+    assert recomputed_tokens(vllm(), None) == (None, ESTIMATE)
+    assert recomputed_tokens(vllm(), RecomputeEstimate()) == (None, ESTIMATE)
+
+
+def test_preemption_windows_are_intervals_where_the_counter_rose():
+    readings = [(0, 0), (5, 0), (10, 2), (15, 2), (20, 1)]
+    samples = [vllm(scraped_at=t, preemptions_total=p) for t, p in readings]
+    assert preemption_windows(samples) == [PreemptionWindow(5, 10), PreemptionWindow(15, 20)]
+
+
+@pytest.mark.parametrize(("gap_s", "ended_at", "stalled"), [
+    (3.0, 8.0, True),  # gap 5..8 overlaps window 5..10
+    (3.0, 4.0, False),  # gap 1..4 ends before the window
+    (0.5, 8.0, False),  # overlaps but shorter than the threshold
+    (20.0, 30.0, True),  # gap 10..30 spans the second window 15..20
+])
+def test_stall_is_a_long_gap_overlapping_a_preemption(gap_s, ended_at, stalled):
+    windows = [PreemptionWindow(5.0, 10.0), PreemptionWindow(15.0, 20.0)]
+    assert is_stall(RequestGap("r0", "5k-10k", gap_s, ended_at), windows, threshold_s=1.0) is stalled
+
+
+def test_stall_exposure_counts_per_band_and_uses_each_replicas_windows():
+    windows = {"r0": [PreemptionWindow(0.0, 10.0)]}
+    gaps = [RequestGap("r0", "20k+", 5.0, 8.0), RequestGap("r0", "20k+", 0.1, 8.0),
+            RequestGap("r1", "20k+", 5.0, 8.0), RequestGap("r0", "0-1k", 2.0, 9.0)]
+    assert stall_exposure_by_band(gaps, windows) == {"20k+": (1, 3), "0-1k": (1, 1)}
