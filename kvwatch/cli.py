@@ -19,6 +19,7 @@ COMMANDS = (
     "check-config",
     "rules",
     "dashboards",
+    "manifests",
     "docs",
     "report",
     "top",

@@ -1,0 +1,357 @@
+"""Every Kubernetes manifest in deploy/kubernetes, rendered per overlay and checked offline.
+
+Core kinds go through the real ``kubernetes-validate --strict`` (unknown fields fail); the
+prometheus-operator kinds through a schema transcribed from their CRDs (data/); the pod specs through
+least-privilege rules; and the agent configs inside them through kvwatch's own config loader, so a
+manifest can never ship a config the agent would refuse.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kvwatch.config import apply_env_overrides, config_from_mapping, parse_host_port
+from kvwatch.mixin import k8s
+
+from .kustomize_subset import UnsupportedError, build
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("node-agent", "pid-mapping", "sidecar-example")
+KUBE_VERSIONS = ("1.29.0", "1.37.0")  # 1.29: first release with native sidecars on by default
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+CRD_SCHEMA = yaml.safe_load((Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(
+    encoding="utf-8"))
+WORKLOADS = {"DaemonSet", "Deployment"}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, build(KUBE / "overlays" / request.param)
+
+
+def _one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _pod_specs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o["spec"]["template"]["spec"] for o in objects if o["kind"] in WORKLOADS]
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _kvwatch_container(pod: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in _containers(pod) if c["name"] == "kvwatch")
+
+
+def _kvwatch_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(p for p in _pod_specs(objects) if any(c["name"] == "kvwatch" for c in _containers(p)))
+
+
+# --------------------------------------------------------------------------------------------
+# rendering
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with built-in kustomize) not installed")
+def test_subset_renderer_matches_kubectl_kustomize(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / name)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    real = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+    def key(o: dict[str, Any]) -> tuple[str, str, str]:
+        return o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]
+
+    assert sorted(real, key=key) == sorted(objects, key=key)
+
+
+def test_subset_renderer_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
+    with pytest.raises(UnsupportedError, match="commonLabels"):
+        build(tmp_path)
+
+
+def test_every_overlay_renders_the_objects_its_mode_needs(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    kinds = {o["kind"] for o in objects}
+    if name == "sidecar-example":
+        assert {"Namespace", "ConfigMap", "Deployment", "Service", "PodMonitor"} <= kinds
+        assert "DaemonSet" not in kinds and "ServiceMonitor" not in kinds  # one scrape path per pod
+    else:
+        assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor"} <= kinds
+        assert "PodMonitor" not in kinds
+    namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"}
+    assert namespaces == {_one(objects, "Namespace")["metadata"]["name"]}
+
+
+# --------------------------------------------------------------------------------------------
+# schemas
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_core_objects_pass_kubernetes_validate_strict(overlay: tuple[str, list[dict[str, Any]]],
+                                                      version: str, tmp_path: Path) -> None:
+    name, objects = overlay
+    core = [o for o in objects if o["kind"] not in CRD_KINDS]
+    rendered = tmp_path / f"{name}.yaml"
+    rendered.write_text(yaml.safe_dump_all(core, sort_keys=False))
+    command = [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, str(rendered)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # A kind without a schema is only a WARN for kubernetes-validate: demand a pass for each object.
+    assert out.stdout.count(" passed for resource ") == len(core), out.stdout
+
+
+def _crd_errors(obj: dict[str, Any]) -> list[str]:
+    schema = {"$defs": CRD_SCHEMA["$defs"], **CRD_SCHEMA["kinds"][obj["kind"]]}
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_prometheus_operator_objects_use_only_crd_fields(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = overlay
+    crs = [o for o in objects if o["kind"] in CRD_KINDS]
+    assert crs
+    for obj in crs:
+        assert _crd_errors(obj) == [], obj["metadata"]["name"]
+
+
+def test_crd_schema_subset_rejects_a_misspelt_field() -> None:
+    monitor = _one(build(KUBE / "base"), "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["honorLabel"] = False
+    assert any("honorLabel" in e for e in _crd_errors(monitor))
+    monitor["spec"]["endpoints"][0].pop("honorLabel")
+    monitor["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    assert any("interval" in e for e in _crd_errors(monitor))
+
+
+def test_rule_groups_have_unique_names_within_each_prometheusrule(overlay) -> None:
+    _, objects = overlay
+    for rule in (o for o in objects if o["kind"] == "PrometheusRule"):
+        names = [g["name"] for g in rule["spec"]["groups"]]
+        assert len(names) == len(set(names))  # the CRD's list-map key: duplicates are rejected
+
+
+# --------------------------------------------------------------------------------------------
+# least privilege
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = overlay
+    for pod in _pod_specs(objects):
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+        assert not pod.get("hostNetwork") and not pod.get("hostIPC")
+        assert not any("hostPath" in v for v in pod.get("volumes", []))
+        for c in _containers(pod):
+            sc = c["securityContext"]
+            run_as_non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))
+            assert run_as_non_root is True, c["name"]
+            assert sc.get("runAsUser", pod["securityContext"].get("runAsUser", 1)) != 0, c["name"]
+            assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc.get("privileged", False) is False, c["name"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+            assert "hostPort" not in str(c.get("ports", [])), c["name"]
+
+
+def test_host_pid_only_in_the_pid_mapping_overlay(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    host_pid = [bool(p.get("hostPID")) for p in _pod_specs(objects)]
+    assert host_pid == [name == "pid-mapping"] * len(host_pid)
+    # hostPID is outside Pod Security "baseline": the overlay must say so on its namespace.
+    enforce = _one(objects, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    assert enforce == ("privileged" if name == "pid-mapping" else "restricted")
+
+
+def test_node_agent_observes_gpus_without_allocating_any() -> None:
+    pod = _kvwatch_pod(build(KUBE / "base"))
+    container = _kvwatch_container(pod)
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in container["resources"][section]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_pods_running_kvwatch_get_no_service_link_variables(overlay) -> None:
+    """The kubelet injects <SERVICE>_PORT=tcp://... for every Service; for a Service named kvwatch
+    those would be read as KVWATCH_* config overrides and refused."""
+    _, objects = overlay
+    assert _kvwatch_pod(objects)["enableServiceLinks"] is False
+
+
+def test_resource_placeholders_are_marked_for_the_benchmark_numbers() -> None:
+    for path in (KUBE / "base" / "daemonset.yaml", KUBE / "overlays" / "sidecar-example" / "deployment.yaml"):
+        assert "resources:  # sized from docs/performance.md" in path.read_text(), path
+
+
+# --------------------------------------------------------------------------------------------
+# the agent inside: config, ports, probes
+# --------------------------------------------------------------------------------------------
+
+FAKE_FIELDS = {"status.hostIP": "10.0.0.7", "spec.nodeName": "gpu-node-1"}
+
+
+def _container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it, $(VAR) references expanded."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            env[item["name"]] = FAKE_FIELDS[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                       lambda m: env.get(m.group(1), m.group(0)), item["value"])
+    return env
+
+
+def _agent_config(objects: list[dict[str, Any]]):
+    pod = _kvwatch_pod(objects)
+    container = _kvwatch_container(pod)
+    args = container["args"]
+    assert args[:2] == ["run", "--config"]
+    mount = next(m for m in container["volumeMounts"] if args[2].startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    configmap = _one(objects, "ConfigMap", volume["configMap"]["name"])
+    data = yaml.safe_load(configmap["data"][Path(args[2]).name])
+    env = _container_env(container)
+    return config_from_mapping(apply_env_overrides(data, env), configmap["metadata"]["name"])
+
+
+def test_agent_config_in_each_overlay_is_accepted_by_kvwatch(overlay) -> None:
+    _, objects = overlay
+    cfg = _agent_config(objects)
+    assert cfg.node == "gpu-node-1"
+    assert cfg.replicas
+
+
+def test_node_agent_reaches_engines_on_the_node_ip() -> None:
+    cfg = _agent_config(build(KUBE / "base"))
+    assert [r.metrics_url for r in cfg.replicas] == ["http://10.0.0.7:8000/metrics"]
+    assert cfg.nvml.enabled
+
+
+def _port(container: dict[str, Any], name: str) -> int:
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
+
+
+def test_probes_hit_the_agents_health_routes_on_its_listen_port(overlay) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvwatch.export.server import metrics_app
+
+    _, objects = overlay
+    container = _kvwatch_container(_kvwatch_pod(objects))
+    routes = {r.resource.canonical for r in metrics_app(CollectorRegistry(), lambda: True).router.routes()}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/-/ready"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] in routes
+        assert container[probe]["httpGet"]["port"] == "metrics"
+    assert _port(container, "metrics") == _agent_config(objects).listen.port == 9477
+
+
+def test_scrape_objects_select_the_agent_and_name_its_port(overlay) -> None:
+    name, objects = overlay
+    pod_object = next(o for o in objects if o["kind"] in WORKLOADS and o["spec"]["template"]["spec"] is
+                      _kvwatch_pod(objects))
+    pod_labels = pod_object["spec"]["template"]["metadata"]["labels"]
+    if name == "sidecar-example":
+        monitor = _one(objects, "PodMonitor")
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        endpoints = monitor["spec"]["podMetricsEndpoints"]
+    else:
+        service = _one(objects, "Service")
+        monitor = _one(objects, "ServiceMonitor")
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True  # a not-ready agent is still scraped
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert service["spec"]["ports"] == [{"name": "metrics", "port": 9477, "targetPort": "metrics",
+                                             "protocol": "TCP"}]
+        endpoints = monitor["spec"]["endpoints"]
+    [endpoint] = endpoints
+    assert endpoint["port"] == "metrics" and endpoint["interval"] == "15s"
+    assert endpoint["honorLabels"] is False
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node",
+            "action": "replace"} in endpoint["relabelings"]
+
+
+def test_sidecar_clients_reach_vllm_only_through_the_proxy() -> None:
+    objects = build(KUBE / "overlays" / "sidecar-example")
+    pod = _kvwatch_pod(objects)
+    kvwatch = _kvwatch_container(pod)
+    vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+    cfg = _agent_config(objects)
+    [replica] = cfg.replicas
+    service = _one(objects, "Service")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["proxy"]
+    assert _port(kvwatch, "proxy") == replica.proxy_listen.port
+    assert "--host=127.0.0.1" in vllm["args"]
+    assert replica.api_url == "http://127.0.0.1:8000" and "--port=8000" in vllm["args"]
+    assert kvwatch["restartPolicy"] == "Always"  # native sidecar: outlives vLLM on shutdown
+    assert "nvidia.com/gpu" not in kvwatch["resources"]["limits"] and not cfg.nvml.enabled
+
+
+def test_sidecar_receives_vllm_spans_over_otlp_http_on_loopback() -> None:
+    objects = build(KUBE / "overlays" / "sidecar-example")
+    pod = _kvwatch_pod(objects)
+    vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+    cfg = _agent_config(objects)
+    endpoint = next(a.split("=", 1)[1] for a in vllm["args"] if a.startswith("--otlp-traces-endpoint="))
+    assert endpoint == f"http://{cfg.otlp.listen}/v1/traces"
+    assert cfg.otlp.listen == parse_host_port("127.0.0.1:4318")
+    assert cfg.otlp.replica == cfg.replicas[0].name
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"  # vLLM's default is gRPC
+
+
+# --------------------------------------------------------------------------------------------
+# generated monitoring objects
+# --------------------------------------------------------------------------------------------
+
+
+def test_generated_monitoring_manifests_are_up_to_date() -> None:
+    generated = k8s.generate(ROOT / "alerts", ROOT / "dashboards", root=ROOT)
+    for name, text in generated.items():
+        on_disk = (KUBE / "monitoring" / name).read_text(encoding="utf-8")
+        assert on_disk == text, f"deploy/kubernetes/monitoring/{name} is stale: run `kvwatch manifests`"
+
+
+def test_monitoring_kustomization_lists_every_generated_file() -> None:
+    kustomization = yaml.safe_load((KUBE / "monitoring" / "kustomization.yaml").read_text())
+    assert set(kustomization["resources"]) == {k8s.RULES_FILE, k8s.DASHBOARDS_FILE}
+
+
+def test_every_scrape_path_gives_the_job_label_the_alerts_select(overlay) -> None:
+    from kvwatch.mixin.alerts import DEFAULT_JOB
+
+    name, objects = overlay
+    if name == "sidecar-example":
+        [endpoint] = _one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"]
+        job = {"targetLabel": "job", "replacement": DEFAULT_JOB, "action": "replace"}
+        assert job in endpoint["relabelings"]
+    else:
+        monitor = _one(objects, "ServiceMonitor")
+        assert "jobLabel" not in monitor["spec"]  # job = the Service's name
+        assert _one(objects, "Service")["metadata"]["name"] == DEFAULT_JOB
