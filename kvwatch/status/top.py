@@ -1,0 +1,81 @@
+"""The status view as terminal text (``kvwatch top``, and ``kvwatch demo``'s live view)."""
+
+from __future__ import annotations
+
+from kvwatch import texttable
+from kvwatch.status.cells import Table, summary_line, tables
+from kvwatch.status.view import StatusView
+
+BAR_WIDTH = 10
+
+
+def kv_bar(allocated: float, live: float, width: int = BAR_WIDTH) -> str:
+    """``[###--.....]``: ``#`` live tokens, ``-`` allocated but not live (fragmentation, cached
+    prefixes), ``.`` free."""
+    live_cells = round(max(0.0, min(live, 1.0)) * width)
+    used_cells = max(round(max(0.0, min(allocated, 1.0)) * width), live_cells)
+    return "[" + "#" * live_cells + "-" * (used_cells - live_cells) + "." * (width - used_cells) + "]"
+
+
+def _table_text(table: Table) -> str:
+    rows = []
+    for row in table.rows:
+        cells = list(row.cells)
+        if table.bar_column is not None and row.bar is not None:
+            cells[table.bar_column] = f"{kv_bar(*row.bar)} {cells[table.bar_column]}"
+        if row.alert:
+            cells[0] = f"!{cells[0]}"
+        rows.append(cells)
+    body = texttable.render(table.headers, rows, left=table.left) if rows else "  (none)"
+    return f"{table.title}\n{body}"
+
+
+def render_text(view: StatusView, width: int) -> str:
+    """The whole view as plain text, each line cut to ``width`` columns (``!`` marks a row to look at)."""
+    parts = [summary_line(view), *view.notes, *(_table_text(t) for t in tables(view))]
+    text = "\n\n".join(parts)
+    return "\n".join(line[:width] if width > 0 else line for line in text.splitlines()) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# kvwatch top: read a running agent's /status.json
+# --------------------------------------------------------------------------------------------
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+class AgentUnreachableError(Exception):
+    """The agent's /status.json could not be fetched or read (message names the URL and why)."""
+
+
+def status_url(base: str) -> str:
+    """``http://host:9477`` or a full ``.../status.json`` URL -> the status.json URL."""
+    base = base.strip()
+    if "://" not in base:
+        base = f"http://{base}"
+    if not base.startswith(("http://", "https://")):
+        raise AgentUnreachableError(f"{base}: expected an http(s) URL of a kvwatch agent")
+    return base if base.endswith("/status.json") else base.rstrip("/") + "/status.json"
+
+
+def fetch_view(url: str, timeout_s: float = 5.0) -> StatusView:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from kvwatch.status.view import view_from_dict
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            document = json.load(response)
+    except urllib.error.HTTPError as exc:
+        raise AgentUnreachableError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise AgentUnreachableError(f"cannot reach kvwatch at {url}: {reason}") from None
+    except ValueError as exc:
+        raise AgentUnreachableError(f"{url}: not JSON: {exc}") from None
+    try:
+        return view_from_dict(document["view"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AgentUnreachableError(f"{url}: not a kvwatch status document ({exc})") from None

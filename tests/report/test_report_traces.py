@@ -1,0 +1,126 @@
+"""Reference traces: Azure, BurstGPT and Mooncake files written from their documented columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvwatch.report import ReportError, build_report, render_text
+from kvwatch.report.summary import ALL, Report
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:51.5386800,879,1500
+2023-11-16 18:16:06.0000000,1200,6000
+"""
+
+BURSTGPT = """Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type
+5,s1,2.5,ChatGPT,472,18,490,Conversation log
+45,s2,10.0,ChatGPT,1087,230,1317,Conversation log
+118,s3,30.0,GPT-4,417,1200,1617,API log
+200,s4,60.0,GPT-4,900,0,900,API log
+"""
+
+
+def mooncake_lines() -> list[str]:
+    rows = [(0, 6955, 52), (3052, 6472, 26), (3660, 3000, 2400), (5000, 20000, 12000)]
+    return [json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": [1, 2, 3]})
+            for t, i, o in rows]
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def rows(report: Report) -> dict[str, object]:
+    return {r.length_band: r for r in report.rows_for(report.replicas[1])}
+
+
+def test_azure_trace_gives_length_distribution_without_latency(tmp_path: Path) -> None:
+    report = build_report([write(tmp_path / "AzureLLMInferenceTrace_conv.csv", AZURE)])
+    assert report.kind == "azure"
+    assert report.replicas == (ALL, "AzureLLMInferenceTrace_conv")
+    by_band = rows(report)
+    assert by_band["0-1k"].requests == 2
+    assert by_band["1k-5k"].requests == 1
+    assert by_band["5k-10k"].request_share == pytest.approx(0.25)
+    assert by_band[ALL].prompt_tokens_p50 == pytest.approx((396 + 879) / 2)
+    assert by_band[ALL].completed_ratio is None  # no outcome in the trace
+    assert by_band[ALL].e2e_p50_seconds is None
+    assert by_band[ALL].kv_token_seconds is None
+    assert report.window_seconds == pytest.approx(19.31941)
+    assert "no latency" in " ".join(report.notes)
+    text = render_text(report)
+    assert "TTFT p50" not in text and "completed" not in text
+
+
+def test_burstgpt_trace_uses_elapsed_time_as_e2e_and_zero_tokens_as_failure(tmp_path: Path) -> None:
+    report = build_report([write(tmp_path / "BurstGPT_1.csv", BURSTGPT)])
+    assert report.kind == "burstgpt"
+    by_band = rows(report)
+    assert by_band["0-1k"].requests == 2
+    assert by_band["0-1k"].e2e_p50_seconds == pytest.approx(6.25)
+    assert by_band["unknown"].requests == 1  # Response tokens 0: failed, length unknown
+    assert by_band[ALL].error_ratio == pytest.approx(0.25)
+    assert by_band[ALL].completed_ratio == pytest.approx(0.75)
+    # KV token-seconds with TTFT 0: 472 x 2.5 + 18 x 2.5 / 2
+    assert by_band["0-1k"].kv_token_seconds == pytest.approx(472 * 2.5 + 18 * 2.5 / 2 + 1087 * 10 + 230 * 5)
+    assert by_band[ALL].ttft_p50_seconds is None
+    assert "TTFT as 0" in " ".join(report.notes)
+
+
+def test_burstgpt_without_elapsed_time_has_no_latency(tmp_path: Path) -> None:
+    old = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,ChatGPT,472,18,490,x\n"
+    report = build_report([write(tmp_path / "BurstGPT_old.csv", old)])
+    assert not report.has_e2e
+    assert rows(report)["0-1k"].requests == 1
+
+
+def test_mooncake_trace(tmp_path: Path) -> None:
+    report = build_report([write(tmp_path / "conversation_trace.jsonl", "\n".join(mooncake_lines()) + "\n")])
+    assert report.kind == "mooncake"
+    by_band = rows(report)
+    assert by_band["0-1k"].requests == 2
+    assert by_band["10k-20k"].requests == 1
+    assert by_band[ALL].output_tokens_p50 == pytest.approx((52 + 2400) / 2)
+    assert report.window_seconds == pytest.approx(5.0)  # ms timestamps
+
+
+def test_each_trace_file_is_its_own_group(tmp_path: Path) -> None:
+    a = write(tmp_path / "conv.csv", AZURE)
+    b = write(tmp_path / "code.csv", AZURE.replace(",6000", ",60"))
+    report = build_report([a, b])
+    assert report.replicas == (ALL, "code", "conv")
+    assert rows(report)["5k-10k"].requests == 0  # "code" sorts first
+
+
+def test_malformed_trace_rows_are_counted(tmp_path: Path) -> None:
+    text = AZURE + "2023-11-16 18:17:00,abc,12\n2023-11-16 18:17:01,5,6,7,8\n"
+    report = build_report([write(tmp_path / "t.csv", text)])
+    assert report.requests == 4
+    assert report.malformed == 2
+    bad_json = "\n".join([*mooncake_lines(), '{"timestamp": 1, "input_length": "x", "output_length": 2}'])
+    report = build_report([write(tmp_path / "m.jsonl", bad_json + "\n")])
+    assert report.malformed == 1
+    assert report.malformed_examples == (f"{tmp_path / 'm.jsonl'}:5: input_length is not a number",)
+
+
+def test_forced_format_and_unknown_format(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.csv", AZURE)
+    assert build_report([path], trace_format="azure").kind == "azure"
+    with pytest.raises(ReportError, match="missing column"):
+        build_report([path], trace_format="burstgpt")
+    odd = write(tmp_path / "odd.csv", "a,b,c\n1,2,3\n")
+    with pytest.raises(ReportError, match=r"odd.csv: cannot tell the format.*--trace-format"):
+        build_report([odd])
+
+
+def test_formats_are_not_mixed(tmp_path: Path) -> None:
+    azure = write(tmp_path / "a.csv", AZURE)
+    moon = write(tmp_path / "m.jsonl", "\n".join(mooncake_lines()) + "\n")
+    with pytest.raises(ReportError, match="different formats"):
+        build_report([azure, moon])

@@ -1,0 +1,73 @@
+"""kvwatch top: the terminal renderer and the command against a live agent's /status.json."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from kvwatch.cli import main
+from kvwatch.status.top import kv_bar, render_text, status_url
+from kvwatch.status.view import build_view
+
+from .node import T0, populated_state
+from .server import serve
+
+
+def test_kv_bar_shows_live_allocated_and_free() -> None:
+    assert kv_bar(0.7, 0.4) == "[####---...]"
+    assert kv_bar(0.0, 0.0) == "[..........]"
+    assert kv_bar(1.0, 1.0) == "[##########]"
+    assert kv_bar(0.2, 0.5) == "[#####.....]"  # live never drawn shorter than allocated
+
+
+def test_render_text_fits_the_width_and_marks_rows_to_look_at() -> None:
+    state, cfg = populated_state()
+    text = render_text(build_view(state, cfg, T0 + 11), 100)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert lines[0].startswith("kvwatch gpu-node-7")
+    assert any(line.startswith("!s0") for line in lines)  # down
+    assert any(line.startswith("r1 ") for line in lines)
+    assert "Latency and outcomes by output-length band" in text
+    assert "\x1b" not in text
+
+
+def test_render_text_unlimited_width_keeps_whole_rows() -> None:
+    state, cfg = populated_state()
+    text = render_text(build_view(state, cfg, T0 + 11), 0)
+    assert "in flight" in text and "gen5 x16 (max gen5 x16)" in text
+
+
+def test_status_url_accepts_host_port_and_refuses_other_schemes() -> None:
+    assert status_url("gpu-node-7:9477") == "http://gpu-node-7:9477/status.json"
+    assert status_url("http://h:1/") == "http://h:1/status.json"
+    assert status_url("http://h:1/status.json") == "http://h:1/status.json"
+    from kvwatch.status.top import AgentUnreachableError
+
+    with pytest.raises(AgentUnreachableError, match="http"):
+        status_url("file:///etc/passwd")
+
+
+async def test_top_once_prints_the_agents_view(capsys: pytest.CaptureFixture[str]) -> None:
+    state, cfg = populated_state()
+    async with serve(state, cfg) as base:
+        code = await asyncio.to_thread(main, ["top", "--url", base, "--once"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "kvwatch gpu-node-7" in out and "r0" in out and "NVIDIA H200" in out
+    assert "\x1b[" not in out  # piped: no screen control
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_top_once_names_an_unreachable_agent(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["top", "--url", url, "--once", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach kvwatch at {url}/status.json" in err
