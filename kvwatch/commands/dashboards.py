@@ -1,0 +1,66 @@
+"""``kvwatch dashboards``: Grafana dashboards as code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "generate the Grafana dashboards (Node, Latency by length band, Fleet)"
+DESCRIPTION = """\
+Generate kvwatch's Grafana dashboards (docs/dashboards.md):
+
+  kvwatch-node.json             per replica KV cache, preemption and recompute, KV tier traffic
+                                beside PCIe, GPU memory, NVLink, throttling, XIDs; kvwatch health
+  kvwatch-latency-by-band.json  TTFT / TPOT / e2e p50 p90 p99 per output-length band, SLO
+                                attainment, burn rates, error budget, outcomes, output lengths
+  kvwatch-fleet.json            across nodes: stranded KV, replicas under the most pressure,
+                                error budget per band, nodes
+
+Every query is checked against kvwatch's metric catalog, its recording rules and a short list of
+external metrics (up, ALERTS, dcgm-exporter's DCGM_FI_*) before anything is written. With --check
+nothing is written: the committed files are compared with what would be generated, differences
+are printed as a diff and the exit status is 1.
+
+Exit status: 0 written / up to date, 1 out of date, 2 a query reads an unknown series."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvwatch.mixin.dashboards import DCGM_DASHBOARD_UID, DEFAULT_JOB
+
+    parser.add_argument("--out", default="dashboards", metavar="DIR",
+                        help="directory for the dashboard JSON (default: %(default)s)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; fail with a diff when the files in --out are out of date")
+    parser.add_argument("--dcgm-dashboard-uid", default=DCGM_DASHBOARD_UID, metavar="UID",
+                        help="uid of the dcgm-exporter dashboard the GPU links open (default: %(default)s, "
+                             "grafana.com dashboard 12239)")
+    parser.add_argument("--job", default=DEFAULT_JOB,
+                        help="default of the Job variable: the kvwatch targets' job label "
+                             "(default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvwatch.mixin.dashboards import (
+        DCGM_DASHBOARD_UID,
+        DEFAULT_JOB,
+        Options,
+        boards,
+        name_problems,
+        render_dashboards,
+    )
+    from kvwatch.mixin.output import write_or_check
+
+    opts = Options(dcgm_dashboard_uid=args.dcgm_dashboard_uid, job=args.job)
+    problems = name_problems(boards(opts))
+    if problems:
+        print("refusing to write dashboards that query series kvwatch does not export:", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    regenerate = f"kvwatch dashboards --out {args.out}"
+    if args.dcgm_dashboard_uid != DCGM_DASHBOARD_UID:
+        regenerate += f" --dcgm-dashboard-uid {args.dcgm_dashboard_uid}"
+    if args.job != DEFAULT_JOB:
+        regenerate += f" --job {args.job}"
+    return write_or_check(Path(args.out), render_dashboards(opts), args.check, regenerate)

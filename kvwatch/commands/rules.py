@@ -1,0 +1,68 @@
+"""``kvwatch rules``: Prometheus rule files from an SLO file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HELP = "generate Prometheus recording rules and alerts (per-band SLOs, KV, GPU, self)"
+DESCRIPTION = """\
+Generate kvwatch's Prometheus rule files from an SLO file (format: docs/alerting.md):
+
+  kvwatch-recording.rules.yaml    node- and fleet-level recording rules (outcome ratios per band,
+                                  stranded capacity, tier traffic vs PCIe, recompute waste)
+  kvwatch-slo.rules.yaml          per-band SLO error ratios, error budget and burn-rate alerts
+  kvwatch-operational.rules.yaml  KV, tier, starvation, GPU and kvwatch-health alerts
+
+Every alert carries a runbook_url to <runbook base>/<AlertName>.md. With --check nothing is
+written: the committed files are compared with what would be generated, differences are printed
+as a diff and the exit status is 1 (for CI and pre-commit).
+
+Exit status: 0 written / up to date, 1 out of date, 2 invalid SLO file or metric names."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvwatch.mixin.alerts import DEFAULT_JOB
+    from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE
+
+    parser.add_argument("--slo", default="alerts/slo.yaml", metavar="FILE",
+                        help="SLO file (default: %(default)s)")
+    parser.add_argument("--out", default="alerts", metavar="DIR",
+                        help="directory for the rule files (default: %(default)s)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; fail with a diff when the files in --out are out of date")
+    parser.add_argument("--runbook-base", default=DEFAULT_RUNBOOK_BASE, metavar="URL",
+                        help="base of every alert's runbook_url (default: %(default)s)")
+    parser.add_argument("--job", default=DEFAULT_JOB,
+                        help="Prometheus job label of the kvwatch targets (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvwatch.config import ConfigError
+    from kvwatch.mixin.alerts import DEFAULT_JOB
+    from kvwatch.mixin.output import write_or_check
+    from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE, name_problems
+    from kvwatch.mixin.rules import render_rule_files, rule_files
+    from kvwatch.mixin.slo import load_slo_file
+
+    try:
+        slo = load_slo_file(args.slo)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    source = os.path.relpath(Path(args.slo).resolve(), Path(args.out).resolve())
+    files = rule_files(slo, source=source, job=args.job)
+    problems = name_problems(files)
+    if problems:
+        print("refusing to write rules that query series kvwatch does not export:", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    regenerate = f"kvwatch rules --slo {args.slo} --out {args.out}"
+    if args.runbook_base != DEFAULT_RUNBOOK_BASE:
+        regenerate += f" --runbook-base {args.runbook_base}"
+    if args.job != DEFAULT_JOB:
+        regenerate += f" --job {args.job}"
+    return write_or_check(Path(args.out), render_rule_files(files, args.runbook_base), args.check, regenerate)

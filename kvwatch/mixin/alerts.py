@@ -1,0 +1,333 @@
+"""Operational alerts: KV pressure, stranded capacity, tier saturation, starvation, GPU and kvwatch health.
+
+Paging (``critical``) is kept for what needs a human now: a lost GPU, a GPU error that kills or
+corrupts work, and kvwatch being gone everywhere (every SLO alert is then blind). KV-cache causes
+open tickets (``warning``): the per-band SLO alerts (``kvwatch/mixin/rules.py``) page when users
+actually feel them. Every threshold is a named constant here and listed in docs/alerting.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvwatch.mixin.promql import FLEET_LABELS, by, eq, nre, one_of, re_, regex_any, selector
+from kvwatch.mixin.recording import COMPLETION_OUTCOMES
+from kvwatch.mixin.rulefile import CRITICAL, WARNING, Alert, Group, RuleFile
+from kvwatch.mixin.slo import SloFile
+
+OPERATIONAL_FILE = "kvwatch-operational.rules.yaml"
+DEFAULT_JOB = "kvwatch"
+
+KV_PRESSURE_USAGE = 0.95
+STORM_PREEMPTIONS_PER_FINISHED = 0.5
+STORM_MIN_PREEMPTIONS_PER_S = 0.05  # 3 a minute
+RECOMPUTE_WASTE_RATIO = 0.2
+HEADROOM_SECONDS = 300
+STRANDED_RATIO = 0.2
+TIER_PCIE_RATIO = 0.8
+LINK_BUSY_UTILIZATION = 0.1  # GPUs lower the PCIe generation when idle to save power
+STARVING_LONG_COMPLETION = 0.9
+STARVING_SHORT_COMPLETION = 0.97
+STARVING_ABORTED_RATIO = 0.05
+STARVING_MIN_REQUESTS = 20  # finished long-band requests in the hour
+SOURCE_STALE_SECONDS = 600
+#: sources that only report when something arrives: idle is not stale
+PUSH_SOURCES = ("otlp", "proxy")
+
+#: XIDs that mean the GPU's work is lost or its memory cannot be trusted until it is drained and
+#: reset (or replaced); from NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors). Others (13,
+#: 31, 43, 45: usually the application) open a ticket.
+CRITICAL_XIDS: Mapping[str, str] = {
+    "48": "double-bit ECC error (DBE)",
+    "62": "internal micro-controller halt",
+    "63": "ECC page retirement / row remapping recorded (reset the GPU to apply it)",
+    "64": "ECC page retirement / row remapping recording failed",
+    "74": "NVLink error",
+    "79": "GPU has fallen off the bus",
+    "92": "high single-bit ECC error rate",
+    "94": "contained ECC error (affected applications must restart, GPU needs a reset)",
+    "95": "uncontained ECC error (every application on the GPU is affected, GPU needs a reset)",
+    "119": "GSP RPC timeout",
+    "120": "GSP error",
+}
+#: clock-event reasons that mean the GPU is slowed against its will (power capping under load,
+#: ``sw_power_cap``, is normal operation and not alerted)
+THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
+
+_MODEL = by((*FLEET_LABELS, "model_name"))
+_REPLICA = ("replica {{ $labels.replica }} (model {{ $labels.model_name }}, DP rank "
+            "{{ $labels.dp_rank }}) on {{ $labels.instance }}")
+_GPU = "GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }}"
+
+
+def counter_rose(series: str, window: str) -> str:
+    """True where an event counter rose within ``window``, including a series that first appeared
+    in it: ``increase()`` cannot see the jump from nothing to 1, and XID series appear with their
+    first event. (A Prometheus that starts scraping an agent which already counted XIDs therefore
+    alerts once for them.)"""
+    return (f"increase({series}[{window}]) > 0\n"
+            f"or\n"
+            f"({series} > 0 unless {series} offset {window})")
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------
+
+
+def kv_alerts() -> tuple[Alert, ...]:
+    preempt_10m = "rate(kvwatch_preemptions_total[10m])"
+    finished_10m = "sum without (finished_reason) (rate(kvwatch_engine_finished_requests_total[10m]))"
+    return (
+        Alert(
+            "KVWatchKVCachePressure",
+            f"(kvwatch_kv_usage_ratio > {KV_PRESSURE_USAGE})\nand\n(rate(kvwatch_preemptions_total[5m]) > 0)",
+            WARNING,
+            "A replica's KV cache is nearly full and the engine is preempting requests.",
+            f"The KV cache of {_REPLICA} is {{{{ $value | humanizePercentage }}}} full and the engine "
+            f"preempted requests in the last 5 minutes: running requests are being evicted and recomputed.",
+            for_="10m",
+        ),
+        Alert(
+            "KVWatchPreemptionStorm",
+            f"{preempt_10m}\n  > {STORM_PREEMPTIONS_PER_FINISHED} * ({finished_10m} or 0 * {preempt_10m})\n"
+            f"and\n{preempt_10m} > {STORM_MIN_PREEMPTIONS_PER_S}",
+            WARNING,
+            "A replica preempts requests faster than it finishes them.",
+            f"The engine of {_REPLICA} preempts {{{{ printf \"%.2f\" $value }}}} requests/s, more than one "
+            f"for every {round(1 / STORM_PREEMPTIONS_PER_FINISHED)} requests it finishes (10 minute rate): "
+            f"the KV cache is thrashing.",
+            for_="10m",
+        ),
+        Alert(
+            "KVWatchRecomputeWaste",
+            f"kvwatch:recompute_waste:ratio_rate15m > {RECOMPUTE_WASTE_RATIO}",
+            WARNING,
+            "A replica spends a large share of its work recomputing preempted requests.",
+            f"The engine of {_REPLICA} recomputed {{{{ $value | humanizePercentage }}}} as many tokens "
+            f"as it processed (prompt + output) over 15 minutes, because preempted requests lose their "
+            f"KV cache.",
+            for_="30m",
+        ),
+        Alert(
+            "KVWatchKVHeadroomLow",
+            f"kvwatch_kv_headroom_seconds < {HEADROOM_SECONDS}",
+            WARNING,
+            "A replica's KV cache will be full within minutes at its current growth.",
+            f"The KV cache of {_REPLICA} fills in {{{{ $value | humanizeDuration }}}} at its current "
+            f"growth; after that the engine queues or preempts.",
+            for_="5m",
+        ),
+        Alert(
+            "KVWatchKVCapacityStranded",
+            f"kvwatch:kv_stranded:ratio > {STRANDED_RATIO}",
+            WARNING,
+            "KV capacity sits free on idle replicas while other replicas of the same model queue.",
+            "{{ $value | humanizePercentage }} of the KV capacity of model {{ $labels.model_name }} is free "
+            "on replicas with nothing waiting while another replica of it queues or preempts: routing "
+            "does not use the free memory.",
+            for_="15m",
+        ),
+    )
+
+
+def tier_alerts() -> tuple[Alert, ...]:
+    width_low = "kvwatch_gpu_pcie_link_width < kvwatch_gpu_pcie_link_width_max"
+    gen_low = (f"(kvwatch_gpu_pcie_link_generation < kvwatch_gpu_pcie_link_generation_max)\n"
+               f"  and\n  (kvwatch_gpu_utilization_ratio > {LINK_BUSY_UTILIZATION})")
+    return (
+        Alert(
+            "KVWatchKVTierPCIeSaturated",
+            f"kvwatch:kv_tier_pcie:ratio_rate5m > {TIER_PCIE_RATIO}",
+            WARNING,
+            "KV offload traffic is close to the PCIe bandwidth of the replica's GPUs.",
+            "KV {{ $labels.direction }} traffic of replica {{ $labels.replica }} (model "
+            "{{ $labels.model_name }}) on {{ $labels.instance }} uses {{ $value | humanizePercentage }} "
+            "of the one-direction PCIe bandwidth of its GPUs' links: tier transfers are bus-bound.",
+            for_="15m",
+        ),
+        Alert(
+            "KVWatchGPUPCIeLinkDegraded",
+            f'label_replace({width_low}, "degraded", "width", "", "")\n'
+            f"or\n"
+            f'label_replace(\n  {gen_low},\n  "degraded", "generation", "", ""\n)',
+            WARNING,
+            "A GPU's PCIe link trained below its maximum generation or width.",
+            f"The PCIe link {{{{ $labels.degraded }}}} of {_GPU} is {{{{ $value }}}}, below the maximum "
+            f"(the generation is only checked while the GPU is busy): host offload bandwidth is reduced.",
+            for_="15m",
+        ),
+    )
+
+
+def starvation_alert(slo: SloFile) -> Alert:
+    long_ = one_of("length_band", slo.long_bands)
+    short = one_of("length_band", slo.short_bands)
+    completion = "kvwatch:request_completion:ratio_rate1h"
+    aborted = selector("kvwatch:request_outcome:ratio_rate1h", long_, eq("outcome", "aborted"))
+    return Alert(
+        "KVWatchLongRequestsStarving",
+        f"({selector(completion, long_)} < {STARVING_LONG_COMPLETION})\n"
+        f"and ignoring (outcome)\n"
+        f"({aborted} > {STARVING_ABORTED_RATIO})\n"
+        f"and on ({_MODEL})\n"
+        f"(min by ({_MODEL}) ({selector(completion, short)}) >= {STARVING_SHORT_COMPLETION})\n"
+        f"and\n"
+        f"(sum without (outcome) ({selector('kvwatch:requests:rate1h', long_)}) * 3600 "
+        f">= {STARVING_MIN_REQUESTS})",
+        WARNING,
+        "Long requests are abandoned or fail while short requests of the same model are fine.",
+        f"Only {{{{ $value | humanizePercentage }}}} of {{{{ $labels.model_name }}}} requests in length "
+        f"band {{{{ $labels.length_band }}}} finished {' or '.join(COMPLETION_OUTCOMES)} in the last hour "
+        f"and more than {round(STARVING_ABORTED_RATIO * 100)}% were aborted by their clients, while the "
+        f"short bands ({', '.join(slo.short_bands)}) completed at least "
+        f"{round(STARVING_SHORT_COMPLETION * 100)}%: long requests are starving.",
+        for_="30m",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# GPUs
+# --------------------------------------------------------------------------------------------
+
+
+def gpu_alerts() -> tuple[Alert, ...]:
+    crit = regex_any(CRITICAL_XIDS)
+    critical_xids = selector("kvwatch_gpu_xid_errors_total", re_("xid", crit))
+    other_xids = selector("kvwatch_gpu_xid_errors_total", nre("xid", crit))
+    uncorrected = selector("kvwatch_gpu_ecc_errors_total", eq("type", "uncorrected"))
+    throttled = selector("kvwatch_gpu_clock_event_active", one_of("reason", THROTTLE_REASONS))
+    return (
+        Alert(
+            "KVWatchGPULost",
+            "kvwatch_gpu_lost == 1",
+            CRITICAL,
+            "A GPU has fallen off the bus (NVML reports it lost).",
+            f"NVML reports {_GPU} lost: every replica on it has stopped. Drain the node and reset or "
+            f"replace the GPU.",
+            for_="1m",
+        ),
+        Alert(
+            "KVWatchGPUCriticalXID",
+            counter_rose(critical_xids, "15m"),
+            CRITICAL,
+            "A GPU reported an XID error that loses work or needs a GPU reset.",
+            f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 15 minutes "
+            f"(about {{{{ $value | humanize }}}} times). See the runbook for what this XID means and "
+            f"whether to drain.",
+        ),
+        Alert(
+            "KVWatchGPUXIDErrors",
+            counter_rose(other_xids, "15m"),
+            WARNING,
+            "A GPU reported XID errors (usually an application fault).",
+            f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 15 minutes "
+            f"(about {{{{ $value | humanize }}}} times); these XIDs usually mean an application (engine) "
+            f"fault, not failing hardware.",
+        ),
+        Alert(
+            "KVWatchGPUUncorrectableECC",
+            f"increase({uncorrected}[15m]) > 0",
+            CRITICAL,
+            "A GPU had uncorrectable ECC memory errors.",
+            f"{_GPU} counted about {{{{ $value | humanize }}}} uncorrectable ECC errors in the last 15 "
+            f"minutes: data in its memory was corrupted. Drain the GPU.",
+        ),
+        Alert(
+            "KVWatchGPURowRemapFailure",
+            "kvwatch_gpu_row_remap_failure == 1",
+            CRITICAL,
+            "A GPU failed to remap a bad HBM row.",
+            f"{_GPU} could not remap a failing memory row: the GPU should be drained and replaced.",
+        ),
+        Alert(
+            "KVWatchGPURowRemapPending",
+            "kvwatch_gpu_row_remap_pending == 1",
+            WARNING,
+            "A GPU has a memory row remap waiting for a GPU reset.",
+            f"{_GPU} has a row remap pending: it takes effect at the next GPU reset. Drain and reset the "
+            f"GPU in a maintenance window.",
+            for_="5m",
+        ),
+        Alert(
+            "KVWatchGPUThrottled",
+            f"{throttled} == 1",
+            WARNING,
+            "A GPU is slowing its clocks for thermal or hardware reasons.",
+            f"{_GPU} has clock event {{{{ $labels.reason }}}} active for 10 minutes: tokens per second "
+            f"drop on every replica using it.",
+            for_="10m",
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# kvwatch itself
+# --------------------------------------------------------------------------------------------
+
+
+def self_alerts(job: str) -> tuple[Alert, ...]:
+    up = selector("up", eq("job", job))
+    stale = selector("kvwatch_source_last_success_timestamp_seconds",
+                     nre("source", "|".join(f"{regex_any([p])}.*" for p in PUSH_SOURCES)))
+    return (
+        Alert(
+            "KVWatchDown",
+            f"{up} == 0",
+            WARNING,
+            "Prometheus cannot scrape a kvwatch agent.",
+            "Prometheus has not scraped kvwatch on {{ $labels.instance }} for 5 minutes: KV, GPU and "
+            "per-band latency of that node are not watched.",
+            for_="5m",
+        ),
+        Alert(
+            "KVWatchAbsent",
+            f"absent({up})",
+            CRITICAL,
+            "No kvwatch agent is scraped at all.",
+            'Prometheus has no target with job="{{ $labels.job }}" for 15 minutes: every kvwatch alert, '
+            "the per-band SLO alerts included, is blind.",
+            for_="15m",
+        ),
+        Alert(
+            "KVWatchEngineTargetDown",
+            "kvwatch_target_up == 0",
+            WARNING,
+            "kvwatch cannot scrape an inference engine's metrics.",
+            "kvwatch on {{ $labels.instance }} has failed to scrape replica {{ $labels.replica }} "
+            "({{ $labels.backend }}) for 5 minutes: the engine is down, restarting or unreachable.",
+            for_="5m",
+        ),
+        Alert(
+            "KVWatchCollectorFailing",
+            "kvwatch_collector_success == 0",
+            WARNING,
+            "A kvwatch collector keeps failing.",
+            "Collector {{ $labels.collector }} of kvwatch on {{ $labels.instance }} has failed for 15 "
+            "minutes; its series are missing.",
+            for_="15m",
+        ),
+        Alert(
+            "KVWatchSourceStale",
+            f"(time() - {stale} > {SOURCE_STALE_SECONDS})\n"
+            f"unless on (instance, job, source)\n"
+            f'label_replace(kvwatch_collector_success == 0, "source", "$1", "collector", "(.*)")',
+            WARNING,
+            "A kvwatch source stopped reporting without reporting a failure.",
+            "Source {{ $labels.source }} of kvwatch on {{ $labels.instance }} last succeeded "
+            "{{ $value | humanizeDuration }} ago without reporting a failure: its poller is stuck.",
+            for_="5m",
+        ),
+    )
+
+
+def operational_rule_file(slo: SloFile, job: str = DEFAULT_JOB) -> RuleFile:
+    header = ("kvwatch operational alerts: KV cache, tier traffic, long-request starvation, GPU health and\n"
+              "kvwatch's own health. Generated by `kvwatch rules`. Do not edit: change\n"
+              "kvwatch/mixin/alerts.py and re-run it.")
+    return RuleFile(OPERATIONAL_FILE, header, (
+        Group("kvwatch-kv.alerts", (*kv_alerts(), starvation_alert(slo))),
+        Group("kvwatch-tier.alerts", tier_alerts()),
+        Group("kvwatch-gpu.alerts", gpu_alerts()),
+        Group("kvwatch-self.alerts", self_alerts(job)),
+    ))
