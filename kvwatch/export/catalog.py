@@ -84,7 +84,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_proxy_connections_timed_out", "counter", ("replica",),
        "Client connections closed because headers or body did not arrive in time.", "self"),
     _m("kvwatch_otlp_spans", "counter", ("result",),
-       "OTLP spans received, by result (request, ignored, malformed).", "self"),
+       "OTLP spans received, by result (request, ignored, malformed, unmapped: no configured replica).",
+       "self"),
     _m("kvwatch_request_file_lines", "counter", ("replica", "result"),
        "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
     _m("kvwatch_ledger_write_errors", "counter", (),
@@ -152,6 +153,14 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_recomputed_tokens", "counter", (*REPLICA, "source"),
        "Tokens recomputed after preemption; source=engine is reported, source=estimate is "
        "preemptions x mean live tokens per running request.", "derived"),
+    _m("kvwatch_kv_tier_link_utilization_ratio", "gauge", ("replica", "direction"),
+       "KV tier traffic of the replica (offload: GPU to host/disk/remote; onload: back to GPU) over the "
+       "theoretical PCIe bandwidth of its GPUs' links as currently trained, over the rate window.",
+       "derived"),
+    _m("kvwatch_kv_tier_link_condition", "gauge", ("replica", "direction", "condition"),
+       "1 while the condition holds on the replica's GPU links: offload_pcie_bound (KV tier traffic "
+       ">= 80% of link capacity), link_down_trained (narrower than max width, or below max generation "
+       "while busy), foreign_bus_traffic (PCIe traffic far above what KV tiering explains).", "derived"),
     _m("kvwatch_gpu_pcie_link_max_bytes_per_second", "gauge", GPU,
        "Theoretical one-direction PCIe bandwidth of the link as currently trained.", "derived"),
     # ---- GPUs (NVML) ---------------------------------------------------------------------------
@@ -198,6 +207,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_gpu_xid_errors", "counter", (*GPU, "xid"), "XID events seen, per XID code.", "gpu"),
     _m("kvwatch_gpu_process_memory_bytes", "gauge", (*GPU, "pid", "replica"),
        "GPU memory used per process; replica when the process is mapped to one.", "gpu"),
+    _m("kvwatch_gpu_nvml_errors", "counter", ("call", "error"),
+       "NVML calls that failed with an unexpected error (NOT_SUPPORTED and GPU_IS_LOST are not counted); "
+       "the value they would have given is left out.", "gpu"),
     # ---- requests --------------------------------------------------------------------------------
     _m("kvwatch_request_ttft_seconds", "histogram", REQUEST,
        "Time to first token: request received -> first content-bearing chunk sent.", "request"),

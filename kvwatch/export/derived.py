@@ -1,6 +1,6 @@
 """Derived KV signals on /metrics (catalog area "derived"), read from ``NodeState.derived``.
 
-The view is computed by ``kvwatch.derived.update_derived`` after each scrape; this collector only
+The view is computed by ``kvwatch.agent.derived.update_derived`` after each scrape; this collector only
 renders it. A value is exported only while the target it was computed from is up and the unit
 (replica, model, DP rank) still exists there, so nothing derived from a down target is served.
 """

@@ -1,0 +1,67 @@
+"""kvwatch's report on itself: build info, collector success/duration, source staleness."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+
+from kvwatch import __version__
+from kvwatch.config import Config
+from kvwatch.export.catalog import spec
+from kvwatch.state import NodeState
+
+#: self counters kept in ``NodeState.counters`` and exported as-is (family, label names)
+_SELF_COUNTERS = (
+    ("kvwatch_proxy_accounting_errors", ("replica",)),
+    ("kvwatch_proxy_connections_timed_out", ("replica",)),
+    ("kvwatch_otlp_spans", ("result",)),
+    ("kvwatch_request_file_lines", ("replica", "result")),
+    ("kvwatch_ledger_write_errors", ()),
+)
+
+
+def _nvml_bindings_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-ml-py")
+    except Exception:
+        return "none"
+
+
+class SelfCollector:
+    """Reads collector statuses; the sources write them via ``NodeState.report``."""
+
+    def __init__(self, state: NodeState, config: Config) -> None:
+        self.state = state
+        self.config = config
+
+    def collect(self) -> Iterator[Metric]:
+        info = spec("kvwatch_build").info()
+        info.add_metric([], {
+            "version": __version__,
+            "python": platform.python_version(),
+            "nvidia_ml_py": _nvml_bindings_version(),
+            "node": self.state.node,
+        })
+        yield info
+
+        success = spec("kvwatch_collector_success").gauge()
+        duration = spec("kvwatch_collector_duration_seconds").gauge()
+        last = spec("kvwatch_source_last_success_timestamp_seconds").gauge()
+        for name, status in sorted(self.state.collectors.items()):
+            success.add_metric([name], 1.0 if status.success else 0.0)
+            duration.add_metric([name], status.duration_s)
+            if status.last_success_ts is not None:
+                last.add_metric([name], status.last_success_ts)
+        yield success
+        yield duration
+        yield last
+
+        for family, _labels in _SELF_COUNTERS:
+            counter = spec(family).counter()
+            for label_values, value in sorted(self.state.counters_for(family)):
+                counter.add_metric(list(label_values), value)
+            yield counter

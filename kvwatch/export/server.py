@@ -1,0 +1,55 @@
+"""The agent's HTTP surface: ``/metrics``, health endpoints, and whatever routes the status page adds.
+
+``/metrics`` is rendered at scrape time from ``NodeState`` by the node collector; the render runs
+in a worker thread so a large exposition never stalls the event loop (and the proxy streams on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import Callable, Iterable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client.registry import Collector
+
+from kvwatch.export.encode import TextEncoder
+
+
+def make_registry(collector: Collector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
+                extra_routes: Iterable[web.RouteDef] = ()) -> web.Application:
+    """aiohttp app serving the exposition, ``/-/healthy`` (process alive) and ``/-/ready``."""
+
+    encoder = TextEncoder()
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(encoder.encode, registry)
+        headers = {"Content-Type": CONTENT_TYPE_LATEST}
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            body = gzip.compress(body, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        return web.Response(body=body, headers=headers)
+
+    async def healthy(_request: web.Request) -> web.Response:
+        return web.Response(text="kvwatch is healthy\n")
+
+    async def is_ready(_request: web.Request) -> web.Response:
+        if ready():
+            return web.Response(text="kvwatch is ready\n")
+        return web.Response(status=503, text="kvwatch is starting\n")
+
+    app = web.Application(client_max_size=1024 * 1024)
+    app.add_routes([
+        web.get("/metrics", metrics),
+        web.get("/-/healthy", healthy),
+        web.get("/-/ready", is_ready),
+        *extra_routes,
+    ])
+    return app

@@ -1,0 +1,258 @@
+"""Per-request accounting for the proxy: what a request asked for, and what its stream did.
+
+The proxy's byte relay calls a ``RequestMeter`` once per upstream read and once at the end; the meter
+turns that into one ``RequestRecord``. Everything here may fail without hurting the client: the
+proxy wraps each call, counts the failure and keeps relaying.
+
+Definitions (docs/requests.md quotes them):
+
+- **received** (``t0``): the first byte of the request reached kvwatch's socket callback.
+- **TTFT**: received → the first content-bearing event (``sse.py``) was written to the client.
+- **inter-chunk gap**: between successive content-bearing events as written to the client; events
+  that reach the client in one write are separate chunks with a zero gap.
+- **e2e**: received → the last byte written to the client (or the moment the exchange ended early:
+  client gone, upstream broken).
+- **output tokens**: ``usage.completion_tokens``; without usage, the number of content-bearing events
+  (``output_tokens_estimated``).
+- **TPOT**: ``RequestRecord.tpot_seconds`` = (e2e − TTFT) / (output_tokens − 1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from kvwatch import buckets
+from kvwatch.model import InFlightRequest, Outcome, RequestRecord
+from kvwatch.requests import sse
+
+OTHER_MODEL = "other"
+#: rough bytes of request body per prompt token (BPE on English text is ~4 characters per token;
+#: JSON framing and chat roles add a little, images in base64 far more). Used only for the live
+#: in-flight token estimate until the engine's usage says otherwise.
+PROMPT_BYTES_PER_TOKEN = 4
+MAX_LEARNED_MODELS = 16
+
+
+class InFlight(Protocol):
+    """What the proxy needs of ``state.InFlightTracker`` (sources do not import state)."""
+
+    def start(self, request: InFlightRequest) -> int: ...
+    def progress(self, handle: int, content_chunks: int) -> None: ...
+    def finish(self, handle: int) -> None: ...
+    def calibrate(self, replica: str, output_tokens: int, content_chunks: int) -> None: ...
+
+
+class End(Enum):
+    """How an exchange ended, from the relay's point of view."""
+
+    COMPLETE = "complete"  # the response was relayed in full
+    CLIENT_GONE = "client_gone"  # the client disconnected first; upstream was closed at once
+    UPSTREAM_FAILED = "upstream_failed"  # refused, timed out, 5xx-free but broken/reset stream
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the client asked for, read once from the request body."""
+
+    endpoint: str  # chat | completions
+    parsed: bool  # the body was a JSON object
+    model: str | None  # as the client sent it: never exported, only mapped by ModelLabels
+    streaming: bool
+    max_tokens: int | None
+    wants_usage: bool  # the client itself set stream_options.include_usage
+    stream_options_present: bool
+    choices: int = 1  # n
+
+
+def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        return RequestInfo(endpoint, False, None, False, None, False, False)
+    n = doc.get("n")
+    model = doc.get("model")
+    options = doc.get("stream_options")
+    limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    return RequestInfo(
+        endpoint=endpoint,
+        parsed=True,
+        model=model if isinstance(model, str) else None,
+        streaming=doc.get("stream") is True,
+        max_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None,
+        wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        stream_options_present="stream_options" in doc,
+        choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
+    )
+
+
+def body_requesting_usage(body: bytes, info: RequestInfo) -> bytes | None:
+    """The body with ``stream_options.include_usage`` set, or None where it must stay as sent.
+
+    When the client sent no ``stream_options`` the key is inserted as text after the opening brace,
+    so every other byte stays as the client wrote it; otherwise the body is re-serialised. With
+    several choices (``n`` > 1) nothing is asked: the relay could not put the engine's final-chunk
+    fields back in place without reordering choices, so those streams are counted from chunks.
+    """
+    if not (info.parsed and info.streaming) or info.wants_usage or info.choices > 1:
+        return None
+    if not info.stream_options_present:
+        brace = body.find(b"{")
+        if brace < 0:
+            return None
+        return body[:brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1:]
+    doc = json.loads(body)
+    options = doc.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return None  # the engine will judge this body as sent
+    doc["stream_options"] = {**(options or {}), "include_usage": True}
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def estimate_prompt_tokens(body_bytes: int) -> int:
+    return body_bytes // PROMPT_BYTES_PER_TOKEN
+
+
+class ModelLabels:
+    """Maps a client-chosen model name onto the bounded label set; the rest is ``other``."""
+
+    def __init__(self, known: Iterable[str], default: str | None) -> None:
+        self.known = set(known)
+        self.default = default
+        if default:
+            self.known.add(default)
+
+    def learn(self, served: Iterable[str]) -> None:
+        """Add the engine's own served names (from ``/v1/models``), capped."""
+        served = [s for s in served if isinstance(s, str) and s][:MAX_LEARNED_MODELS]
+        self.known.update(served)
+        if self.default is None and len(served) == 1:
+            self.default = served[0]
+
+    def label(self, requested: str | None) -> str:
+        if requested is None:
+            return self.default or OTHER_MODEL
+        return requested if requested in self.known else OTHER_MODEL
+
+
+def decide_outcome(status: int | None, end: End, finish_reason: str | None) -> Outcome:
+    if end is End.CLIENT_GONE:
+        return Outcome.ABORTED
+    if status is None or end is End.UPSTREAM_FAILED or status >= 500:
+        return Outcome.ERROR
+    if status >= 400:
+        return Outcome.REJECTED
+    if finish_reason == "length":
+        return Outcome.TRUNCATED
+    if finish_reason in ("abort", "error"):
+        return Outcome.ERROR
+    return Outcome.COMPLETED
+
+
+class RequestMeter:
+    """One request's timings and counts while it streams; ``record()`` builds the RequestRecord.
+
+    ``on_events`` runs once per upstream read that yielded complete events (the hot path): a regex
+    search per event, a bisect per read with content, a dict store for the in-flight estimate.
+    """
+
+    __slots__ = (
+        "_bins", "_first", "_last", "chunks", "e2e", "finish_reason", "gap_sum", "handle",
+        "in_flight", "info", "model_name", "prompt_tokens", "replica", "started_at", "t0", "usage",
+    )
+
+    GAP_BOUNDS = buckets.INTER_CHUNK_SECONDS
+
+    def __init__(self, replica: str, model_name: str, info: RequestInfo, started_at: float, t0: float,
+                 in_flight: InFlight | None = None, handle: int | None = None) -> None:
+        self.replica = replica
+        self.model_name = model_name
+        self.info = info
+        self.started_at = started_at
+        self.t0 = t0
+        self.in_flight = in_flight
+        self.handle = handle
+        self._bins = [0] * (len(self.GAP_BOUNDS) + 1)
+        self._first: float | None = None
+        self._last = 0.0
+        self.gap_sum = 0.0
+        self.chunks = 0
+        self.e2e: float | None = None
+        self.finish_reason: str | None = None
+        self.usage: sse.Usage | None = None
+        self.prompt_tokens: int | None = None
+
+    def on_events(self, events: bytes, separator: bytes, now: float) -> None:
+        """Complete SSE events just written to the client at ``now`` (perf_counter seconds)."""
+        n = sse.count_content_events(events, separator)
+        if n:
+            if self._first is None:
+                self._first = now
+                self._bins[0] += n - 1
+            else:
+                gap = now - self._last
+                self._bins[bisect.bisect_left(self.GAP_BOUNDS, gap)] += 1
+                self._bins[0] += n - 1
+                self.gap_sum += gap
+            self._last = now
+            self.chunks += n
+            if self.handle is not None and self.in_flight is not None:
+                self.in_flight.progress(self.handle, self.chunks)
+        reason = sse.finish_reason(events)
+        if reason is not None:
+            self.finish_reason = reason
+
+    def on_usage(self, usage: sse.Usage) -> None:
+        self.usage = usage
+
+    def on_json_body(self, body: bytes) -> None:
+        """A non-streaming response: usage and finish reason come from its JSON once."""
+        usage, reason = sse.usage_from_body(body)
+        if usage is not None:
+            self.usage = usage
+        if reason is not None:
+            self.finish_reason = reason
+
+    def on_end(self, now: float) -> None:
+        self.e2e = now - self.t0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self._first is None else self._first - self.t0
+
+    def record(self, status: int | None, end: End) -> RequestRecord:
+        outcome = decide_outcome(status, end, self.finish_reason)
+        usage = self.usage
+        output, estimated = None, False
+        if usage is not None and usage.completion_tokens is not None:
+            output = usage.completion_tokens
+        elif self.info.streaming and (self.chunks or outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)):
+            output, estimated = self.chunks, True
+        gaps = tuple(self._bins) if self.chunks > 1 else ()
+        return RequestRecord(
+            replica=self.replica,
+            model_name=self.model_name,
+            source="proxy",
+            outcome=outcome,
+            started_at=self.started_at,
+            endpoint=self.info.endpoint,
+            streaming=self.info.streaming,
+            status_code=status,
+            finish_reason=self.finish_reason,
+            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+            output_tokens=output,
+            output_tokens_estimated=estimated,
+            max_tokens=self.info.max_tokens,
+            ttft_seconds=self.ttft,
+            e2e_seconds=self.e2e,
+            chunks=self.chunks if self.info.streaming else None,
+            gap_bounds=self.GAP_BOUNDS if gaps else (),
+            gap_counts=gaps,
+            gap_sum=self.gap_sum if gaps else 0.0,
+        )

@@ -1,0 +1,155 @@
+"""Request ledger: one JSON line per finished request, for ``kvwatch report``. Off by default.
+
+Written by one background thread from a bounded queue, so the proxy's loop never waits on disk: a
+full queue or a failed write drops the line and counts it (``kvwatch_ledger_write_errors_total``).
+The file rotates at ``max_bytes`` (``path`` -> ``path.1`` -> ... ``path.<backups>``), so the ledger
+takes at most ``(backups + 1) x max_bytes`` of disk.
+
+A line is ``{"v": 1, <every RequestRecord field>, "length_band", "admission_band",
+"tpot_seconds"}``. ``RequestRecord`` carries no prompt or completion text, and ``model_name`` is the
+bounded label value, so neither can reach the ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+from kvwatch.model import LengthBands, RequestRecord
+
+log = logging.getLogger(__name__)
+
+LEDGER_VERSION = 1
+WRITE_ERRORS = "kvwatch_ledger_write_errors"
+_STOP = object()
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+
+def ledger_line(record: RequestRecord, bands: LengthBands) -> dict:
+    """The ledger's view of one request (docs/requests.md "Request ledger")."""
+    line: dict = {"v": LEDGER_VERSION}
+    for name in _FIELDS:
+        value = getattr(record, name)
+        line[name] = list(value) if isinstance(value, tuple) else value
+    line["outcome"] = record.outcome.value
+    line["length_band"] = bands.band_for(record.output_tokens)
+    line["admission_band"] = bands.band_for(record.max_tokens)
+    line["tpot_seconds"] = record.tpot_seconds
+    return line
+
+
+class RequestLedger:
+    """``write(record)`` from any thread or the loop; never blocks, never raises."""
+
+    def __init__(self, path: str, bands: LengthBands, max_bytes: int = 64 * 1024 * 1024,
+                 backups: int = 4, counter: Callable[..., None] | None = None,
+                 queue_size: int = 10_000) -> None:
+        self.path = path
+        self.bands = bands
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.counter = counter
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._thread: threading.Thread | None = None
+        self._file = None
+        self._size = 0
+
+    def start(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        if self.counter is not None:
+            with contextlib.suppress(Exception):
+                self.counter(WRITE_ERRORS, amount=0)  # a zero series from the start
+        self._thread = threading.Thread(target=self._run, name="kvwatch-ledger", daemon=True)
+        self._thread.start()
+
+    def write(self, record: RequestRecord) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self._failed(1, "queue full")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=timeout)
+        self._thread.join(timeout)
+        self._thread = None
+
+    # -- writer thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                batch = [self._queue.get()]
+                while len(batch) < 512:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = any(item is _STOP for item in batch)
+                records = [item for item in batch if item is not _STOP]
+                if records:
+                    self._write(records)
+                if stop:
+                    return
+        finally:
+            self._close()
+
+    def _write(self, records: list[RequestRecord]) -> None:
+        try:
+            data = "".join(json.dumps(ledger_line(r, self.bands), separators=(",", ":")) + "\n"
+                           for r in records).encode()
+        except (TypeError, ValueError) as exc:
+            self._failed(len(records), f"cannot encode: {exc}")
+            return
+        try:
+            if self._file is None:
+                self._open()
+            elif self._size + len(data) > self.max_bytes and self._size > 0:
+                self._rotate()
+            self._file.write(data)  # type: ignore[union-attr]
+            self._file.flush()  # type: ignore[union-attr]
+            self._size += len(data)
+        except OSError as exc:
+            self._close()
+            self._failed(len(records), f"{self.path}: {exc.strerror or exc}")
+
+    def _open(self) -> None:
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held open across batches
+        self._size = self._file.tell()
+        if self._size >= self.max_bytes:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        self._close()
+        if self.backups > 0:
+            for i in range(self.backups - 1, 0, -1):
+                src = f"{self.path}.{i}"
+                if os.path.exists(src):
+                    os.replace(src, f"{self.path}.{i + 1}")
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            os.truncate(self.path, 0)
+        self._file = open(self.path, "ab")  # noqa: SIM115
+        self._size = 0
+
+    def _close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+    def _failed(self, lines: int, reason: str) -> None:
+        if self.counter is not None:
+            with contextlib.suppress(Exception):
+                self.counter(WRITE_ERRORS, amount=lines)
+        log.warning("request ledger: %d line(s) dropped (%s)", lines, reason)

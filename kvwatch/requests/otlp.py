@@ -1,0 +1,302 @@
+"""OTLP/HTTP trace receiver: per-request latency from the engine's own spans, no proxy needed.
+
+``POST /v1/traces`` takes an ``ExportTraceServiceRequest`` as ``application/x-protobuf`` or
+``application/json`` (gzip or deflate content-encoding allowed). vLLM (``--otlp-traces-endpoint``)
+sends one ``llm_request`` span per finished request; SGLang (``--enable-trace``) puts the same
+``gen_ai.*`` attributes on its root request span. Any span carrying
+``gen_ai.usage.completion_tokens`` or ``gen_ai.latency.e2e`` is a request; every other span (vLLM's
+start-up spans ``Load model``, ``Allocate KV cache``, ..., SGLang's stage slices) is ignored and
+counted (``kvwatch_otlp_spans_total{result}``: request, ignored, malformed, unmapped).
+
+Which replica a span belongs to, first match wins:
+  1. resource attribute ``kvwatch.replica`` naming a configured replica
+     (``OTEL_RESOURCE_ATTRIBUTES=kvwatch.replica=r0`` on the engine);
+  2. resource ``service.name`` equal to a configured replica name (``OTEL_SERVICE_NAME=r0``);
+  3. ``otlp.replica`` from the config;
+  4. the only configured replica, when there is exactly one.
+Otherwise the span is dropped and counted ``unmapped``: label values stay bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from kvwatch.config import Config, OtlpConfig, ReplicaConfig
+from kvwatch.model import Outcome, RequestRecord
+from kvwatch.requests.accounting import ModelLabels
+
+log = logging.getLogger(__name__)
+
+SPANS = "kvwatch_otlp_spans"
+RESULTS = ("request", "ignored", "malformed", "unmapped")
+REQUEST_MARKERS = ("gen_ai.usage.completion_tokens", "gen_ai.latency.e2e")
+REPLICA_ATTRIBUTE = "kvwatch.replica"
+
+Sink = Callable[[RequestRecord], None]
+Count = Callable[..., None]
+Report = Callable[..., None]  # NodeState.report(collector, success, duration_s, error=None)
+COLLECTOR = "otlp"
+
+
+class MalformedSpanError(ValueError):
+    """A request span whose attributes do not have the types the gen_ai conventions give them."""
+
+
+def attribute_values(attributes: Iterable[Any]) -> dict[str, Any]:
+    """OTLP ``KeyValue`` list -> plain dict (arrays as lists; nested maps dropped)."""
+    out: dict[str, Any] = {}
+    for kv in attributes:
+        out[kv.key] = _any_value(kv.value)
+    return out
+
+
+def _any_value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(v) for v in value.array_value.values]
+    if kind in (None, "kvlist_value", "bytes_value"):
+        return None
+    return getattr(value, kind)
+
+
+def _seconds(attrs: dict[str, Any], key: str) -> float | None:
+    value = attrs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise MalformedSpanError(f"{key} must be a non-negative number of seconds, got {value!r}")
+    return float(value)
+
+
+def _count(attrs: dict[str, Any], key: str) -> int | None:
+    value = attrs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedSpanError(f"{key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _finish_reasons(value: Any) -> list[str]:
+    """``gen_ai.response.finish_reasons``: a string array, or the JSON text of one (vLLM)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return [value]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+def span_outcome(span: Span, reasons: list[str]) -> Outcome:
+    """The engine's view: it cannot see admission refusals (those never become spans)."""
+    if span.status.code == Status.STATUS_CODE_ERROR:
+        return Outcome.ERROR
+    if "length" in reasons:
+        return Outcome.TRUNCATED
+    if "abort" in reasons:
+        return Outcome.ABORTED
+    if "error" in reasons:
+        return Outcome.ERROR
+    return Outcome.COMPLETED
+
+
+def is_request_span(attrs: dict[str, Any]) -> bool:
+    return any(key in attrs for key in REQUEST_MARKERS)
+
+
+def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
+    """One request span -> RequestRecord (source ``otlp``); raises MalformedSpanError."""
+    reasons = _finish_reasons(attrs.get("gen_ai.response.finish_reasons"))
+    return RequestRecord(
+        replica=replica,
+        model_name=model_name,
+        source="otlp",
+        outcome=span_outcome(span, reasons),
+        started_at=span.start_time_unix_nano / 1e9,
+        finish_reason=reasons[-1] if reasons else None,
+        prompt_tokens=_count(attrs, "gen_ai.usage.prompt_tokens"),
+        output_tokens=_count(attrs, "gen_ai.usage.completion_tokens"),
+        max_tokens=_count(attrs, "gen_ai.request.max_tokens"),
+        ttft_seconds=_seconds(attrs, "gen_ai.latency.time_to_first_token"),
+        e2e_seconds=_seconds(attrs, "gen_ai.latency.e2e"),
+        queue_seconds=_seconds(attrs, "gen_ai.latency.time_in_queue"),
+        decode_seconds=_seconds(attrs, "gen_ai.latency.time_in_model_decode"),
+    )
+
+
+class ReplicaResolver:
+    """Maps a resource (an engine process) to a configured replica name, or None."""
+
+    def __init__(self, replicas: Sequence[str], configured: str | None) -> None:
+        self.names = frozenset(replicas)
+        self.default = configured or (replicas[0] if len(replicas) == 1 else None)
+
+    def resolve(self, resource: dict[str, Any]) -> str | None:
+        for key in (REPLICA_ATTRIBUTE, "service.name"):
+            value = resource.get(key)
+            if isinstance(value, str) and value in self.names:
+                return value
+        return self.default
+
+
+def records_from_export(export: ExportTraceServiceRequest, resolver: ReplicaResolver,
+                        labels: dict[str, ModelLabels]) -> tuple[list[RequestRecord], Counter[str]]:
+    """Pure: every request span of one export as a record, plus counts by result."""
+    records: list[RequestRecord] = []
+    results: Counter[str] = Counter()
+    for resource_spans in export.resource_spans:
+        resource = attribute_values(resource_spans.resource.attributes)
+        replica = resolver.resolve(resource)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                attrs = attribute_values(span.attributes)
+                if not is_request_span(attrs):
+                    results["ignored"] += 1
+                    continue
+                if replica is None:
+                    results["unmapped"] += 1
+                    continue
+                model = attrs.get("gen_ai.response.model") or attrs.get("gen_ai.request.model")
+                label = labels[replica].label(model if isinstance(model, str) else None)
+                try:
+                    records.append(span_record(span, attrs, replica, label))
+                except MalformedSpanError as exc:
+                    results["malformed"] += 1
+                    log.debug("otlp: malformed request span from %s: %s", replica, exc)
+                    continue
+                results["request"] += 1
+    return records, results
+
+
+def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
+    """Raises ValueError naming what was wrong (never the body's content)."""
+    export = ExportTraceServiceRequest()
+    if content_type == "application/json":
+        try:
+            json_format.Parse(body, export, ignore_unknown_fields=True)
+        except (json_format.ParseError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(f"not an OTLP/JSON ExportTraceServiceRequest ({type(exc).__name__})") from None
+        return export
+    try:
+        export.ParseFromString(body)
+    except (DecodeError, RecursionError):
+        raise ValueError("not an OTLP protobuf ExportTraceServiceRequest") from None
+    return export
+
+
+class OtlpReceiver:
+    """The HTTP endpoint; ``await stop()`` closes it."""
+
+    def __init__(self, config: OtlpConfig, replicas: Sequence[ReplicaConfig], known_models: Iterable[str],
+                 sink: Sink, count: Count, report: Report | None = None) -> None:
+        self.config = config
+        known = frozenset(known_models)
+        self.resolver = ReplicaResolver([r.name for r in replicas], config.replica)
+        self.labels = {r.name: ModelLabels(known, r.model_name) for r in replicas}
+        self.sink = sink
+        self.count = count
+        self.report = report
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._site is not None and self._site._server is not None
+        return self._site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/traces", self.handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port)
+        await self._site.start()
+        log.info("OTLP/HTTP trace receiver listening on %s:%d/v1/traces", host, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        content_type = request.content_type
+        if content_type not in ("application/x-protobuf", "application/json"):
+            return web.Response(status=415, text="send application/x-protobuf or application/json\n")
+        try:
+            body = await request.read()  # aiohttp inflates gzip/deflate; client_max_size caps it
+        except web.HTTPRequestEntityTooLarge:
+            self._count("malformed")
+            log.warning("otlp: export over otlp.max_body_bytes (%d) refused", self.config.max_body_bytes)
+            raise
+        try:
+            export = decode_export(body, content_type)
+        except ValueError as exc:
+            self._count("malformed")
+            self._report(False, started, str(exc))
+            log.warning("otlp: %s from %s", exc, request.remote)
+            return web.Response(status=400, text=f"{exc}\n")
+        records, results = records_from_export(export, self.resolver, self.labels)
+        for result, n in results.items():
+            self._count(result, n)
+        for record in records:
+            try:
+                self.sink(record)
+            except Exception:
+                log.exception("otlp: request sink failed")
+        self._report(True, started)
+        if content_type == "application/json":
+            return web.Response(body=b"{}", content_type="application/json")
+        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
+                            content_type="application/x-protobuf")
+
+    def _report(self, success: bool, started: float, error: str | None = None) -> None:
+        """``kvwatch_source_last_success_timestamp_seconds{source="otlp"}`` shows spans stopped."""
+        if self.report is not None:
+            try:
+                self.report(COLLECTOR, success, time.perf_counter() - started, error)
+            except Exception:
+                log.exception("otlp: reporting failed")
+
+    def _count(self, result: str, n: int = 1) -> None:
+        try:
+            self.count(SPANS, result, amount=n)
+        except Exception:
+            log.exception("otlp: counting failed")
+
+
+async def start_otlp_receiver(config: Config, sink: Sink, count: Count,
+                              report: Report | None = None) -> OtlpReceiver:
+    """Start the receiver on ``config.otlp.listen`` (the agent's wiring entry point).
+
+    ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the
+    first. ``report`` (``NodeState.report``) is told of each export received, as collector ``otlp``.
+    """
+    otlp = config.otlp
+    if otlp.listen is None:
+        raise ValueError("otlp.listen is not set")
+    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report)
+    for result in RESULTS:
+        receiver._count(result, 0)
+    await receiver.start(otlp.listen.host, otlp.listen.port)
+    return receiver

@@ -1,0 +1,303 @@
+"""Follower of SGLang's per-request metrics files (``--export-metrics-to-file``), no proxy needed.
+
+SGLang (``FileRequestMetricsExporter``) appends one JSON object per finished request to
+``DIR/sglang-request-metrics-YYYYMMDD_HH.log``, a new file every hour. A line holds
+``request_parameters`` (the request as a JSON *string*, prompt included: kvwatch reads only
+``sampling_params.max_new_tokens`` from it and never keeps, logs or exports anything else) and the
+response's ``meta_info`` fields (spread at the top level by SGLang; a nested ``meta_info`` object is
+read too): ``prompt_tokens``, ``completion_tokens``, ``finish_reason`` (an object such as
+``{"type": "length", "length": 512}`` or a plain string), ``e2e_latency``, and with
+``--enable-metrics`` ``request_received_ts``, ``response_sent_to_client_ts``, ``queue_time``,
+``decode_throughput``.
+
+Following: offsets are kept per file in memory. At start the follower begins at the end of files
+that already exist (``from_start`` reads them whole); files that appear later are read from their
+start. Only complete lines are read (a partial last line waits for its newline); a line that is
+not a JSON object or whose fields have the wrong types is counted
+(``kvwatch_request_file_lines_total{result="malformed"}``) and skipped. A file that shrinks was
+rewritten and is read again from its start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.config import Config, SglangFilesConfig
+from kvwatch.model import Outcome, RequestRecord
+from kvwatch.requests.accounting import ModelLabels
+
+log = logging.getLogger(__name__)
+
+FILE_PATTERN = re.compile(r"^sglang-request-metrics-\d{8}_\d{2}\.log$")
+LINES = "kvwatch_request_file_lines"
+#: per file per poll, so a backlog never stalls a poll; also the longest line read (request_parameters
+#: carries the prompt, so lines can be large): a longer one is skipped and counted malformed
+MAX_READ_BYTES = 16 * 1024 * 1024
+ACTIVE_FILES = 2  # the current hour's file and the one before (a request finishing at :59:59)
+
+Sink = Callable[[RequestRecord], None]
+Count = Callable[..., None]
+Report = Callable[..., None]  # NodeState.report(collector, success, duration_s, error=None)
+
+
+class MalformedLineError(ValueError):
+    pass
+
+
+def _number(meta: dict[str, Any], key: str) -> float | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise MalformedLineError(f"{key} must be a non-negative number")
+    return float(value)
+
+
+def _tokens(meta: dict[str, Any], key: str) -> int | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedLineError(f"{key} must be a non-negative integer")
+    return value
+
+
+def finish_of(value: Any) -> tuple[str | None, int | None]:
+    """SGLang's finish reason: ``{"type": ..., "status_code": ...}`` or a plain string."""
+    if isinstance(value, dict):
+        kind = value.get("type")
+        status = value.get("status_code")
+        return (kind if isinstance(kind, str) else None,
+                status if isinstance(status, int) and not isinstance(status, bool) else None)
+    if isinstance(value, str):
+        return value, None
+    return None, None
+
+
+def outcome_of(kind: str | None, status: int | None) -> Outcome:
+    if status is not None and 400 <= status < 500:
+        return Outcome.REJECTED  # e.g. an abort for an over-long prompt
+    if status is not None and status >= 500:
+        return Outcome.ERROR
+    if kind == "length":
+        return Outcome.TRUNCATED
+    if kind == "abort":
+        return Outcome.ABORTED
+    return Outcome.COMPLETED
+
+
+def _max_new_tokens(parameters: Any) -> int | None:
+    """``sampling_params.max_new_tokens`` from the request parameters; nothing else is kept."""
+    if not isinstance(parameters, str):
+        return None
+    try:
+        doc = json.loads(parameters)
+    except ValueError:
+        return None
+    sampling = doc.get("sampling_params") if isinstance(doc, dict) else None
+    if isinstance(sampling, list):  # a batch request: one sampling dict per prompt
+        sampling = sampling[0] if sampling else None
+    value = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestRecord:
+    """One exporter line -> RequestRecord (source ``sglang_file``); raises MalformedLineError."""
+    if not isinstance(doc, dict):
+        raise MalformedLineError("a line must be a JSON object")
+    nested = doc.get("meta_info")
+    meta = nested if isinstance(nested, dict) else doc
+    output = _tokens(meta, "completion_tokens")
+    e2e = _number(meta, "e2e_latency")
+    kind, status = finish_of(meta.get("finish_reason"))
+    decode = ttft = None
+    throughput = _number(meta, "decode_throughput")  # (completion_tokens - 1) / decode time
+    if throughput and output is not None and output > 1:
+        decode = (output - 1) / throughput
+        if e2e is not None:
+            ttft = max(e2e - decode, 0.0)
+    received = _number(meta, "request_received_ts")
+    if received is None:
+        sent = _number(meta, "response_sent_to_client_ts") or _number(meta, "request_finished_ts")
+        received = (sent if sent is not None else now) - (e2e or 0.0)
+    return RequestRecord(
+        replica=replica,
+        model_name=model_name,
+        source="sglang_file",
+        outcome=outcome_of(kind, status),
+        started_at=received,
+        finish_reason=kind,
+        status_code=status,
+        prompt_tokens=_tokens(meta, "prompt_tokens"),
+        output_tokens=output,
+        max_tokens=_max_new_tokens(doc.get("request_parameters")),
+        ttft_seconds=ttft,
+        e2e_seconds=e2e,
+        queue_seconds=_number(meta, "queue_time"),
+        decode_seconds=decode,
+    )
+
+
+@dataclass(slots=True)
+class _Followed:
+    offset: int
+    size: int = -1
+    skipping: bool = False  # inside a line longer than MAX_READ_BYTES
+
+
+class SglangFileFollower:
+    """Polls one SGLang export directory; ``poll()`` returns the new records (call from a thread)."""
+
+    def __init__(self, config: SglangFilesConfig, model_name: str, count: Count,
+                 from_start: bool = False, report: Report | None = None) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.count = count
+        self.from_start = from_start
+        self.report = report
+        self.collector = f"sglang_files:{config.replica}"
+        self.error: str | None = None  # why the last poll could not list the directory
+        self.files: dict[str, _Followed] = {}
+        self._started = False
+        self._missing_logged = False
+        self._task: asyncio.Task | None = None
+        for result in ("request", "malformed"):  # zero series from the start
+            with contextlib.suppress(Exception):
+                self.count(LINES, config.replica, result, amount=0)
+
+    def poll(self) -> list[RequestRecord]:
+        try:
+            names = sorted(n for n in os.listdir(self.config.directory) if FILE_PATTERN.match(n))
+        except OSError as exc:
+            self.error = f"cannot list {self.config.directory}: {exc.strerror or exc}"
+            self._started = True  # nothing existed at start: files that appear later are new
+            if not self._missing_logged:
+                self._missing_logged = True
+                log.warning("sglang_request_files[%s]: cannot list %s (%s); will keep trying",
+                            self.config.replica, self.config.directory, exc.strerror or exc)
+            return []
+        self._missing_logged = False
+        self.error = None
+        records: list[RequestRecord] = []
+        for name in names:
+            if name not in self.files:
+                path = os.path.join(self.config.directory, name)
+                start_at_end = not self._started and not self.from_start
+                size = _size(path)
+                self.files[name] = _Followed(offset=size if start_at_end and size >= 0 else 0)
+        self._started = True
+        for gone in set(self.files) - set(names):
+            del self.files[gone]
+        active = set(names[-ACTIVE_FILES:])
+        for name in names:
+            state = self.files[name]
+            if name in active or state.size < 0 or state.offset < state.size:
+                records += self._read(name, state)
+        return records
+
+    def _read(self, name: str, state: _Followed) -> list[RequestRecord]:
+        path = os.path.join(self.config.directory, name)
+        size = _size(path)
+        if size < 0:
+            return []
+        if size < state.offset:  # rewritten
+            state.offset = 0
+        state.size = size
+        if size == state.offset:
+            return []
+        try:
+            with open(path, "rb") as f:
+                f.seek(state.offset)
+                data = f.read(min(size - state.offset, MAX_READ_BYTES))
+        except OSError as exc:
+            log.warning("sglang_request_files[%s]: cannot read %s: %s", self.config.replica, path,
+                        exc.strerror or exc)
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            if len(data) == MAX_READ_BYTES:  # no newline in 16 MiB: skip this line
+                state.offset += len(data)
+                if not state.skipping:
+                    state.skipping = True
+                    self._counted("malformed")
+            return []  # else a partial last line: wait for its newline
+        state.offset += end + 1
+        lines = data[:end].split(b"\n")
+        if state.skipping:
+            state.skipping = False
+            lines = lines[1:]  # the rest of the oversized line
+        now = time.time()
+        out = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                out.append(line_record(json.loads(line), self.config.replica, self.model_name, now))
+            except (ValueError, MalformedLineError):
+                self._counted("malformed")
+                continue
+            self._counted("request")
+        return out
+
+    def _counted(self, result: str) -> None:
+        with contextlib.suppress(Exception):
+            self.count(LINES, self.config.replica, result)
+
+    async def run(self, sink: Sink) -> None:
+        """Poll forever on the loop's default executor, emitting records on the loop thread."""
+        while True:
+            started = time.perf_counter()
+            try:
+                records = await asyncio.to_thread(self.poll)
+            except Exception as exc:
+                log.exception("sglang_request_files[%s]: poll failed", self.config.replica)
+                records, self.error = [], repr(exc)
+            if self.report is not None:
+                with contextlib.suppress(Exception):
+                    self.report(self.collector, self.error is None, time.perf_counter() - started, self.error)
+            for record in records:
+                try:
+                    sink(record)
+                except Exception:
+                    log.exception("sglang_request_files[%s]: request sink failed", self.config.replica)
+            await asyncio.sleep(self.config.poll_s)
+
+    def start(self, sink: Sink) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(sink))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+async def start_follower(files: SglangFilesConfig, config: Config, sink: Sink, count: Count,
+                         report: Report | None = None, from_start: bool = False) -> SglangFileFollower:
+    """Follow one replica's export directory (the agent's wiring entry point); ``await stop()``.
+
+    ``report`` (``NodeState.report``) hears of every poll as collector ``sglang_files:<replica>``.
+    """
+    replica = config.replica(files.replica)
+    model = ModelLabels(config.known_models, replica.model_name if replica else None).label(None)
+    follower = SglangFileFollower(files, model, count, from_start, report)
+    follower.start(sink)
+    return follower
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1

@@ -1,0 +1,147 @@
+"""OpenAI-style server-sent events, read as bytes: what the proxy needs to know per event.
+
+The proxy never parses a chunk's JSON on the hot path. It looks for byte markers that JSON escaping
+makes unambiguous: inside a JSON string a quote is always ``\\"``, so ``"content":"`` can only be a
+key followed by a string value, never text inside one.
+
+**Content-bearing** (the one definition; TTFT and inter-chunk gaps use it): an event carries a
+non-empty string in one of the generated-text fields, or a tool-call delta:
+
+- chat: ``delta.content``, ``delta.reasoning_content``, ``delta.reasoning`` (a reasoning-only chunk
+  counts: the model is generating), ``delta.tool_calls`` (a non-empty list);
+- completions: ``choices[].text``.
+
+The first chat chunk ``{"role":"assistant","content":""}`` is not content-bearing, nor is
+``"content":null``, a finish chunk with empty text, the usage chunk or ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+#: a generated-text field with a non-empty string value, or a non-empty tool-call list
+CONTENT = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning)"[ \t]*:[ \t]*"[^"]'
+    rb'|"tool_calls"[ \t]*:[ \t]*\[[ \t]*\{'
+)
+FINISH = re.compile(rb'"finish_reason"[ \t]*:[ \t]*"([A-Za-z0-9_\-]{1,32})"')
+USAGE_MARK = b'"usage"'
+USAGE_OBJECT = re.compile(rb'"usage"[ \t]*:[ \t]*\{')
+EMPTY_CHOICES = re.compile(rb'"choices"[ \t]*:[ \t]*\[[ \t]*\]')
+SEPARATORS = (b"\n\n", b"\r\n\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+def is_content_bearing(event: bytes) -> bool:
+    return CONTENT.search(event) is not None
+
+
+def count_content_events(events: bytes, separator: bytes) -> int:
+    """Content-bearing events among complete events (each ends with ``separator``)."""
+    if events.count(separator) == 1:
+        return 1 if CONTENT.search(events) else 0
+    return sum(1 for event in events.split(separator) if event and CONTENT.search(event))
+
+
+def finish_reason(events: bytes) -> str | None:
+    """The last non-null finish reason in these events, if any."""
+    found = FINISH.findall(events)
+    if not found:
+        return None
+    # several choices (n > 1): a token-budget cut on any of them is what the band needs to know
+    if b"length" in found:
+        return "length"
+    return found[-1].decode("ascii")
+
+
+def event_data(event: bytes) -> bytes:
+    """The ``data:`` payload of one event (several data lines joined with newlines)."""
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+
+
+def parse_usage(event: bytes) -> Usage | None:
+    """Token counts from an event carrying a ``usage`` object (one JSON parse, end of stream)."""
+    return read_usage_event(event)[0]
+
+
+def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, bytes]]]:
+    """Usage and the ``MOVED_FIELDS`` of a usage event, from one JSON parse."""
+    if USAGE_OBJECT.search(event) is None:
+        return None, []
+    try:
+        doc = json.loads(event_data(event))
+    except ValueError:
+        return None, []
+    if not isinstance(doc, dict):
+        return None, []
+    usage = doc.get("usage")
+    parsed = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))) \
+        if isinstance(usage, dict) else None
+    moved = [(key.encode(), json.dumps(doc[key], ensure_ascii=False, separators=(",", ":")).encode())
+             for key in MOVED_FIELDS if key in doc]
+    return parsed, moved
+
+
+def usage_from_body(body: bytes) -> tuple[Usage | None, str | None]:
+    """Usage and finish reason of a non-streaming JSON response."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    usage = doc.get("usage")
+    parsed = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))) \
+        if isinstance(usage, dict) else None
+    reasons = [c.get("finish_reason") for c in doc.get("choices") or () if isinstance(c, dict)]
+    reasons = [r for r in reasons if isinstance(r, str)]
+    reason = "length" if "length" in reasons else (reasons[-1] if reasons else None)
+    return parsed, reason
+
+
+def is_usage_only(event: bytes) -> bool:
+    """The extra chunk ``include_usage`` adds: a usage object and ``"choices":[]``."""
+    return USAGE_OBJECT.search(event) is not None and EMPTY_CHOICES.search(event) is not None
+
+
+def find_usage(events: bytes, separator: bytes) -> Usage | None:
+    """The usage object among complete events (usage-only chunk or riding on a content chunk)."""
+    for event in events.split(separator):
+        if USAGE_MARK in event:
+            usage = parse_usage(event)
+            if usage is not None:
+                return usage
+    return None
+
+
+#: top-level fields vLLM (seen on 0.32) puts on the usage chunk when usage is requested, and on each
+#: choice's final chunk when it is not; moved back there when kvwatch removes the usage chunk
+MOVED_FIELDS = ("system_fingerprint",)
+
+
+def moved_fields(usage_event: bytes) -> list[tuple[bytes, bytes]]:
+    """``MOVED_FIELDS`` of a usage-only event as (key, compact JSON value)."""
+    return read_usage_event(usage_event)[1]
+
+
+def with_fields(event: bytes, fields: list[tuple[bytes, bytes]]) -> bytes:
+    """Append top-level fields to an event's JSON object, as the engine would have written them."""
+    end = event.rfind(b"}")
+    if end < 0:
+        return event
+    extra = b"".join(b',"' + key + b'":' + value for key, value in fields if b'"' + key + b'"' not in event)
+    return event[:end] + extra + event[end:] if extra else event
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value

@@ -1,0 +1,391 @@
+"""Every failure the proxy must survive: the client sees the same kind of failure it would see from
+the engine, the engine is released, the request is recorded with the right outcome, and kvwatch's
+own problems never reach the client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import ClientSession
+
+from kvwatch.config import ProxyConfig
+from kvwatch.model import Outcome
+from kvwatch.requests.accounting import RequestMeter
+from kvwatch.requests.http1 import frame_chunk
+from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT
+
+from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy, wait_for
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_engine(handler: RawHandler) -> AsyncIterator[str]:
+    """An engine that misbehaves at the socket level."""
+
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # kvwatch hung up: part of the scenario
+        finally:
+            writer.close()  # an unclosed transport warns from __del__, which filterwarnings=error raises
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return await reader.readexactly(length)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- upstream failures ---------------------------------------------------------------------------
+
+
+async def test_engine_refusing_connections_gives_502_and_error(http: ClientSession) -> None:
+    harness = await launch_proxy(f"http://127.0.0.1:{closed_port()}")
+    try:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 502
+            assert "cannot connect to the engine" in (await response.json())["error"]["message"]
+        [record] = harness.records
+        assert (record.outcome, record.status_code) == (Outcome.ERROR, 502)
+        assert harness.in_flight.current() == []
+    finally:
+        await harness.server.stop()
+
+
+async def test_engine_5xx_is_relayed_and_recorded_as_error(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                           http: ClientSession) -> None:
+    engine.script = Script(status=503, error_body=b'{"error":"overloaded"}')
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        assert (response.status, await response.read()) == (503, b'{"error":"overloaded"}')
+    [record] = proxy.records
+    assert (record.outcome, record.status_code) == (Outcome.ERROR, 503)
+
+
+async def test_engine_4xx_is_relayed_and_recorded_as_rejected(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                              http: ClientSession) -> None:
+    engine.script = Script(status=400)
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        assert response.status == 400
+        assert await response.read() == engine.script.error_body
+    [record] = proxy.records
+    assert (record.outcome, record.status_code) == (Outcome.REJECTED, 400)
+    # a 400 to the injected body is retried as the client wrote it; 400 again: not our doing
+    assert [json.loads(s.body).get("stream_options") for s in engine.seen] == [{"include_usage": True}, None]
+    assert proxy.server.inject_usage
+
+
+async def test_engine_that_refuses_stream_options_gets_the_clients_body(
+        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine.script = Script(reject_stream_options=True)
+    for _ in range(2):
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 200
+            assert (await response.read()).endswith(DONE)
+    assert not proxy.server.inject_usage
+    assert len(engine.seen) == 3  # refused once, then the client's own body twice
+    assert [r.output_tokens_estimated for r in proxy.records] == [True, True]
+    assert [r.outcome for r in proxy.records] == [Outcome.COMPLETED] * 2
+
+
+async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSession) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for event in (chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": "a"}),
+                      chat_chunk({"content": "b"})):
+            writer.write(frame_chunk(event))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()
+
+    async with raw_engine(handler) as url:
+        harness = await launch_proxy(url)
+        try:
+            received = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+                    assert response.status == 200
+                    async for data in response.content.iter_any():
+                        received += data
+            assert received.count(b"data: ") == 3  # everything the engine sent, then a cut
+            await wait_for(lambda: len(harness.records) == 1)
+            [record] = harness.records
+            assert (record.outcome, record.output_tokens) == (Outcome.ERROR, 2)
+            assert record.output_tokens_estimated
+            assert record.ttft_seconds is not None
+        finally:
+            await harness.server.stop()
+
+
+async def test_engine_silent_past_the_read_timeout_gives_504(http: ClientSession) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(30)
+
+    async with raw_engine(handler) as url:
+        harness = await launch_proxy(url, config=ProxyConfig(upstream_read_timeout_s=0.3))
+        try:
+            started = time.monotonic()
+            async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 504
+            assert time.monotonic() - started < 5
+            [record] = harness.records
+            assert (record.outcome, record.status_code) == (Outcome.ERROR, 504)
+        finally:
+            await harness.server.stop()
+
+
+async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SPDY/9 nonsense\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(handler) as url:
+        harness = await launch_proxy(url)
+        try:
+            async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 502
+        finally:
+            await harness.server.stop()
+
+
+# -- client behaviour --------------------------------------------------------------------------------
+
+
+async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
+        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine.script = Script(contents=[(0.05, "tok")] * 200)
+    async with http.post(f"{proxy.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3000}) as response:
+        seen = 0
+        async for _ in response.content:
+            seen += 1
+            if seen >= 6:
+                break
+        await wait_for(lambda: len(proxy.in_flight.current()) == 1)
+        [live] = proxy.in_flight.current()
+        assert (live.admission_band, live.generated_tokens > 0) == ("1k-5k", True)
+        response.close()
+        left_at = time.perf_counter()
+    await wait_for(lambda: engine.seen[-1].disconnected_at is not None)
+    assert engine.seen[-1].disconnected_at - left_at < 1.0
+    await wait_for(lambda: len(proxy.records) == 1)
+    [record] = proxy.records
+    assert record.outcome is Outcome.ABORTED and record.output_tokens_estimated
+    assert 0 < record.output_tokens < 200
+    assert proxy.in_flight.current() == []
+
+
+async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
+        engine: ScriptedEngine, http: ClientSession) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
+    try:
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+        async with http.post(f"{harness.url}/v1/chat/completions", json=big) as response:
+            assert response.status == 413
+            assert "proxy.max_body_bytes" in (await response.json())["error"]["message"]
+        assert engine.seen == []
+        [record] = harness.records
+        assert (record.outcome, record.status_code, record.model_name) == (Outcome.REJECTED, 413, "tiny")
+    finally:
+        await harness.server.stop()
+
+
+async def test_chunked_request_body_over_the_limit_is_413(engine: ScriptedEngine,
+                                                          http: ClientSession) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield b"x" * 500
+
+    try:
+        async with http.post(f"{harness.url}/v1/chat/completions", data=body()) as response:
+            assert response.status == 413
+        assert engine.seen == []
+    finally:
+        await harness.server.stop()
+
+
+async def test_chunked_request_body_is_forwarded_with_a_length(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                               http: ClientSession) -> None:
+    raw = json.dumps({**CHAT, "stream": False}).encode()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield raw[:10]
+        yield raw[10:]
+
+    async with http.post(f"{proxy.url}/v1/chat/completions", data=body()) as response:
+        assert response.status == 200
+    assert engine.seen[-1].body == raw
+    assert engine.seen[-1].headers["Content-Length"] == str(len(raw))
+
+
+async def _read_until_closed(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+async def test_slow_client_head_times_out_and_is_counted(engine: ScriptedEngine) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # ... and never the rest
+        answer = await _read_until_closed(reader, 5)
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        assert harness.count(TIMED_OUT, "r0") == 1
+        assert engine.seen == []
+    finally:
+        await harness.server.stop()
+
+
+async def test_slow_client_body_times_out(engine: ScriptedEngine) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
+        assert (await _read_until_closed(reader, 5)).startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        assert harness.count(TIMED_OUT, "r0") == 1
+    finally:
+        await harness.server.stop()
+
+
+async def test_silent_connection_is_closed_and_counted(engine: ScriptedEngine) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
+        assert await _read_until_closed(reader, 5) == b""
+        writer.close()
+        assert harness.count(TIMED_OUT, "r0") == 1
+    finally:
+        await harness.server.stop()
+
+
+async def test_malformed_request_head_gets_400(proxy: ProxyHarness) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(b"THIS IS NOT HTTP\r\n\r\n")
+    assert (await _read_until_closed(reader, 5)).startswith(b"HTTP/1.1 400 ")
+    writer.close()
+    assert proxy.records == []
+
+
+# -- kvwatch's own failures ---------------------------------------------------------------------------
+
+
+class ExplodingMeter(RequestMeter):
+    def on_events(self, events: bytes, separator: bytes, now: float) -> None:
+        raise RuntimeError("accounting bug")
+
+
+async def test_accounting_that_raises_never_touches_the_stream(engine: ScriptedEngine,
+                                                               http: ClientSession) -> None:
+    harness = await launch_proxy(engine.url, meter_factory=ExplodingMeter)
+    try:
+        engine.script = Script(contents=[(0.0, "a"), (0.01, "b"), (0.01, "c")])
+        async with http.post(f"{engine.url}/v1/chat/completions", json=CHAT) as response:
+            direct = await response.read()
+        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            proxied = await response.read()
+        assert proxied == direct and b'"usage"' not in proxied  # still stripped
+        assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
+        assert harness.records == []
+        assert harness.in_flight.current() == []
+    finally:
+        await harness.server.stop()
+
+
+async def test_a_sink_that_raises_is_counted(engine: ScriptedEngine, http: ClientSession) -> None:
+    def sink(record: object) -> None:
+        raise OSError("disk full")
+
+    harness = await launch_proxy(engine.url, sink=sink)
+    try:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 200 and (await response.read()).endswith(DONE)
+        assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
+    finally:
+        await harness.server.stop()
+
+
+# -- hostile or odd input -------------------------------------------------------------------------------
+
+
+async def test_unknown_model_names_fold_into_other(engine: ScriptedEngine, http: ClientSession) -> None:
+    harness = await launch_proxy(engine.url, known=frozenset({"alias"}))
+    try:
+        for model in ("tiny", "alias", "gpt-9000-" + "x" * 200, None):
+            body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
+            async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
+                await response.read()
+        assert [r.model_name for r in harness.records] == ["tiny", "alias", "other", "tiny"]
+    finally:
+        await harness.server.stop()
+
+
+async def test_served_model_names_are_learned_from_the_engine(engine: ScriptedEngine,
+                                                              http: ClientSession) -> None:
+    engine.models = ["served-a"]
+    harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
+    try:
+        await wait_for(lambda: "served-a" in harness.server.labels.known)
+        for model in ("served-a", "else", None):
+            body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
+            async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
+                await response.read()
+        assert [r.model_name for r in harness.records] == ["served-a", "other", "served-a"]
+    finally:
+        await harness.server.stop()
+
+
+async def test_non_json_body_goes_to_the_engine_as_sent(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                        http: ClientSession) -> None:
+    async with http.post(f"{proxy.url}/v1/chat/completions", data=b"not json {",
+                         headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 400
+    assert engine.seen[-1].body == b"not json {"
+    [record] = proxy.records
+    assert (record.outcome, record.model_name) == (Outcome.REJECTED, "tiny")
+
+
+async def test_other_paths_pass_through_untouched(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                  http: ClientSession) -> None:
+    headers = {"X-Custom": "kept", "Connection": "keep-alive, X-Hop", "X-Hop": "dropped"}
+    async with http.put(f"{proxy.url}/admin/thing?x=1&y=%20", data=b"\x00\x01binary",
+                        headers=headers) as response:
+        assert (response.status, response.reason) == (218, "Engine Teapot")
+        assert response.headers["X-Engine"] == "scripted"
+        assert await response.read() == b"engine says: PUT /admin/thing?x=1&y=%20"
+    seen = engine.seen[-1]
+    assert seen.body == b"\x00\x01binary" and seen.headers["X-Custom"] == "kept"
+    assert "X-Hop" not in seen.headers
+    async with http.get(f"{proxy.url}/v1/models") as response:
+        assert (await response.json())["data"][0]["id"] == "tiny"
+    assert proxy.records == []  # only completions are measured

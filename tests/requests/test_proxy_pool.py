@@ -1,0 +1,95 @@
+"""Keep-alive connections to the engine: reused while fresh, never when unsafe, and a reused one the
+engine had already closed costs the client nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import ClientSession
+
+from kvwatch.model import Outcome
+
+from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
+from .test_proxy_faults import CHAT, raw_engine, read_request
+
+
+async def test_sequential_requests_reuse_one_engine_connection(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                               http: ClientSession) -> None:
+    for _ in range(3):
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+            await response.read()
+    assert len({s.peer for s in engine.seen}) == 1
+    assert len(proxy.server.pool.idle) == 1
+
+
+async def test_concurrent_requests_use_separate_connections(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                            http: ClientSession) -> None:
+    engine.script = Script(contents=[(0.2, "slow")])
+
+    async def one() -> None:
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+            await response.read()
+
+    await asyncio.gather(one(), one(), one())
+    assert len({s.peer for s in engine.seen}) == 3
+    assert all(r.outcome is Outcome.COMPLETED for r in proxy.records)
+
+
+async def test_aborted_exchange_never_returns_its_connection(engine: ScriptedEngine, proxy: ProxyHarness,
+                                                             http: ClientSession) -> None:
+    engine.script = Script(contents=[(0.05, "tok")] * 100)
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        await response.content.readline()
+        response.close()
+    await asyncio.sleep(0.2)
+    assert proxy.server.pool.idle == []
+
+
+async def test_a_pooled_connection_the_engine_closed_is_replaced_transparently(http: ClientSession) -> None:
+    """The engine answers the first request on a connection and silently drops any later one (as a
+    server whose keep-alive timer fired at the wrong moment does)."""
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        body = (b'{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}],'
+                b'"usage":{"completion_tokens":1}}')
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        try:
+            await read_request(reader)  # the reused connection's request: dropped unanswered
+        except asyncio.IncompleteReadError:
+            return  # kvwatch closed the idle connection itself (at shutdown)
+        writer.transport.abort()
+
+    async with raw_engine(handler) as url:
+        harness = await launch_proxy(url)
+        try:
+            for _ in range(3):
+                body = {**CHAT, "stream": False}
+                async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
+                    assert response.status == 200 and b'"ok"' in await response.read()
+            assert connections == 3  # the first, then each reuse dropped and retried on a new one
+            assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 3
+        finally:
+            await harness.server.stop()
+
+
+async def test_engine_saying_connection_close_is_not_pooled(http: ClientSession) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async with raw_engine(handler) as url:
+        harness = await launch_proxy(url)
+        try:
+            async with http.get(f"{harness.url}/health") as response:
+                assert await response.read() == b"ok"
+            assert harness.server.pool.idle == []
+        finally:
+            await harness.server.stop()
