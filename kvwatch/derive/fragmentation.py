@@ -64,11 +64,12 @@ def engine_live_tokens(sample: ReplicaSample) -> float | None:
 def running_requests(requests: Sequence[InFlightRequest], running: float | None) -> list[InFlightRequest]:
     """The requests the engine is running, as far as the proxy can tell.
 
-    The proxy cannot see the engine's queue. When the engine reports ``running``, the oldest that
-    many in-flight requests are taken as running (first come, first served); the rest are queued and
-    hold no KV. Without a running count every in-flight request counts.
+    The proxy cannot see the engine's queue. When the engine reports ``running``, that many in-flight
+    requests are taken as running: those already streaming first (a request without its first token
+    is most likely still queued), oldest first within each group (first come, first served); the
+    rest are queued and hold no KV. Without a running count every in-flight request counts.
     """
-    ordered = sorted(requests, key=lambda r: r.started_at)
+    ordered = sorted(requests, key=lambda r: (r.generated_tokens == 0, r.started_at))
     if running is None:
         return ordered
     return ordered[: max(int(running), 0)]

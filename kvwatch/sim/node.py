@@ -217,6 +217,7 @@ class SimNode:
         self.engines = [SimEngine(config.engine, name=str(i)) for i in range(config.replicas)]
         self.servers: list[SimServer] = []
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sim = 0.0  # time every engine has been advanced to
         self._last_now = 0.0
         self._tick_wall = 0.0
@@ -243,7 +244,7 @@ class SimNode:
             )
             await server.start(cfg.host, cfg.ports[j] if cfg.ports else 0)
             self.servers.append(server)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._wall_start = self._tick_wall = loop.time()
         self._sim_start = self._sim
         self._task = asyncio.create_task(self._drive(), name="kvwatch-sim-clock")
@@ -288,10 +289,11 @@ class SimNode:
         return self._task is not None and not self._task.done()
 
     def now(self) -> float:
-        """Current simulated time: the last tick's, plus wall time since then x speed (monotone)."""
+        """Current simulated time: the last tick's, plus wall time since then x speed (monotone).
+        Safe to call from other threads (the agent polls GPUs in a worker thread)."""
         t = self._sim
-        if self._task is not None:
-            elapsed = asyncio.get_running_loop().time() - self._tick_wall
+        if self._task is not None and self._loop is not None:
+            elapsed = self._loop.time() - self._tick_wall
             t += min(elapsed, self.config.tick_s) * self.config.speed
         t = max(t, self._last_now)
         self._last_now = t

@@ -148,7 +148,7 @@ class StatusView:
 
 
 def derived_of(state: NodeState) -> DerivedView | None:
-    """The one accessor for derived KV signals (kept by ``kvwatch.derived.update_derived``)."""
+    """The one accessor for derived KV signals (kept by ``kvwatch.agent.derived.update_derived``)."""
     return state.derived
 
 

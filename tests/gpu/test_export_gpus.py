@@ -14,7 +14,7 @@ from kvwatch.export.catalog import CATALOG
 from kvwatch.export.gpus import GpuCollector
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
-from kvwatch.gpu_poller import refresh_gpu_state
+from kvwatch.agent.gpu import refresh_gpu_state
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 

@@ -12,7 +12,7 @@ from kvwatch.config import Config, NvmlConfig, ReplicaConfig
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.gpu.processes import ProcReader
-from kvwatch.gpu_poller import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
+from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
@@ -94,7 +94,7 @@ def test_refresh_mapping_end_to_end(state: NodeState, proc: FakeProc, tmp_path: 
     assert node.start()
     refresh_gpu_state(node, state)
     seen: set[str] = set()
-    with caplog.at_level(logging.WARNING, logger="kvwatch.gpu_poller"):
+    with caplog.at_level(logging.WARNING, logger="kvwatch.agent.gpu"):
         result = refresh_mapping(config, state, ProcReader(proc.root), seen)
         refresh_mapping(config, state, ProcReader(proc.root), seen)
     u = [fake.gpu(i).uuid for i in range(4)]

@@ -2,7 +2,7 @@
 
 Two vLLM replicas of one model on two H200s (r0 behind the kvwatch proxy, queueing and preempting;
 r1 idle with free KV) and one SGLang replica whose scrapes fail. Two engine scrapes 10 s apart feed
-``kvwatch.derived.update_derived``, so headroom, preemption rates, stranded capacity and PCIe rates
+``kvwatch.agent.derived.update_derived``, so headroom, preemption rates, stranded capacity and PCIe rates
 are what the agent itself would compute.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvwatch.config import Config, config_from_mapping
-from kvwatch.derived import update_derived
+from kvwatch.agent.derived import update_derived
 from kvwatch.model import GpuSample, InFlightRequest, Outcome, ReplicaSample, RequestRecord
 from kvwatch.state import NodeState
 

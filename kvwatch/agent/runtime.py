@@ -1,0 +1,254 @@
+"""``Agent``: starts and stops every source and server of ``kvwatch run`` (and ``kvwatch demo``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from aiohttp import web
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from kvwatch.agent.derived import update_derived
+from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
+from kvwatch.config import Config, ReplicaConfig
+from kvwatch.engines.scraper import scrape_target
+from kvwatch.export.collector import NodeCollector
+from kvwatch.export.derived import DerivedCollector
+from kvwatch.export.gpus import GpuCollector
+from kvwatch.export.replicas import ReplicaCollector
+from kvwatch.export.requests import RequestCollector
+from kvwatch.export.server import make_registry, metrics_app
+from kvwatch.gpu.events import XidWatcher
+from kvwatch.gpu.nvml import NvmlCollector
+from kvwatch.model import RequestRecord
+from kvwatch.state import NodeState
+
+log = logging.getLogger(__name__)
+
+RouteFactory = Callable[[NodeState, Config], Iterable[web.RouteDef]]
+
+
+class Agent:
+    """One node's agent. ``await start()``, then ``await stop()`` (SIGTERM handling is the caller's).
+
+    ``nvml`` overrides the NVML module (the demo passes a ``FakeNvml`` driven by the simulator);
+    ``route_factories`` add HTTP routes next to ``/metrics`` (the status page); ``clock`` is the
+    node's time (unix seconds) and ``proxy_clock`` what the proxies measure durations with (the demo
+    passes the simulator's clocks for both).
+    """
+
+    def __init__(self, config: Config, *, nvml: Any = None, proc: Any = None,
+                 route_factories: Iterable[RouteFactory] = (), clock: Callable[[], float] = time.time,
+                 proxy_clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        self.clock = clock
+        self.proxy_clock = proxy_clock
+        self.state = NodeState(config.node, config.length_bands)
+        self._nvml_override = nvml
+        self._proc = proc
+        self._route_factories = tuple(route_factories)
+        self._client: httpx.AsyncClient | None = None
+        self._scheduler: AsyncIOScheduler | None = None
+        self._runner: web.AppRunner | None = None
+        self._site_port: int | None = None
+        self._gpu: Any = None  # NvmlCollector
+        self._xid: Any = None  # XidWatcher
+        self._proxies: list[Any] = []
+        self._otlp: Any = None
+        self._followers: list[Any] = []
+        self._ledger: Any = None
+        self._first_round: set[str] = set()
+        self._mapping_notes: set[str] = set()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=max(8, 2 * len(cfg.replicas)), max_keepalive_connections=64),
+            follow_redirects=False,
+            headers={"Accept": "text/plain;version=0.0.4, */*;q=0.1", "User-Agent": "kvwatch"},
+        )
+        self._start_ledger()
+        self._scheduler = AsyncIOScheduler(event_loop=asyncio.get_running_loop())
+        for replica in cfg.replicas:
+            self._scheduler.add_job(
+                self._scrape, "interval", args=[replica], seconds=cfg.intervals.engine_s,
+                id=f"engine:{replica.name}", next_run_time=_now_dt(), max_instances=1, coalesce=True,
+                misfire_grace_time=max(1, int(cfg.intervals.engine_s)),
+            )
+        await self._start_gpu()
+        self._scheduler.start()
+        await self._start_request_sources()
+        await self._start_http()
+        self._started = True
+
+    async def stop(self) -> None:
+        """Stop sources first (proxies close upstreams, so engines free KV), then the server."""
+        if self._scheduler is not None and self._scheduler.running:
+            self._scheduler.shutdown(wait=False)
+        for proxy in self._proxies:
+            await proxy.stop()
+        self._proxies.clear()
+        if self._otlp is not None:
+            await self._otlp.stop()
+            self._otlp = None
+        for follower in self._followers:
+            await follower.stop()
+        self._followers.clear()
+        if self._xid is not None:
+            await asyncio.to_thread(self._xid.stop)
+            self._xid = None
+        if self._gpu is not None:
+            await asyncio.to_thread(self._gpu.stop)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self._ledger is not None:
+            await asyncio.to_thread(self._ledger.stop)
+            self._ledger = None
+
+    @property
+    def port(self) -> int:
+        """The port ``/metrics`` listens on (useful with ``listen: 127.0.0.1:0``)."""
+        assert self._site_port is not None, "agent not started"
+        return self._site_port
+
+    @property
+    def proxy_ports(self) -> dict[str, int]:
+        return {p.replica: p.port for p in self._proxies}
+
+    @property
+    def otlp_port(self) -> int | None:
+        return None if self._otlp is None else self._otlp.port
+
+    def ready(self) -> bool:
+        """Ready once every configured source has been tried once (not: every engine is up)."""
+        if not self._started:
+            return False
+        wanted = {r.name for r in self.config.replicas}
+        return wanted <= self._first_round
+
+    # -- engines -----------------------------------------------------------------------------------
+    async def _scrape(self, replica: ReplicaConfig) -> None:
+        assert self._client is not None
+        await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock)
+        self._first_round.add(replica.name)
+        self._update_derived()
+
+    def _update_derived(self) -> None:
+        try:
+            update_derived(self.state, self.config, self.clock())
+        except Exception:
+            # keep the previous view (its recompute estimate is a counter that must not reset)
+            log.exception("deriving KV signals failed; the previous derived view is kept")
+
+    # -- GPUs --------------------------------------------------------------------------------------
+    async def _start_gpu(self) -> None:
+
+        cfg = self.config
+        module = self._nvml_override if self._nvml_override is not None else nvml_backend(cfg.nvml)
+        if module is None:
+            log.info("NVML collection disabled by config (nvml.enabled: false)")
+            return
+        self._gpu = NvmlCollector(module, now=self.clock)
+        available = await asyncio.to_thread(self._gpu.start)
+        if available and cfg.nvml.events:
+            self._xid = XidWatcher(xid_recorder(self.state), module)
+            started = await asyncio.to_thread(self._xid.start)
+            if not started:
+                self._xid = None
+        assert self._scheduler is not None
+        self._scheduler.add_job(self._poll_gpus, "interval", seconds=cfg.intervals.gpu_s, id="nvml",
+                                next_run_time=_now_dt(), max_instances=1, coalesce=True)
+        self._scheduler.add_job(self._map_gpus, "interval", seconds=cfg.intervals.process_map_s,
+                                id="gpu_mapping", next_run_time=_now_dt(), max_instances=1, coalesce=True)
+
+    async def _poll_gpus(self) -> None:
+        await asyncio.to_thread(refresh_gpu_state, self._gpu, self.state, self.clock())
+        self._update_derived()
+
+    async def _map_gpus(self) -> None:
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(refresh_mapping, self.config, self.state, self._proc,
+                                    self._mapping_notes)
+        except Exception as exc:
+            log.exception("replica -> GPU mapping failed")
+            self.state.report("gpu_mapping", False, time.perf_counter() - started, repr(exc))
+            return
+        self.state.report("gpu_mapping", True, time.perf_counter() - started, now=self.clock())
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _start_ledger(self) -> None:
+        ledger_cfg = self.config.ledger
+        if ledger_cfg.path is None:
+            return
+        from kvwatch.requests.ledger import RequestLedger
+
+        self._ledger = RequestLedger(ledger_cfg.path, self.config.length_bands, ledger_cfg.max_bytes,
+                                     ledger_cfg.backups, counter=self.state.count)
+        self._ledger.start()
+        log.info("request ledger: %s (max %d bytes x %d files)", ledger_cfg.path, ledger_cfg.max_bytes,
+                 ledger_cfg.backups + 1)
+
+    def record(self, record: RequestRecord) -> None:
+        """The sink every request source hands finished requests to."""
+        self.state.requests.observe(record)
+        if self._ledger is not None:
+            self._ledger.write(record)
+
+    async def _start_request_sources(self) -> None:
+        cfg = self.config
+        proxied = [r for r in cfg.replicas if r.proxy_listen is not None]
+        if proxied:
+            from kvwatch.requests.proxy import start_proxy
+
+            for replica in proxied:
+                self._proxies.append(await start_proxy(
+                    replica, cfg.proxy, cfg.known_models, cfg.length_bands, self.state.in_flight,
+                    self.record, self.state.count, clock=self.proxy_clock))
+        if cfg.otlp.listen is not None:
+            from kvwatch.requests.otlp import start_otlp_receiver
+
+            self._otlp = await start_otlp_receiver(cfg, self.record, self.state.count, self.state.report)
+        for files in cfg.sglang_request_files:
+            from kvwatch.requests.sglang_files import start_follower
+
+            self._followers.append(await start_follower(files, cfg, self.record, self.state.count,
+                                                             self.state.report))
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    async def _start_http(self) -> None:
+        cfg = self.config
+        areas = {
+            "replicas": ReplicaCollector(self.state, cfg),
+            "derived": DerivedCollector(self.state, cfg),
+            "gpus": GpuCollector(self.state, cfg),
+            "requests": RequestCollector(self.state, cfg),
+        }
+        registry = make_registry(NodeCollector(self.state, cfg, areas))
+        routes = [route for factory in self._route_factories for route in factory(self.state, cfg)]
+        app = metrics_app(registry, self.ready, routes)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound socket only here
+        sockets = getattr(server, "sockets", None) or []
+        self._site_port = sockets[0].getsockname()[1] if sockets else cfg.listen.port
+        log.info("kvwatch listening on %s:%d (/metrics, /-/healthy, /-/ready)", cfg.listen.host,
+                 self._site_port)
+
+
+def _now_dt() -> datetime:
+    """APScheduler's ``next_run_time`` for "run once right away, then on the interval"."""
+    return datetime.now(UTC)

@@ -1,0 +1,189 @@
+"""``kvwatch demo``'s node: simulated engine replicas, fake GPUs, a reasoning workload, the real agent.
+
+Wiring only. The numbers come from the simulator (``kvwatch/sim``): a paged-KV engine per replica
+speaking vLLM's ``/metrics`` and OpenAI API; the agent scrapes them, its proxies relay every request
+of the load generator, and a fake NVML reports GPUs whose memory and PCIe traffic follow the
+simulated engines. Time runs ``speed``× faster than the wall clock, and the agent runs on the
+node's time: latencies, headroom and rates kvwatch derives are in simulated seconds (its timestamps
+are the start time plus simulated time, so they run ahead of the wall clock). Prometheus' own
+``rate()`` over the demo is per wall second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from kvwatch.agent import Agent
+from kvwatch.config import (
+    Config,
+    HostPort,
+    IntervalsConfig,
+    NvmlConfig,
+    ReplicaConfig,
+    parse_host_port,
+)
+from kvwatch.gpu.fake import FakeNvml
+from kvwatch.sim.loadgen import LoadGenConfig, LoadGenerator, LoadReport
+from kvwatch.sim.node import NodeConfig, SimNode, h200_node
+from kvwatch.sim.presets import DEMO_MODEL, demo_router, demo_workload
+from kvwatch.sim.routing import RouterSpec
+from kvwatch.sim.workload import generate
+from kvwatch.status.page import make_status_routes
+
+log = logging.getLogger(__name__)
+
+GPU_SYNC_S = 0.5  # wall seconds between pushes of simulated GPU state into the fake NVML
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings:
+    replicas: int = 8
+    model: str = DEMO_MODEL
+    tp: int = 1
+    speed: float = 20.0  # simulated seconds per wall second
+    tick_s: float = 0.05  # wall seconds per simulator tick (= SSE chunk cadence)
+    listen: HostPort = dataclasses.field(default_factory=lambda: parse_host_port("127.0.0.1:9477"))
+    rate: float | None = None  # requests per simulated second; None = the preset's
+    router: str = "skewed"  # skewed | least_loaded | round_robin | random
+    seed: int = 0
+    ledger: str | None = None
+    scrape_interval_s: float = 1.0
+
+
+def node_config(settings: DemoSettings) -> NodeConfig:
+    gpus = settings.replicas * settings.tp
+    cfg = h200_node(settings.model, tp=settings.tp, gpus=gpus, speed=settings.speed,
+                    enable_prefix_caching=False)
+    return dataclasses.replace(cfg, tick_s=settings.tick_s, seed=settings.seed)
+
+
+def agent_config(settings: DemoSettings, node: SimNode) -> Config:
+    """The config a user would write for this node: one replica per simulated engine."""
+    tp = node.config.engine.tp
+    replicas = tuple(
+        ReplicaConfig(
+            name=f"replica-{i}",
+            backend="vllm",
+            metrics_url=f"{url}/metrics",
+            api_url=url,
+            proxy_listen=HostPort("127.0.0.1", 0),
+            model_name=node.config.model_name,
+            gpus=tuple(str(g) for g in range(i * tp, (i + 1) * tp)),
+        )
+        for i, url in enumerate(node.replica_urls)
+    )
+    interval = settings.scrape_interval_s
+    return Config(
+        replicas=replicas,
+        listen=settings.listen,
+        node="demo-h200-node",
+        intervals=IntervalsConfig(engine_s=interval, gpu_s=interval, slots_s=interval, process_map_s=5.0),
+        nvml=NvmlConfig(enabled=True, fake_gpus=0, events=True),
+        ledger=dataclasses.replace(Config().ledger, path=settings.ledger),
+    )
+
+
+def router_spec(settings: DemoSettings) -> RouterSpec:
+    if settings.router == "skewed":
+        return demo_router(settings.seed)
+    return RouterSpec(settings.router, seed=settings.seed)
+
+
+class DemoNode:
+    """Start/stop the whole simulated node. ``await run(duration)`` drives the workload."""
+
+    def __init__(self, settings: DemoSettings) -> None:
+        self.settings = settings
+        self.node = SimNode(node_config(settings))
+        self.fake = FakeNvml(self.node.config.gpus)
+        self.agent: Agent | None = None
+        self.loadgen: LoadGenerator | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._pcie_seen: dict[int, tuple[float, float]] = {}
+
+    @property
+    def config(self) -> Config:
+        assert self.agent is not None
+        return self.agent.config
+
+    async def start(self) -> None:
+        await self.node.start()
+        self._sync_gpus(0.0)
+        config = agent_config(self.settings, self.node)
+        epoch = time.time()
+        self.agent = Agent(config, nvml=self.fake, route_factories=[make_status_routes],
+                           clock=lambda: epoch + self.node.now(), proxy_clock=self.node.now)
+        await self.agent.start()
+        proxies = self.agent.proxy_ports
+        base_urls = [f"http://127.0.0.1:{proxies[r.name]}" for r in config.replicas]
+        self.loadgen = LoadGenerator(
+            base_urls, model=self.node.config.model_name, router=router_spec(self.settings),
+            config=LoadGenConfig(speed=self.settings.speed, seed=self.settings.seed))
+        self._tasks.append(asyncio.create_task(self._gpu_sync_loop(), name="kvwatch-demo-gpus"))
+
+    async def run(self, duration_s: float | None, stop: asyncio.Event | None = None) -> LoadReport:
+        """Send the workload until ``duration_s`` wall seconds pass (None: forever) or ``stop`` is set;
+        clients still waiting then disconnect (their KV is freed through the proxy)."""
+        assert self.loadgen is not None
+        spec = demo_workload(self.settings.seed)
+        if self.settings.rate is not None:
+            spec = dataclasses.replace(spec, rate=self.settings.rate)
+        sim_duration = None if duration_s is None else duration_s * self.settings.speed
+        horizon = sim_duration if sim_duration is not None else 24 * 3600.0
+        requests = generate(spec, duration=horizon)
+        load = asyncio.create_task(self.loadgen.run(requests, duration=sim_duration, drain=False))
+        waiters = [load]
+        if stop is not None:
+            waiters.append(asyncio.create_task(stop.wait()))
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiters:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+        await self.loadgen.close()
+        return self.loadgen.report
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.loadgen is not None:
+            await self.loadgen.close()
+        if self.agent is not None:
+            await self.agent.stop()
+        await self.node.stop()
+
+    # -- fake GPUs follow the simulated engines ---------------------------------------------------
+    async def _gpu_sync_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(GPU_SYNC_S)
+            now = loop.time()
+            self._sync_gpus(now - last)
+            last = now
+
+    def _sync_gpus(self, wall_elapsed: float) -> None:
+        node, fake = self.node, self.fake
+        for gpu in range(node.config.gpus):
+            replica, _rank = node.gpu_replica(gpu)
+            device = fake.gpu(gpu)
+            device.memory_used_bytes = int(min(node.gpu_memory_used_bytes(replica),
+                                               device.memory_total_bytes - device.memory_reserved_bytes))
+            tx, rx = node.pcie_bytes(replica)
+            seen_tx, seen_rx = self._pcie_seen.get(gpu, (0.0, 0.0))
+            fake.add_pcie_traffic(gpu, int(max(tx - seen_tx, 0)), int(max(rx - seen_rx, 0)))
+            self._pcie_seen[gpu] = (max(tx, seen_tx), max(rx, seen_rx))
+            engine = node.engines[replica]
+            busy = bool(engine.running_ids())
+            device.utilization_gpu = 100 if busy else 0
+            device.utilization_memory = min(100, int(100 * engine.kv_usage)) if busy else 0
+        if wall_elapsed > 0:
+            fake.advance(wall_elapsed * node.config.speed)
