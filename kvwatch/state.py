@@ -8,6 +8,8 @@ samples are dropped rather than served as if fresh.
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import threading
 import time
 from collections import Counter
@@ -154,11 +156,17 @@ class Histogram:
         self.sum += total
 
     def cumulative(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, c in zip((*self.bounds, float("inf")), self.bins, strict=True):
-            running += c
-            out.append((buckets.le_label(bound), float(running)))
-        return out
+        return list(zip(le_labels(self.bounds), self.cumulative_counts(), strict=True))
+
+    def cumulative_counts(self) -> list[float]:
+        """Cumulative bucket counts, ``+Inf`` last (aligned with ``le_labels(bounds)``)."""
+        return [float(c) for c in itertools.accumulate(self.bins)]
+
+
+@functools.cache
+def le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label values of a bucket layout, ``+Inf`` last."""
+    return (*(buckets.le_label(b) for b in bounds), "+Inf")
 
 
 HISTOGRAM_FAMILIES = {
@@ -185,6 +193,9 @@ class RequestStats:
         self.histograms: dict[tuple[str, str, str, str], dict[str, Histogram]] = {}
         self.outcomes: Counter[tuple[str, str, str, str, str]] = Counter()
         self.estimated: Counter[tuple[str, str, str, str]] = Counter()
+        #: (replica, model, band, source) -> requests whose longest gap was a preemption stall; a key
+        #: is present (at 0) once a request with a measured longest gap was seen
+        self.stalls: Counter[tuple[str, str, str, str]] = Counter()
         self.observed = 0
 
     def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
@@ -193,8 +204,11 @@ class RequestStats:
             hists = self.histograms[key] = {name: Histogram(b) for name, b in self.bounds.items()}
         return hists
 
-    def observe(self, record: RequestRecord) -> str:
-        """Fold one finished request in; returns the length band it was counted in."""
+    def observe(self, record: RequestRecord, stalled: bool | None = None) -> str:
+        """Fold one finished request in; returns the length band it was counted in.
+
+        ``stalled``: whether its longest gap overlapped a preemption (None: not measured).
+        """
         band = self.bands.band_for(record.output_tokens)
         key = (record.replica, record.model_name, band, record.source)
         tpot = record.tpot_seconds
@@ -216,6 +230,8 @@ class RequestStats:
             self.outcomes[(*key, record.outcome.value)] += 1
             if record.output_tokens_estimated:
                 self.estimated[key] += 1
+            if stalled is not None:
+                self.stalls[key] += int(stalled)
             self.observed += 1
         return band
 
@@ -233,6 +249,11 @@ class RequestStats:
                     copies[name] = c
                 hists[key] = copies
             return hists, dict(self.outcomes), dict(self.estimated)
+
+    def stall_counts(self) -> dict[tuple[str, str, str, str], int]:
+        """A copy of the preemption-stall counts, for exporters."""
+        with self._lock:
+            return dict(self.stalls)
 
     def outcome_keys(self) -> tuple[str, ...]:
         return OUTCOMES

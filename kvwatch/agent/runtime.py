@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +17,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from kvwatch.agent.derived import update_derived
 from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.config import Config, ReplicaConfig
+from kvwatch.derive.recompute import request_stalled
 from kvwatch.engines.scraper import scrape_target
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
@@ -33,13 +35,28 @@ log = logging.getLogger(__name__)
 RouteFactory = Callable[[NodeState, Config], Iterable[web.RouteDef]]
 
 
+def _ends_quietly_on_shutdown(job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """A scheduled job cancelled because the agent stops just ends (APScheduler would log the
+    cancellation as a failed job with a traceback)."""
+
+    @functools.wraps(job)
+    async def run(*args: Any) -> None:
+        try:
+            await job(*args)
+        except asyncio.CancelledError:
+            log.debug("%s cancelled: the agent is stopping", job.__name__)
+
+    return run
+
+
 class Agent:
     """One node's agent. ``await start()``, then ``await stop()`` (SIGTERM handling is the caller's).
 
     ``nvml`` overrides the NVML module (the demo passes a ``FakeNvml`` driven by the simulator);
     ``route_factories`` add HTTP routes next to ``/metrics`` (the status page); ``clock`` is the
-    node's time (unix seconds) and ``proxy_clock`` what the proxies measure durations with (the demo
-    passes the simulator's clocks for both).
+    node's time (unix seconds: scrapes, derived signals, and the proxies' request dates, so a request's
+    gaps and the engine's preemption windows compare) and ``proxy_clock`` what the proxies measure
+    durations with (the demo passes the simulator's clocks for both).
     """
 
     def __init__(self, config: Config, *, nvml: Any = None, proc: Any = None,
@@ -138,6 +155,7 @@ class Agent:
         return wanted <= self._first_round
 
     # -- engines -----------------------------------------------------------------------------------
+    @_ends_quietly_on_shutdown
     async def _scrape(self, replica: ReplicaConfig) -> None:
         assert self._client is not None
         await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock)
@@ -172,10 +190,12 @@ class Agent:
         self._scheduler.add_job(self._map_gpus, "interval", seconds=cfg.intervals.process_map_s,
                                 id="gpu_mapping", next_run_time=_now_dt(), max_instances=1, coalesce=True)
 
+    @_ends_quietly_on_shutdown
     async def _poll_gpus(self) -> None:
         await asyncio.to_thread(refresh_gpu_state, self._gpu, self.state, self.clock())
         self._update_derived()
 
+    @_ends_quietly_on_shutdown
     async def _map_gpus(self) -> None:
         started = time.perf_counter()
         try:
@@ -201,8 +221,14 @@ class Agent:
                  ledger_cfg.backups + 1)
 
     def record(self, record: RequestRecord) -> None:
-        """The sink every request source hands finished requests to."""
-        self.state.requests.observe(record)
+        """The sink every request source hands finished requests to.
+
+        A request whose longest gap the source measured (the proxy) is judged a preemption stall or
+        not here, against its replica's preemption windows in the current derived view.
+        """
+        derived = self.state.derived
+        windows = derived.preemption_windows(record.replica) if derived is not None else ()
+        self.state.requests.observe(record, stalled=request_stalled(record, windows))
         if self._ledger is not None:
             self._ledger.write(record)
 
@@ -215,7 +241,7 @@ class Agent:
             for replica in proxied:
                 self._proxies.append(await start_proxy(
                     replica, cfg.proxy, cfg.known_models, cfg.length_bands, self.state.in_flight,
-                    self.record, self.state.count, clock=self.proxy_clock))
+                    self.record, self.state.count, clock=self.proxy_clock, wall_clock=self.clock))
         if cfg.otlp.listen is not None:
             from kvwatch.requests.otlp import start_otlp_receiver
 

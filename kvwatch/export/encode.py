@@ -9,12 +9,21 @@ encoder to byte equality with ``generate_latest`` on a full node; docs/performan
 
 from __future__ import annotations
 
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 _MAX_CACHED_LABEL_SETS = 200_000
 _OM_SUFFIXES = ("_created", "_gsum", "_gcount")
 _TYPE_MAP = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+
+
+def _go_float(value: float) -> str:
+    """``floatToGoString`` with a fast path for the small whole numbers bucket counts are."""
+    if value.is_integer() and 0 <= value < 1e6:
+        return f"{int(value)}.0"
+    return floatToGoString(value)
 
 
 def _escape_value(value: str) -> str:
@@ -27,11 +36,46 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
+class HistogramRows(Metric):
+    """A histogram family whose lines the encoder renders from cached per-series prefixes.
+
+    Request histograms are most of a busy node's exposition (6 families x bands x replicas x ~20
+    buckets); their label sets never change, so each series' line prefixes are built once.
+    ``samples`` is still available (built on demand) for any other consumer of the collector.
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        super().__init__(name, documentation, "histogram")
+        self.labelnames = labelnames
+        self.rows: list[tuple[tuple[str, ...], tuple[str, ...], list[float], float]] = []
+
+    def add_row(self, label_values: tuple[str, ...], le_labels: tuple[str, ...],
+                cumulative: list[float], total: float) -> None:
+        """One series: ``le`` strings (``+Inf`` last) with their cumulative counts, and the sum."""
+        self.rows.append((label_values, le_labels, cumulative, total))
+
+    @property
+    def samples(self) -> list[Sample]:  # type: ignore[override]
+        out = []
+        for values, les, counts, total in self.rows:
+            labels = dict(zip(self.labelnames, values, strict=True))
+            out.extend(Sample(f"{self.name}_bucket", {**labels, "le": le}, float(c))
+                       for le, c in zip(les, counts, strict=True))
+            out.append(Sample(f"{self.name}_count", labels, float(counts[-1])))
+            out.append(Sample(f"{self.name}_sum", labels, float(total)))
+        return out
+
+    @samples.setter
+    def samples(self, _value: list[Sample]) -> None:  # Metric.__init__ assigns []
+        pass
+
+
 class TextEncoder:
     """Renders a registry (or any collector) to the text format; keeps a label-block cache."""
 
     def __init__(self) -> None:
         self._labels: dict[tuple[tuple[str, str], ...], str] = {}
+        self._prefixes: dict[tuple[str, tuple[str, ...], tuple[str, ...]], tuple[list[str], str, str]] = {}
 
     def _label_block(self, labels: dict[str, str]) -> str:
         if not labels:
@@ -59,6 +103,9 @@ class TextEncoder:
                 exposed = name
             help_text = _escape_help(metric.documentation)
             append(f"# HELP {exposed} {help_text}\n# TYPE {exposed} {_TYPE_MAP.get(kind, kind)}\n")
+            if isinstance(metric, HistogramRows):
+                self._histogram_rows(metric, append)
+                continue
             extra: dict[str, list[str]] = {}
             for s in metric.samples:
                 line = self._sample(s, label_block)
@@ -71,6 +118,29 @@ class TextEncoder:
                 append(f"# HELP {name}{suffix} {help_text}\n# TYPE {name}{suffix} gauge\n")
                 out.extend(lines)
         return "".join(out).encode("utf-8")
+
+    def _histogram_rows(self, metric: HistogramRows, append) -> None:
+        for values, les, counts, total in metric.rows:
+            buckets, count_prefix, sum_prefix = self._row_prefixes(metric, values, les)
+            for prefix, c in zip(buckets, counts, strict=True):
+                append(prefix + _go_float(c) + "\n")
+            append(count_prefix + _go_float(counts[-1]) + "\n")
+            append(sum_prefix + floatToGoString(total) + "\n")
+
+    def _row_prefixes(self, metric: HistogramRows, values: tuple[str, ...],
+                      les: tuple[str, ...]) -> tuple[list[str], str, str]:
+        key = (metric.name, values, les)
+        cached = self._prefixes.get(key)
+        if cached is None:
+            if len(self._prefixes) >= _MAX_CACHED_LABEL_SETS:
+                self._prefixes.clear()
+            labels = dict(zip(metric.labelnames, values, strict=True))
+            bucket_name = metric.name + "_bucket"
+            buckets = [f"{bucket_name}{self._label_block({**labels, 'le': le})} " for le in les]
+            block = self._label_block(labels)
+            cached = (buckets, f"{metric.name}_count{block} ", f"{metric.name}_sum{block} ")
+            self._prefixes[key] = cached
+        return cached
 
     @staticmethod
     def _sample(sample, label_block) -> str:

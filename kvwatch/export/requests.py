@@ -9,7 +9,12 @@ source``; the band is the request's final output-token count (docs/requests.md).
 loses its first increment to ``rate()``/``increase()``, and an error-ratio query over a band that
 had no errors yet should say 0, not "no data". Histograms are not pre-created (27 buckets x 6
 families x 6 bands per key is too many series for what it buys: an SLO ratio over a band with no
-traffic has no meaningful value anyway).
+traffic has no meaningful value anyway), and a histogram with no observation yet is left out (a
+proxy never observes engine queue time, so that family stays empty for proxied replicas).
+
+``kvwatch_request_preemption_stalls_total`` (proxy only, the one source that measures each request's
+longest gap) counts finished requests whose longest gap was a preemption stall; it starts at zero
+for every band of each configured proxy replica, like the outcome counter.
 
 In-flight gauges (proxy only) are labelled by the *admission* band, from the request's
 ``max_tokens``, since a running request's final length is not known yet; every configured proxy
@@ -28,8 +33,9 @@ from prometheus_client.core import Metric
 
 from kvwatch.config import Config
 from kvwatch.export.catalog import spec
+from kvwatch.export.encode import HistogramRows
 from kvwatch.model import OUTCOMES
-from kvwatch.state import NodeState
+from kvwatch.state import NodeState, le_labels
 
 HISTOGRAMS = (
     "kvwatch_request_ttft_seconds",
@@ -69,16 +75,19 @@ class RequestCollector:
         hists, outcomes, estimated = self.state.requests.snapshot()
         keys = sorted(hists)
         for name in HISTOGRAMS:
-            family = spec(name).histogram()
+            catalog = spec(name)
+            family = HistogramRows(catalog.name, catalog.help, catalog.labels)
             for key in keys:
                 h = hists[key][name]
-                family.add_metric(list(key), h.cumulative(), h.sum)
+                if h.count:  # a family this source never observes (queue time at a proxy) stays out
+                    family.add_row(key, le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
         yield self._outcomes(outcomes)
         counter = spec("kvwatch_request_output_tokens_estimated").counter()
         for key in sorted(estimated):
             counter.add_metric(list(key), float(estimated[key]))
         yield counter
+        yield self._stalls()
         yield from self._in_flight()
 
     def _outcomes(self, outcomes: dict[tuple[str, str, str, str, str], int]) -> Metric:
@@ -92,6 +101,18 @@ class RequestCollector:
         for key, n in outcomes.items():
             values[key] = float(n)
         family = spec("kvwatch_requests").counter()
+        for key in sorted(values):
+            family.add_metric(list(key), values[key])
+        return family
+
+    def _stalls(self) -> Metric:
+        """Preemption stalls, from zero for every band of each configured proxy replica."""
+        values = {(replica, model, band, source): 0.0
+                  for replica, model, source in self.configured_sources() if source == "proxy"
+                  for band in self.state.bands.all_names}
+        for key, n in self.state.requests.stall_counts().items():
+            values[key] = float(n)
+        family = spec("kvwatch_request_preemption_stalls").counter()
         for key in sorted(values):
             family.add_metric(list(key), values[key])
         return family

@@ -1,0 +1,87 @@
+"""``kvwatch docs [--check]``: the metric reference in docs/metrics.md, generated from the catalog."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+HELP = "regenerate the metric reference in docs/metrics.md from kvwatch's metric catalog"
+DESCRIPTION = """\
+Rewrite the generated part of docs/metrics.md (between its BEGIN/END GENERATED markers): one row per
+metric family kvwatch exports (name on the wire, type, labels, meaning), and the bucket boundaries
+of the request histograms (SLO thresholds must be one of them). The prose around it is kept.
+
+--check exits 1 and prints a diff when the file is stale (CI runs it)."""
+
+BEGIN = "<!-- BEGIN GENERATED: kvwatch docs (do not edit by hand) -->"
+END = "<!-- END GENERATED -->"
+AREAS = (
+    ("self", "kvwatch itself"),
+    ("replica", "Engine replicas (normalized from each engine's /metrics)"),
+    ("derived", "Derived KV signals"),
+    ("gpu", "GPUs (NVML)"),
+    ("request", "Requests by output-length band"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--file", default="docs/metrics.md", help="the Markdown file to update")
+    parser.add_argument("--check", action="store_true", help="fail (exit 1) if the file is stale")
+
+
+def reference() -> str:
+    from kvwatch import buckets
+    from kvwatch.export.catalog import CATALOG
+
+    lines = [BEGIN, ""]
+    for area, title in AREAS:
+        lines += [f"### {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
+        for spec in (s for s in CATALOG if s.area == area):
+            shown = ", ".join(f"`{n}`" for n in spec.series_names)
+            labels = ", ".join(spec.labels) or "-"
+            lines.append(f"| {shown} | {spec.kind} | {labels} | {spec.help} |")
+        lines.append("")
+    lines += ["### Request histogram buckets (upper bounds; `+Inf` implied)", "",
+              "| histogram | bucket boundaries |", "|---|---|"]
+    layouts = (
+        ("kvwatch_request_ttft_seconds", buckets.TTFT_SECONDS),
+        ("kvwatch_request_tpot_seconds", buckets.TPOT_SECONDS),
+        ("kvwatch_request_inter_chunk_seconds", buckets.INTER_CHUNK_SECONDS),
+        ("kvwatch_request_duration_seconds", buckets.DURATION_SECONDS),
+        ("kvwatch_request_queue_seconds", buckets.QUEUE_SECONDS),
+        ("kvwatch_request_output_tokens", buckets.OUTPUT_TOKENS),
+    )
+    for name, bounds in layouts:
+        lines.append(f"| `{name}` | {', '.join(f'{b:g}' for b in bounds)} |")
+    lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a boundary.",
+              "", END]
+    return "\n".join(lines)
+
+
+def render(current: str) -> str:
+    """``current`` with its generated region replaced (appended when the markers are missing)."""
+    generated = reference()
+    if BEGIN in current and END in current:
+        head, _, rest = current.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        return head + generated + tail
+    return current.rstrip("\n") + "\n\n## Reference\n\n" + generated + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    current = path.read_text(encoding="utf-8") if path.exists() else "# kvwatch metrics\n"
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
+                                                       str(path), "generated"))
+            print(f"{path} is stale: run `kvwatch docs`", file=sys.stderr)
+            return 1
+        return 0
+    if wanted != current:
+        path.write_text(wanted, encoding="utf-8")
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,54 @@
+"""``kvwatch demo`` from the command line: it starts, serves /metrics, tells the story, ends cleanly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "demo", "--duration", "20", "--speed", "60", "--view", "lines",
+         "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        match = re.search(r"metrics (http://127\.0\.0\.1:\d+)/metrics", first)
+        assert match, first
+        base = match.group(1)
+        deadline = time.monotonic() + 15
+        body = ""
+        while time.monotonic() < deadline:
+            body = httpx.get(f"{base}/metrics", timeout=5).text
+            if "kvwatch_requests_total{" in body and 'replica="replica-7"' in body:
+                break
+            time.sleep(0.5)
+        assert 'kvwatch_target_up{backend="vllm",replica="replica-0"} 1.0' in body
+        assert "kvwatch_gpu_memory_used_bytes{" in body  # fake GPUs follow the simulator
+        assert httpx.get(f"{base}/-/ready", timeout=5).status_code == 200
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    summary = out[out.index("kvwatch demo summary"):]
+    peaks = dict(re.findall(r"(replica-\d) (\d+)%", summary.split("peak KV usage:")[1].splitlines()[0]))
+    assert int(peaks["replica-0"]) >= 95, summary  # the pinned replica fills ...
+    assert max(int(v) for k, v in peaks.items() if k != "replica-0") < 80, summary  # ... the others don't
+    assert int(re.search(r"preemptions: (\d+)", summary).group(1)) > 0
+    stranded = int(re.search(r"peak stranded KV: ([\d,]+)", summary).group(1).replace(",", ""))
+    assert stranded > 100_000
+    assert re.search(r"^\s+5k-10k\s+\d+", summary, re.MULTILINE), summary  # per-band latency table
+    assert "Traceback" not in err
+
+
+def test_demo_refuses_bad_arguments_with_a_clear_message():
+    result = subprocess.run([sys.executable, "-m", "kvwatch", "demo", "--listen", "nowhere"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--listen" in result.stderr

@@ -1,0 +1,123 @@
+"""Config: every problem named by key path and reason, all at once; env overrides; check-config CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvwatch.config import ConfigError, config_from_mapping, load_config, parse_duration, parse_size
+
+GOOD = """
+listen: 127.0.0.1:9500
+length_bands: [128, 512, 2048, 8192]
+intervals: {engine: 2s, gpu: 500ms}
+replicas:
+  - name: vllm-0
+    metrics_url: http://127.0.0.1:8000/metrics
+    api_url: http://127.0.0.1:8000/
+    proxy_listen: 127.0.0.1:8100
+    model_name: qwen3
+    gpus: [0, 1]
+"""
+
+
+def problems(data) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping(data)
+    return dict(err.value.problems)
+
+
+def test_a_good_file_loads_with_units_and_defaults(tmp_path):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(GOOD)
+    cfg = load_config(path, environ={})
+    assert str(cfg.listen) == "127.0.0.1:9500"
+    assert cfg.intervals.engine_s == 2.0 and cfg.intervals.gpu_s == 0.5
+    assert cfg.length_bands.names == ("0-128", "128-512", "512-2048", "2048-8192", "8192+")
+    (replica,) = cfg.replicas
+    assert replica.api_url == "http://127.0.0.1:8000" and replica.gpus == ("0", "1")
+    assert replica.backend == "auto" and cfg.known_models == {"qwen3"}
+
+
+def test_every_problem_is_reported_with_its_key_path():
+    found = problems({
+        "replicas": [{"name": "a b", "metrics_url": "localhost:8000"},
+                     {"metrics_url": "http://x/metrics", "backend": "vllmm", "proxy_listen": ":8100"}],
+        "intervals": {"engine": "fast"},
+        "length_bands": [5000, 1000],
+        "scrape": {"max_response_bytes": "lots"},
+        "bogus": 1,
+    })
+    assert "expected a short name" in found["replicas[0].name"]
+    assert "http(s) URL" in found["replicas[0].metrics_url"]
+    assert found["replicas[1].name"] == "required"
+    assert "unknown backend 'vllmm'" in found["replicas[1].backend"]
+    assert "needs api_url" in found["replicas[1].proxy_listen"]
+    assert "duration" in found["intervals.engine"]
+    assert "ascending" in found["length_bands"]
+    assert "size" in found["scrape.max_response_bytes"]
+    assert "unknown key" in found["bogus"]
+
+
+def test_duplicate_names_and_proxy_ports_are_refused():
+    rep = {"name": "r", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": ":9000"}
+    found = problems({"replicas": [rep, dict(rep)]})
+    assert "duplicate replica name" in found["replicas[1].name"]
+    assert "same proxy_listen port" in found["replicas"]
+
+
+def test_references_to_unknown_replicas_are_refused():
+    found = problems({"replicas": [{"name": "r", "metrics_url": "http://a/metrics"}],
+                      "otlp": {"listen": ":4318", "replica": "nope"},
+                      "sglang_request_files": [{"replica": "ghost", "directory": "/tmp"}]})
+    assert "no replica named 'nope'" in found["otlp.replica"]
+    assert "no replica named 'ghost'" in found["sglang_request_files[0].replica"]
+
+
+def test_environment_overrides_nested_keys(tmp_path):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(GOOD)
+    cfg = load_config(path, environ={"KVWATCH_LISTEN": ":9999", "KVWATCH_INTERVALS__ENGINE": "7s",
+                                     "KVWATCH_NVML__ENABLED": "false", "UNRELATED": "x"})
+    assert cfg.listen.port == 9999 and cfg.listen.host == "0.0.0.0"
+    assert cfg.intervals.engine_s == 7.0 and cfg.nvml.enabled is False
+
+
+def test_a_bad_environment_override_names_the_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, environ={"KVWATCH_INTERVALS__ENGINE": "soon"})
+    assert dict(err.value.problems).keys() == {"intervals.engine"}
+
+
+def test_yaml_syntax_errors_name_the_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("replicas:\n  - name: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    ((where, reason),) = err.value.problems
+    assert where.startswith("line ") and "YAML" in reason
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), (3, 3.0)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(("text", "size"), [("16MiB", 16 << 20), ("1KB", 1000), (4096, 4096)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_check_config_cli_exit_status_and_messages(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(GOOD)
+    bad.write_text("replicas:\n  - name: r\n    metrics_url: nope\n")
+    ok = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(good)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "OK (1 replica(s): vllm-0" in ok.stdout
+    fail = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert fail.returncode == 1
+    assert "replicas[0].metrics_url: expected an http(s) URL, got 'nope'" in fail.stderr
