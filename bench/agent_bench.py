@@ -5,8 +5,9 @@ Measures, in one run:
   - CPU seconds per scrape (render + state updates as the agent would do them),
   - resident memory after N scrapes (default 10,000) while sources keep updating the state,
 and the same for a PEER measured in the same run: a conventional prometheus_client exporter holding
-the same number of series in long-lived Gauge/Counter/Histogram objects (what most Python exporters
-do), plus the RSS of a bare Python process that only imported prometheus_client.
+the same number of series in long-lived Gauge/Counter/Histogram objects rendered by
+``generate_latest`` (what most Python exporters do), plus the RSS of a bare Python process that only
+imported prometheus_client. kvwatch renders with its own encoder (``kvwatch/export/encode.py``).
 
 Usage:  .venv/bin/python bench/agent_bench.py [--scrapes 10000] [--render-samples 300]
 Results are recorded in docs/performance.md ("Node agent /metrics").
@@ -39,12 +40,12 @@ def rss_bytes() -> int:
 
 def build_state():
     """A NodeState as the agent holds it on a busy 8 x H200 node."""
-    from kvwatch.config import Config, ReplicaConfig
     from kvwatch.agent.derived import update_derived
+    from kvwatch.agent.gpu import refresh_gpu_state
+    from kvwatch.config import Config, ReplicaConfig
     from kvwatch.engines.registry import parse_exposition
     from kvwatch.gpu.fake import FakeNvml
     from kvwatch.gpu.nvml import NvmlCollector
-    from kvwatch.agent.gpu import refresh_gpu_state
     from kvwatch.model import InFlightRequest, Outcome, RequestRecord
     from kvwatch.state import NodeState
 
@@ -143,13 +144,11 @@ def series_kinds(text: bytes) -> dict[str, int]:
     return kinds
 
 
-def time_renders(registry, samples: int) -> list[float]:
-    from prometheus_client import generate_latest
-
+def time_renders(render, samples: int) -> list[float]:
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        generate_latest(registry)
+        render()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -165,13 +164,14 @@ def bare_python_rss() -> int:
 def soak(scrapes: int) -> dict:
     """Run in a fresh process: N scrapes with the state refreshed every 5 scrapes (a 1 s engine
     interval against a 5 s Prometheus scrape would refresh more; this keeps the bench short)."""
-    from prometheus_client import generate_latest
+    from kvwatch.export.encode import TextEncoder
 
     state, config, scrape_all = build_state()
     registry = kvwatch_registry(state, config)
+    encoder = TextEncoder()
     now = time.time()
     scrape_all(now)
-    generate_latest(registry)
+    encoder.encode(registry)
     gc.collect()
     rss_start = rss_bytes()
     cpu0 = time.process_time()
@@ -180,7 +180,7 @@ def soak(scrapes: int) -> dict:
         if i % 5 == 0:
             now += 5
             scrape_all(now)
-        generate_latest(registry)
+        encoder.encode(registry)
         if i % max(1, scrapes // 10) == 0:
             rss_marks.append(rss_bytes())
     cpu = time.process_time() - cpu0
@@ -190,7 +190,8 @@ def soak(scrapes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scrapes", type=int, default=10_000)
     parser.add_argument("--render-samples", type=int, default=300)
     parser.add_argument("--soak-child", action="store_true", help=argparse.SUPPRESS)
@@ -201,19 +202,22 @@ def main() -> None:
 
     from prometheus_client import generate_latest
 
+    from kvwatch.export.encode import TextEncoder
+
     state, config, scrape_all = build_state()
     scrape_all(time.time())
     registry = kvwatch_registry(state, config)
-    body = generate_latest(registry)
+    encoder = TextEncoder()
+    body = encoder.encode(registry)
     kinds = series_kinds(body)
     peer = peer_registry(kinds)
     peer_body = generate_latest(peer)
 
     cpu0 = time.process_time()
-    ours = time_renders(registry, args.render_samples)
+    ours = time_renders(lambda: encoder.encode(registry), args.render_samples)
     cpu_ours = (time.process_time() - cpu0) / args.render_samples
     cpu0 = time.process_time()
-    theirs = time_renders(peer, args.render_samples)
+    theirs = time_renders(lambda: generate_latest(peer), args.render_samples)
     cpu_peer = (time.process_time() - cpu0) / args.render_samples
 
     child = subprocess.run([sys.executable, __file__, "--soak-child", "--scrapes", str(args.scrapes)],
@@ -234,7 +238,8 @@ def main() -> None:
     print(f"CPU per scrape incl. state updates (soak): {soaked['cpu_per_scrape_incl_updates'] * 1000:.2f} ms")
     mib = 1 / (1 << 20)
     print(f"RSS: bare python+prometheus_client {bare * mib:.1f} MiB; kvwatch after setup "
-          f"{soaked['rss_start'] * mib:.1f} MiB, after {args.scrapes} scrapes {soaked['rss_end'] * mib:.1f} MiB "
+          f"{soaked['rss_start'] * mib:.1f} MiB, "
+          f"after {args.scrapes} scrapes {soaked['rss_end'] * mib:.1f} MiB "
           f"(marks: {', '.join(f'{m * mib:.1f}' for m in soaked['rss_marks'])})")
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from kvwatch.model import BACKENDS, LengthBands
+from kvwatch.model import BACKENDS, LengthBands, ReplicaSample
 
 ENV_PREFIX = "KVWATCH_"
 DEFAULT_LISTEN = "0.0.0.0:9477"
@@ -56,6 +56,8 @@ class ReplicaConfig:
     pid: int | None = None
     pid_file: str | None = None
     scrape_timeout_s: float | None = None
+    #: KV bytes per token on one GPU, when the engine does not say (overrides what it says)
+    kv_bytes_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,13 @@ class Config:
 
     def replica(self, name: str) -> ReplicaConfig | None:
         return next((r for r in self.replicas if r.name == name), None)
+
+    def kv_bytes_per_token(self, sample: ReplicaSample) -> float | None:
+        """KV bytes per token on one GPU: ``replicas[].kv_bytes_per_token`` where set, else the engine's."""
+        replica = self.replica(sample.replica)
+        if replica is not None and replica.kv_bytes_per_token is not None:
+            return replica.kv_bytes_per_token
+        return sample.kv_bytes_per_token
 
     @property
     def known_models(self) -> frozenset[str]:
@@ -203,8 +212,8 @@ def _http_url(value: Any) -> str:
     return text
 
 
-class _Reader:
-    """Walks a YAML mapping, collecting every problem with its key path."""
+class KeyPathReader:
+    """Walks a YAML mapping, collecting every problem with its key path (also reads the SLO file)."""
 
     def __init__(self) -> None:
         self.problems: list[tuple[str, str]] = []
@@ -245,6 +254,12 @@ def _positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
     return value
+
+
+def _positive_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _bool(value: Any) -> bool:
@@ -306,11 +321,11 @@ def _log_level(value: Any) -> str:
 
 _REPLICA_KEYS = {
     "name", "backend", "metrics_url", "api_url", "proxy_listen", "slots_url", "model_name", "gpus",
-    "pid", "pid_file", "scrape_timeout",
+    "pid", "pid_file", "scrape_timeout", "kv_bytes_per_token",
 }
 
 
-def _replica(r: _Reader, node: Any, path: str) -> ReplicaConfig | None:
+def _replica(r: KeyPathReader, node: Any, path: str) -> ReplicaConfig | None:
     m = r.mapping(node, path, _REPLICA_KEYS)
     if not m:
         if node is not None and isinstance(node, Mapping):
@@ -337,10 +352,11 @@ def _replica(r: _Reader, node: Any, path: str) -> ReplicaConfig | None:
         pid=r.get(m, "pid", path, _positive_int),
         pid_file=r.get(m, "pid_file", path, str),
         scrape_timeout_s=r.get(m, "scrape_timeout", path, parse_duration),
+        kv_bytes_per_token=r.get(m, "kv_bytes_per_token", path, _positive_number),
     )
 
 
-def _section(r: _Reader, top: Mapping[str, Any], key: str, cls: type, spec: dict[str, tuple[str, Any]]):
+def _section(r: KeyPathReader, top: Mapping[str, Any], key: str, cls: type, spec: dict[str, tuple[str, Any]]):
     """Read a flat section: ``spec`` maps YAML key -> (dataclass field, converter)."""
     node = r.mapping(top.get(key), key, set(spec))
     defaults = cls()
@@ -358,7 +374,7 @@ _TOP_KEYS = {
 
 def config_from_mapping(data: Any, source: str = "config") -> Config:
     """Validate a parsed YAML document; raise ConfigError listing every problem."""
-    r = _Reader()
+    r = KeyPathReader()
     top = r.mapping(data, "", _TOP_KEYS)
 
     replicas: list[ReplicaConfig] = []

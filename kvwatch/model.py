@@ -141,6 +141,9 @@ class ReplicaSample:
     num_gpu_blocks: int | None = None
     kv_capacity_tokens: float | None = None
     cache_dtype: str | None = None
+    #: KV bytes one token slot takes on one GPU (worker) of the replica, as the engine sized its pool;
+    #: with tensor or pipeline parallelism each GPU holds its share of every token
+    kv_bytes_per_token: float | None = None
 
     # occupancy
     kv_usage_ratio: float | None = None  # the engine's own usage figure, 0..1
@@ -295,6 +298,8 @@ class RequestRecord:
     gap_bounds: tuple[float, ...] = ()
     gap_counts: tuple[int, ...] = ()
     gap_sum: float = 0.0
+    max_gap_seconds: float | None = None  # the longest inter-chunk gap (proxy streams)
+    max_gap_ended_at: float | None = None  # when it ended, in started_at's time base
     preemptions: int | None = None
 
     @property

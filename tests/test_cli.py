@@ -19,7 +19,7 @@ def test_every_listed_command_is_built():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_explains_the_command(command):
     result = subprocess.run([sys.executable, "-m", "kvwatch", command, "--help"], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     usage, _, rest = result.stdout.partition("\n\n")
     assert usage.startswith(f"usage: kvwatch {command}")
@@ -28,5 +28,6 @@ def test_help_explains_the_command(command):
 
 
 def test_no_command_prints_help_and_fails():
-    result = subprocess.run([sys.executable, "-m", "kvwatch"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "kvwatch"], capture_output=True, text=True, timeout=60,
+                            check=False)
     assert result.returncode == 2 and "COMMAND" in result.stdout

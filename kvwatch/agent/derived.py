@@ -19,13 +19,24 @@ from kvwatch.state import NodeState
 
 
 def node_inputs(state: NodeState, config: Config) -> NodeInputs:
-    """A snapshot of what the derived signals read (samples of targets that are up only)."""
+    """A snapshot of what the derived signals read (samples of targets that are up only).
+
+    KV bytes per token (per GPU, which turns token- and block-counted tier traffic into bytes) are
+    the replica's configured ``kv_bytes_per_token`` where set, else what its engine reports.
+    """
+    samples = tuple(state.live_samples())
+    kv_bytes: dict[str, float] = {}
+    for sample in samples:
+        value = config.kv_bytes_per_token(sample)
+        if value is not None:
+            kv_bytes.setdefault(sample.replica, value)
     return NodeInputs(
-        samples=tuple(state.live_samples()),
+        samples=samples,
         gpus=state.gpus,
         replica_gpus=dict(state.replica_gpus),
         in_flight=tuple(state.in_flight.current()),
         proxied=frozenset(r.name for r in config.replicas if r.proxy_listen is not None),
+        kv_bytes_per_token=kv_bytes,
         link_bandwidth=link_bytes_per_second,
     )
 

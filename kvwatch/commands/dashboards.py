@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 HELP = "generate the Grafana dashboards (Node, Latency by length band, Fleet)"
@@ -49,18 +48,12 @@ def main(args: argparse.Namespace) -> int:
         name_problems,
         render_dashboards,
     )
-    from kvwatch.mixin.output import write_or_check
+    from kvwatch.mixin.output import command_line, refused, write_or_check
 
     opts = Options(dcgm_dashboard_uid=args.dcgm_dashboard_uid, job=args.job)
-    problems = name_problems(boards(opts))
-    if problems:
-        print("refusing to write dashboards that query series kvwatch does not export:", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+    if refused("dashboards", name_problems(boards(opts))):
         return 2
-    regenerate = f"kvwatch dashboards --out {args.out}"
-    if args.dcgm_dashboard_uid != DCGM_DASHBOARD_UID:
-        regenerate += f" --dcgm-dashboard-uid {args.dcgm_dashboard_uid}"
-    if args.job != DEFAULT_JOB:
-        regenerate += f" --job {args.job}"
+    regenerate = command_line(f"kvwatch dashboards --out {args.out}", [
+        ("--dcgm-dashboard-uid", args.dcgm_dashboard_uid, DCGM_DASHBOARD_UID),
+        ("--job", args.job, DEFAULT_JOB)])
     return write_or_check(Path(args.out), render_dashboards(opts), args.check, regenerate)

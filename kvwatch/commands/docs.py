@@ -55,8 +55,8 @@ def reference() -> str:
     )
     for name, bounds in layouts:
         lines.append(f"| `{name}` | {', '.join(f'{b:g}' for b in bounds)} |")
-    lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a boundary.",
-              "", END]
+    lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a "
+              "boundary.", "", END]
     return "\n".join(lines)
 
 

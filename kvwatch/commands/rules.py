@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from kvwatch.config import ConfigError
     from kvwatch.mixin.alerts import DEFAULT_JOB
-    from kvwatch.mixin.output import write_or_check
+    from kvwatch.mixin.output import command_line, refused, write_or_check
     from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE, name_problems
     from kvwatch.mixin.rules import render_rule_files, rule_files
     from kvwatch.mixin.slo import load_slo_file
@@ -54,15 +54,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     source = os.path.relpath(Path(args.slo).resolve(), Path(args.out).resolve())
     files = rule_files(slo, source=source, job=args.job)
-    problems = name_problems(files)
-    if problems:
-        print("refusing to write rules that query series kvwatch does not export:", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+    if refused("rules", name_problems(files)):
         return 2
-    regenerate = f"kvwatch rules --slo {args.slo} --out {args.out}"
-    if args.runbook_base != DEFAULT_RUNBOOK_BASE:
-        regenerate += f" --runbook-base {args.runbook_base}"
-    if args.job != DEFAULT_JOB:
-        regenerate += f" --job {args.job}"
+    regenerate = command_line(f"kvwatch rules --slo {args.slo} --out {args.out}", [
+        ("--runbook-base", args.runbook_base, DEFAULT_RUNBOOK_BASE), ("--job", args.job, DEFAULT_JOB)])
     return write_or_check(Path(args.out), render_rule_files(files, args.runbook_base), args.check, regenerate)

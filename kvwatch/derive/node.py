@@ -9,7 +9,8 @@ rates over ~30 s rather than over one noisy interval.
 
 Only samples of targets that are up are inputs; a unit that is absent loses its rate history (rates
 across an outage would describe the outage), but keeps its recompute estimate, so that counter never
-goes backwards.
+goes backwards, and its preemption windows (intervals between two samples in which preemptions rose,
+kept for ``preemption_memory_s``), which tell whether a finished request's longest gap was a stall.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from kvwatch.derive.fragmentation import Fragmentation, replica_fragmentation
 from kvwatch.derive.headroom import Headroom, headroom
 from kvwatch.derive.overcommit import Overcommit, overcommitted_requests
 from kvwatch.derive.recompute import (
+    PreemptionWindow,
     RecomputeEstimate,
     accumulate_recompute,
     preemption_rate,
     recomputed_tokens,
+    remember_preemptions,
 )
 from kvwatch.derive.stranded import Stranded, stranded_capacity
 from kvwatch.derive.tiers import BusThresholds, GpuLink, TierLink, gpu_link, tier_links, tier_rates
@@ -42,6 +45,8 @@ class DerivedSettings:
 
     rate_window_s: float = 30.0
     max_history: int = 64  # samples kept per unit, whatever the window
+    preemption_memory_s: float = 3600.0  # preemption windows kept per unit (longer than most requests)
+    max_preemption_windows: int = 256
     include_admissions: bool = True  # headroom counts admitted prompt tokens as growth
     bus: BusThresholds = field(default_factory=BusThresholds)
 
@@ -53,7 +58,7 @@ class NodeInputs:
     replica_gpus: Mapping[str, Sequence[tuple[str, str, str]]] = field(default_factory=dict)
     in_flight: tuple[InFlightRequest, ...] = ()
     proxied: Collection[str] = ()  # replicas a kvwatch proxy fronts
-    kv_bytes_per_token: Mapping[str, float] = field(default_factory=dict)  # per replica, when known
+    kv_bytes_per_token: Mapping[str, float] = field(default_factory=dict)  # per replica, on one GPU
     link_bandwidth: Callable[[int, int], float | None] | None = None  # (PCIe gen, width) -> bytes/s
 
 
@@ -89,11 +94,25 @@ class DerivedView:
     history: Mapping[UnitKey, tuple[ReplicaSample, ...]] = field(default_factory=dict)
     gpu_history: Mapping[str, tuple[GpuSample, ...]] = field(default_factory=dict)
     recompute: Mapping[UnitKey, RecomputeEstimate] = field(default_factory=dict)
+    preemptions: Mapping[UnitKey, tuple[PreemptionWindow, ...]] = field(default_factory=dict)
 
     def baseline(self, key: UnitKey) -> ReplicaSample | None:
         """The sample rates of this unit are measured from (None with fewer than two samples)."""
-        kept = self.history.get(key, ())
-        return kept[0] if len(kept) >= 2 else None
+        return _oldest_of_two(self.history.get(key, ()))
+
+    def gpu_baseline(self, uuid: str) -> GpuSample | None:
+        """The GPU poll PCIe rates are measured from (None with fewer than two polls)."""
+        return _oldest_of_two(self.gpu_history.get(uuid, ()))
+
+    def preemption_windows(self, replica: str) -> list[PreemptionWindow]:
+        """Preemption windows of every unit (model, DP rank) of a replica, oldest first."""
+        found = [w for key, kept in self.preemptions.items() if key[0] == replica for w in kept]
+        return sorted(found, key=lambda w: w.start)
+
+
+def _oldest_of_two(kept: Sequence[T]) -> T | None:
+    """A rate baseline: the oldest kept item once two are kept (one alone gives no rate)."""
+    return kept[0] if len(kept) >= 2 else None
 
 
 def keep_window(history: tuple[T, ...], newest: T, at: Callable[[T], float],
@@ -135,6 +154,7 @@ def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
                                        settings.rate_window_s, settings.max_history)
                    for g in inputs.gpus if not g.lost}
     view = DerivedView(now, history=history, gpu_history=gpu_history)
+    preemptions = _preemptions(prev, inputs.samples, now, settings)
 
     by_replica: dict[str, list[ReplicaSample]] = {}
     for sample in inputs.samples:
@@ -162,7 +182,23 @@ def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
     links = [link for name, samples in by_replica.items()
              for link in _replica_links(name, samples, view, inputs, settings)]
     return DerivedView(now, tuple(fragmentation), tuple(units), tuple(overcommit),
-                       tuple(stranded.values()), tuple(links), history, gpu_history, recompute)
+                       tuple(stranded.values()), tuple(links), history, gpu_history, recompute, preemptions)
+
+
+def _preemptions(prev: DerivedView, samples: Sequence[ReplicaSample], now: float,
+                 settings: DerivedSettings) -> dict[UnitKey, tuple[PreemptionWindow, ...]]:
+    """Every unit's preemption windows after this call (absent units keep theirs until they age out)."""
+    keep_since = now - settings.preemption_memory_s
+    sampled = {s.key for s in samples}
+    out = {key: fresh for key, kept in prev.preemptions.items() if key not in sampled
+           if (fresh := tuple(w for w in kept if w.end >= keep_since))}
+    for sample in samples:
+        before = prev.history.get(sample.key, ())
+        kept = remember_preemptions(prev.preemptions.get(sample.key, ()), before[-1] if before else None,
+                                    sample, keep_since, settings.max_preemption_windows)
+        if kept:
+            out[sample.key] = kept
+    return out
 
 
 def _tokens_per_running(sample: ReplicaSample, fragmentation: Sequence[Fragmentation]) -> float | None:
@@ -201,9 +237,11 @@ def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedVie
         gpu = current.get(uuid)
         if gpu is None:
             return []  # a mapped GPU is lost or unpolled: the sum over the replica's links is unknown
-        kept = view.gpu_history.get(uuid, ())
-        gpus.append(gpu_link(gpu, kept[0] if len(kept) >= 2 else None, bandwidth, settings.bus))
+        gpus.append(gpu_link(gpu, view.gpu_baseline(uuid), bandwidth, settings.bus))
     kv_bytes = inputs.kv_bytes_per_token.get(name)
+    if kv_bytes is not None:
+        # per GPU -> per DP rank: every GPU of a rank (TP/PP) holds and moves its share of each token
+        kv_bytes *= len(mapped) / len(samples)
     unit_rates = []
     for sample in samples:
         baseline = view.baseline(sample.key)

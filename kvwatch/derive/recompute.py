@@ -18,10 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwatch.derive import counters
-from kvwatch.model import ReplicaSample
+from kvwatch.model import ReplicaSample, RequestRecord
 
 ENGINE = "engine"
 ESTIMATE = "estimate"
+#: a gap longer than this that overlaps a preemption window is a stall (docs/kv-signals.md)
+STALL_THRESHOLD_S = 1.0
 
 
 def is_preempting(current: ReplicaSample, previous: ReplicaSample | None) -> bool:
@@ -90,8 +92,8 @@ class PreemptionWindow:
 
 @dataclass(frozen=True, slots=True)
 class RequestGap:
-    """A finished request's longest inter-chunk gap (needs ``RequestRecord.max_gap_seconds`` and
-    ``max_gap_ended_at`` from the proxy; see docs/kv-signals.md)."""
+    """A finished request's longest inter-chunk gap (``RequestRecord.max_gap_seconds`` and
+    ``max_gap_ended_at``, from the proxy; see docs/kv-signals.md)."""
 
     replica: str
     length_band: str
@@ -109,16 +111,52 @@ def preemption_windows(samples: Sequence[ReplicaSample]) -> list[PreemptionWindo
     return out
 
 
+def remember_preemptions(kept: Sequence[PreemptionWindow], previous: ReplicaSample | None,
+                         current: ReplicaSample, keep_since: float,
+                         max_windows: int) -> tuple[PreemptionWindow, ...]:
+    """``kept`` plus the window between two consecutive samples of a unit if preemptions rose in it.
+
+    A window that starts where the last one ended extends it (one window per preemption episode);
+    windows that ended before ``keep_since`` are dropped, and at most ``max_windows`` are kept.
+    """
+    out = [w for w in kept if w.end >= keep_since]
+    if previous is not None and previous.scraped_at < current.scraped_at:
+        for window in preemption_windows((previous, current)):
+            if out and out[-1].end == window.start:
+                out[-1] = PreemptionWindow(out[-1].start, window.end)
+            else:
+                out.append(window)
+    return tuple(out[-max_windows:])
+
+
+def gap_overlaps_preemption(gap_seconds: float, gap_ended_at: float, windows: Iterable[PreemptionWindow],
+                            threshold_s: float) -> bool:
+    """A gap longer than ``threshold_s`` that overlaps one of the preemption windows."""
+    if gap_seconds <= threshold_s:
+        return False
+    start = gap_ended_at - gap_seconds
+    return any(start < w.end and gap_ended_at > w.start for w in windows)
+
+
 def is_stall(gap: RequestGap, windows: Iterable[PreemptionWindow], threshold_s: float) -> bool:
     """A gap longer than ``threshold_s`` that overlaps a preemption window of its replica."""
-    if gap.gap_seconds <= threshold_s:
-        return False
-    start = gap.gap_ended_at - gap.gap_seconds
-    return any(start < w.end and gap.gap_ended_at > w.start for w in windows)
+    return gap_overlaps_preemption(gap.gap_seconds, gap.gap_ended_at, windows, threshold_s)
+
+
+def request_stalled(record: RequestRecord, windows: Iterable[PreemptionWindow],
+                    threshold_s: float = STALL_THRESHOLD_S) -> bool | None:
+    """Whether a finished request's longest gap was a stall; None when its source did not measure it.
+
+    ``windows`` are those of the request's replica (every DP rank: the proxy cannot tell which one
+    served it), in the same time base as ``RequestRecord.max_gap_ended_at``.
+    """
+    if record.max_gap_seconds is None or record.max_gap_ended_at is None:
+        return None
+    return gap_overlaps_preemption(record.max_gap_seconds, record.max_gap_ended_at, windows, threshold_s)
 
 
 def stall_exposure_by_band(gaps: Iterable[RequestGap], windows: Mapping[str, Sequence[PreemptionWindow]],
-                           threshold_s: float = 1.0) -> dict[str, tuple[int, int]]:
+                           threshold_s: float = STALL_THRESHOLD_S) -> dict[str, tuple[int, int]]:
     """Per length band: (requests stalled by a preemption, requests seen)."""
     out: dict[str, tuple[int, int]] = {}
     for gap in gaps:

@@ -211,6 +211,14 @@ def traffic(family: str, src: str, dst: str, **amounts: float | None) -> TierTra
     return TierTraffic(family, src, dst, **amounts)
 
 
+def rank_keys(expo: Exposition, anchors: Iterable[str], rank_label: str,
+              model_label: str = "model_name") -> list[tuple[str | None, str | None]]:
+    """(model, rank) pairs of the anchor families' series, ordered by model then numeric rank."""
+    found = {(labels.get(model_label), labels.get(rank_label))
+             for name in anchors for labels, _ in expo.series(name)}
+    return sorted(found, key=lambda k: (k[0] or "", rank_sort_key(k[1])))
+
+
 def rank_sort_key(value: str | None) -> tuple[int, int, str]:
     """Sort ranks numerically ("2" before "10"), None first."""
     if value is None:

@@ -23,7 +23,7 @@ from kvwatch.engines.base import (
     RankView,
     VersionHint,
     as_int,
-    rank_sort_key,
+    rank_keys,
     read_fields,
     read_histograms,
     sample,
@@ -126,11 +126,10 @@ def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -
 
 
 def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) -> list[ReplicaSample]:
-    keys = {(labels.get("model"), labels.get("dp_rank"))
-            for name in KVSTATS_ANCHORS for labels, _ in expo.series(name)}
+    keys = rank_keys(expo, KVSTATS_ANCHORS, "dp_rank", model_label="model")
     ranked = len({dp for _, dp in keys}) > 1
     out = []
-    for model, dp_rank in sorted(keys, key=lambda k: (k[0] or "", rank_sort_key(k[1]))):
+    for model, dp_rank in keys:
         view = RankView(expo, {"model": model, "dp_rank": dp_rank}, ranked=ranked)
         values = read_fields(view, KVSTATS_FIELDS)
         blocks = as_int(values.pop("num_gpu_blocks"))

@@ -12,7 +12,13 @@ tokens are not used; ``kv_used_tokens`` (0.5.12+, else ``num_used_tokens``) is w
 hold. With the default page size of 1 that is token-exact, so it is also ``live_tokens``; with larger
 pages (``sglang:page_size`` > 1) used slots are whole pages and live tokens stay None. Capacity is
 ``max_total_num_tokens`` (0.5.6+); older pages have no capacity gauge and it stays None rather than
-being reverse-engineered from the usage ratio.
+being reverse-engineered from the usage ratio. KV bytes per token (per GPU) come from
+``kv_cache_memory_usage_gb`` (0.5.12+, GiB) over the pool's slots (``kv_bytes_per_token``).
+
+Finished requests: ``num_requests_total`` (tokenizer side, no reason label) is kept as
+``finished_requests_total = (("all", n),)``; headroom sums every reason, so one key serves it.
+Per-request ``prompt_tokens_histogram`` / ``generation_tokens_histogram`` become the ``prompt_tokens``
+/ ``generation_tokens`` histograms headroom reads the size of finished requests from.
 
 Retractions (SGLang's preemptions): ``num_retracted_requests_total`` is a counter (0.5.8+). The older
 ``num_retracted_reqs`` gauge (0.5.3+, ``total_retracted_reqs`` in 0.4.10-0.5.1) holds the count of the
@@ -31,7 +37,7 @@ from kvwatch.engines.base import (
     RankView,
     VersionHint,
     as_int,
-    rank_sort_key,
+    rank_keys,
     read_fields,
     read_histograms,
     sample,
@@ -66,11 +72,17 @@ FIELDS: tuple[Field, ...] = (
 )
 RETRACTED_TOKENS = ("sglang:num_retracted_input_tokens_total", "sglang:num_retracted_output_tokens_total")
 CACHED_TOKENS = "sglang:cached_tokens_total"
+FINISHED = "sglang:num_requests_total"
+#: ``finished_requests_total`` key: SGLang counts finished requests without a reason split
+FINISHED_ALL = "all"
+KV_MEMORY_GIB = "sglang:kv_cache_memory_usage_gb"
+GIB = 1024**3  # SGLang's ``GB`` (mem_cache/memory_pool.py: GB = 1024 * 1024 * 1024)
 
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("sglang:time_to_first_token_seconds",),
     "e2e": ("sglang:e2e_request_latency_seconds",),
     "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+    "prompt_tokens": ("sglang:prompt_tokens_histogram",),
     "generation_tokens": ("sglang:generation_tokens_histogram",),
     "num_preemptions": ("sglang:num_retractions",),
 }
@@ -105,12 +117,8 @@ def detect(expo: Exposition) -> bool:
 
 
 def ranks(expo: Exposition) -> list[tuple[str | None, str | None]]:
-    """(model_name, dp_rank) pairs; a page with only tokenizer families is one replica."""
-    found = {(labels.get("model_name"), labels.get("dp_rank"))
-             for name in ANCHORS for labels, _ in expo.series(name)}
-    if not found:
-        found = {(labels.get("model_name"), None) for labels, _ in expo.series("sglang:prompt_tokens_total")}
-    return sorted(found, key=lambda k: (k[0] or "", rank_sort_key(k[1])))
+    """(model_name, dp_rank) pairs; a page with only tokenizer families (no rank) is one replica."""
+    return rank_keys(expo, ANCHORS, "dp_rank") or rank_keys(expo, ("sglang:prompt_tokens_total",), "dp_rank")
 
 
 def _kv_pool(view: RankView, name: str) -> float | None:
@@ -147,6 +155,26 @@ def _prefix_hits(view: RankView) -> float | None:
     return view.value(CACHED_TOKENS)
 
 
+def kv_bytes_per_token(memory_gib: float | None, capacity_tokens: float | None,
+                       page_size: int | None) -> float | None:
+    """``kv_cache_memory_usage_gb x 2^30 / (max_total_num_tokens + page_size)``, per GPU.
+
+    The gauge (0.5.12+) is the KV pool's ``mem_usage``: the K and V buffers of one TP rank in GiB
+    (SGLang's ``GB`` is 1024^3). Each buffer holds ``max_total_num_tokens + page_size`` slots (one
+    padding page for dummy writes), so that is the divisor. On hybrid pools (SWA, Mamba) the bytes
+    include the other pool and this is an average over the full-attention slots.
+    """
+    if not memory_gib or not capacity_tokens or memory_gib <= 0 or capacity_tokens <= 0:
+        return None
+    return memory_gib * GIB / (capacity_tokens + (page_size or 1))
+
+
+def _finished(view: RankView) -> tuple[tuple[str, float], ...]:
+    """Finished requests (tokenizer side, summed over ``is_streaming``) under one ``all`` key."""
+    total = view.value(FINISHED)
+    return () if total is None else ((FINISHED_ALL, total),)
+
+
 def _sum_or_none(*values: float | None) -> float | None:
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
@@ -171,6 +199,9 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
             version_hint=version,
             block_size=page,
             num_gpu_blocks=as_int(view.value("sglang:num_pages")),
+            kv_bytes_per_token=kv_bytes_per_token(view.value(KV_MEMORY_GIB), values["kv_capacity_tokens"],
+                                                  page),
+            finished_requests_total=_finished(view),
             live_tokens=values["kv_used_tokens"] if page in (None, 1) else None,
             recomputed_tokens_total=_sum_or_none(*(view.value(n) for n in RETRACTED_TOKENS)),
             prefix_cache_queries_total=values["prompt_tokens_total"],

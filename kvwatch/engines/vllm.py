@@ -7,7 +7,10 @@ name a field had, newest first (``FIELDS``): ``gpu_cache_usage_perc`` -> ``kv_ca
 -> ``inter_token_latency_seconds`` (0.10.2, removed 0.15).
 
 KV capacity = ``kv_cache_size_tokens`` from ``cache_config_info`` where present (correct for hybrid /
-sliding-window models), else ``num_gpu_blocks x block_size``. Capacity counts vLLM's reserved null
+sliding-window models), else ``num_gpu_blocks x block_size``. KV bytes per token (per GPU) =
+``kv_cache_memory_bytes / (num_gpu_blocks x block_size)`` where that label carries a number: it is
+in the 0.12 and 0.32 pages kvwatch was built against, and is ``"None"`` unless the KV budget was
+given in bytes (``kv_bytes_per_token``). Capacity counts vLLM's reserved null
 block; ``kv_cache_usage_perc`` is relative to the other ``num_gpu_blocks - 1`` blocks, so used blocks
 = usage x (num_gpu_blocks - 1). vLLM counts KV in blocks, not tokens: ``kv_used_tokens`` and
 ``live_tokens`` stay None (derive/ estimates them).
@@ -21,7 +24,7 @@ from kvwatch.engines.base import (
     RankView,
     VersionHint,
     as_int,
-    rank_sort_key,
+    rank_keys,
     read_fields,
     read_histograms,
     sample,
@@ -51,6 +54,7 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("vllm:time_to_first_token_seconds",),
     "e2e": ("vllm:e2e_request_latency_seconds",),
     "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "prompt_tokens": ("vllm:request_prompt_tokens",),
     "generation_tokens": ("vllm:request_generation_tokens",),
     "num_preemptions": ("vllm:request_num_preemptions",),
 }
@@ -112,9 +116,7 @@ def detect(expo: Exposition) -> bool:
 
 def ranks(expo: Exposition) -> list[tuple[str | None, str | None]]:
     """(model_name, engine) pairs on the page, ordered by model then numeric rank."""
-    found = {(labels.get("model_name"), labels.get("engine"))
-             for name in ANCHORS for labels, _ in expo.series(name)}
-    return sorted(found, key=lambda k: (k[0] or "", rank_sort_key(k[1])))
+    return rank_keys(expo, ANCHORS, "engine")
 
 
 def _has_engine_label(keys: list[tuple[str | None, str | None]]) -> bool:
@@ -157,7 +159,25 @@ def _capacity(view: RankView) -> dict[str, float | int | str | None]:
         "num_gpu_blocks": num_blocks,
         "kv_capacity_tokens": float(capacity) if capacity is not None else None,
         "cache_dtype": labels.get("cache_dtype"),
+        "kv_bytes_per_token": kv_bytes_per_token(as_int(labels.get("kv_cache_memory_bytes")), num_blocks,
+                                                 block_size),
     }
+
+
+def kv_bytes_per_token(memory_bytes: int | None, num_blocks: int | None,
+                       block_size: int | None) -> float | None:
+    """``kv_cache_memory_bytes / (num_gpu_blocks x block_size)``, per GPU; None unless all are known.
+
+    ``kv_cache_memory_bytes`` is the per-GPU KV budget given with ``--kv-cache-memory-bytes`` (or a
+    saved startup plan); it is ``"None"`` when vLLM sized the pool from ``gpu_memory_utilization``.
+    vLLM cuts the budget into whole blocks, the reserved null block included (it takes memory like
+    any other), so the denominator is every block. Not ``kv_cache_size_tokens``: on hybrid models
+    that counts what the pool serves per full-attention token, not the slots the bytes hold. The
+    remainder of the cut makes this at most one block's worth high (< 1 / num_gpu_blocks).
+    """
+    if not memory_bytes or not num_blocks or not block_size or memory_bytes <= 0:
+        return None
+    return memory_bytes / (num_blocks * block_size)
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:

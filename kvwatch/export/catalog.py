@@ -97,7 +97,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "KV cache capacity in tokens (num_gpu_blocks x block_size, or the engine's token count).",
        "replica"),
     _m("kvwatch_kv_capacity_bytes", "gauge", REPLICA,
-       "KV cache capacity in bytes, where the model's KV bytes per token are known.", "replica"),
+       "KV cache capacity in bytes on each GPU of the replica (capacity tokens x KV bytes per token), "
+       "where the KV bytes per token are known.", "replica"),
     _m("kvwatch_kv_block_size_tokens", "gauge", REPLICA, "Tokens per KV block (page).", "replica"),
     _m("kvwatch_kv_usage_ratio", "gauge", REPLICA,
        "KV occupancy as the engine reports it (vLLM: blocks held by live requests; SGLang: tokens).",
@@ -225,6 +226,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_requests", "counter", (*REQUEST, "outcome"),
        "Finished requests by outcome (completed, truncated, aborted, error, rejected) and length band.",
        "request"),
+    _m("kvwatch_request_preemption_stalls", "counter", REQUEST,
+       "Finished requests whose longest inter-chunk gap (> 1 s) overlapped a preemption on their "
+       "replica (proxy only).", "request"),
     _m("kvwatch_request_output_tokens_estimated", "counter", REQUEST,
        "Requests whose output tokens were counted from chunks because no usage arrived.", "request"),
     _m("kvwatch_requests_in_flight", "gauge", ("replica", "model_name", "admission_band"),

@@ -15,13 +15,10 @@ from prometheus_client.core import Metric
 from kvwatch.config import Config
 from kvwatch.derive.node import DerivedView, UnitKey
 from kvwatch.export.catalog import spec
+from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 
 TIER_CONDITIONS = ("offload_pcie_bound", "link_down_trained", "foreign_bus_traffic")
-
-
-def _replica_labels(replica: str, model_name: str | None, backend: str, dp_rank: str | None) -> list[str]:
-    return [replica, model_name or "", backend, dp_rank or ""]
 
 
 def _present(replica: str, model_name: str | None, dp_rank: str | None, units: set[UnitKey],
@@ -53,7 +50,7 @@ class DerivedCollector:
             if not _present(f.replica, f.model_name, f.dp_rank, units, up) or f.live_tokens is None \
                     or f.source is None:
                 continue
-            labels = [*_replica_labels(f.replica, f.model_name, f.backend, f.dp_rank), f.source]
+            labels = [*replica_label_values(f.replica, f.model_name, f.backend, f.dp_rank), f.source]
             live.add_metric(labels, f.live_tokens)
             if f.ratio is not None:
                 ratio.add_metric(labels, f.ratio)
@@ -68,7 +65,7 @@ class DerivedCollector:
             s = u.sample
             if s.key not in units:
                 continue
-            labels = _replica_labels(s.replica, s.model_name, s.backend, s.dp_rank)
+            labels = replica_label_values(s.replica, s.model_name, s.backend, s.dp_rank)
             if u.headroom.seconds is not None:
                 headroom.add_metric(labels, u.headroom.seconds)
             if u.recomputed_tokens is not None:
@@ -81,7 +78,7 @@ class DerivedCollector:
         family = spec("kvwatch_kv_overcommitted_requests").gauge()
         for o in view.overcommit:
             if _present(o.replica, o.model_name, o.dp_rank, units, up):
-                family.add_metric(_replica_labels(o.replica, o.model_name, o.backend, o.dp_rank),
+                family.add_metric(replica_label_values(o.replica, o.model_name, o.backend, o.dp_rank),
                                   o.overcommit.requests)
         yield family
 

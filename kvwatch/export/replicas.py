@@ -7,7 +7,8 @@ the engine does not expose (None) produces no series. ``dp_rank`` is "" for engi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from operator import attrgetter
 
 from prometheus_client.core import Metric
 
@@ -47,9 +48,22 @@ TIER_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
+def replica_label_values(replica: str, model_name: str | None, backend: str,
+                         dp_rank: str | None) -> list[str]:
+    """Values of catalog.REPLICA (replica, model_name, backend, dp_rank); "" for no model or rank."""
+    return [replica, model_name or "", backend, dp_rank or ""]
+
+
 def replica_labels(s: ReplicaSample) -> list[str]:
-    """Values of catalog.REPLICA (replica, model_name, backend, dp_rank) for a sample."""
-    return [s.replica, s.model_name or "", s.backend, s.dp_rank or ""]
+    """Values of catalog.REPLICA for a sample."""
+    return replica_label_values(s.replica, s.model_name, s.backend, s.dp_rank)
+
+
+def capacity_bytes(s: ReplicaSample, kv_bytes_per_token: float | None) -> float | None:
+    """KV pool bytes on one GPU: capacity tokens x KV bytes per token (both per GPU), when known."""
+    if s.kv_capacity_tokens is None or kv_bytes_per_token is None:
+        return None
+    return s.kv_capacity_tokens * kv_bytes_per_token
 
 
 def free_tokens(s: ReplicaSample) -> float | None:
@@ -69,6 +83,18 @@ def free_tokens(s: ReplicaSample) -> float | None:
     else:
         return None
     return max(s.kv_capacity_tokens - used, 0.0)
+
+
+def per_sample(family: str, samples: list[ReplicaSample],
+               value: Callable[[ReplicaSample], float | None]) -> Metric:
+    """A gauge or counter family (as the catalog says) with one series per sample that has a value."""
+    catalog = spec(family)
+    metric = catalog.counter() if catalog.kind == "counter" else catalog.gauge()
+    for s in samples:
+        v = value(s)
+        if v is not None:
+            metric.add_metric(replica_labels(s), float(v))
+    return metric
 
 
 class ReplicaCollector:
@@ -94,27 +120,14 @@ class ReplicaCollector:
 
     def _gauges(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in GAUGES:
-            gauge = spec(family).gauge()
-            for s in samples:
-                value = getattr(s, attr)
-                if value is not None:
-                    gauge.add_metric(replica_labels(s), float(value))
-            yield gauge
-        free = spec("kvwatch_kv_free_tokens").gauge()
-        for s in samples:
-            value = free_tokens(s)
-            if value is not None:
-                free.add_metric(replica_labels(s), value)
-        yield free
+            yield per_sample(family, samples, attrgetter(attr))
+        yield per_sample("kvwatch_kv_free_tokens", samples, free_tokens)
+        yield per_sample("kvwatch_kv_capacity_bytes", samples,
+                         lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)))
 
     def _counters(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in COUNTERS:
-            counter = spec(family).counter()
-            for s in samples:
-                value = getattr(s, attr)
-                if value is not None:
-                    counter.add_metric(replica_labels(s), value)
-            yield counter
+            yield per_sample(family, samples, attrgetter(attr))
         finished = spec("kvwatch_engine_finished_requests").counter()
         for s in samples:
             for reason, value in s.finished_requests_total:

@@ -254,7 +254,7 @@ def node_board(opts: Options) -> Board:
     lay.row("KV tier traffic beside PCIe")
     lay.add(g.timeseries("KV tier traffic (engine)", [
         Query(f"sum without (family) ({s.rate('kvwatch_kv_tier_transfer_bytes_total')})",
-              "{{instance}} {{replica}} {{src_tier}} → {{dst_tier}}")],
+              "{{instance}} {{replica}} {{src_tier}} → {{dst_tier}}", sparse=True)],
         description="KV bytes the engine moved between tiers (vLLM offload connectors, LMCache, SGLang "
                     "HiCache, Dynamo KVBM, TRT-LLM).", unit="Bps", min_=0), 12, 8)
     lay.add(g.timeseries("PCIe traffic (NVML) and link bandwidth", [
@@ -266,7 +266,7 @@ def node_board(opts: Options) -> Board:
                     "something else uses the bus.", unit="Bps", min_=0), 12, 8)
     lay.add(g.timeseries("KV tier traffic / PCIe bandwidth", [
         Query(s.sel("kvwatch:kv_tier_pcie:ratio_rate5m", labels=_TIER_LABELS),
-              "{{instance}} {{replica}} {{direction}}")],
+              "{{instance}} {{replica}} {{direction}}", sparse=True)],
         description="A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
                     "links. KVWatchKVTierPCIeSaturated fires above 80%. Needs the replica -> GPU map.",
         unit="percentunit", min_=0, thresholds=((None, "green"), (0.8, "red")), threshold_lines=True), 12, 8)
@@ -652,7 +652,8 @@ class PanelQuery:
     expr: str  # as in the dashboard JSON
     concrete: str  # variables replaced
     instant: bool
-    sparse: bool  # only has series once an event happened (XIDs, scrape errors, firing alerts)
+    sparse: bool  # only has series once an event happened (XIDs, scrape errors, firing alerts) or
+    # with an optional feature in use (KV offload tiers)
     external: bool  # reads another exporter's series (dcgm-exporter): empty without it
 
 

@@ -21,7 +21,8 @@ _PRIVATE = "_queries"
 @dataclass(frozen=True, slots=True)
 class Query:
     """One PromQL target. ``sparse``: the query returns series only once the event it counts has
-    happened (XIDs, scrape errors, firing alerts), so an empty result is normal."""
+    happened (XIDs, scrape errors, firing alerts) or where an optional feature is in use (KV offload
+    tiers: a node without one has no tier traffic), so an empty result is normal."""
 
     expr: str
     legend: str = ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -24,6 +24,23 @@ def stale_files(out_dir: Path, files: Mapping[str, str]) -> dict[str, str]:
                 current.splitlines(keepends=True), text.splitlines(keepends=True),
                 fromfile=f"{path} (committed)", tofile=f"{path} (generated)"))
     return diffs
+
+
+def refused(what: str, problems: Sequence[str], stderr: TextIO | None = None) -> bool:
+    """Say why generated ``what`` is not written (queries of series kvwatch does not export)."""
+    if not problems:
+        return False
+    stderr = stderr or sys.stderr
+    stderr.write(f"refusing to write {what} that query series kvwatch does not export:\n")
+    for problem in problems:
+        stderr.write(f"  {problem}\n")
+    return True
+
+
+def command_line(command: str, options: Iterable[tuple[str, str, str]]) -> str:
+    """``command`` plus ``FLAG VALUE`` for each (flag, value, default) whose value is not the default:
+    the command that regenerates what a ``--check`` found out of date."""
+    return command + "".join(f" {flag} {value}" for flag, value, default in options if value != default)
 
 
 def write_or_check(out_dir: Path, files: Mapping[str, str], check: bool, regenerate: str,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch import buckets
-from kvwatch.config import ConfigError, _Reader, parse_duration, read_yaml_file
+from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file
 from kvwatch.export.catalog import spec
 from kvwatch.model import OUTCOMES, LengthBands
 
@@ -245,7 +245,7 @@ _OBJECTIVE_KEYS = {
 }
 
 
-def _objective_entry(r: _Reader, node: Any, path: str, bands: LengthBands,
+def _objective_entry(r: KeyPathReader, node: Any, path: str, bands: LengthBands,
                      defaults: Mapping[str, Any]) -> Objective | None:
     m = r.mapping(node, path, _OBJECTIVE_KEYS)
     if not m:
@@ -306,7 +306,7 @@ def _default_short(bands: LengthBands) -> tuple[str, ...]:
 
 def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
     """Validate a parsed SLO document; raise ConfigError listing every problem with its key path."""
-    r = _Reader()
+    r = KeyPathReader()
     top = r.mapping(data, "", _TOP_KEYS)
     version = top.get("version", 1)
     if version != 1:

@@ -8,7 +8,7 @@ from kvwatch import humanize as h
 from kvwatch.model import UNKNOWN_BAND
 from kvwatch.report import svg
 from kvwatch.report.summary import ALL, BandRow, Report
-from kvwatch.report.text import KIND_NAMES, header_lines
+from kvwatch.report.text import KIND_NAMES, count_cells, count_headers, header_lines
 
 _STYLE = """
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d2330;background:#fff}
@@ -38,10 +38,7 @@ def _table(headers: list[str], rows: list[list[str]], totals: set[int]) -> str:
 
 
 def _band_rows_table(report: Report, rows: list[BandRow]) -> str:
-    headers = ["band", "requests", "share"]
-    if report.has_outcomes:
-        headers += ["completed", "truncated", "aborted", "error", "rejected"]
-    headers += ["out p50", "out p90", "out p99", "prompt p50"]
+    headers = count_headers(report)
     if report.has_ttft:
         headers += ["TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99"]
     if report.has_e2e:
@@ -50,13 +47,7 @@ def _band_rows_table(report: Report, rows: list[BandRow]) -> str:
     for i, r in enumerate(rows):
         if r.length_band == ALL:
             totals.add(i)
-        cells = ["all bands" if r.length_band == ALL else r.length_band, h.count(r.requests),
-                 h.ratio(r.request_share)]
-        if report.has_outcomes:
-            cells += [h.ratio(r.completed_ratio), h.ratio(r.truncated_ratio), h.ratio(r.aborted_ratio),
-                      h.ratio(r.error_ratio), h.ratio(r.rejected_ratio)]
-        cells += [h.si(r.output_tokens_p50), h.si(r.output_tokens_p90), h.si(r.output_tokens_p99),
-                  h.si(r.prompt_tokens_p50)]
+        cells = count_cells(report, r)
         if report.has_ttft:
             cells += [h.seconds(v) for v in (r.ttft_p50_seconds, r.ttft_p90_seconds, r.ttft_p99_seconds,
                                              r.tpot_p50_seconds, r.tpot_p90_seconds, r.tpot_p99_seconds)]

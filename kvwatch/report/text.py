@@ -46,21 +46,31 @@ def _band_label(row: BandRow) -> str:
     return "all bands" if row.length_band == ALL else row.length_band
 
 
-def requests_table(report: Report, rows: list[BandRow]) -> str:
+def count_headers(report: Report) -> list[str]:
+    """Columns both reports open a band's row with: its requests, outcomes and sizes."""
     headers = ["band", "requests", "share"]
     if report.has_outcomes:
         headers += ["completed", "truncated", "aborted", "error", "rejected"]
-    headers += ["out p50", "out p90", "out p99", "prompt p50"]
+    return [*headers, "out p50", "out p90", "out p99", "prompt p50"]
+
+
+def count_cells(report: Report, r: BandRow) -> list[str]:
+    """The cells under ``count_headers``."""
+    cells = [_band_label(r), h.count(r.requests), h.ratio(r.request_share)]
+    if report.has_outcomes:
+        cells += [h.ratio(r.completed_ratio), h.ratio(r.truncated_ratio), h.ratio(r.aborted_ratio),
+                  h.ratio(r.error_ratio), h.ratio(r.rejected_ratio)]
+    return [*cells, h.si(r.output_tokens_p50), h.si(r.output_tokens_p90), h.si(r.output_tokens_p99),
+            h.si(r.prompt_tokens_p50)]
+
+
+def requests_table(report: Report, rows: list[BandRow]) -> str:
+    headers = count_headers(report)
     if report.has_e2e:
         headers += ["KV token-s", "KV share", "mean KV tok"]
     body = []
     for r in rows:
-        cells = [_band_label(r), h.count(r.requests), h.ratio(r.request_share)]
-        if report.has_outcomes:
-            cells += [h.ratio(r.completed_ratio), h.ratio(r.truncated_ratio), h.ratio(r.aborted_ratio),
-                      h.ratio(r.error_ratio), h.ratio(r.rejected_ratio)]
-        cells += [h.si(r.output_tokens_p50), h.si(r.output_tokens_p90), h.si(r.output_tokens_p99),
-                  h.si(r.prompt_tokens_p50)]
+        cells = count_cells(report, r)
         if report.has_e2e:
             cells += [h.si(r.kv_token_seconds), h.ratio(r.kv_share), h.si(r.kv_mean_tokens)]
         body.append(cells)

@@ -9,7 +9,8 @@ Definitions (docs/requests.md quotes them):
 - **received** (``t0``): the first byte of the request reached kvwatch's socket callback.
 - **TTFT**: received → the first content-bearing event (``sse.py``) was written to the client.
 - **inter-chunk gap**: between successive content-bearing events as written to the client; events
-  that reach the client in one write are separate chunks with a zero gap.
+  that reach the client in one write are separate chunks with a zero gap. The longest gap and when it
+  ended (``started_at`` + its offset from ``t0``) are kept too, to tell preemption stalls.
 - **e2e**: received → the last byte written to the client (or the moment the exchange ended early:
   client gone, upstream broken).
 - **output tokens**: ``usage.completion_tokens``; without usage, the number of content-bearing events
@@ -159,12 +160,14 @@ class RequestMeter:
     """One request's timings and counts while it streams; ``record()`` builds the RequestRecord.
 
     ``on_events`` runs once per upstream read that yielded complete events (the hot path): a regex
-    search per event, a bisect per read with content, a dict store for the in-flight estimate.
+    search per event, a bisect per read with content, a compare (and two stores when a gap is the
+    longest yet), a dict store for the in-flight estimate.
     """
 
     __slots__ = (
-        "_bins", "_first", "_last", "chunks", "e2e", "finish_reason", "gap_sum", "handle",
-        "in_flight", "info", "model_name", "prompt_tokens", "replica", "started_at", "t0", "usage",
+        "_bins", "_first", "_last", "_max_gap", "_max_gap_end", "chunks", "e2e", "finish_reason",
+        "gap_sum", "handle", "in_flight", "info", "model_name", "prompt_tokens", "replica", "started_at",
+        "t0", "usage",
     )
 
     GAP_BOUNDS = buckets.INTER_CHUNK_SECONDS
@@ -181,6 +184,8 @@ class RequestMeter:
         self._bins = [0] * (len(self.GAP_BOUNDS) + 1)
         self._first: float | None = None
         self._last = 0.0
+        self._max_gap = 0.0
+        self._max_gap_end: float | None = None
         self.gap_sum = 0.0
         self.chunks = 0
         self.e2e: float | None = None
@@ -200,6 +205,9 @@ class RequestMeter:
                 self._bins[bisect.bisect_left(self.GAP_BOUNDS, gap)] += 1
                 self._bins[0] += n - 1
                 self.gap_sum += gap
+                if gap > self._max_gap:
+                    self._max_gap = gap
+                    self._max_gap_end = now
             self._last = now
             self.chunks += n
             if self.handle is not None and self.in_flight is not None:
@@ -235,6 +243,7 @@ class RequestMeter:
         elif self.info.streaming and (self.chunks or outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)):
             output, estimated = self.chunks, True
         gaps = tuple(self._bins) if self.chunks > 1 else ()
+        gap_end = self._max_gap_end if self._max_gap_end is not None else self._first
         return RequestRecord(
             replica=self.replica,
             model_name=self.model_name,
@@ -255,4 +264,6 @@ class RequestMeter:
             gap_bounds=self.GAP_BOUNDS if gaps else (),
             gap_counts=gaps,
             gap_sum=self.gap_sum if gaps else 0.0,
+            max_gap_seconds=self._max_gap if gaps else None,
+            max_gap_ended_at=self.started_at + (gap_end - self.t0) if gaps and gap_end is not None else None,
         )

@@ -119,7 +119,8 @@ class ProxyServer:
     def __init__(self, replica: ReplicaConfig, config: ProxyConfig, labels: ModelLabels,
                  bands: LengthBands, in_flight: InFlight, sink: Sink, count: Count,
                  meter_factory: MeterFactory = RequestMeter,
-                 clock: Callable[[], float] = perf_counter) -> None:
+                 clock: Callable[[], float] = perf_counter,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if replica.api_url is None:
             raise ValueError(f"replicas[{replica.name}].api_url: the proxy needs the engine's base URL")
         self.replica = replica.name
@@ -133,6 +134,7 @@ class ProxyServer:
         self.count = count
         self.meter_factory = meter_factory
         self.clock = clock  # durations are measured on it (the demo passes the simulator's clock)
+        self.wall_clock = wall_clock  # started_at: the agent's time base, which its scrapes share
         self.inject_usage = True
         self.pool = _UpstreamPool(MAX_IDLE_UPSTREAM, UPSTREAM_IDLE_S)
         self.connections: set[_ClientConnection] = set()
@@ -242,17 +244,20 @@ async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: 
                       bands: LengthBands, in_flight: InFlight, sink: Sink, count: Count, *,
                       meter_factory: MeterFactory = RequestMeter,
                       learn_models: bool = True,
-                      clock: Callable[[], float] = perf_counter) -> ProxyServer:
+                      clock: Callable[[], float] = perf_counter,
+                      wall_clock: Callable[[], float] = time.time) -> ProxyServer:
     """Start the replica's listener on ``replica.proxy_listen``; the agent's wiring entry point.
 
     ``known_models``: label values a client's ``model`` may keep (``Config.known_models``); the
     replica's ``model_name`` and, with ``learn_models``, the engine's ``/v1/models`` ids join them.
-    ``sink`` gets every finished metered request; ``count`` is ``NodeState.count``.
+    ``sink`` gets every finished metered request; ``count`` is ``NodeState.count``. ``clock``
+    measures durations; ``wall_clock`` dates requests (``started_at``, ``max_gap_ended_at``): the agent
+    passes its own clock so requests and engine scrapes share one time base.
     """
     if replica.proxy_listen is None:
         raise ValueError(f"replica {replica.name}: proxy_listen is not set")
     server = ProxyServer(replica, proxy, ModelLabels(known_models, replica.model_name), bands,
-                         in_flight, sink, count, meter_factory, clock)
+                         in_flight, sink, count, meter_factory, clock, wall_clock)
     for family in (ACCOUNTING_ERRORS, TIMED_OUT):  # zero series from the start, so rate() sees the first
         count(family, replica.name, amount=0)
     await server.start(replica.proxy_listen.host, replica.proxy_listen.port, learn_models)
@@ -321,7 +326,7 @@ class _ClientConnection(asyncio.Protocol):
             return
         if not self.buf and self.head is None:  # first byte of a request: "received"
             self.t0 = self.proxy.clock()
-            self.wall = time.time()
+            self.wall = self.proxy.wall_clock()
             if self.served:  # an idle keep-alive connection: the request gets the whole timeout
                 self._arm_timer()
         self.buf += data
@@ -411,7 +416,7 @@ class _ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()  # type: ignore[union-attr]
         self._arm_timer()
         if self.buf:
-            self.t0, self.wall = self.proxy.clock(), time.time()
+            self.t0, self.wall = self.proxy.clock(), self.proxy.wall_clock()
             self._parse()
 
     def _refuse(self, status: int, reason: str, head: RequestHead | None = None) -> None:
@@ -838,17 +843,24 @@ class _Exchange:
 
     # -- from the client connection ---------------------------------------------------------------
     def client_gone(self) -> None:
-        """The client disconnected: close upstream now so the engine aborts and frees its KV."""
+        """The client disconnected: close upstream now so the engine aborts and frees its KV.
+
+        A client that leaves once the final chunk (the one with a finish reason) was relayed aborted
+        nothing: the engine is done. The official ``openai`` client closes its connection as soon as
+        it reads ``[DONE]``, which often beats the engine's last-chunk marker to kvwatch; that
+        request ends by its finish reason, not as ``aborted``.
+        """
         if self.gone or self.finished:
             return
         self.gone = True
         if self.up is not None:
             self.up.abort()
         if not self.finished:
-            if self.meter is not None:
+            meter = self.meter
+            if meter is not None:
                 with contextlib.suppress(Exception):
-                    self.meter.on_end(self.proxy.clock())
-            self._end(End.CLIENT_GONE)
+                    meter.on_end(self.proxy.clock())
+            self._end(End.COMPLETE if meter is not None and meter.finish_reason else End.CLIENT_GONE)
 
     def pause_upstream(self, paused: bool) -> None:
         if self.up is not None and self.up.transport is not None:

@@ -250,7 +250,9 @@ def _cache_config_info(engines: Sequence[SimEngine]) -> GaugeMetricFamily:
             "gpu_memory_utilization": str(c.gpu_memory_utilization),
             "is_attention_free": "False",
             "kv_cache_max_concurrency": str(round(tokens / c.context_len, 2)),
-            "kv_cache_memory_bytes": "None",
+            # as if started with --kv-cache-memory-bytes sized to whole blocks (the real 0.32 capture
+            # carries the budget here): per GPU, every block including vLLM's null block
+            "kv_cache_memory_bytes": str(round(tokens * e.memory_plan.kv_bytes_per_token_per_gpu)),
             "kv_cache_size_tokens": str(tokens),
             "kv_offloading_backend": "native",
             "kv_offloading_size": str(c.kv_offload_bytes / 2**30) if c.kv_offload_bytes else "None",

@@ -31,7 +31,7 @@ from kvwatch.derive.node import DerivedView, UnitSignals
 from kvwatch.derive.pcie import link_bytes_per_second
 from kvwatch.derive.quantiles import histogram_quantile
 from kvwatch.derive.tiers import gpu_link
-from kvwatch.model import OUTCOMES, GpuSample, ReplicaSample
+from kvwatch.model import OUTCOMES, ReplicaSample
 from kvwatch.state import Histogram, NodeState
 
 ALL = "(all)"
@@ -306,12 +306,6 @@ def _band_view(replica: str, band: str, families: Mapping[str, Histogram], healt
     )
 
 
-def gpu_baseline(derived: DerivedView | None, uuid: str) -> GpuSample | None:
-    """The GPU poll rates are measured from: the oldest kept, once two are kept (as ``derive.node``)."""
-    kept = derived.gpu_history.get(uuid, ()) if derived is not None else ()
-    return kept[0] if len(kept) >= 2 else None
-
-
 def _gpus(state: NodeState, derived: DerivedView | None) -> tuple[GpuView, ...]:
     owners: dict[str, list[str]] = {}
     for replica, mapped in state.replica_gpus.items():
@@ -319,7 +313,8 @@ def _gpus(state: NodeState, derived: DerivedView | None) -> tuple[GpuView, ...]:
             owners.setdefault(uuid, []).append(replica)
     out = []
     for gpu in sorted(state.gpus, key=lambda g: g.index):
-        link = None if gpu.lost else gpu_link(gpu, gpu_baseline(derived, gpu.uuid), link_bytes_per_second)
+        baseline = derived.gpu_baseline(gpu.uuid) if derived is not None else None
+        link = None if gpu.lost else gpu_link(gpu, baseline, link_bytes_per_second)
         out.append(GpuView(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, lost=gpu.lost, sampled_at=gpu.sampled_at,
             memory_used_bytes=gpu.memory_used_bytes, memory_total_bytes=gpu.memory_total_bytes,

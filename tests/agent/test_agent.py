@@ -9,7 +9,6 @@ import sys
 import time
 
 import httpx
-import pytest
 from aiohttp import web
 
 from kvwatch.agent import Agent
@@ -67,7 +66,8 @@ async def test_a_hanging_replica_delays_neither_the_others_nor_the_scrape():
                   nvml=FakeNvml(2))
     await agent.start()
     try:
-        await _until(lambda: _contains(agent, 'kvwatch_target_scrape_errors_total{reason="timeout",replica="stuck"} 1.0'))
+        timed_out = 'kvwatch_target_scrape_errors_total{reason="timeout",replica="stuck"} 1.0'
+        await _until(lambda: _contains(agent, timed_out))
         seen = agent.state.target("sim-0").last_success_ts
         await asyncio.sleep(1.5)
         assert agent.state.target("sim-0").last_success_ts > seen  # still scraped on schedule
@@ -158,5 +158,5 @@ def test_kvwatch_run_names_a_bad_config_and_exits_1(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("replicas: [{name: x, metrics_url: ftp://nope}]\n")
     result = subprocess.run([sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1 and "replicas[0].metrics_url" in result.stderr

@@ -50,5 +50,5 @@ def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
 
 def test_demo_refuses_bad_arguments_with_a_clear_message():
     result = subprocess.run([sys.executable, "-m", "kvwatch", "demo", "--listen", "nowhere"],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "--listen" in result.stderr

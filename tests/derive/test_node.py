@@ -6,6 +6,7 @@ import pytest
 
 from kvwatch.derive.node import DerivedSettings, NodeInputs, derive_node, keep_window
 from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.derive.recompute import PreemptionWindow
 from kvwatch.model import TierTraffic
 
 from .factories import gpu, request, vllm
@@ -136,3 +137,53 @@ def test_idle_unit_has_infinite_headroom_and_settings_switch_admissions():
         view = derive_node(view, NodeInputs(samples=tuple(samples)), 0.0, decode_only)
     assert with_admissions == pytest.approx(8000 / 200.0)
     assert view.units[0].headroom.seconds == pytest.approx(8000 / 100.0)
+
+
+def test_preemption_windows_outlive_the_rate_window_and_an_outage():
+    """A request's longest gap can be minutes old when it finishes: windows are kept for
+    ``preemption_memory_s``, across target outages, per replica over all its ranks."""
+    readings = [(0.0, 0.0), (5.0, 2.0), (10.0, 3.0), (15.0, 3.0), (100.0, 3.0), (105.0, 4.0)]
+    calls = [[scrape(t, preemptions_total=p), scrape(t, dp_rank="1", preemptions_total=0.0)]
+             for t, p in readings]
+    calls.insert(4, [])  # target down between 15 and 100
+    view = None
+    for samples in calls:
+        now = samples[0].scraped_at if samples else 50.0
+        view = derive_node(view, NodeInputs(samples=tuple(samples)), now)
+    assert view.preemption_windows("r0") == [PreemptionWindow(0.0, 10.0), PreemptionWindow(100.0, 105.0)]
+    assert view.preemption_windows("r1") == []
+    short = DerivedSettings(preemption_memory_s=50.0)
+    later = derive_node(view, NodeInputs(samples=(scrape(110.0, preemptions_total=4.0),)), 110.0, short)
+    assert later.preemption_windows("r0") == [PreemptionWindow(100.0, 105.0)]
+
+
+def test_gpu_baseline_is_the_oldest_kept_poll_once_two_are_kept():
+    first = derive_node(None, NodeInputs(samples=(), gpus=(gpu(at=0.0),)), 0.0)
+    assert first.gpu_baseline("GPU-0") is None
+    second = derive_node(first, NodeInputs(samples=(), gpus=(gpu(at=5.0),)), 5.0)
+    assert second.gpu_baseline("GPU-0").sampled_at == 0.0
+    assert second.gpu_baseline("GPU-9") is None
+
+
+def test_token_counted_tier_traffic_gets_bytes_for_every_gpu_of_the_rank():
+    """KV bytes per token are per GPU; a TP=2 rank moves each token's KV over both GPUs' links."""
+    mapped = {"r0": (("0", "GPU-0", "config"), ("1", "GPU-1", "config"))}
+    view = None
+    for t, tokens in [(0.0, 0.0), (10.0, 1e6)]:
+        sample = scrape(t, tier_traffic=(TierTraffic("lmcache", "gpu", "host", tokens_total=tokens),))
+        inputs = NodeInputs(samples=(sample,), gpus=(gpu(0, at=t), gpu(1, at=t)), replica_gpus=mapped,
+                            kv_bytes_per_token={"r0": 65536.0}, link_bandwidth=link_bytes_per_second)
+        view = derive_node(view, inputs, t)
+    offload = next(link for link in view.tier_links if link.direction == "offload")
+    assert offload.kv_bytes_per_second == 1e6 / 10 * 65536 * 2
+
+
+def test_token_counted_tier_traffic_without_bytes_per_token_has_no_byte_rate():
+    view = None
+    for t, tokens in [(0.0, 0.0), (10.0, 1e6)]:
+        sample = scrape(t, tier_traffic=(TierTraffic("lmcache", "gpu", "host", tokens_total=tokens),))
+        inputs = NodeInputs(samples=(sample,), gpus=(gpu(at=t),), link_bandwidth=link_bytes_per_second,
+                            replica_gpus={"r0": (("0", "GPU-0", "config"),)})
+        view = derive_node(view, inputs, t)
+    offload = next(link for link in view.tier_links if link.direction == "offload")
+    assert offload.kv_bytes_per_second is None

@@ -13,8 +13,11 @@ from kvwatch.derive.recompute import (
     preemption_rate,
     preemption_windows,
     recomputed_tokens,
+    remember_preemptions,
+    request_stalled,
     stall_exposure_by_band,
 )
+from kvwatch.model import Outcome, RequestRecord
 
 from .factories import sglang, vllm
 
@@ -101,3 +104,52 @@ def test_stall_exposure_counts_per_band_and_uses_each_replicas_windows():
     gaps = [RequestGap("r0", "20k+", 5.0, 8.0), RequestGap("r0", "20k+", 0.1, 8.0),
             RequestGap("r1", "20k+", 5.0, 8.0), RequestGap("r0", "0-1k", 2.0, 9.0)]
     assert stall_exposure_by_band(gaps, windows) == {"20k+": (1, 3), "0-1k": (1, 1)}
+
+
+W = PreemptionWindow
+
+
+@pytest.mark.parametrize(("kept", "previous", "current", "expected"), [
+    ((), None, (10, 3), ()),  # first sample of the unit: nothing to compare
+    ((), (5, 0), (10, 0), ()),  # no preemption in the interval
+    ((), (5, 0), (10, 2), (W(5, 10),)),
+    ((W(5, 10),), (10, 2), (15, 4), (W(5, 15),)),  # contiguous: one episode, extended
+    ((W(5, 10),), (15, 2), (20, 3), (W(5, 10), W(15, 20))),  # a quiet interval in between
+    ((W(0, 5), W(10, 15)), (20, 0), (25, 0), (W(10, 15),)),  # ended before keep_since (6): dropped
+    ((), (10, 5), (10, 9), ()),  # the same scrape again (a GPU poll re-derives): no window
+    ((), (5, 9), (10, 2), (W(5, 10),)),  # the engine restarted and preempted since
+])
+def test_remember_preemptions(kept, previous, current, expected):
+    def sample(reading):
+        return vllm(scraped_at=reading[0], preemptions_total=reading[1])
+    before = None if previous is None else sample(previous)
+    assert remember_preemptions(kept, before, sample(current), keep_since=6.0, max_windows=8) == expected
+
+
+def test_remember_preemptions_keeps_the_newest_windows():
+    kept = tuple(W(t, t + 1) for t in range(0, 20, 2))
+    found = remember_preemptions(kept, vllm(scraped_at=30, preemptions_total=0),
+                                 vllm(scraped_at=35, preemptions_total=1), keep_since=0.0, max_windows=3)
+    assert found == (W(16, 17), W(18, 19), W(30, 35))
+
+
+def _record(max_gap: float | None, ended_at: float | None) -> RequestRecord:
+    return RequestRecord("r0", "m", "proxy", Outcome.COMPLETED, started_at=0.0, output_tokens=8000,
+                         max_gap_seconds=max_gap, max_gap_ended_at=ended_at)
+
+
+@pytest.mark.parametrize(("max_gap", "ended_at", "stalled"), [
+    (3.0, 8.0, True),  # gap 5..8 overlaps the window 5..10
+    (3.0, 4.0, False),  # gap 1..4 ended before the window
+    (1.0, 8.0, False),  # not longer than the 1 s threshold
+    (1.5, 10.5, True),  # gap 9..10.5 overlaps the window's end
+    (2.0, 17.0, False),  # gap 15..17 is after the window
+    (None, None, None),  # the source did not measure gaps (OTLP, SGLang files, non-streaming)
+    (3.0, None, None),
+])
+def test_request_stalled(max_gap, ended_at, stalled):
+    assert request_stalled(_record(max_gap, ended_at), [W(5.0, 10.0)]) is stalled
+
+
+def test_request_without_preemption_windows_is_not_stalled():
+    assert request_stalled(_record(30.0, 100.0), []) is False

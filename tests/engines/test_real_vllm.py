@@ -106,6 +106,9 @@ def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):
     assert x["prompt_tokens_total"] == value(engine, "vllm:prompt_tokens_total")
     assert x["prefix_cache_hits_total"] == value(engine, "vllm:prefix_cache_hits_total")
     assert x["histograms"]["ttft"]["count"] == value(engine, "vllm:time_to_first_token_seconds_count")
+    assert x["histograms"]["prompt_tokens"]["count"] == value(engine, "vllm:request_prompt_tokens_count")
+    # vllm-cpu.sh passes --kv-cache-memory-bytes: the per-GPU budget over every block's token slots
+    assert x["kv_bytes_per_token"] == int(config["kv_cache_memory_bytes"]) / (x["num_gpu_blocks"] * 128)
     assert x["version_hint"].startswith("vllm>=0.3")
 
 

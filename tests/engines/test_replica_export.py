@@ -115,3 +115,29 @@ def test_free_tokens(name, expected):
 def test_free_tokens_from_usage_ratio_only():
     s = only("llamacpp_2024_kv_cache_usage_ratio.prom")
     assert free_tokens(s) is None  # no capacity on /metrics alone
+
+
+def _one_target(name: str, page_name: str) -> NodeState:
+    state = NodeState("n", LengthBands())
+    target = state.target(name)
+    target.backend, target.up = "auto", True
+    target.samples = tuple(dataclasses.replace(s, replica=name) for s in samples(page_name))
+    return state
+
+
+def test_capacity_bytes_from_the_engine_match_its_byte_budget():
+    """Real vLLM 0.32 (--kv-cache-memory-bytes 20971520): 2560 tokens x 8192 bytes is the budget."""
+    text = render(_one_target("r0", "vllm_0_32_cpu_idle.prom"))
+    assert ('kvwatch_kv_capacity_bytes{backend="vllm",dp_rank="0",model_name="tiny",replica="r0"} '
+            '2.097152e+07') in text
+
+
+def test_configured_kv_bytes_per_token_wins_and_fills_in_what_the_engine_does_not_say():
+    config = Config(replicas=(ReplicaConfig("r0", "http://h/metrics", kv_bytes_per_token=4096.0),))
+    engine_says = render(_one_target("r0", "vllm_0_32_cpu_idle.prom"), config)
+    assert 'kvwatch_kv_capacity_bytes{backend="vllm",dp_rank="0",model_name="tiny",replica="r0"} ' \
+           '1.048576e+07' in engine_says  # 2560 x 4096, not 2560 x 8192
+    silent = render(_one_target("r0", "vllm_0_12_old_names_gone.prom"), config)
+    assert 'kvwatch_kv_capacity_bytes{backend="vllm",dp_rank="0",model_name="qwen3-32b",replica="r0"} ' \
+           '5.24288e+08' in silent  # 8000 blocks x 16 tokens x 4096 bytes
+    assert "kvwatch_kv_capacity_bytes{" not in render(_one_target("r0", "vllm_0_12_old_names_gone.prom"))

@@ -7,7 +7,7 @@ import pytest
 from kvwatch.engines import sglang
 from kvwatch.engines.exposition import parse_text
 
-from .helpers import SCRAPED_AT, SGLANG_DYNAMO, only, parse, samples, tiers
+from .helpers import SCRAPED_AT, SGLANG_DYNAMO, only, page, parse, samples, tiers
 
 
 def test_real_dynamo_capture():
@@ -112,3 +112,74 @@ def test_remote_storage_backend_is_the_remote_tier():
             'sglang:backuped_tokens_total{storage_backend="mooncake",tp_rank="0"} 5\n')
     s, = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
     assert tiers(s)[("sglang_storage", "host", "remote")].tokens_total == 5.0
+
+
+MEMORY_PAGE = "sglang_0_5_23_kv_memory_and_token_histograms.prom"
+
+
+def test_kv_bytes_per_token_from_the_pool_size_in_gib():
+    """73.242 GiB (SGLang's GB is 2^30) over 1,200,000 slots + 1 padding slot: the 65536 bytes per
+    token one TP rank of Llama-3.1-8B holds, within the gauge's 3-decimal rounding."""
+    s = only(MEMORY_PAGE)
+    assert s.kv_capacity_tokens == 1200000.0
+    assert s.kv_bytes_per_token == pytest.approx(65536, rel=1e-5)
+    assert s.kv_bytes_per_token != pytest.approx(73.242e9 / 1200001, rel=1e-3)  # not decimal GB
+
+
+@pytest.mark.parametrize(("gib", "tokens", "page", "expected"), [
+    (1.0, 1023.0, 1, 1024 * 1024.0),  # 2^30 bytes over 1023 slots + 1 padding slot
+    (1.0, 1024.0 - 64, 64, 1024 * 1024.0),  # one padding page
+    (1.0, 1023.0, None, 1024 * 1024.0),  # no page_size gauge: page size 1
+    (None, 1023.0, 1, None),
+    (0.0, 1023.0, 1, None),  # SGLang reports 0 where torch did not allocate the pool (MLX stub)
+    (1.0, None, 1, None),
+    (1.0, 0.0, 1, None),
+])
+def test_kv_bytes_per_token_formula(gib, tokens, page, expected):
+    assert sglang.kv_bytes_per_token(gib, tokens, page) == expected
+
+
+def test_pages_without_the_memory_gauge_have_no_bytes_per_token():
+    assert only(SGLANG_DYNAMO).kv_bytes_per_token is None
+    assert all(s.kv_bytes_per_token is None for s in samples("sglang_0_5_20_two_dp_ranks_hicache.prom"))
+
+
+def test_finished_requests_summed_over_is_streaming_under_one_key():
+    assert only(MEMORY_PAGE).finished_requests_total == (("all", 1000.0),)
+    assert only("sglang_0_4_10_no_capacity.prom").finished_requests_total == (("all", 400.0),)
+    assert only(SGLANG_DYNAMO).finished_requests_total == (("all", 1.0),)
+
+
+def test_finished_requests_of_a_page_with_dp_ranks_belong_to_no_rank():
+    """num_requests_total is a tokenizer family without a rank label."""
+    assert [s.finished_requests_total for s in samples("sglang_0_5_20_two_dp_ranks_hicache.prom")] == [(), ()]
+
+
+def _with_values(text: str, values: dict[str, float]) -> str:
+    """The page with the named series (name and labels as written) set to new values."""
+    lines = []
+    for line in text.splitlines():
+        series = line.rpartition(" ")[0]
+        lines.append(f"{series} {values[series]}" if series in values else line)
+    return "\n".join(lines) + "\n"
+
+
+def test_prompt_and_output_token_histograms_feed_headroom():
+    """Two scrapes 100 finished requests apart: headroom's freed tokens per finished request are
+    the mean prompt + output of those 100 (from the histograms' sum and count increases)."""
+    from kvwatch.derive.headroom import finished_total, mean_finished_tokens
+
+    tok = '{engine_type="unified",model_name="llama-3.1-8b"}'
+    later = _with_values(page(MEMORY_PAGE), {
+        f'sglang:num_requests_total{tok[:-1]},is_streaming="true"}}': 1000,
+        f"sglang:prompt_tokens_histogram_sum{tok}": 2_800_000,
+        f"sglang:prompt_tokens_histogram_count{tok}": 1100,
+        f"sglang:generation_tokens_histogram_sum{tok}": 6_700_000,
+        f"sglang:generation_tokens_histogram_count{tok}": 1100,
+    })
+    before = only(MEMORY_PAGE)
+    after, = sglang.parse(parse_text(later), "r0", SCRAPED_AT + 10)
+    prompt = after.histogram("prompt_tokens")
+    assert prompt is not None and (prompt.count, prompt.sum) == (1100.0, 2_800_000.0)
+    assert finished_total(after) - finished_total(before) == 100.0
+    assert mean_finished_tokens(after, before) == 300_000 / 100 + 700_000 / 100

@@ -26,8 +26,8 @@ def test_real_cpu_vllm_under_load_reads_kv_preemptions_and_capacity():
 
 def test_real_cpu_vllm_keeps_histograms_for_cross_checks():
     s = only("vllm_0_32_cpu_preempting.prom")
-    assert [name for name, _ in s.histograms] == ["ttft", "e2e", "itl", "generation_tokens",
-                                                   "num_preemptions"]
+    assert [name for name, _ in s.histograms] == ["ttft", "e2e", "itl", "prompt_tokens",
+                                                   "generation_tokens", "num_preemptions"]
     pre = s.histogram("num_preemptions")
     assert pre is not None
     assert pre.bounds == (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0, float("inf"))
@@ -187,3 +187,41 @@ def test_nan_gauge_is_not_measured():
             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} NaN\n')
     s, = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
     assert s.kv_usage_ratio is None
+
+
+def test_real_cpu_vllm_kv_bytes_per_token_from_the_byte_budget():
+    """vllm-cpu.sh starts vLLM with --kv-cache-memory-bytes 20971520 for 20 blocks of 128 tokens; the
+    tiny model holds 8 layers x 2 (K, V) x 4 KV heads x 64 dims x 2 bytes = 8192 bytes per token."""
+    s = only("vllm_0_32_cpu_preempting.prom")
+    assert s.kv_bytes_per_token == 20971520 / (20 * 128) == 8 * 2 * 4 * 64 * 2
+
+
+def test_kv_cache_memory_bytes_none_leaves_bytes_per_token_unknown():
+    """vLLM sized the pool from gpu_memory_utilization: the label says "None"."""
+    assert only("vllm_0_12_old_names_gone.prom").kv_bytes_per_token is None
+    assert all(s.kv_bytes_per_token is None for s in samples("vllm_0_33_two_dp_ranks_offload.prom"))
+
+
+@pytest.mark.parametrize(("memory", "blocks", "block_size", "expected"), [
+    (20971520, 20, 128, 8192.0),  # the null block takes memory too: every block is in the divisor
+    (1000, 3, 16, 1000 / 48),  # a budget that is not a whole number of blocks: at most a block high
+    (None, 20, 128, None),
+    (20971520, None, 128, None),
+    (20971520, 20, None, None),
+    (0, 20, 128, None),
+    (-5, 20, 128, None),
+    (20971520, 0, 128, None),
+])
+def test_kv_bytes_per_token_formula(memory, blocks, block_size, expected):
+    assert vllm.kv_bytes_per_token(memory, blocks, block_size) == expected
+
+
+def test_real_cpu_vllm_prompt_and_output_sizes_of_finished_requests():
+    """Headroom's "freed" needs both per-request token histograms between two samples."""
+    from kvwatch.derive.headroom import finished_total, mean_finished_tokens
+
+    idle, busy = only("vllm_0_32_cpu_idle.prom"), only("vllm_0_32_cpu_preempting.prom")
+    prompt = busy.histogram("prompt_tokens")
+    assert prompt is not None and (prompt.count, prompt.sum) == (3.0, 450.0)
+    assert finished_total(busy) - finished_total(idle) == 3.0
+    assert mean_finished_tokens(busy, idle) == 450 / 3 + 4500 / 3

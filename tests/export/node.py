@@ -72,6 +72,7 @@ def full_node_registry(replicas: int = 8) -> CollectorRegistry:
     state, config = full_node(replicas)
     registry = CollectorRegistry(auto_describe=False)
     for collector in (ReplicaCollector(state, config), DerivedCollector(state, config),
-                      GpuCollector(state, config), RequestCollector(state, config), SelfCollector(state, config)):
+                      GpuCollector(state, config), RequestCollector(state, config),
+                      SelfCollector(state, config)):
         registry.register(collector)
     return registry

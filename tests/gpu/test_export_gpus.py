@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwatch.agent.gpu import refresh_gpu_state
 from kvwatch.export.catalog import CATALOG
 from kvwatch.export.gpus import GpuCollector
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
-from kvwatch.agent.gpu import refresh_gpu_state
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.config import Config, NvmlConfig, ReplicaConfig
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.gpu.processes import ProcReader
-from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 

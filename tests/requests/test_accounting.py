@@ -141,3 +141,42 @@ def test_meter_prefers_usage_over_counted_chunks() -> None:
 def test_meter_of_a_failed_request_without_chunks_has_no_token_count() -> None:
     record = _meter().record(502, End.UPSTREAM_FAILED)
     assert (record.outcome, record.output_tokens, record.ttft_seconds) == (Outcome.ERROR, None, None)
+
+
+CONTENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+
+
+def test_meter_keeps_the_longest_gap_and_when_it_ended_in_the_wall_time_base() -> None:
+    m = _meter()  # received at t0 = 100.0 (the duration clock) = 1000.0 (wall clock)
+    for now in (100.5, 100.6, 103.6, 103.7, 104.7):  # gaps 0.1, 3.0, 0.1, 1.0
+        m.on_events(CONTENT, b"\n\n", now)
+    m.on_end(104.8)
+    record = m.record(200, End.COMPLETE)
+    assert record.max_gap_seconds == pytest.approx(3.0)
+    assert record.max_gap_ended_at == pytest.approx(1003.6)  # started_at + (103.6 - t0)
+
+
+def test_meter_with_all_chunks_in_one_write_has_a_zero_longest_gap() -> None:
+    m = _meter()
+    m.on_events(CONTENT * 3, b"\n\n", 100.5)
+    m.on_end(100.6)
+    record = m.record(200, End.COMPLETE)
+    assert (record.max_gap_seconds, record.max_gap_ended_at) == (0.0, pytest.approx(1000.5))
+
+
+@pytest.mark.parametrize("reads", [[], [CONTENT]])
+def test_meter_without_a_gap_measures_no_longest_gap(reads: list[bytes]) -> None:
+    m = _meter()
+    for data in reads:
+        m.on_events(data, b"\n\n", 100.5)
+    m.on_end(100.6)
+    record = m.record(200, End.COMPLETE)
+    assert (record.max_gap_seconds, record.max_gap_ended_at) == (None, None)
+
+
+def test_non_streaming_request_measures_no_longest_gap() -> None:
+    m = _meter(streaming=False)
+    m.on_json_body(b'{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}')
+    m.on_end(100.3)
+    record = m.record(200, End.COMPLETE)
+    assert (record.max_gap_seconds, record.max_gap_ended_at) == (None, None)

@@ -92,6 +92,10 @@ async def test_openai_client_streams_through_the_proxy_to_vllm(real_vllm, vllm_p
     assert asked.output_tokens == 8
     assert all(r.outcome is Outcome.TRUNCATED and r.model_name == "tiny" for r in vllm_proxy.records)
     assert all(r.ttft_seconds is not None and 0 < r.ttft_seconds <= r.e2e_seconds for r in vllm_proxy.records)
+    for r in vllm_proxy.records:  # the longest gap lies inside the stream, dated on the wall clock
+        assert 0 <= r.max_gap_seconds <= r.e2e_seconds - r.ttft_seconds + 1e-6
+        gap_end = r.max_gap_ended_at - r.started_at
+        assert r.ttft_seconds - 1e-6 <= gap_end <= r.e2e_seconds + 1e-6
 
 
 @pytest.mark.real_vllm

@@ -180,3 +180,16 @@ def test_offload_counters_appear_only_with_the_cpu_tier():
     assert legacy == {"GPU_to_CPU": e.stats.offload_store_bytes, "CPU_to_GPU": e.stats.offload_load_bytes}
     result = parse_exposition(render_vllm_metrics(engines, MODEL, created=0.0).decode(), "sim")
     assert any(t.bytes_total == e.stats.offload_store_bytes for t in result.samples[0].tier_traffic)
+
+
+def test_kv_bytes_per_token_reach_kvwatch_through_cache_config_info():
+    """``kv_cache_memory_bytes`` (per GPU, whole blocks) lets the adapter recover the memory plan's
+    KV bytes per token per GPU, and the demo gets ``kvwatch_kv_capacity_bytes``."""
+    engines = busy_engines(1)
+    (e,) = engines
+    fams = families(render_vllm_metrics(engines, MODEL, created=0.0))
+    per_gpu = e.memory_plan.kv_bytes_per_token_per_gpu
+    info = fams["vllm:cache_config_info"].samples[0].labels
+    assert info["kv_cache_memory_bytes"] == str(round(160 * per_gpu))  # 40 blocks x 4 tokens
+    (s,) = parse_exposition(render_vllm_metrics(engines, MODEL, created=0.0).decode(), "sim").samples
+    assert s.kv_bytes_per_token == pytest.approx(per_gpu)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvwatch.config import Config, config_from_mapping
 from kvwatch.agent.derived import update_derived
+from kvwatch.config import Config, config_from_mapping
 from kvwatch.model import GpuSample, InFlightRequest, Outcome, ReplicaSample, RequestRecord
 from kvwatch.state import NodeState
 
