@@ -304,6 +304,9 @@ class NvmlCollector:
 
     def _note_error(self, call: str, exc: BaseException) -> str:
         name = error_name(exc)
+        if type(exc).__name__ in _GONE:  # the driver went away: poll() says so once for all calls
+            log.debug("NVML %s: %s", call, name)
+            return name
         if (call, name) not in self._logged_errors:
             self._logged_errors.add((call, name))
             log.warning("NVML %s failed: %s (%s); that value is left out and counted in "

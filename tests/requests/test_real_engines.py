@@ -254,7 +254,9 @@ def _leave_after_first_event(port: int, body: dict) -> None:
 @pytest.fixture(scope="module")
 def long_context_llamacpp(real_llamacpp) -> Iterator[str]:
     """The session's llama-server fills its 256-token slot in ~30 ms (9k tokens/s here): faster than
-    a disconnect travels. This one, same binary and model, has one 16k-token slot (~2 s of output)."""
+    a disconnect travels. This one, same binary and model, has one 16k-token slot. llama-server caps
+    a slot at the model's training context (512 for the tiny model), hence the override: without it
+    the generation ends by itself at ~500 tokens and the test below would prove nothing."""
     binary = Path(os.environ.get("KVWATCH_LLAMA_SERVER", Path.home() / ".cache" / "kvwatch-llama" /
                                  "llama-server-build" / "bin" / "llama-server"))
     model = Path.home() / ".cache" / "kvwatch-llama" / "tiny.gguf"
@@ -262,7 +264,8 @@ def long_context_llamacpp(real_llamacpp) -> Iterator[str]:
     log = real_llamacpp.log.with_name(f"llama-long-{port}.log")
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                 "--metrics", "--slots", "-c", "16384", "-np", "1", "-t", "1"],
+                                 "--metrics", "--slots", "-c", "16384", "-np", "1", "-t", "1",
+                                 "--override-kv", "llama.context_length=int:16384"],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -1,0 +1,304 @@
+"""Real processes for the end-to-end tests, and an independent reading of kvwatch's exposition.
+
+* ``KvwatchRun``: the real ``kvwatch run --config FILE`` CLI as a subprocess (own session, log file).
+* ``Prometheus``: Debian's ``/usr/bin/prometheus`` on loopback with a temp TSDB, short scrape and
+  rule intervals, the shipped rule files as they are.
+* ``LlamaServer``: a llama-server of the test's own (to kill and restart), same binary and model as
+  the session's ``real_llamacpp``.
+* ``parse``/``total``: the exposition read with prometheus_client's parser, not kvwatch's encoder.
+
+Every process is started in its own session and stopped (whole group, SIGKILL after a grace
+period) by ``stop()``; the fixtures call it in ``finally`` so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = Path(os.environ.get("KVWATCH_PROMETHEUS", "/usr/bin/prometheus"))
+SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
+    """Call ``probe`` until it returns something truthy; AssertionError naming ``what`` on timeout.
+    Exceptions from the probe count as "not yet" (a server that is still starting)."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = probe()
+            if value:
+                return value
+            last = value
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+        time.sleep(interval_s)
+
+
+# -- the exposition, read independently -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def parse(text: str) -> list[Sample]:
+    return [Sample(s.name, dict(s.labels), s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def select(samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
+    return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def total(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when there are none)."""
+    return sum(s.value for s in select(samples, name, **labels))
+
+
+def one(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    (found,) = select(samples, name, **labels)
+    return found.value
+
+
+def family_of(name: str) -> str:
+    """The family a wire name belongs to (``x_bucket`` -> ``x``, ``x_total`` -> ``x``)."""
+    for suffix in ("_bucket", "_count", "_sum", "_total", "_info", "_created"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
+    """Signal the process group, SIGKILL it after ``grace_s``; the exit code (None if unknown)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    return proc.returncode
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the process (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class KvwatchRun:
+    """``python -m kvwatch run --config FILE --listen 127.0.0.1:PORT`` with ``config`` as YAML."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, name: str = "kvwatch") -> None:
+        self.config = config
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = workdir / f"{name}.yaml"
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def start(self, ready_timeout_s: float = 60.0) -> KvwatchRun:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvwatch", "run", "--config", str(self.config_path),
+                 "--listen", f"127.0.0.1:{self.port}"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"kvwatch run exited with {proc.returncode}:\n{self.log()[-3000:]}")
+            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+
+        wait_until(ready, ready_timeout_s, "kvwatch /-/ready")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def metrics_text(self) -> str:
+        response = httpx.get(f"{self.url}/metrics", timeout=10)
+        response.raise_for_status()
+        return response.text
+
+    def metrics(self) -> list[Sample]:
+        return parse(self.metrics_text())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        return stop_group(self.proc, sig, grace_s)
+
+
+class Prometheus:
+    """A real Prometheus scraping ``targets`` as job ``job`` every ``interval``, evaluating
+    ``rule_files`` (default: the shipped ``alerts/*.rules.yaml``, unmodified) on the same interval."""
+
+    def __init__(self, workdir: Path, targets: list[str], *, job: str = "kvwatch", interval: str = "1s",
+                 rule_files: Iterable[Path] = SHIPPED_RULES, extra_scrape_configs: Iterable[dict] = (),
+                 external_labels: dict[str, str] | None = None, extra_config: dict | None = None,
+                 name: str = "prometheus") -> None:
+        self.workdir = workdir / name
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.workdir / "prometheus.log"
+        self.proc: subprocess.Popen | None = None
+        scrape = [{"job_name": job, "static_configs": [{"targets": targets}]}] if targets else []
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval,
+                       "scrape_timeout": interval, **({"external_labels": external_labels}
+                                                      if external_labels else {})},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [*scrape, *extra_scrape_configs],
+            **(extra_config or {}),
+        }
+        self.config_path = self.workdir / "prometheus.yml"
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def start(self, ready_timeout_s: float = 60.0) -> Prometheus:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(PROMETHEUS), f"--config.file={self.config_path}",
+                 f"--storage.tsdb.path={self.workdir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
+                 "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                text = self.log_path.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{text}")
+            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+
+        wait_until(ready, ready_timeout_s, "prometheus /-/ready")
+        return self
+
+    def api(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
+        response.raise_for_status()
+        body = response.json()
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        return self.api("query", query=expr)["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self.api("alerts")["alerts"]
+
+    def rule_errors(self) -> list[str]:
+        """Rules whose last evaluation failed (a rule file Prometheus could load but not evaluate)."""
+        return [f"{r['name']}: {r['lastError']}" for g in self.api("rules")["groups"] for r in g["rules"]
+                if r.get("lastError")]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGTERM, 15.0)
+
+
+class LlamaServer:
+    """A llama-server of the test's own: ``binary`` and ``model`` from a running one's command line."""
+
+    def __init__(self, binary: str, model: str, args: Iterable[str], workdir: Path,
+                 name: str = "llama") -> None:
+        self.binary = binary
+        self.model = model
+        self.args = tuple(args)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def like(cls, pid: int, args: Iterable[str], workdir: Path, name: str = "llama") -> LlamaServer:
+        """Same binary and ``-m`` model as the llama-server running as ``pid``."""
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        words = [a.decode() for a in argv if a]
+        return cls(words[0], words[words.index("-m") + 1], args, workdir, name)
+
+    def start(self, timeout_s: float = 60.0) -> LlamaServer:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--metrics",
+                 "--slots", "-t", "1", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = self.proc
+
+        def healthy() -> bool:
+            assert proc.poll() is None, f"llama-server exited with {proc.returncode}; see {self.log_path}"
+            return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+
+        wait_until(healthy, timeout_s, "llama-server /health")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the engine dies as in a crash (no graceful shutdown)."""
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGKILL, 10.0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGTERM, 10.0)
+
+    def busy_slots(self) -> int:
+        slots = httpx.get(f"{self.base_url}/slots", timeout=5).json()
+        return sum(1 for s in slots if s.get("is_processing"))

@@ -1,0 +1,452 @@
+"""``kvwatch run`` (the real CLI, as a subprocess) in front of the real vLLM and the real llama.cpp
+server, proxies on, scraped by a real Prometheus that evaluates the shipped rule files unmodified.
+
+* Requests from the official ``openai`` client (chat and completions, streaming and not) through
+  kvwatch's proxies land in ``kvwatch_requests_total`` and the request histograms of the right
+  length band, with counts equal to what was sent.
+* Eight-plus concurrent long ``ignore_eos`` streams make the tiny vLLM (20 KV blocks of 128 tokens)
+  preempt: kvwatch's KV signals show it and Prometheus puts ``KVWatchPreemptionStorm`` in pending.
+* The engines' own numbers come through normalized. kvwatch serves what its last scrape read, so
+  "the same moment" is made precise by bracketing: engine scrape A, then a kvwatch scrape of the
+  engine that *started* after A finished (seen from its ``source_last_success_timestamp``), then
+  engine scrape B. Counters must satisfy A <= kvwatch <= B every time; a gauge must equal the
+  engine's when A == B (one gauge that moved and moved back within the bracket is tolerated), and
+  everything must agree exactly once the engine is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvwatch.model import OUTCOMES, LengthBands
+
+from .stack import KvwatchRun, Prometheus, Sample, free_port, one, parse, select, total, wait_until
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.real_llamacpp, pytest.mark.slow]
+
+BANDS = LengthBands((8, 32))  # small edges: the tiny engines' short outputs span three bands
+MAX_TOKENS = {"0-8": 4, "8-32": 16, "32+": 40}  # one output length per band (ignore_eos: exact)
+CHAT = [{"role": "user", "content": "Say something long."}]
+VLLM, LLAMA = "vllm-0", "llama-0"
+LOAD_STREAMS = 10  # > max-num-seqs 8: two always wait, the running ones outgrow 20 blocks
+LOAD_MAX_TOKENS = 1500
+LOAD_DEADLINE_S = 150.0
+ALERT = "KVWatchPreemptionStorm"
+PRESSURE = "KVWatchKVCachePressure"
+
+
+def agent_config(vllm, llama) -> dict[str, Any]:
+    return {
+        "node": "e2e-node",
+        "log_level": "info",
+        "length_bands": list(BANDS.edges),
+        "intervals": {"engine": "0.5s"},  # short brackets: vLLM's gauges move every few hundred ms
+        "scrape": {"timeout": "10s", "backoff_max": "2s"},  # vLLM's frontend stalls on a busy 2-core box
+        "nvml": {"enabled": False},
+        "replicas": [
+            {"name": VLLM, "backend": "vllm", "metrics_url": vllm.metrics_url, "api_url": vllm.base_url,
+             "proxy_listen": f"127.0.0.1:{free_port()}", "model_name": "tiny"},
+            {"name": LLAMA, "backend": "llamacpp", "metrics_url": llama.metrics_url,
+             "api_url": llama.base_url, "proxy_listen": f"127.0.0.1:{free_port()}",
+             "model_name": llama.model},
+        ],
+    }
+
+
+def proxy_url(agent: KvwatchRun, replica: str) -> str:
+    (rep,) = [r for r in agent.config["replicas"] if r["name"] == replica]
+    return f"http://{rep['proxy_listen']}/v1"
+
+
+@pytest.fixture
+def start_agent(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], KvwatchRun]]:
+    started: list[KvwatchRun] = []
+
+    def start(config: dict[str, Any]) -> KvwatchRun:
+        agent = KvwatchRun(config, tmp_path, name=f"kvwatch-{len(started)}")
+        started.append(agent)
+        return agent.start()
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            agent.stop()
+
+
+def engine_samples(url: str) -> list[Sample]:
+    return parse(httpx.get(url, timeout=30).text)
+
+
+def wait_for_vllm_idle(url: str, timeout_s: float = 120.0) -> None:
+    def idle() -> bool:
+        s = engine_samples(url)
+        return total(s, "vllm:num_requests_running") + total(s, "vllm:num_requests_waiting") == 0
+
+    wait_until(idle, timeout_s, "vLLM to go idle", interval_s=0.5)
+
+
+# -- 1. requests through the proxies, per band ------------------------------------------------------
+
+
+def _usage_chunks(chunks: list) -> list:
+    """Usage-only chunks (``choices: []``), the ones kvwatch asks for and must strip again. (llama.cpp
+    puts usage on its final content chunk of /v1/completions by itself; that one stays.)"""
+    return [c for c in chunks if c.usage is not None and not c.choices]
+
+
+def _content_chunks(chunks: list) -> int:
+    """Content-bearing chunks as the client saw them (kvwatch's definition, ``requests/sse.py``): a
+    random-weight model's token can be an incomplete UTF-8 byte that the engine sends no text for."""
+    def text(c) -> str:
+        choice = c.choices[0]
+        delta = getattr(choice, "delta", None)
+        return (delta.content if delta is not None else choice.text) or ""
+
+    return sum(1 for c in chunks if c.choices and text(c))
+
+
+def _send_every_shape(base_url: str, model: str) -> dict[str, list[int]]:
+    """Chat and completions, streaming and not, one of each per band. Returns, per band, the
+    content-bearing chunk count of each streaming request (what TTFT and gaps are measured on)."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    streamed: dict[str, list[int]] = {}
+    try:
+        for band, max_tokens in MAX_TOKENS.items():
+            extra = {"max_tokens": max_tokens, "extra_body": {"ignore_eos": True}}
+            chunks = list(client.chat.completions.create(model=model, messages=CHAT, stream=True, **extra))
+            assert chunks and not _usage_chunks(chunks), "kvwatch's usage chunk reached the client"
+            assert chunks[-1].choices[0].finish_reason == "length"
+            reply = client.chat.completions.create(model=model, messages=CHAT, **extra)
+            assert reply.usage.completion_tokens == max_tokens and reply.choices[0].finish_reason == "length"
+            text = list(client.completions.create(model=model, prompt="Once upon a time", stream=True,
+                                                  **extra))
+            assert text and not _usage_chunks(text)
+            done = client.completions.create(model=model, prompt="Once upon a time", **extra)
+            assert done.usage.completion_tokens == max_tokens
+            streamed[band] = [_content_chunks(chunks), _content_chunks(text)]
+    finally:
+        client.close()
+    return streamed
+
+
+def test_openai_traffic_through_both_proxies_is_counted_per_band(real_vllm, real_llamacpp, start_agent):
+    """4 requests per band and replica (chat/completions x streaming/not), all cut by max_tokens.
+    Streaming requests have a TTFT when at least one content chunk came, a TPOT with it, and
+    (chunks - 1) inter-chunk gaps; every request has an e2e and an output-token count."""
+    agent = start_agent(agent_config(real_vllm, real_llamacpp))
+    streamed = {VLLM: _send_every_shape(proxy_url(agent, VLLM), "tiny"),
+                LLAMA: _send_every_shape(proxy_url(agent, LLAMA), real_llamacpp.model)}
+    wait_until(lambda: total(agent.metrics(), "kvwatch_requests_total") == 24, 30,
+               "every request in kvwatch_requests_total")
+    m = agent.metrics()
+    for replica, model in ((VLLM, "tiny"), (LLAMA, real_llamacpp.model)):
+        mine = dict(replica=replica, model_name=model, source="proxy")
+        counted = {(s.labels["length_band"], s.labels["outcome"]): s.value
+                   for s in select(m, "kvwatch_requests_total", **mine) if s.value}
+        assert counted == {(band, "truncated"): 4 for band in MAX_TOKENS}, (replica, counted)
+        # pre-created: every band x outcome has a series from the start, zero where nothing happened
+        assert len(select(m, "kvwatch_requests_total", **mine)) == len(BANDS.all_names) * len(OUTCOMES)
+        for band, max_tokens in MAX_TOKENS.items():
+            where = dict(mine, length_band=band)
+            with_first_chunk = sum(1 for n in streamed[replica][band] if n > 0)
+            gaps = sum(n - 1 for n in streamed[replica][band] if n > 1)
+            assert one(m, "kvwatch_request_duration_seconds_count", **where) == 4  # every request
+            assert one(m, "kvwatch_request_output_tokens_count", **where) == 4
+            assert one(m, "kvwatch_request_output_tokens_sum", **where) == 4 * max_tokens
+            assert one(m, "kvwatch_request_ttft_seconds_count", **where) == with_first_chunk
+            assert one(m, "kvwatch_request_ttft_seconds_bucket", le="+Inf", **where) == with_first_chunk
+            assert one(m, "kvwatch_request_tpot_seconds_count", **where) == with_first_chunk
+            assert one(m, "kvwatch_request_inter_chunk_seconds_count", **where) == gaps
+            assert (one(m, "kvwatch_request_ttft_seconds_sum", **where)
+                    <= one(m, "kvwatch_request_duration_seconds_sum", **where))
+        assert sum(n > 0 for band in MAX_TOKENS for n in streamed[replica][band]) >= 4, streamed
+        assert total(m, "kvwatch_request_output_tokens_estimated_total", **mine) == 0
+        assert not select(m, "kvwatch_request_duration_seconds_count", length_band="unknown", **mine)
+        assert total(m, "kvwatch_requests_in_flight", replica=replica) == 0
+
+
+# -- 2. preemptions under memory pressure: KV signals and the alert -----------------------------------
+
+
+@dataclass
+class Bracket:
+    engine_before: list[Sample]
+    kvwatch: list[Sample]
+    engine_after: list[Sample]
+
+
+@dataclass
+class LoadRun:
+    """What one preempting load through kvwatch's vLLM proxy showed (collected once per module)."""
+
+    agent_series: list[list[Sample]] = field(default_factory=list)  # kvwatch's vLLM series over time
+    brackets: list[Bracket] = field(default_factory=list)
+    alert_states: dict[str, set[str]] = field(default_factory=dict)
+    seconds_to_alert: float | None = None
+    streams_finished: int = 0
+    duration_s: float = 0.0
+    alerts_recorded: list[dict[str, Any]] = field(default_factory=list)  # ALERTS in Prometheus' TSDB
+    rule_errors: list[str] = field(default_factory=list)
+    idle_engine: list[Sample] = field(default_factory=list)
+    idle_kvwatch: list[Sample] = field(default_factory=list)
+
+
+async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: str) -> Bracket:
+    before = parse((await http.get(engine_url, timeout=60)).text)
+    after_before = time.time()
+    source = f"engine:{VLLM}"
+    deadline = time.monotonic() + 30
+    while True:  # a kvwatch scrape of the engine that started after A was complete
+        mine = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
+        stamp = select(mine, "kvwatch_source_last_success_timestamp_seconds", source=source)
+        if stamp and stamp[0].value > after_before:
+            break
+        assert time.monotonic() < deadline, "kvwatch did not scrape vLLM within 30 s"
+        await asyncio.sleep(0.1)
+    # read once more: the render runs in a thread and may have read the samples just before the
+    # scrape that set the timestamp; one that starts now sees samples at least that new
+    mine = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
+    after = parse((await http.get(engine_url, timeout=60)).text)
+    return Bracket(before, mine, after)
+
+
+async def _long_stream(client: openai.AsyncOpenAI, i: int) -> int:
+    stream = await client.completions.create(model="tiny", prompt="hello world " * (20 + i % 40),
+                                             max_tokens=LOAD_MAX_TOKENS, stream=True,
+                                             extra_body={"ignore_eos": True})
+    return sum([1 async for _ in stream])
+
+
+async def _drive_load(agent: KvwatchRun, prom: Prometheus, engine_url: str) -> LoadRun:
+    run = LoadRun()
+    client = openai.AsyncOpenAI(base_url=proxy_url(agent, VLLM), api_key="unused", max_retries=0,
+                                timeout=httpx.Timeout(600, connect=60))
+    streams: list[asyncio.Task] = []
+    started = time.monotonic()
+    try:
+        async with httpx.AsyncClient() as http:
+            streams = [asyncio.create_task(_long_stream(client, i)) for i in range(LOAD_STREAMS)]
+            sent = LOAD_STREAMS
+            while time.monotonic() - started < LOAD_DEADLINE_S:
+                for i, task in enumerate(streams):  # keep LOAD_STREAMS in flight
+                    if task.done():
+                        assert task.result() > 0  # re-raises a failed stream
+                        run.streams_finished += 1
+                        streams[i] = asyncio.create_task(_long_stream(client, sent))
+                        sent += 1
+                bracket = await _read_bracket(http, agent, engine_url)
+                run.brackets.append(bracket)
+                run.agent_series.append([s for s in bracket.kvwatch if s.labels.get("replica") == VLLM])
+                alerts = (await http.get(f"{prom.url}/api/v1/alerts", timeout=10)).json()["data"]["alerts"]
+                for alert in alerts:
+                    run.alert_states.setdefault(alert["labels"]["alertname"], set()).add(alert["state"])
+                if ALERT in run.alert_states and run.seconds_to_alert is None:
+                    run.seconds_to_alert = time.monotonic() - started
+                busy_steady = sum(1 for b in run.brackets if _steady_and_busy(b))
+                if run.seconds_to_alert is not None and PRESSURE in run.alert_states and busy_steady >= 3:
+                    break
+    finally:
+        run.duration_s = time.monotonic() - started
+        for task in streams:
+            task.cancel()  # the client goes away: kvwatch closes upstream, vLLM aborts and frees KV
+        await asyncio.gather(*streams, return_exceptions=True)
+        await client.close()
+    return run
+
+
+def _gauges(samples: list[Sample], prefix: str) -> tuple[float, ...]:
+    if prefix == "vllm:":
+        names = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+        return tuple(total(samples, n) for n in names)
+    names = ("kvwatch_kv_usage_ratio", "kvwatch_requests_running", "kvwatch_requests_waiting")
+    return tuple(total(samples, n, replica=VLLM) for n in names)
+
+
+def _steady_and_busy(b: Bracket) -> bool:
+    gauges = _gauges(b.engine_before, "vllm:")
+    return gauges == _gauges(b.engine_after, "vllm:") and gauges[1] + gauges[2] > 0
+
+
+@pytest.fixture(scope="module")
+def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[LoadRun]:
+    """kvwatch + Prometheus (shipped rules, 1 s scrape and evaluation); 10 long streams through the
+    proxy until the alert is pending (at most LOAD_DEADLINE_S); then everything stops and vLLM is
+    left idle for the other tests that share it."""
+    workdir = tmp_path_factory.mktemp("preempting-load")
+    agent = KvwatchRun(agent_config(real_vllm, real_llamacpp), workdir)
+    prom = Prometheus(workdir, [f"127.0.0.1:{agent.port}"])
+    try:
+        agent.start()
+        prom.start()
+        wait_until(lambda: prom.query('up{job="kvwatch"} == 1'), 60, "Prometheus to scrape kvwatch")
+        run = asyncio.run(_drive_load(agent, prom, real_vllm.metrics_url))
+        wait_for_vllm_idle(real_vllm.metrics_url)
+        run.alerts_recorded = prom.query("max_over_time(ALERTS[10m])")
+        run.rule_errors = prom.rule_errors()
+        time.sleep(2.0)  # kvwatch's next scrapes (0.5 s interval) see the idle engine
+        run.idle_engine = engine_samples(real_vllm.metrics_url)
+        run.idle_kvwatch = agent.metrics()
+        yield run
+    finally:
+        prom.stop()
+        agent.stop()
+        with contextlib.suppress(AssertionError, httpx.HTTPError):
+            wait_for_vllm_idle(real_vllm.metrics_url, 60)
+
+
+def _series(run: LoadRun, name: str, **labels: str) -> list[float]:
+    """kvwatch's value of ``name`` at each bracket where it was exported."""
+    return [total(m, name, **labels) for m in run.agent_series if select(m, name, **labels)]
+
+
+@pytest.mark.prometheus
+def test_vllm_preemptions_show_up_in_kvwatchs_kv_signals(preempting_load: LoadRun):
+    run = preempting_load
+    preemptions = _series(run, "kvwatch_preemptions_total")
+    assert len(preemptions) == len(run.agent_series), "vLLM's series dropped out while it was up"
+    assert preemptions[-1] > preemptions[0], f"no preemption in {run.duration_s:.0f} s of load: {preemptions}"
+    assert preemptions == sorted(preemptions)
+    usage = _series(run, "kvwatch_kv_usage_ratio")
+    assert max(usage) >= 0.95, f"the KV pool never filled: {usage}"
+    assert max(_series(run, "kvwatch_requests_waiting")) > 0
+    assert _series(run, "kvwatch_kv_capacity_tokens") == [2560.0] * len(run.agent_series)
+    # headroom is 0 while the engine preempts (it ran out of blocks within the window)
+    headroom = _series(run, "kvwatch_kv_headroom_seconds")
+    assert headroom and min(headroom) == 0, headroom
+    # vLLM does not count recomputed tokens: kvwatch estimates them, and says so in the label
+    recomputed = _series(run, "kvwatch_recomputed_tokens_total", source="estimate")
+    assert recomputed and recomputed[-1] > recomputed[0] >= 0, recomputed
+    assert _series(run, "kvwatch_kv_live_tokens", source="proxy_estimate"), "no live-token estimate"
+    in_flight = _series(run, "kvwatch_requests_in_flight")
+    assert max(in_flight) == LOAD_STREAMS, in_flight
+
+
+@pytest.mark.prometheus
+def test_preemption_storm_alert_goes_pending_in_prometheus_with_the_shipped_rules(preempting_load: LoadRun):
+    """``KVWatchPreemptionStorm``: preemptions above 0.05/s over 10 minutes and above half the
+    finishing rate, ``for: 10m``. The tiny vLLM preempts ~0.5-1/s under this load, so the 10-minute
+    rate of a series Prometheus has seen for ~1 minute crosses 0.05/s (30 preemptions) within the
+    time box; ``for: 10m`` then holds it in pending (firing would take 10 more minutes)."""
+    run = preempting_load
+    print(f"{ALERT} pending after {run.seconds_to_alert} s; load ran {run.duration_s:.0f} s, "
+          f"{len(run.brackets)} brackets, {run.streams_finished} streams finished; seen {run.alert_states}")
+    assert not run.rule_errors, run.rule_errors
+    recorded = {(a["metric"]["alertname"], a["metric"]["alertstate"]) for a in run.alerts_recorded}
+    seen = run.alert_states.get(ALERT, set()) | {state for name, state in recorded if name == ALERT}
+    assert "pending" in seen or "firing" in seen, (
+        f"{ALERT} never pending in {run.duration_s:.0f} s; alerts seen: {run.alert_states}, "
+        f"recorded: {sorted(recorded)}")
+    assert run.seconds_to_alert is not None and run.seconds_to_alert < LOAD_DEADLINE_S
+    storm = [a for a in run.alerts_recorded if a["metric"]["alertname"] == ALERT]
+    assert {a["metric"]["replica"] for a in storm} == {VLLM}
+    assert all(a["metric"]["job"] == "kvwatch" and a["metric"]["severity"] == "warning" for a in storm)
+    # the KV pressure alert (pool > 95% full while preempting) went pending on the way
+    assert PRESSURE in run.alert_states or (PRESSURE, "pending") in recorded
+
+
+COUNTERS = (  # vLLM family -> kvwatch family
+    ("vllm:num_preemptions_total", "kvwatch_preemptions_total"),
+    ("vllm:generation_tokens_total", "kvwatch_generation_tokens_total"),
+    ("vllm:prompt_tokens_total", "kvwatch_prompt_tokens_total"),
+    ("vllm:prefix_cache_queries_total", "kvwatch_prefix_cache_queried_tokens_total"),
+    ("vllm:prefix_cache_hits_total", "kvwatch_prefix_cache_hit_tokens_total"),
+    ("vllm:request_success_total", "kvwatch_engine_finished_requests_total"),
+)
+
+
+def _capacity(engine: list[Sample]) -> tuple[float, float]:
+    (info,) = select(engine, "vllm:cache_config_info")
+    block_size = float(info.labels["block_size"])
+    return float(info.labels["num_gpu_blocks"]) * block_size, block_size
+
+
+@pytest.mark.prometheus
+def test_kvwatch_agrees_with_vllms_own_metrics_bracketed(preempting_load: LoadRun):
+    run = preempting_load
+    capacity, block_size = _capacity(run.idle_engine)
+    assert (capacity, block_size) == (2560.0, 128.0)
+    disagreeing, steady_busy = [], 0
+    for b in run.brackets:
+        mine = [s for s in b.kvwatch if s.labels.get("replica") == VLLM]
+        assert one(mine, "kvwatch_kv_capacity_tokens") == capacity
+        assert one(mine, "kvwatch_kv_block_size_tokens") == block_size
+        for engine_name, kvwatch_name in COUNTERS:
+            lo, hi = total(b.engine_before, engine_name), total(b.engine_after, engine_name)
+            got = total(mine, kvwatch_name)
+            assert lo <= got <= hi, (kvwatch_name, lo, got, hi)
+        before, after = _gauges(b.engine_before, "vllm:"), _gauges(b.engine_after, "vllm:")
+        if before == after:
+            if _gauges(mine, "kvwatch_") != before:
+                disagreeing.append((before, _gauges(mine, "kvwatch_")))
+            steady_busy += before[1] + before[2] > 0
+    assert len(disagreeing) <= 1, disagreeing
+    assert steady_busy >= 3, f"only {steady_busy} steady samples while busy in {len(run.brackets)} brackets"
+    # idle: everything agrees exactly
+    mine = [s for s in run.idle_kvwatch if s.labels.get("replica") == VLLM]
+    assert _gauges(mine, "kvwatch_") == _gauges(run.idle_engine, "vllm:") == (0.0, 0.0, 0.0)
+    for engine_name, kvwatch_name in COUNTERS:
+        assert total(mine, kvwatch_name) == total(run.idle_engine, engine_name), kvwatch_name
+    for reason in ("length", "abort", "stop"):
+        assert (total(mine, "kvwatch_engine_finished_requests_total", finished_reason=reason)
+                == total(run.idle_engine, "vllm:request_success_total", finished_reason=reason))
+    assert one(run.idle_kvwatch, "kvwatch_target_up", replica=VLLM) == 1
+
+
+# -- 3. llama.cpp: its numbers, normalized ---------------------------------------------------------
+
+
+def _llama_bracket(agent: KvwatchRun, llama) -> tuple[list[Sample], list[Sample], list[Sample], list[dict]]:
+    before = engine_samples(llama.metrics_url)
+    slots = httpx.get(f"{llama.base_url}/slots", timeout=10).json()
+    after_before = time.time()
+
+    def fresh() -> list[Sample] | None:
+        m = agent.metrics()
+        stamp = select(m, "kvwatch_source_last_success_timestamp_seconds", source=f"engine:{LLAMA}")
+        return m if stamp and stamp[0].value > after_before else None
+
+    wait_until(fresh, 30, "a kvwatch scrape of llama-server")
+    mine = [s for s in agent.metrics() if s.labels.get("replica") == LLAMA]
+    after = engine_samples(llama.metrics_url)
+    return before, mine, after, slots
+
+
+LLAMA_COUNTERS = (("llamacpp:tokens_predicted_total", "kvwatch_generation_tokens_total"),
+                  ("llamacpp:prompt_tokens_total", "kvwatch_prompt_tokens_total"))
+
+
+def test_kvwatch_agrees_with_llamacpps_own_metrics(real_vllm, real_llamacpp, start_agent):
+    agent = start_agent(agent_config(real_vllm, real_llamacpp))
+    client = openai.OpenAI(base_url=proxy_url(agent, LLAMA), api_key="unused", max_retries=0, timeout=60)
+    try:
+        for _ in range(3):  # some traffic, then a bracket; llama.cpp finishes these in milliseconds
+            client.completions.create(model=real_llamacpp.model, prompt="hello", max_tokens=32,
+                                      extra_body={"ignore_eos": True})
+            before, mine, after, slots = _llama_bracket(agent, real_llamacpp)
+            for engine_name, kvwatch_name in LLAMA_COUNTERS:
+                lo, got, hi = total(before, engine_name), total(mine, kvwatch_name), total(after, engine_name)
+                if kvwatch_name == "kvwatch_prompt_tokens_total":  # 2026 builds: processed + cached
+                    lo += total(before, "llamacpp:prompt_tokens_cached_total")
+                    hi += total(after, "llamacpp:prompt_tokens_cached_total")
+                assert lo <= got <= hi, (kvwatch_name, lo, got, hi)
+    finally:
+        client.close()
+    # idle: gauges and capacity exactly (capacity = the slots' n_ctx, llama.cpp has no KV gauge)
+    assert one(mine, "kvwatch_requests_running") == total(after, "llamacpp:requests_processing") == 0
+    assert one(mine, "kvwatch_requests_waiting") == total(after, "llamacpp:requests_deferred") == 0
+    assert one(mine, "kvwatch_kv_capacity_tokens") == sum(s["n_ctx"] for s in slots) == 512
+    assert one(mine, "kvwatch_kv_usage_ratio") == 0
+    assert not select(mine, "kvwatch_kv_block_size_tokens"), "llama.cpp has no KV blocks to report"
+    (info,) = select(mine, "kvwatch_replica_info")
+    assert (info.labels["backend"], info.labels["model_name"]) == ("llamacpp", real_llamacpp.model)
