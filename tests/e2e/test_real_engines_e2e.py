@@ -198,6 +198,7 @@ class LoadRun:
     duration_s: float = 0.0
     alerts_recorded: list[dict[str, Any]] = field(default_factory=list)  # ALERTS in Prometheus' TSDB
     rule_errors: list[str] = field(default_factory=list)
+    from_prometheus: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # query -> result
     idle_engine: list[Sample] = field(default_factory=list)
     idle_kvwatch: list[Sample] = field(default_factory=list)
 
@@ -294,6 +295,8 @@ def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[Load
         wait_for_vllm_idle(real_vllm.metrics_url)
         run.alerts_recorded = prom.query("max_over_time(ALERTS[10m])")
         run.rule_errors = prom.rule_errors()
+        for expr in READ_BACK:
+            run.from_prometheus[expr] = prom.query(expr)
         time.sleep(2.0)  # kvwatch's next scrapes (0.5 s interval) see the idle engine
         run.idle_engine = engine_samples(real_vllm.metrics_url)
         run.idle_kvwatch = agent.metrics()
@@ -330,6 +333,37 @@ def test_vllm_preemptions_show_up_in_kvwatchs_kv_signals(preempting_load: LoadRu
     assert _series(run, "kvwatch_kv_live_tokens", source="proxy_estimate"), "no live-token estimate"
     in_flight = _series(run, "kvwatch_requests_in_flight")
     assert max(in_flight) == LOAD_STREAMS, in_flight
+
+
+READ_BACK = (  # kvwatch series read back through Prometheus' HTTP API
+    'kvwatch_target_up{job="kvwatch"}',
+    'kvwatch_kv_capacity_tokens{job="kvwatch"}',
+    'max_over_time(kvwatch_kv_usage_ratio{job="kvwatch"}[10m])',
+    'increase(kvwatch_preemptions_total{job="kvwatch"}[10m])',
+    'sum by (replica, length_band) (kvwatch_requests_total{job="kvwatch"})',
+    'kvwatch_build_info{job="kvwatch"}',
+)
+
+
+@pytest.mark.prometheus
+def test_prometheus_stores_kvwatchs_series_as_exported(preempting_load: LoadRun):
+    """A real Prometheus scraping ``kvwatch run``: the series come back through its HTTP API with the
+    values and labels kvwatch exported (the exposition is valid for Prometheus, not only promtool)."""
+    got = {expr: {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in result}
+           for expr, result in preempting_load.from_prometheus.items()}
+
+    def by_replica(expr: str) -> dict[str, float]:
+        return {dict(k)["replica"]: v for k, v in got[expr].items()}
+
+    assert by_replica(READ_BACK[0]) == {VLLM: 1.0, LLAMA: 1.0}
+    assert by_replica(READ_BACK[1])[VLLM] == 2560.0
+    assert by_replica(READ_BACK[2])[VLLM] >= 0.95
+    assert by_replica(READ_BACK[3])[VLLM] > 0
+    bands = {(dict(k)["replica"], dict(k)["length_band"]): v for k, v in got[READ_BACK[4]].items()}
+    assert "unknown" in {band for replica, band in bands if replica == VLLM}  # zero-initialised bands
+    assert sum(v for (replica, _), v in bands.items() if replica == VLLM) >= LOAD_STREAMS
+    (build,) = got[READ_BACK[5]]
+    assert dict(build)["version"] and dict(build)["instance"]
 
 
 @pytest.mark.prometheus
