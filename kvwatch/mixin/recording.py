@@ -95,7 +95,10 @@ def _outcome_rules(window: str) -> list[Recording]:
 def fleet_group() -> Group:
     no_queue = "kvwatch_kv_free_tokens and kvwatch_requests_waiting == 0"
     preempting = "rate(kvwatch_preemptions_total[5m]) > 0"
-    under_pressure = (f"count by ({_MODEL}) (kvwatch_requests_waiting > 0)\n"
+    # a queue that lasted (every scrape of the last minute), as derive/stranded.py counts it: one
+    # request caught between arrival and admission would strand the free KV of every other replica
+    queueing = "min_over_time(kvwatch_requests_waiting[1m]) > 0"
+    under_pressure = (f"count by ({_MODEL}) ({queueing})\n"
                       f"    or\n"
                       f"    count by ({_MODEL}) ({preempting})")
     stranded = (f"sum by ({_MODEL}) (\n"
