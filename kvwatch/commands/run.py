@@ -36,8 +36,11 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("apscheduler", "httpx", "httpcore", "aiohttp.access"):
+    for noisy in ("httpx", "httpcore", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # "skipped: maximum number of running instances": a scrape still running at its next turn is
+    # expected with a slow engine (its duration is exported); failures are logged by kvwatch itself
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)
 
 
 def use_uvloop() -> None:

@@ -285,11 +285,11 @@ class SimServer:
     ) -> tuple[web.StreamResponse, bool]:
         """Relay token events as SSE; returns (response, whether the request finished)."""
         resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             await self._relay(resp, rid, events, job, chat)
-        except ConnectionResetError:  # the client closed the connection under a write
-            return resp, False
+        except ConnectionResetError:  # the client left (before the headers or under a write);
+            return resp, False  # aiohttp's ClientConnectionResetError is a ConnectionResetError
         return resp, True
 
     async def _relay(
