@@ -11,10 +11,15 @@ HELP = "generate Prometheus recording rules and alerts (per-band SLOs, KV, GPU, 
 DESCRIPTION = """\
 Generate kvwatch's Prometheus rule files from an SLO file (format: docs/alerting.md):
 
-  kvwatch-recording.rules.yaml    node- and fleet-level recording rules (outcome ratios per band,
-                                  stranded capacity, tier traffic vs PCIe, recompute waste)
-  kvwatch-slo.rules.yaml          per-band SLO error ratios, error budget and burn-rate alerts
-  kvwatch-operational.rules.yaml  KV, tier, starvation, GPU and kvwatch-health alerts
+  kvwatch-node.rules.yaml   node level: recordings per replica and GPU (tier traffic vs PCIe,
+                            recompute waste); KV, tier, GPU and kvwatch-health alerts
+  kvwatch-fleet.rules.yaml  fleet level: outcome ratios per band, stranded KV capacity; the
+                            stranded-capacity and long-request starvation alerts
+  kvwatch-slo.rules.yaml    fleet level: per-band SLO error ratios, error budget, burn-rate alerts
+
+Load the node file in every Prometheus that scrapes kvwatch, the fleet and SLO files where every
+node's series are (the same Prometheus, or a global one / Thanos Ruler / Mimir ruler: docs/scale.md).
+Files of earlier versions (kvwatch-recording, kvwatch-operational) are removed.
 
 Every alert carries a runbook_url to <runbook base>/<AlertName>.md. With --check nothing is
 written: the committed files are compared with what would be generated, differences are printed
@@ -44,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.mixin.alerts import DEFAULT_JOB
     from kvwatch.mixin.output import command_line, refused, write_or_check
     from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE, name_problems
-    from kvwatch.mixin.rules import render_rule_files, rule_files
+    from kvwatch.mixin.rules import RETIRED_FILES, render_rule_files, rule_files
     from kvwatch.mixin.slo import load_slo_file
 
     try:
@@ -58,4 +63,5 @@ def main(args: argparse.Namespace) -> int:
         return 2
     regenerate = command_line(f"kvwatch rules --slo {args.slo} --out {args.out}", [
         ("--runbook-base", args.runbook_base, DEFAULT_RUNBOOK_BASE), ("--job", args.job, DEFAULT_JOB)])
-    return write_or_check(Path(args.out), render_rule_files(files, args.runbook_base), args.check, regenerate)
+    return write_or_check(Path(args.out), render_rule_files(files, args.runbook_base), args.check, regenerate,
+                          retired=RETIRED_FILES)

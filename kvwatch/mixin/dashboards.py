@@ -30,9 +30,8 @@ from kvwatch.mixin.promql import (
     selector,
     unknown_names,
 )
-from kvwatch.mixin.recording import recording_rule_file
 from kvwatch.mixin.rulefile import recorded_names
-from kvwatch.mixin.rules import slo_rule_file
+from kvwatch.mixin.rules import rule_files
 from kvwatch.mixin.slo import slo_from_mapping
 
 #: grafana.com dashboard 12239, NVIDIA's dcgm-exporter dashboard (grafana/dcgm-exporter-dashboard.json)
@@ -596,7 +595,7 @@ def recorded_series() -> set[str]:
     slo = slo_from_mapping({"objectives": [
         {"name": "l", "sli": "ttft", "threshold": 1, "objective": 0.99, "bands": "*"},
         {"name": "c", "sli": "completion", "objective": 0.99, "bands": "*"}]})
-    return recorded_names([recording_rule_file(), slo_rule_file(slo)])
+    return recorded_names(rule_files(slo))
 
 
 _LABEL_VALUES = re.compile(r"^label_values\((.*),\s*\w+\)$", re.DOTALL)

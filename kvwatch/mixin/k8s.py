@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from kvwatch.mixin.rules import LEVELS
+
 RULES_FILE = "prometheusrule.yaml"
 # Rule files are named ``*.rules.yaml`` (``kvwatch rules`` writes them); other YAML in alerts/ (the SLO
 # spec, promtool tests) is not a rule file. Prometheus' rule_files glob in deploy/compose uses the same.
@@ -30,6 +32,10 @@ GROUP_KEYS = frozenset({"name", "interval", "rules", "limit", "query_offset", "l
                         "partial_response_strategy"})
 RULE_KEYS = frozenset({"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"})
 COMMON_LABELS = {"app.kubernetes.io/name": "kvwatch", "app.kubernetes.io/part-of": "kvwatch"}
+# Where a PrometheusRule's rules evaluate (``node`` or ``fleet``, from ``kvwatch/mixin/rules.py``), so a
+# ruleSelector picks whole files: node rules in every cluster Prometheus, fleet rules in the Prometheus or
+# ThanosRuler that holds every node's series (docs/scale.md). Rule files kvwatch does not generate get none.
+LEVEL_LABEL = "kvwatch.io/rule-level"
 # Label the Grafana dashboard sidecar (kiwigrid/k8s-sidecar, as in the Grafana and kube-prometheus-stack
 # Helm charts) looks for; the annotation names the folder when the sidecar's folderAnnotation is set to it.
 DASHBOARD_LABEL = "grafana_dashboard"
@@ -112,11 +118,12 @@ def _checked_groups(document: Any, source: str) -> list[Any]:
     return groups
 
 
-def prometheus_rule(name: str, groups: list[Any]) -> dict[str, Any]:
+def prometheus_rule(name: str, groups: list[Any], level: str | None = None) -> dict[str, Any]:
+    labels = {**COMMON_LABELS, LEVEL_LABEL: level} if level else dict(COMMON_LABELS)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": dict(COMMON_LABELS)},
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
         "spec": {"groups": groups},
     }
 
@@ -144,7 +151,7 @@ def rule_manifests(sources: Iterable[tuple[str, str]]) -> list[Manifest]:
         other = seen_names.setdefault(name, source)
         if other != source:
             raise ManifestError(f"{source} and {other} both become PrometheusRule {name!r}; rename one")
-        manifests.append(Manifest(source, prometheus_rule(name, groups)))
+        manifests.append(Manifest(source, prometheus_rule(name, groups, LEVELS.get(Path(source).name))))
     return manifests
 
 

@@ -201,9 +201,21 @@ def test_pods_running_kvwatch_get_no_service_link_variables(overlay) -> None:
     assert _kvwatch_pod(objects)["enableServiceLinks"] is False
 
 
-def test_resource_placeholders_are_marked_for_the_benchmark_numbers() -> None:
+def test_kvwatch_resources_follow_the_measured_sizing() -> None:
+    """Requests and a memory limit from docs/performance.md ("Sizing"), no CPU limit (throttling the
+    proxy would add latency to every stream)."""
+    sizing = (ROOT / "docs" / "performance.md").read_text()
+    assert "## Sizing" in sizing
     for path in (KUBE / "base" / "daemonset.yaml", KUBE / "overlays" / "sidecar-example" / "deployment.yaml"):
-        assert "resources:  # sized from docs/performance.md" in path.read_text(), path
+        text = path.read_text()
+        assert 'sized from docs/performance.md ("Sizing")' in text, path
+        for doc in yaml.safe_load_all(text):
+            for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                if c["name"] != "kvwatch":
+                    continue
+                res = c["resources"]
+                assert res["requests"]["memory"] == "96Mi" and res["limits"]["memory"] == "256Mi"
+                assert "cpu" in res["requests"] and "cpu" not in res.get("limits", {})
 
 
 # --------------------------------------------------------------------------------------------

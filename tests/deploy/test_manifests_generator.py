@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from kvwatch.cli import main as cli
-from kvwatch.mixin.k8s import DASHBOARDS_FILE, RULES_FILE, ManifestError, generate
+from kvwatch.mixin.k8s import DASHBOARDS_FILE, LEVEL_LABEL, RULES_FILE, ManifestError, generate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RULES = """\
 groups:
@@ -123,6 +125,20 @@ def test_a_group_defined_in_two_rule_files_is_refused(tmp_path) -> None:
     with pytest.raises(ManifestError, match=r"'kvwatch-kv' is also defined in alerts/a\.rules\.yaml"):
         generate(tmp_path / "alerts", tmp_path / "dashboards", root=tmp_path)
 
+
+
+def test_kvwatchs_rule_files_are_labelled_with_where_they_evaluate(tmp_path) -> None:
+    """A ruleSelector on the label picks whole files: node rules for the cluster Prometheus, fleet
+    rules for the Prometheus or ThanosRuler that holds every node's series."""
+    alerts = ROOT / "alerts"
+    rules = _docs(generate(alerts, tmp_path / "no-dashboards", root=ROOT)[RULES_FILE])
+    levels = {r["metadata"]["name"]: r["metadata"]["labels"].get(LEVEL_LABEL) for r in rules}
+    assert levels == {"kvwatch-node": "node", "kvwatch-fleet": "fleet", "kvwatch-slo": "fleet"}
+
+
+def test_a_rule_file_kvwatch_does_not_generate_has_no_level(sources, tmp_path) -> None:
+    [rule] = _docs(generate(sources[0], sources[1], root=tmp_path)[RULES_FILE])
+    assert LEVEL_LABEL not in rule["metadata"]["labels"]
 
 @pytest.mark.parametrize(("text", "message"), [("{", "not valid JSON"), ("[]", "not a Grafana dashboard")])
 def test_bad_dashboards_are_refused(tmp_path, text, message) -> None:

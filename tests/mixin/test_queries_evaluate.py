@@ -21,6 +21,7 @@ import yaml
 from kvwatch import buckets
 from kvwatch.export.catalog import CATALOG, GPU, REPLICA, MetricSpec
 from kvwatch.mixin.dashboards import panel_queries, recorded_series
+from kvwatch.mixin.rules import LEVELS
 from kvwatch.model import OUTCOMES
 
 from .helpers import ALERTS, run_tool, tool
@@ -122,6 +123,10 @@ def _histogram(name: str, labels: dict[str, str]) -> list[dict[str, str]]:
     return out
 
 
+def _with_instance(name: str, has: bool) -> str:
+    return f'count({name}{{instance{"!" if has else ""}=""}})'
+
+
 # a control: two GPUs per node joined on the node alone must be an evaluation error
 MANY_TO_MANY = "kvwatch_gpu_info * on (instance) kvwatch_gpu_info"
 _RESULT = re.compile(r'expr: ("(?:[^"\\]|\\.)*"), time: [^,]+,\s*(err: .*|exp: .*\n\s*got: (.*))')
@@ -131,8 +136,9 @@ _RESULT = re.compile(r'expr: ("(?:[^"\\]|\\.)*"), time: [^,]+,\s*(err: .*|exp: .
 def outcome(tmp_path_factory) -> dict[str, str]:
     """expr -> "error: ..." | "data" for every query that did not come back empty."""
     exprs = sorted({q.concrete for q in panel_queries()} | {f"count({name})" for name in recorded_series()}
+                   | {_with_instance(name, has) for name in recorded_series() for has in (True, False)}
                    | {MANY_TO_MANY})
-    rule_files = [str(ALERTS / f) for f in ("kvwatch-recording.rules.yaml", "kvwatch-slo.rules.yaml")]
+    rule_files = [str(ALERTS / f) for f in LEVELS]
     groups = [g["name"] for f in rule_files for g in yaml.safe_load(Path(f).read_text())["groups"]]
     doc = {"rule_files": rule_files, "evaluation_interval": "30s", "group_eval_order": groups, "tests": [{
         "interval": "30s", "input_series": _input_series(),
@@ -166,3 +172,16 @@ def test_every_dashboard_query_has_data_where_kvwatch_exports_it(outcome) -> Non
 def test_every_recording_rule_produces_series(outcome) -> None:
     missing = [n for n in sorted(recorded_series()) if outcome.get(f"count({n})") != "data"]
     assert not missing, missing
+
+
+def test_node_level_recordings_keep_instance_and_fleet_level_ones_aggregate_it_away(outcome) -> None:
+    """The file a recording is in says where it can run: node rules keep each node's ``instance``
+    (any Prometheus that scrapes the node), fleet and SLO rules sum across nodes."""
+    levels = {rule["record"]: level for file, level in LEVELS.items()
+              for group in yaml.safe_load((ALERTS / file).read_text())["groups"]
+              for rule in group["rules"] if "record" in rule}
+    assert set(levels) == recorded_series() and {"node", "fleet"} == set(levels.values())
+    wrong = [f"{name} ({level})" for name, level in sorted(levels.items())
+             if (outcome.get(_with_instance(name, True)) == "data") != (level == "node")
+             or (outcome.get(_with_instance(name, False)) == "data") != (level == "fleet")]
+    assert not wrong, wrong
