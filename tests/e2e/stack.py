@@ -14,6 +14,7 @@ period) by ``stop()``; the fixtures call it in ``finally`` so a failing test lea
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -302,3 +303,33 @@ class LlamaServer:
     def busy_slots(self) -> int:
         slots = httpx.get(f"{self.base_url}/slots", timeout=5).json()
         return sum(1 for s in slots if s.get("is_processing"))
+
+
+
+class RecordingRelay:
+    """A pass-through in front of an engine's ``/metrics`` (``relay.py``, its own process) that keeps
+    every page it served, stamped with the wall-clock time the request arrived: which page a kvwatch
+    scrape read, exactly, instead of guessing from scrapes of our own taken before and after it."""
+
+    def __init__(self, upstream: str, workdir: Path) -> None:
+        self.upstream = upstream
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.pages_path = workdir / "relay-pages.jsonl"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RecordingRelay:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("relay.py")), self.upstream, str(self.port),
+             str(self.pages_path)], stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_until(self.pages_path.exists, 30, "the relay to listen")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc)
+
+    def pages_from(self, started: float, count: int = 2) -> list[str]:
+        """The first ``count`` pages served to requests that arrived at or after ``started``."""
+        pages = (json.loads(line) for line in self.pages_path.read_text().splitlines())
+        return [page["text"] for page in pages if page["arrived"] >= started][:count]
