@@ -14,7 +14,7 @@ decreases: an engine restart (the preemption counter went down) adds what was co
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvwatch.derive import counters
@@ -90,17 +90,6 @@ class PreemptionWindow:
     end: float
 
 
-@dataclass(frozen=True, slots=True)
-class RequestGap:
-    """A finished request's longest inter-chunk gap (``RequestRecord.max_gap_seconds`` and
-    ``max_gap_ended_at``, from the proxy; see docs/kv-signals.md)."""
-
-    replica: str
-    length_band: str
-    gap_seconds: float
-    gap_ended_at: float
-
-
 def preemption_windows(samples: Sequence[ReplicaSample]) -> list[PreemptionWindow]:
     """Intervals between consecutive samples (time order) of one unit where preemptions rose."""
     out = []
@@ -138,11 +127,6 @@ def gap_overlaps_preemption(gap_seconds: float, gap_ended_at: float, windows: It
     return any(start < w.end and gap_ended_at > w.start for w in windows)
 
 
-def is_stall(gap: RequestGap, windows: Iterable[PreemptionWindow], threshold_s: float) -> bool:
-    """A gap longer than ``threshold_s`` that overlaps a preemption window of its replica."""
-    return gap_overlaps_preemption(gap.gap_seconds, gap.gap_ended_at, windows, threshold_s)
-
-
 def request_stalled(record: RequestRecord, windows: Iterable[PreemptionWindow],
                     threshold_s: float = STALL_THRESHOLD_S) -> bool | None:
     """Whether a finished request's longest gap was a stall; None when its source did not measure it.
@@ -154,13 +138,3 @@ def request_stalled(record: RequestRecord, windows: Iterable[PreemptionWindow],
         return None
     return gap_overlaps_preemption(record.max_gap_seconds, record.max_gap_ended_at, windows, threshold_s)
 
-
-def stall_exposure_by_band(gaps: Iterable[RequestGap], windows: Mapping[str, Sequence[PreemptionWindow]],
-                           threshold_s: float = STALL_THRESHOLD_S) -> dict[str, tuple[int, int]]:
-    """Per length band: (requests stalled by a preemption, requests seen)."""
-    out: dict[str, tuple[int, int]] = {}
-    for gap in gaps:
-        stalled, seen = out.get(gap.length_band, (0, 0))
-        stalled += is_stall(gap, windows.get(gap.replica, ()), threshold_s)
-        out[gap.length_band] = (stalled, seen + 1)
-    return out

@@ -7,15 +7,13 @@ from kvwatch.derive.recompute import (
     ESTIMATE,
     PreemptionWindow,
     RecomputeEstimate,
-    RequestGap,
     accumulate_recompute,
-    is_stall,
+    gap_overlaps_preemption,
     preemption_rate,
     preemption_windows,
     recomputed_tokens,
     remember_preemptions,
     request_stalled,
-    stall_exposure_by_band,
 )
 from kvwatch.model import Outcome, RequestRecord
 
@@ -96,14 +94,7 @@ def test_preemption_windows_are_intervals_where_the_counter_rose():
 ])
 def test_stall_is_a_long_gap_overlapping_a_preemption(gap_s, ended_at, stalled):
     windows = [PreemptionWindow(5.0, 10.0), PreemptionWindow(15.0, 20.0)]
-    assert is_stall(RequestGap("r0", "5k-10k", gap_s, ended_at), windows, threshold_s=1.0) is stalled
-
-
-def test_stall_exposure_counts_per_band_and_uses_each_replicas_windows():
-    windows = {"r0": [PreemptionWindow(0.0, 10.0)]}
-    gaps = [RequestGap("r0", "20k+", 5.0, 8.0), RequestGap("r0", "20k+", 0.1, 8.0),
-            RequestGap("r1", "20k+", 5.0, 8.0), RequestGap("r0", "0-1k", 2.0, 9.0)]
-    assert stall_exposure_by_band(gaps, windows) == {"20k+": (1, 3), "0-1k": (1, 1)}
+    assert gap_overlaps_preemption(gap_s, ended_at, windows, threshold_s=1.0) is stalled
 
 
 W = PreemptionWindow

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 import yaml
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +35,6 @@ PROMETHEUS = Path(os.environ.get("KVWATCH_PROMETHEUS", "/usr/bin/prometheus"))
 SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:

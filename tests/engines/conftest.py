@@ -7,12 +7,12 @@ real socket, not mocks.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from aiohttp import web
+from ports import free_port
 
 from .helpers import page
 
@@ -106,7 +106,4 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 def refused_url() -> str:
     """A loopback URL where nothing listens (port bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/metrics"
+    return f"http://127.0.0.1:{free_port()}/metrics"

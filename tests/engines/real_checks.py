@@ -16,7 +16,11 @@ from kvwatch import cli
 
 def engine_metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """sample name -> [(labels, value)], straight from the engine."""
-    text = httpx.get(url, timeout=30.0).text
+    return metrics_of(httpx.get(url, timeout=30.0).text)
+
+
+def metrics_of(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """sample name -> [(labels, value)] of one exposition page."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -29,10 +33,11 @@ def value(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str) -> 
     return v
 
 
-def inspect_json(url: str) -> dict[str, Any]:
-    """Run ``kvwatch inspect --json URL`` in-process (the real command code path) and parse its output."""
+def inspect_json(source: str) -> dict[str, Any]:
+    """Run ``kvwatch inspect --json SOURCE`` (a URL or a file) in-process, the real command code path,
+    and parse its output."""
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = cli.main(["inspect", "--json", "--timeout", "30", url])
+        code = cli.main(["inspect", "--json", "--timeout", "30", source])
     assert code == 0, buffer.getvalue()
     return json.loads(buffer.getvalue())

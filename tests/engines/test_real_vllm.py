@@ -1,13 +1,9 @@
-"""``kvwatch inspect`` against a real vLLM under preempting load agrees with vLLM's own /metrics.
+"""``kvwatch inspect`` against a real vLLM agrees with vLLM's own /metrics.
 
-The engine keeps running between two scrapes, so "the same moment" is made precise by bracketing:
-engine scrape A, then inspect X, then engine scrape B (tens of milliseconds in all).
-
-* Counters only grow: A <= X <= B must hold exactly, every time.
-* Gauges (KV usage, running, waiting) can move either way between scrapes. When A == B the state
-  was almost surely steady across X too, and X must equal it. A gauge that changed and changed back
-  inside the window would break that without kvwatch being wrong, so one such sample is tolerated.
-* When the load is over everything is steady and must agree exactly.
+* Under preempting load vLLM's gauges move every few hundred milliseconds, faster than two scrapes can
+  pin them on a busy 2-core machine. So the pages are captured while the engine is busy and
+  ``kvwatch inspect FILE`` reads each capture: the same bytes vLLM served, compared exactly.
+* Idle, ``kvwatch inspect URL`` reads the live engine and everything must agree exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from kvwatch.engines.scraper import scrape_target
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
-from .real_checks import engine_metrics, inspect_json, value
+from .real_checks import engine_metrics, inspect_json, metrics_of, value
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
@@ -54,41 +50,41 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
     raise AssertionError("vLLM did not go idle")
 
 
-def test_inspect_agrees_with_vllm_under_preempting_load(real_vllm):
-    """Keeps 8 long streams going (topping up as they finish) until 3 steady samples were taken
-    while the engine was busy, or 240 s passed: on a loaded 2-core machine steady moments are rare."""
+def test_inspect_agrees_with_vllm_under_preempting_load(real_vllm, tmp_path):
+    """Keeps 8 long streams going (topping up as they finish) and captures vLLM's page until the
+    captures show it running, queueing and preempting (or 240 s passed); kvwatch's reading of every
+    capture equals vLLM's own numbers in it."""
     url = real_vllm.metrics_url
-    agreeing, disagreeing, busy_agreeing = 0, [], 0
+    captures: list[str] = []
     deadline = time.monotonic() + 240
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(_long_request, real_vllm.base_url, i) for i in range(8)]
+
+    def seen_everything() -> bool:
+        pages = [metrics_of(text) for text in captures]
+        return (sum(_gauges(m)[1] > 0 for m in pages) >= 3 and any(_gauges(m)[2] > 0 for m in pages)
+                and len(pages) > 1 and _counters(pages[-1])[0] > _counters(pages[0])[0])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+        futures = [pool.submit(_long_request, real_vllm.base_url, i) for i in range(10)]
         submitted = len(futures)
         time.sleep(1.0)
-        while busy_agreeing < 3 and time.monotonic() < deadline:
+        while not seen_everything() and time.monotonic() < deadline:
             for i, f in enumerate(futures):
                 if f.done():
                     assert f.result() > 0  # re-raises a failed request
                     futures[i] = pool.submit(_long_request, real_vllm.base_url, submitted)
                     submitted += 1
-            a = engine_metrics(url)
-            doc = inspect_json(url)
-            b = engine_metrics(url)
-            (x,) = doc["replicas"]
-            mine = (x["preemptions_total"], x["generation_tokens_total"])
-            for lo, got, hi in zip(_counters(a), mine, _counters(b), strict=True):
-                assert lo <= got <= hi, (_counters(a), mine, _counters(b))
-            if _gauges(a) == _gauges(b):
-                mine = (x["kv_usage_ratio"], x["requests_running"], x["requests_waiting"])
-                if mine == _gauges(a):
-                    agreeing += 1
-                    busy_agreeing += _gauges(a)[1] + _gauges(a)[2] > 0
-                else:
-                    disagreeing.append((_gauges(a), mine))
+            captures.append(httpx.get(url, timeout=30.0).text)
+            time.sleep(0.5)
         assert all(f.result() > 0 for f in futures)
-    assert len(disagreeing) <= 1, disagreeing
-    assert busy_agreeing >= 3, f"too few steady samples under load ({agreeing} steady in all)"
-    final = engine_metrics(url)
-    assert value(final, "vllm:num_preemptions_total") > 0, "the load did not preempt: KV cache larger?"
+    assert seen_everything(), f"{len(captures)} captures never showed vLLM running, queueing and preempting"
+    for n, text in enumerate(captures):
+        page = tmp_path / f"vllm-{n}.prom"
+        page.write_text(text)
+        engine = metrics_of(text)
+        (x,) = inspect_json(str(page))["replicas"]
+        assert (x["kv_usage_ratio"], x["requests_running"], x["requests_waiting"]) == _gauges(engine)
+        assert (x["preemptions_total"], x["generation_tokens_total"]) == _counters(engine)
+        assert x["kv_capacity_tokens"] == 2560.0
 
 
 def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):

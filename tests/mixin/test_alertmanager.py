@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
+from ports import free_port
 
 from kvwatch.mixin.rulefile import alert_names
 from kvwatch.mixin.rules import rule_files
@@ -73,21 +73,15 @@ def test_inhibit_rules_name_alerts_kvwatch_ships() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def alertmanager(tmp_path) -> Iterator[str]:
     """The example config's route and inhibit rules with one local webhook receiver (nothing leaves
     the machine), served by the Debian prometheus-alertmanager."""
     doc = yaml.safe_load(CONFIG.read_text())
-    sink = {"url": f"http://127.0.0.1:{_free_port()}/", "send_resolved": False}
+    sink = {"url": f"http://127.0.0.1:{free_port()}/", "send_resolved": False}
     doc["receivers"] = [{"name": r["name"], "webhook_configs": [sink]} for r in doc["receivers"]]
     (tmp_path / "am.yml").write_text(yaml.safe_dump(doc))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [tool("prometheus-alertmanager"), f"--config.file={tmp_path / 'am.yml'}",
          f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import ClientSession
+from ports import free_port
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
@@ -56,17 +56,11 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- upstream failures ---------------------------------------------------------------------------
 
 
 async def test_engine_refusing_connections_gives_502_and_error(http: ClientSession) -> None:
-    harness = await launch_proxy(f"http://127.0.0.1:{closed_port()}")
+    harness = await launch_proxy(f"http://127.0.0.1:{free_port()}")
     try:
         async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
             assert response.status == 502

