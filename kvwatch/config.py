@@ -86,6 +86,9 @@ class NvmlConfig:
 class ProxyConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     client_header_timeout_s: float = 10.0  # slow-loris guard: headers + body must arrive in this time
+    # an idle keep-alive client connection is closed after this; longer than client pools keep theirs
+    # (httpx/openai 5 s, aiohttp 15 s) so that a client rarely sends a request on a closing connection
+    client_keepalive_timeout_s: float = 75.0
     upstream_connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     models: tuple[str, ...] = ()  # accepted model_name label values beyond each replica's model_name
@@ -415,6 +418,7 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
     proxy = _section(r, top, "proxy", ProxyConfig, {
         "max_body_bytes": ("max_body_bytes", parse_size),
         "client_header_timeout": ("client_header_timeout_s", parse_duration),
+        "client_keepalive_timeout": ("client_keepalive_timeout_s", parse_duration),
         "upstream_connect_timeout": ("upstream_connect_timeout_s", parse_duration),
         "upstream_read_timeout": ("upstream_read_timeout_s", parse_duration),
         "models": ("models", _str_tuple),

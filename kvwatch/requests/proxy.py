@@ -414,9 +414,10 @@ class _ClientConnection(asyncio.Protocol):
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
-        self._arm_timer()
+        self._arm_timer(self.proxy.config.client_keepalive_timeout_s)
         if self.buf:
             self.t0, self.wall = self.proxy.clock(), self.proxy.wall_clock()
+            self._arm_timer()
             self._parse()
 
     def _refuse(self, status: int, reason: str, head: RequestHead | None = None) -> None:
@@ -436,10 +437,12 @@ class _ClientConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
     # -- slow clients -----------------------------------------------------------------------------
-    def _arm_timer(self) -> None:
+    def _arm_timer(self, seconds: float | None = None) -> None:
+        """The slow-loris timer by default; ``exchange_done`` arms the keep-alive idle one instead."""
         self._cancel_timer()
         loop = asyncio.get_running_loop()
-        self.timer = loop.call_later(self.proxy.config.client_header_timeout_s, self._timed_out)
+        timeout = self.proxy.config.client_header_timeout_s if seconds is None else seconds
+        self.timer = loop.call_later(timeout, self._timed_out)
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:

@@ -383,3 +383,37 @@ async def test_other_paths_pass_through_untouched(engine: ScriptedEngine, proxy:
     async with http.get(f"{proxy.url}/v1/models") as response:
         assert (await response.json())["data"][0]["id"] == "tiny"
     assert proxy.records == []  # only completions are measured
+
+
+# -- keep-alive ---------------------------------------------------------------------------------------
+
+_GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _one_response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    return head + await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def test_idle_keep_alive_outlives_the_head_timeout_then_closes_quietly(engine: ScriptedEngine) -> None:
+    """A pooled client connection is not closed by the slow-loris timer: a client that reuses it
+    after longer than ``client_header_timeout`` is served; only ``client_keepalive_timeout`` closes
+    it, silently (an idle connection is not a slow client)."""
+    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.2,
+                                                                client_keepalive_timeout_s=0.8))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
+        writer.write(_GET_MODELS)
+        assert (await _one_response(reader)).startswith(b"HTTP/1.1 200 ")
+        await asyncio.sleep(0.5)  # idle: past the head timeout, within the keep-alive one
+        writer.write(_GET_MODELS)
+        assert (await _one_response(reader)).startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        assert await _read_until_closed(reader, 5) == b""
+        assert 0.6 < time.monotonic() - started < 3
+        writer.close()
+        assert harness.count(TIMED_OUT, "r0") == 0
+    finally:
+        await harness.server.stop()
