@@ -12,6 +12,7 @@ server, proxies on, scraped by a real Prometheus that evaluates the shipped rule
   and counters must equal, exactly, those of the page its scrape read (found by the scrape's
   ``source_last_success_timestamp``). Independently, counters are bracketed by scrapes of our own
   (engine A <= kvwatch <= engine B), and everything must agree exactly once the engine is idle.
+  ``kvwatch inspect FILE`` on the same pages says what vLLM says in them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engines.real_checks import inspect_json
 
 from kvwatch.model import OUTCOMES, LengthBands
 
@@ -198,6 +200,7 @@ class Bracket:
     engine_after: list[Sample]
     scrape_started: float  # kvwatch's source_last_success_timestamp for vLLM in ``kvwatch``
     pages_read: list[list[Sample]] = field(default_factory=list)  # relay pages from scrape_started on
+    page_texts: list[str] = field(default_factory=list)  # the same pages as vLLM served them
 
 
 @dataclass
@@ -338,7 +341,8 @@ def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[Load
         wait_until(lambda: prom.query('up{job="kvwatch"} == 1'), 60, "Prometheus to scrape kvwatch")
         run = asyncio.run(_drive_load(agent, prom, real_vllm.metrics_url))
         for bracket in run.brackets:
-            bracket.pages_read = [parse(page) for page in relay.pages_from(bracket.scrape_started)]
+            bracket.page_texts = relay.pages_from(bracket.scrape_started)
+            bracket.pages_read = [parse(page) for page in bracket.page_texts]
         wait_for_vllm_idle(real_vllm.metrics_url)
         run.alerts_recorded = prom.query("max_over_time(ALERTS[10m])")
         run.rule_errors = prom.rule_errors()
@@ -490,6 +494,26 @@ def test_kvwatch_agrees_with_vllms_own_metrics_bracketed(preempting_load: LoadRu
         assert (total(mine, "kvwatch_engine_finished_requests_total", finished_reason=reason)
                 == total(run.idle_engine, "vllm:request_success_total", finished_reason=reason))
     assert one(run.idle_kvwatch, "kvwatch_target_up", replica=VLLM) == 1
+
+
+@pytest.mark.prometheus
+def test_kvwatch_inspect_reads_vllms_pages_under_preemption_as_vllm_does(preempting_load: LoadRun,
+                                                                          tmp_path: Path):
+    """``kvwatch inspect FILE`` on the pages vLLM served during the preempting load: what a user
+    checking their engine would see, equal to vLLM's own numbers on the same page."""
+    busy = 0
+    for n, b in enumerate(run for run in preempting_load.brackets if run.page_texts):
+        page = tmp_path / f"vllm-{n}.prom"
+        page.write_text(b.page_texts[0])
+        engine = b.pages_read[0]
+        (x,) = inspect_json(str(page))["replicas"]
+        assert (x["backend"], x["kv_capacity_tokens"], x["block_size"]) == ("vllm", 2560.0, 128)
+        assert (x["kv_usage_ratio"], x["requests_running"], x["requests_waiting"]) == _gauges(engine, "vllm:")
+        assert x["preemptions_total"] == total(engine, "vllm:num_preemptions_total")
+        assert x["generation_tokens_total"] == total(engine, "vllm:generation_tokens_total")
+        assert x["prompt_tokens_total"] == total(engine, "vllm:prompt_tokens_total")
+        busy += _busy(engine)
+    assert busy >= 3, f"only {busy} of the pages were read while vLLM was busy"
 
 
 # -- 3. llama.cpp: its numbers, normalized ---------------------------------------------------------
