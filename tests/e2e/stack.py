@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 import yaml
-from ports import free_port
+from local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,14 +93,6 @@ def family_of(name: str) -> str:
 
 
 # -- processes -------------------------------------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from aiohttp import web
-from ports import free_port
+from local import free_port
 
 from .helpers import page
 

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
-from ports import free_port
+from local import free_port
 
 from kvwatch.mixin.rulefile import alert_names
 from kvwatch.mixin.rules import rule_files

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import ClientSession
-from ports import free_port
+from local import free_port
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome

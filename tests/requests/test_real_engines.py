@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import ClientSession
-from ports import free_port
+from local import free_port
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord

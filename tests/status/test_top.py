@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ports import free_port
+from local import free_port
 
 from kvwatch.cli import main
 from kvwatch.status.top import kv_bar, render_text, status_url

@@ -1,8 +1,9 @@
-"""Loopback ports for tests: where a server can listen, or where nothing does."""
+"""Loopback ports and local processes, for tests."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 _GIVEN: set[int] = set()
 
@@ -17,3 +18,12 @@ def free_port() -> int:
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
