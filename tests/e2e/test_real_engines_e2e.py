@@ -253,6 +253,16 @@ async def _long_stream(client: openai.AsyncOpenAI, i: int) -> int:
     return sum([1 async for _ in stream])
 
 
+async def _alerts(http: httpx.AsyncClient, prom: Prometheus) -> list[dict[str, Any]]:
+    """Prometheus' alerts now; none this round if the poll times out (this box under the load has
+    stalled a connect to Prometheus for over 10 s; the next round asks again)."""
+    try:
+        reply = await http.get(f"{prom.url}/api/v1/alerts", timeout=30)
+    except httpx.TimeoutException:
+        return []
+    return reply.json()["data"]["alerts"]
+
+
 async def _drive_load(agent: KvwatchRun, prom: Prometheus, engine_url: str) -> LoadRun:
     run = LoadRun()
     client = openai.AsyncOpenAI(base_url=proxy_url(agent, VLLM), api_key="unused", max_retries=0,
@@ -273,8 +283,7 @@ async def _drive_load(agent: KvwatchRun, prom: Prometheus, engine_url: str) -> L
                 bracket = await _read_bracket(http, agent, engine_url)
                 run.brackets.append(bracket)
                 run.agent_series.append([s for s in bracket.kvwatch if s.labels.get("replica") == VLLM])
-                alerts = (await http.get(f"{prom.url}/api/v1/alerts", timeout=10)).json()["data"]["alerts"]
-                for alert in alerts:
+                for alert in await _alerts(http, prom):
                     run.alert_states.setdefault(alert["labels"]["alertname"], set()).add(alert["state"])
                 if ALERT in run.alert_states and run.seconds_to_alert is None:
                     run.seconds_to_alert = time.monotonic() - started
