@@ -414,11 +414,12 @@ class _ClientConnection(asyncio.Protocol):
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
-        self._arm_timer(self.proxy.config.client_keepalive_timeout_s)
-        if self.buf:
-            self.t0, self.wall = self.proxy.clock(), self.proxy.wall_clock()
-            self._arm_timer()
-            self._parse()
+        if not self.buf:
+            self._arm_timer(self.proxy.config.client_keepalive_timeout_s)
+            return
+        self.t0, self.wall = self.proxy.clock(), self.proxy.wall_clock()  # a pipelined request
+        self._arm_timer()
+        self._parse()
 
     def _refuse(self, status: int, reason: str, head: RequestHead | None = None) -> None:
         """Answer a request kvwatch will not relay, then close the connection.
