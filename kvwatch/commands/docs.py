@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reference() -> str:
     from kvwatch import buckets
-    from kvwatch.export.catalog import CATALOG
+    from kvwatch.catalog import CATALOG
 
     lines = [BEGIN, ""]
     for area, title in AREAS:

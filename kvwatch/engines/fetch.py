@@ -13,19 +13,17 @@ import asyncio
 
 import httpx
 
-#: label values of kvwatch_target_scrape_errors_total{reason}
-REASONS = ("timeout", "connect", "http_status", "too_large", "malformed", "not_metrics",
-           "no_engine_metrics")
+from kvwatch.catalog import SCRAPE_ERROR_REASONS
 
 ACCEPT_METRICS = "text/plain;version=0.0.4;q=0.9,text/plain;q=0.5,*/*;q=0.1"
 ACCEPT_JSON = "application/json"
 
 
 class ScrapeError(Exception):
-    """A failed scrape: ``reason`` (one of ``REASONS``) and a message saying what to fix."""
+    """A failed scrape: ``reason`` (one of ``SCRAPE_ERROR_REASONS``) and a message saying what to fix."""
 
     def __init__(self, reason: str, message: str) -> None:
-        assert reason in REASONS, reason
+        assert reason in SCRAPE_ERROR_REASONS, reason
         self.reason = reason
         self.message = message
         super().__init__(f"{reason}: {message}")

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
+from kvwatch.catalog import spec
 from kvwatch.config import Config
 from kvwatch.derive.node import DerivedView, UnitKey
-from kvwatch.export.catalog import spec
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from kvwatch.catalog import CATALOG, spec
 from kvwatch.config import Config
 from kvwatch.derive.pcie import link_bytes_per_second
-from kvwatch.export.catalog import CATALOG, spec
 from kvwatch.model import GpuSample
 from kvwatch.state import NodeState
 

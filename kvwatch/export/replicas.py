@@ -12,9 +12,8 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
+from kvwatch.catalog import SCRAPE_ERROR_REASONS, spec
 from kvwatch.config import Config
-from kvwatch.engines.fetch import REASONS
-from kvwatch.export.catalog import spec
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
 
@@ -152,7 +151,7 @@ class ReplicaCollector:
         for name, target in sorted(dict(self.state.targets).items()):
             up.add_metric([name, self._backend(name, target.backend)], 1.0 if target.up else 0.0)
             duration.add_metric([name], target.scrape_duration_s)
-            for reason in REASONS:  # every reason from the start, so rate() sees the first error
+            for reason in SCRAPE_ERROR_REASONS:  # every reason from the start, so rate() sees the first error
                 errors.add_metric([name, reason], float(target.errors.get(reason, 0)))
             restarts.add_metric([name], float(target.restarts))
         yield from (up, duration, errors, restarts)

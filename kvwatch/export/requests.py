@@ -31,8 +31,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
+from kvwatch.catalog import spec
 from kvwatch.config import Config
-from kvwatch.export.catalog import spec
 from kvwatch.export.encode import HistogramRows
 from kvwatch.model import OUTCOMES
 from kvwatch.state import NodeState, le_labels

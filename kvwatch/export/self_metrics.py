@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 
 from kvwatch import __version__
+from kvwatch.catalog import spec
 from kvwatch.config import Config
-from kvwatch.export.catalog import spec
 from kvwatch.state import NodeState
 
 #: self counters kept in ``NodeState.counters`` and exported as-is (family, label names)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch import buckets
-from kvwatch.export.catalog import BY_NAME
+from kvwatch.catalog import BY_NAME
 from kvwatch.mixin import grafana as g
 from kvwatch.mixin.grafana import Query
 from kvwatch.mixin.promql import (

@@ -1,7 +1,7 @@
 """PromQL building blocks shared by the rule and dashboard generators, and the name check.
 
 Every query kvwatch ships is built here or from these helpers, and every one is checked against the
-metric catalog (``kvwatch/export/catalog.py``): a query on a name kvwatch does not export is a bug
+metric catalog (``kvwatch/catalog.py``): a query on a name kvwatch does not export is a bug
 that can never fire (vLLM's ``rate(vllm:num_preemptions[5m])`` alert is the cautionary tale), so the
 generators refuse it. Names from other exporters are allowed only when listed in
 ``EXTERNAL_METRICS`` / ``EXTERNAL_PREFIXES``.
@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvwatch.export.catalog import BY_NAME, CATALOG, MetricSpec
+from kvwatch.catalog import BY_NAME, CATALOG, MetricSpec
 
 #: Series from other exporters that kvwatch's rules and dashboards may query, and why.
 EXTERNAL_METRICS: Mapping[str, str] = {
@@ -181,7 +181,7 @@ def unknown_names(expr: str, recorded: Iterable[str] = ()) -> list[str]:
             continue
         spec = catalog_family(name)
         if spec is None:
-            problems.append(f"{name} is not a kvwatch metric (kvwatch/export/catalog.py), not recorded by "
+            problems.append(f"{name} is not a kvwatch metric (kvwatch/catalog.py), not recorded by "
                             "kvwatch's rules and not an allowed external metric "
                             f"({', '.join([*EXTERNAL_METRICS, *(p + '*' for p in EXTERNAL_PREFIXES)])})")
             continue

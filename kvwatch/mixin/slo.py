@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch import buckets
+from kvwatch.catalog import spec
 from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file
-from kvwatch.export.catalog import spec
 from kvwatch.model import OUTCOMES, LengthBands
 
 #: latency SLIs: name -> (histogram family, bucket boundaries)

@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent.derived import update_derived
+from kvwatch.catalog import CATALOG
 from kvwatch.config import Config, HostPort, ReplicaConfig
-from kvwatch.export.catalog import CATALOG
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.model import DEFAULT_BANDS, TierTraffic
 from kvwatch.state import NodeState

@@ -26,8 +26,8 @@ import pynvml
 import pytest
 
 from kvwatch.agent import Agent
+from kvwatch.catalog import CATALOG
 from kvwatch.config import config_from_mapping
-from kvwatch.export.catalog import CATALOG
 from kvwatch.gpu.fake import FakeNvml
 
 from .stack import (

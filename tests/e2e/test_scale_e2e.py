@@ -33,8 +33,8 @@ from aiohttp import web
 
 from kvwatch import buckets
 from kvwatch.agent import Agent
+from kvwatch.catalog import CATALOG
 from kvwatch.config import config_from_mapping
-from kvwatch.export.catalog import CATALOG
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.model import OUTCOMES, InFlightRequest, LengthBands, Outcome, RequestRecord
 from kvwatch.state import HISTOGRAM_FAMILIES

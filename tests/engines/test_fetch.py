@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from kvwatch.engines.fetch import REASONS, ScrapeError, fetch_metrics, metrics_text
+from kvwatch.catalog import SCRAPE_ERROR_REASONS
+from kvwatch.engines.fetch import ScrapeError, fetch_metrics, metrics_text
 
 LIMIT = 1024 * 1024
 
@@ -107,7 +108,7 @@ def test_binary_and_non_utf8_bodies_are_not_metrics():
 
 
 def test_reasons_are_the_catalog_label_values():
-    from kvwatch.export.catalog import spec
+    from kvwatch.catalog import spec
 
-    for reason in REASONS:
+    for reason in SCRAPE_ERROR_REASONS:
         assert reason in spec("kvwatch_target_scrape_errors").help

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvwatch.catalog import BY_NAME
 from kvwatch.config import Config, ReplicaConfig
 from kvwatch.engines.llamacpp import apply_slots, parse_slots
-from kvwatch.export.catalog import BY_NAME
 from kvwatch.export.replicas import ReplicaCollector, free_tokens
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState

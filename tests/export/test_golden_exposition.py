@@ -38,7 +38,7 @@ def test_exposition_matches_the_golden_file():
 
 
 def test_golden_holds_every_catalog_area():
-    from kvwatch.export.catalog import CATALOG
+    from kvwatch.catalog import CATALOG
 
     golden = GOLDEN.read_text()
     exposed = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}

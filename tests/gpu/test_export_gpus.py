@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent.gpu import refresh_gpu_state
-from kvwatch.export.catalog import CATALOG
+from kvwatch.catalog import CATALOG
 from kvwatch.export.gpus import GpuCollector
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvwatch import buckets
-from kvwatch.export.catalog import CATALOG, GPU, REPLICA, MetricSpec
+from kvwatch.catalog import CATALOG, GPU, REPLICA, MetricSpec
 from kvwatch.mixin.dashboards import panel_queries, recorded_series
 from kvwatch.mixin.rules import LEVELS
 from kvwatch.model import OUTCOMES

@@ -20,6 +20,10 @@ REPLICA = ("replica", "model_name", "backend", "dp_rank")
 GPU = ("gpu", "uuid")
 REQUEST = ("replica", "model_name", "length_band", "source")
 
+#: label values of kvwatch_target_scrape_errors_total{reason}: why a scrape of an engine failed
+SCRAPE_ERROR_REASONS = ("timeout", "connect", "http_status", "too_large", "malformed", "not_metrics",
+                        "no_engine_metrics")
+
 
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
@@ -75,8 +79,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_target_scrape_duration_seconds", "gauge", ("replica",),
        "Duration of the last scrape of the replica's metrics endpoint.", "self"),
     _m("kvwatch_target_scrape_errors", "counter", ("replica", "reason"),
-       "Failed scrapes of a replica by reason (timeout, connect, http_status, too_large, malformed, "
-       "not_metrics, no_engine_metrics).", "self"),
+       f"Failed scrapes of a replica by reason ({', '.join(SCRAPE_ERROR_REASONS)}).", "self"),
     _m("kvwatch_target_restarts", "counter", ("replica",),
        "Engine restarts detected (engine counters went backwards).", "self"),
     _m("kvwatch_proxy_accounting_errors", "counter", ("replica",),
@@ -245,7 +248,7 @@ def spec(name: str) -> MetricSpec:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/export/catalog.py)") from None
+        raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/catalog.py)") from None
 
 
 def exported_series_names() -> set[str]:
