@@ -22,7 +22,6 @@ COMMANDS = (
     "manifests",
     "docs",
     "report",
-    "plan",
     "top",
 )
 

@@ -116,6 +116,39 @@ class LedgerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesDiscoveryConfig:
+    """``discovery.kubernetes``: engine pods on this node, listed and watched through the API server."""
+
+    enabled: bool = False
+    #: API server base URL; None = in-cluster (``https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``)
+    api_url: str | None = None
+    token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    recognise: bool = True  # vLLM, SGLang, KServe and llm-d pods without kvwatch.io annotations
+    watch_timeout_s: float = 300.0  # the server ends each watch after this (timeoutSeconds)
+    backoff_max_s: float = 30.0
+    max_event_bytes: int = 4 * 1024 * 1024  # one watch event (one pod as JSON); etcd caps objects at 1.5 MB
+    max_list_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PodResourcesConfig:
+    """``discovery.pod_resources``: which containers hold which GPUs, from the kubelet (no hostPID)."""
+
+    enabled: bool = False
+    socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    resource_names: tuple[str, ...] = ("nvidia.com/gpu",)
+    interval_s: float = 15.0
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    kubernetes: KubernetesDiscoveryConfig = field(default_factory=KubernetesDiscoveryConfig)
+    pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     replicas: tuple[ReplicaConfig, ...] = ()
     listen: HostPort = field(default_factory=lambda: parse_host_port(DEFAULT_LISTEN))
@@ -129,6 +162,7 @@ class Config:
     sglang_request_files: tuple[SglangFilesConfig, ...] = ()
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     log_level: str = "info"
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def replica(self, name: str) -> ReplicaConfig | None:
         return next((r for r in self.replicas if r.name == name), None)
@@ -359,20 +393,49 @@ def _replica(r: KeyPathReader, node: Any, path: str) -> ReplicaConfig | None:
     )
 
 
-def _section(r: KeyPathReader, top: Mapping[str, Any], key: str, cls: type, spec: dict[str, tuple[str, Any]]):
+def _section(r: KeyPathReader, top: Mapping[str, Any], key: str, cls: type, spec: dict[str, tuple[str, Any]],
+             parent: str = ""):
     """Read a flat section: ``spec`` maps YAML key -> (dataclass field, converter)."""
-    node = r.mapping(top.get(key), key, set(spec))
+    path = _join(parent, key)
+    node = r.mapping(top.get(key), path, set(spec))
     defaults = cls()
     values = {}
     for yaml_key, (attr, conv) in spec.items():
-        values[attr] = r.get(node, yaml_key, key, conv, default=getattr(defaults, attr))
+        values[attr] = r.get(node, yaml_key, path, conv, default=getattr(defaults, attr))
     return cls(**values)
 
 
 _TOP_KEYS = {
     "replicas", "listen", "node", "length_bands", "intervals", "scrape", "nvml", "proxy", "otlp",
-    "sglang_request_files", "ledger", "log_level",
+    "sglang_request_files", "ledger", "log_level", "discovery",
 }
+
+
+def _api_url(value: Any) -> str:
+    return _http_url(value).rstrip("/")
+
+
+def _discovery(r: KeyPathReader, top: Mapping[str, Any]) -> DiscoveryConfig:
+    node = r.mapping(top.get("discovery"), "discovery", {"kubernetes", "pod_resources"})
+    kubernetes = _section(r, node, "kubernetes", KubernetesDiscoveryConfig, {
+        "enabled": ("enabled", _bool),
+        "api_url": ("api_url", _api_url),
+        "token_file": ("token_file", str),
+        "ca_file": ("ca_file", str),
+        "recognise": ("recognise", _bool),
+        "watch_timeout": ("watch_timeout_s", parse_duration),
+        "backoff_max": ("backoff_max_s", parse_duration),
+        "max_event_bytes": ("max_event_bytes", parse_size),
+        "max_list_bytes": ("max_list_bytes", parse_size),
+    }, parent="discovery")
+    pod_resources = _section(r, node, "pod_resources", PodResourcesConfig, {
+        "enabled": ("enabled", _bool),
+        "socket": ("socket", str),
+        "resource_names": ("resource_names", _str_tuple),
+        "interval": ("interval_s", parse_duration),
+        "timeout": ("timeout_s", parse_duration),
+    }, parent="discovery")
+    return DiscoveryConfig(kubernetes, pod_resources)
 
 
 def config_from_mapping(data: Any, source: str = "config") -> Config:
@@ -451,7 +514,10 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         if rep_name and directory:
             files.append(SglangFilesConfig(rep_name, directory, r.get(m, "poll", path, parse_duration, 1.0)))
 
+    discovery = _discovery(r, top)
+
     cfg = Config(
+        discovery=discovery,
         replicas=tuple(replicas),
         listen=r.get(top, "listen", "", parse_host_port, default=parse_host_port(DEFAULT_LISTEN)),
         node=r.get(top, "node", "", _name, default=socket.gethostname()),

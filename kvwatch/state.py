@@ -66,6 +66,25 @@ class TargetState:
     slots_error: str | None = None
 
 
+@dataclass(slots=True)
+class ConfigReloadStatus:
+    """Prometheus-style: whether the last reload was applied, and when a config last loaded."""
+
+    successful: bool = True
+    last_success_ts: float | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryStatus:
+    """Kubernetes discovery as of its last change (replaced whole)."""
+
+    stale: bool = True
+    replicas: tuple[str, ...] = ()
+    #: (namespace, pod) -> ((annotation, reason), ...) for pods whose annotations are malformed
+    problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = field(default_factory=dict)
+
+
 class NodeState:
     """Everything the outputs read. Writes are whole-object replacements under a lock."""
 
@@ -88,6 +107,11 @@ class NodeState:
         self.counters: Counter[tuple[str, ...]] = Counter()  # self-metrics: (family, *label values)
         #: derived KV signals, replaced whole by kvwatch.agent.derived.update_derived after each scrape
         self.derived: DerivedView | None = None
+        self.config_reload = ConfigReloadStatus()
+        #: None while Kubernetes discovery is off
+        self.discovery: DiscoveryStatus | None = None
+        #: GPU uuid -> (namespace, pod, container) holding it, from the kubelet's PodResources API
+        self.gpu_owners: dict[str, tuple[str, str, str]] = {}
 
     # -- targets --------------------------------------------------------------------------------
     def target(self, name: str) -> TargetState:
@@ -96,6 +120,12 @@ class NodeState:
             if state is None:
                 state = self.targets[name] = TargetState(name)
             return state
+
+    def drop_target(self, name: str) -> None:
+        """Forget a replica that went away (its series go with it)."""
+        with self._lock:
+            self.targets.pop(name, None)
+        self.collectors.pop(f"engine:{name}", None)
 
     def live_samples(self) -> list[ReplicaSample]:
         """Samples of targets that are up: what may be exported as current."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -62,7 +63,13 @@ class Agent:
     def __init__(self, config: Config, *, nvml: Any = None, proc: Any = None,
                  route_factories: Iterable[RouteFactory] = (), clock: Callable[[], float] = time.time,
                  proxy_clock: Callable[[], float] = time.perf_counter):
+        #: the running config: the file's replicas plus those discovered (``set_discovered_replicas``)
         self.config = config
+        self._base_config = config
+        self._discovered: tuple[ReplicaConfig, ...] = ()
+        self._jobs: dict[str, tuple[ReplicaConfig, float]] = {}  # replica -> (config, interval) scheduled
+        self._areas: dict[str, Any] = {}
+        self._discovery: Any = None  # PodDiscovery
         self.clock = clock
         self.proxy_clock = proxy_clock
         self.state = NodeState(config.node, config.length_bands)
@@ -93,20 +100,70 @@ class Agent:
         )
         self._start_ledger()
         self._scheduler = AsyncIOScheduler(event_loop=asyncio.get_running_loop())
-        for replica in cfg.replicas:
-            self._scheduler.add_job(
-                self._scrape, "interval", args=[replica], seconds=cfg.intervals.engine_s,
-                id=f"engine:{replica.name}", next_run_time=_now_dt(), max_instances=1, coalesce=True,
-                misfire_grace_time=max(1, int(cfg.intervals.engine_s)),
-            )
+        self._sync_scrape_jobs()
         await self._start_gpu()
         self._scheduler.start()
         await self._start_request_sources()
         await self._start_http()
+        await self._start_discovery()
         self._started = True
+
+    # -- replicas that come and go -----------------------------------------------------------------
+    def set_discovered_replicas(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+        """Discovery's replicas now; those no longer listed stop being scraped and lose their series."""
+        self._discovered = tuple(replicas)
+        self._reconfigure()
+
+    def apply_config(self, config: Config) -> None:
+        """A reloaded (already validated) config: replicas, intervals and scrape settings take effect
+        now; what needs a restart (listeners, NVML, ledger, bands) stays as started."""
+        self._base_config = config
+        self._reconfigure()
+
+    def _reconfigure(self) -> None:
+        base = self._base_config
+        static = {r.name for r in base.replicas}
+        discovered = tuple(r for r in self._discovered if r.name not in static)
+        self.config = dataclasses.replace(base, replicas=base.replicas + discovered)
+        for area in self._areas.values():
+            area.config = self.config
+        if self._scheduler is not None:
+            self._sync_scrape_jobs()
+
+    def _sync_scrape_jobs(self) -> None:
+        assert self._scheduler is not None
+        interval = self.config.intervals.engine_s
+        wanted = {r.name: r for r in self.config.replicas}
+        for name, scheduled in list(self._jobs.items()):
+            if scheduled != (wanted.get(name), interval):
+                self._scheduler.remove_job(f"engine:{name}")
+                del self._jobs[name]
+                if name not in wanted:
+                    self.state.drop_target(name)
+                    self._first_round.discard(name)
+        for name, replica in wanted.items():
+            if name in self._jobs:
+                continue
+            self._scheduler.add_job(
+                self._scrape, "interval", args=[replica], seconds=interval,
+                id=f"engine:{name}", next_run_time=_now_dt(), max_instances=1, coalesce=True,
+                misfire_grace_time=max(1, int(interval)),
+            )
+            self._jobs[name] = (replica, interval)
+
+    async def _start_discovery(self) -> None:
+        if not self.config.discovery.kubernetes.enabled:
+            return
+        from kvwatch.agent.discovery import PodDiscovery
+
+        self._discovery = PodDiscovery(self.config, self.state, self.set_discovered_replicas)
+        await self._discovery.start()
 
     async def stop(self) -> None:
         """Stop sources first (proxies close upstreams, so engines free KV), then the server."""
+        if self._discovery is not None:
+            await self._discovery.stop()
+            self._discovery = None
         if self._scheduler is not None and self._scheduler.running:
             self._scheduler.shutdown(wait=False)
         for proxy in self._proxies:
@@ -151,7 +208,7 @@ class Agent:
         """Ready once every configured source has been tried once (not: every engine is up)."""
         if not self._started:
             return False
-        wanted = {r.name for r in self.config.replicas}
+        wanted = {r.name for r in self._base_config.replicas}  # discovered ones come and go
         return wanted <= self._first_round
 
     # -- engines -----------------------------------------------------------------------------------
@@ -159,6 +216,10 @@ class Agent:
     async def _scrape(self, replica: ReplicaConfig) -> None:
         assert self._client is not None
         await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock)
+        if self._jobs.get(replica.name, (None,))[0] != replica:  # dropped or replaced meanwhile
+            if replica.name not in self._jobs:
+                self.state.drop_target(replica.name)
+            return
         self._first_round.add(replica.name)
         self._update_derived()
 
@@ -261,7 +322,9 @@ class Agent:
             "gpus": GpuCollector(self.state, cfg),
             "requests": RequestCollector(self.state, cfg),
         }
-        registry = make_registry(NodeCollector(self.state, cfg, areas))
+        node = NodeCollector(self.state, cfg, areas)
+        self._areas = {**areas, "node": node}  # each reads .config: updated on reload and discovery
+        registry = make_registry(node)
         routes = [route for factory in self._route_factories for route in factory(self.state, cfg)]
         app = metrics_app(registry, self.ready, routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)

@@ -20,6 +20,9 @@ _SELF_COUNTERS = (
     ("kvwatch_request_file_lines", ("replica", "result")),
     ("kvwatch_ledger_write_errors", ()),
 )
+#: discovery's counters, exported while Kubernetes discovery is on
+_DISCOVERY_COUNTERS = ("kvwatch_discovery_watch_events", "kvwatch_discovery_watch_errors",
+                       "kvwatch_discovery_relists")
 
 
 def _nvml_bindings_version() -> str:
@@ -61,6 +64,37 @@ class SelfCollector:
         yield last
 
         for family, _labels in _SELF_COUNTERS:
+            counter = spec(family).counter()
+            for label_values, value in sorted(self.state.counters_for(family)):
+                counter.add_metric(list(label_values), value)
+            yield counter
+        yield from self._reloads()
+        yield from self._discovery()
+
+    def _reloads(self) -> Iterator[Metric]:
+        reload = self.state.config_reload
+        if reload.last_success_ts is None:
+            return
+        ok = spec("kvwatch_config_last_reload_successful").gauge()
+        ok.add_metric([], 1.0 if reload.successful else 0.0)
+        stamp = spec("kvwatch_config_last_reload_success_timestamp_seconds").gauge()
+        stamp.add_metric([], reload.last_success_ts)
+        yield from (ok, stamp)
+
+    def _discovery(self) -> Iterator[Metric]:
+        found = self.state.discovery
+        if found is None:
+            return
+        stale = spec("kvwatch_discovery_stale").gauge()
+        stale.add_metric([], 1.0 if found.stale else 0.0)
+        replicas = spec("kvwatch_discovery_replicas").gauge()
+        replicas.add_metric([], float(len(found.replicas)))
+        problems = spec("kvwatch_discovery_pod_annotation_errors").gauge()
+        for (namespace, pod), issues in sorted(found.problems.items()):
+            for annotation in sorted({a for a, _ in issues}):
+                problems.add_metric([namespace, pod, annotation], 1.0)
+        yield from (stale, replicas, problems)
+        for family in _DISCOVERY_COUNTERS:
             counter = spec(family).counter()
             for label_values, value in sorted(self.state.counters_for(family)):
                 counter.add_metric(list(label_values), value)

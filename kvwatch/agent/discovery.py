@@ -1,0 +1,111 @@
+"""Kubernetes discovery wired into the agent: this node's pods -> replicas named ``namespace/pod``.
+
+The watch (``kvwatch.discovery.kube_api.PodWatch``) keeps the pod set; after every change each pod
+is judged (``kvwatch.discovery.pods.judge_pod``) and the agent gets the whole replica list, which
+it diffs against its scrape jobs. A pod that stops being ready, is deleted or leaves the node drops
+out, and its series with it. While the API is unreachable the last replicas stay (marked stale:
+``kvwatch_discovery_stale 1``); a pod that really went away then just fails its scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvwatch.config import Config, ReplicaConfig
+from kvwatch.discovery.kube_api import Pods, PodWatch
+from kvwatch.discovery.pods import PodEngine, judge_pod, pod_key
+from kvwatch.state import DiscoveryStatus, NodeState
+
+log = logging.getLogger(__name__)
+
+
+def replica_config(engine: PodEngine) -> ReplicaConfig:
+    return ReplicaConfig(name=engine.replica, metrics_url=engine.metrics_url, backend=engine.backend,
+                         model_name=engine.model_name)
+
+
+class PodDiscovery:
+    """Runs the pod watch and hands ``set_replicas`` the discovered replicas after each change."""
+
+    def __init__(self, config: Config, state: NodeState,
+                 set_replicas: Callable[[tuple[ReplicaConfig, ...]], None],
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.state = state
+        self._set_replicas = set_replicas
+        self._problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+        self._replicas: tuple[ReplicaConfig, ...] = ()
+        self._stale = True
+        self.watch = PodWatch(config.discovery.kubernetes, config.node, self.on_pods, state.count,
+                              state.report, environ=environ, on_stale=self.on_stale)
+        self._task: asyncio.Task[Any] | None = None
+        state.discovery = DiscoveryStatus()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kubernetes-pod-watch")
+
+    async def _run(self) -> None:
+        try:
+            await self.watch.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not stop the agent; it shows as a failed collector
+            log.exception("kubernetes discovery stopped")
+            self.state.report("kubernetes", False, 0.0, "discovery stopped (see log)")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def on_stale(self, stale: bool) -> None:
+        self._stale = stale
+        self._publish()
+
+    def on_pods(self, pods: Pods) -> None:
+        recognise = self.config.discovery.kubernetes.recognise
+        replicas: list[ReplicaConfig] = []
+        problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+        for pod in pods.values():
+            verdict = judge_pod(pod, recognise)
+            if verdict.engine is not None:
+                replicas.append(replica_config(verdict.engine))
+            elif verdict.problems:
+                problems[pod_key(pod)] = verdict.problems
+        self._log_problems(problems)
+        self._problems = problems
+        replicas.sort(key=lambda r: r.name)
+        if tuple(replicas) != self._replicas:
+            self._log_changes(tuple(replicas))
+            self._replicas = tuple(replicas)
+            self._set_replicas(self._replicas)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.state.discovery = DiscoveryStatus(self._stale, tuple(r.name for r in self._replicas),
+                                               dict(self._problems))
+
+    def _log_problems(self, problems: dict[tuple[str, str], tuple[tuple[str, str], ...]]) -> None:
+        for key, issues in problems.items():
+            if self._problems.get(key) != issues:
+                detail = "; ".join(f"{annotation}: {reason}" for annotation, reason in issues)
+                log.warning("pod %s/%s: %s; not scraped until fixed", *key, detail)
+        for key in self._problems.keys() - problems.keys():
+            log.info("pod %s/%s: annotations fixed (or pod gone)", *key)
+
+    def _log_changes(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+        before = {r.name: r for r in self._replicas}
+        after = {r.name: r for r in replicas}
+        for name in sorted(after.keys() - before.keys()):
+            log.info("replica %s discovered: %s (%s)", name, after[name].metrics_url, after[name].backend)
+        for name in sorted(before.keys() - after.keys()):
+            log.info("replica %s gone (pod not ready, deleted or moved)", name)
+        for name in sorted(after.keys() & before.keys()):
+            if after[name] != before[name]:
+                log.info("replica %s now at %s", name, after[name].metrics_url)

@@ -1,0 +1,268 @@
+"""A Kubernetes API server for pods, faithful to what kvwatch's watch relies on.
+
+What it does as kube-apiserver does:
+
+- ``GET /api/v1/pods`` with ``fieldSelector=spec.nodeName=<node>`` (other selectors: 400, as the
+  server refuses unsupported field selectors); a ``PodList`` whose ``metadata.resourceVersion`` is
+  the store's current version; bearer token checked (401 without it).
+- ``watch=1&resourceVersion=<rv>``: HTTP 200, ``Transfer-Encoding: chunked``, one JSON event per line:
+  every change after ``rv`` (replayed from the event history, then live) until ``timeoutSeconds``.
+  A filtered watch turns changes into what the filter sees: an object that starts matching is
+  ``ADDED``, one that stops matching is ``DELETED`` (kube-apiserver's cacher does the same).
+- a version older than the history kept (``compact()``): HTTP 200 and one ``ERROR`` event carrying a
+  ``Status`` with ``code: 410`` and ``reason: Expired`` ("too old resource version"), then the end;
+  with ``gone_as_http`` the request is answered ``410 Gone`` with the Status as body instead.
+- ``allowWatchBookmarks=true``: ``BOOKMARK`` events (an object with only ``metadata.resourceVersion``)
+  every ``bookmark_interval_s``.
+- each write bumps the object's ``metadata.resourceVersion`` (a global counter, as etcd's revision).
+
+Pods are built as the API returns them: ``Pending`` with ``PodScheduled``, then the kubelet's
+updates (``Running`` with ``Ready``/``ContainersReady`` ``False``, then ``True``; a container
+restart bumps ``restartCount`` and takes ``Ready`` away while it restarts); a graceful delete sets
+``deletionTimestamp`` (``MODIFIED``), then removes the object (``DELETED``).
+
+Test levers: ``break_next_event()`` writes half of the next event and cuts the connection;
+``inject(line)`` sends raw bytes down every open watch; ``stop()``/``start()`` take it off and on
+the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+_uids = itertools.count(1)
+
+
+def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
+             containers: list[dict] | None = None, labels: dict[str, str] | None = None,
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod as the API returns it right after scheduling: Pending, bound to ``node``."""
+    return {
+        "kind": "Pod", "apiVersion": "v1",
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{next(_uids):04d}",
+                     "labels": labels or {}, "annotations": annotations or {},
+                     "creationTimestamp": "2026-12-01T18:00:00Z"},
+        "spec": {"nodeName": node, "containers": containers or [{"name": "main", "image": "busybox"}]},
+        "status": {"phase": "Pending", "qosClass": "Burstable",
+                   "conditions": [{"type": "PodScheduled", "status": "True"}]},
+    }
+
+
+def vllm_container(port: int = 8000, image: str = "vllm/vllm-openai:v0.11.0") -> dict[str, Any]:
+    return {"name": "vllm", "image": image,
+            "args": ["--model", "Qwen/Qwen3-8B", "--host", "0.0.0.0", "--port", str(port)],
+            "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+
+
+def _conditions(ready: bool) -> list[dict[str, str]]:
+    flag = "True" if ready else "False"
+    return [{"type": "PodReadyToStartContainers", "status": "True"},
+            {"type": "Initialized", "status": "True"}, {"type": "Ready", "status": flag},
+            {"type": "ContainersReady", "status": flag},
+            {"type": "PodScheduled", "status": "True"}]
+
+
+class FakeApiServer:
+    def __init__(self, token: str | None = "test-token", bookmark_interval_s: float = 0.5,
+                 gone_as_http: bool = False) -> None:
+        self.token = token
+        self.bookmark_interval_s = bookmark_interval_s
+        self.gone_as_http = gone_as_http
+        self.rv = 100
+        self.pods: dict[str, dict[str, Any]] = {}
+        #: (rv, type, object before, object after) for every write, oldest first
+        self.history: list[tuple[int, str, dict | None, dict | None]] = []
+        self.oldest_rv = self.rv  # watches from before this get 410
+        self.requests: list[dict[str, str]] = []
+        self._changed = asyncio.Condition()
+        self._break_next = False
+        self._injected: list[bytes] = []
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self, port: int = 0) -> str:
+        app = web.Application()
+        app.router.add_get("/api/v1/pods", self._pods)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port)
+        await site.start()
+        self.port = self._runner.addresses[-1][1]
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            async with self._changed:
+                self._changed.notify_all()
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- the store (what controllers and the kubelet would write) ----------------------------------
+    async def _write(self, kind: str, uid: str, after: dict[str, Any] | None) -> None:
+        self.rv += 1
+        before = copy.deepcopy(self.pods.get(uid))
+        if after is None:
+            gone = self.pods.pop(uid)
+            gone["metadata"]["resourceVersion"] = str(self.rv)  # a DELETED event carries the deletion's rv
+            self.history.append((self.rv, kind, gone, None))
+        else:
+            after["metadata"]["resourceVersion"] = str(self.rv)
+            self.pods[uid] = after
+            self.history.append((self.rv, kind, before, copy.deepcopy(after)))
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def create(self, pod: dict[str, Any]) -> str:
+        uid = pod["metadata"]["uid"]
+        await self._write("ADDED", uid, copy.deepcopy(pod))
+        return uid
+
+    async def update(self, uid: str, change: Callable[[dict[str, Any]], None]) -> None:
+        pod = copy.deepcopy(self.pods[uid])
+        change(pod)
+        await self._write("MODIFIED", uid, pod)
+
+    async def run(self, uid: str, pod_ip: str) -> None:
+        """The kubelet started the containers: Running, not ready yet."""
+        def started(pod: dict[str, Any]) -> None:
+            pod["status"].update(phase="Running", podIP=pod_ip, podIPs=[{"ip": pod_ip}], hostIP="10.0.0.1",
+                                 conditions=_conditions(False),
+                                 containerStatuses=[{"name": c["name"], "ready": False, "restartCount": 0,
+                                                     "started": True, "state": {"running": {}}}
+                                                    for c in pod["spec"]["containers"]])
+        await self.update(uid, started)
+
+    async def set_ready(self, uid: str, ready: bool = True) -> None:
+        def flag(pod: dict[str, Any]) -> None:
+            pod["status"]["conditions"] = _conditions(ready)
+            for status in pod["status"].get("containerStatuses", []):
+                status["ready"] = ready
+        await self.update(uid, flag)
+
+    async def restart_container(self, uid: str) -> None:
+        """A container crashed and restarted: not ready meanwhile, restartCount + 1, same pod IP."""
+        def crashed(pod: dict[str, Any]) -> None:
+            pod["status"]["conditions"] = _conditions(False)
+            for status in pod["status"].get("containerStatuses", []):
+                status.update(ready=False, restartCount=status["restartCount"] + 1,
+                              lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
+        await self.update(uid, crashed)
+
+    async def delete(self, uid: str) -> None:
+        """Graceful delete: deletionTimestamp first (the pod is terminating), then gone."""
+        def terminating(pod: dict[str, Any]) -> None:
+            pod["metadata"]["deletionTimestamp"] = "2026-12-01T18:30:00Z"
+            pod["metadata"]["deletionGracePeriodSeconds"] = 30
+        await self.update(uid, terminating)
+        await self._write("DELETED", uid, None)
+
+    def compact(self) -> None:
+        """Forget the event history, as etcd compaction and the watch cache's window do."""
+        self.history.clear()
+        self.oldest_rv = self.rv
+
+    def break_next_event(self) -> None:
+        self._break_next = True
+
+    async def inject(self, raw: bytes) -> None:
+        self._injected.append(raw)
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    def _node(self, request: web.Request) -> str | None:
+        selector = request.query.get("fieldSelector", "")
+        if not selector.startswith("spec.nodeName="):
+            return None
+        return selector.split("=", 1)[1]
+
+    @staticmethod
+    def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": message, "reason": reason, "code": code}
+
+    async def _pods(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(dict(request.query))
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response(self._status(401, "Unauthorized", "Unauthorized"), status=401)
+        node = self._node(request)
+        if node is None:
+            refused = self._status(400, "BadRequest", "unsupported field selector")
+            return web.json_response(refused, status=400)
+        if request.query.get("watch") in ("1", "true"):
+            return await self._watch(request, node)
+        items = [p for p in self.pods.values() if p["spec"].get("nodeName") == node]
+        return web.json_response({"kind": "PodList", "apiVersion": "v1",
+                                  "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+
+    async def _watch(self, request: web.Request, node: str) -> web.StreamResponse:
+        since = int(request.query.get("resourceVersion") or self.rv)
+        timeout = float(request.query.get("timeoutSeconds") or 1800)
+        bookmarks = request.query.get("allowWatchBookmarks") == "true"
+        if since < self.oldest_rv:
+            status = self._status(410, "Expired", f"too old resource version: {since} ({self.oldest_rv})")
+            if self.gone_as_http:
+                return web.json_response(status, status=410)
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        if since < self.oldest_rv:
+            await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+            return response
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        next_bookmark = loop.time() + self.bookmark_interval_s
+        sent = since
+        injected = len(self._injected)
+        while loop.time() < deadline and self._runner is not None:
+            for rv, _kind, before, after in [h for h in self.history if h[0] > sent]:
+                event = self._filtered(before, after, node)
+                sent = rv
+                if event is None:
+                    continue
+                line = json.dumps(event).encode() + b"\n"
+                if self._break_next:
+                    self._break_next = False
+                    await response.write(line[: len(line) // 2])
+                    request.transport.close()
+                    return response
+                await response.write(line)
+            for raw in self._injected[injected:]:
+                await response.write(raw)
+            injected = len(self._injected)
+            if bookmarks and loop.time() >= next_bookmark:
+                # everything up to ``sent`` has been delivered (or filtered out): resume from there
+                mark = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}
+                await response.write(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
+                next_bookmark = loop.time() + self.bookmark_interval_s
+            wait = max(0.01, min(deadline, next_bookmark) - loop.time())
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), wait)
+        return response
+
+    @staticmethod
+    def _filtered(before: dict | None, after: dict | None, node: str) -> dict[str, Any] | None:
+        was = before is not None and before["spec"].get("nodeName") == node
+        now = after is not None and after["spec"].get("nodeName") == node
+        if now and not was:
+            return {"type": "ADDED", "object": after}
+        if now and was:
+            return {"type": "MODIFIED", "object": after}
+        if was:  # deleted, or no longer matching the selector: the watcher sees it go
+            gone = copy.deepcopy(after or before)
+            return {"type": "DELETED", "object": gone}
+        return None

@@ -1,0 +1,136 @@
+"""The agent follows engine pods on its node: simulated vLLM servers behind pods of a fake API server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from kvwatch.agent import Agent
+from kvwatch.config import (
+    Config,
+    DiscoveryConfig,
+    HostPort,
+    IntervalsConfig,
+    KubernetesDiscoveryConfig,
+    NvmlConfig,
+    ScrapeConfig,
+)
+from kvwatch.sim.node import SimNode, h200_node
+from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+
+
+def _config(api: FakeApiServer, token_file: str) -> Config:
+    kube = KubernetesDiscoveryConfig(enabled=True, api_url=api.url, token_file=token_file, ca_file=None,
+                                     watch_timeout_s=30.0, backoff_max_s=0.3)
+    return Config(listen=HostPort("127.0.0.1", 0), node="node-a", intervals=IntervalsConfig(engine_s=0.3),
+                  scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5), nvml=NvmlConfig(enabled=False),
+                  discovery=DiscoveryConfig(kubernetes=kube))
+
+
+async def _metrics(agent: Agent) -> str:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)).text
+
+
+async def _until(agent: Agent, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    body = ""
+    while time.monotonic() < deadline:
+        body = await _metrics(agent)
+        if all(p in body for p in present) and not any(a in body for a in absent):
+            return body
+        await asyncio.sleep(0.1)
+    lines = "\n".join(line for line in body.splitlines() if "llm/" in line or "discovery" in line)
+    raise AssertionError(f"not reached: present={present} absent={absent}\n{lines}")
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+UP_0 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0'
+UP_1 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-1"} 1.0'
+KV_0 = ('kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="0",'
+        'model_name="meta-llama/Llama-3.1-8B-Instruct",replica="llm/qwen-0"}')
+
+
+async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvwatch")
+    token = tmp_path / "token"
+    token.write_text("test-token")
+    node = SimNode(h200_node("llama-3.1-8b", gpus=2, speed=20))
+    await node.start()
+    api = FakeApiServer()
+    await api.start()
+    ports = [_port(u) for u in node.replica_urls]
+    qwen0 = await api.create(make_pod("qwen-0", containers=[vllm_container(ports[0])]))
+    qwen1 = await api.create(make_pod("qwen-1", containers=[vllm_container(ports[1])]))
+    bad = await api.create(make_pod("typo", annotations={"kvwatch.io/port": "80800"},
+                                    containers=[vllm_container(ports[1])]))
+    await api.create(make_pod("not-an-engine", containers=[{"name": "redis", "image": "redis:7"}]))
+    agent = Agent(_config(api, str(token)))
+    await agent.start()
+    try:
+        body = await _until(agent, "kvwatch_discovery_replicas 0.0", "kvwatch_discovery_stale 0.0")
+        assert "llm/qwen-0" not in body  # Pending: not a replica yet
+        for uid in (qwen0, qwen1, bad):
+            await api.run(uid, "127.0.0.1")
+        body = await _until(agent, "kvwatch_discovery_replicas 0.0")  # running but not Ready
+        for uid in (qwen0, qwen1, bad):
+            await api.set_ready(uid)
+        body = await _until(agent, UP_0, UP_1, KV_0, "kvwatch_discovery_replicas 2.0")
+        assert ('kvwatch_discovery_pod_annotation_errors{annotation="kvwatch.io/port",namespace="llm",'
+                'pod="typo"} 1.0') in body
+        assert "pod llm/typo: kvwatch.io/port: port 80800 out of range 1..65535; not scraped until fixed" \
+            in caplog.text
+        assert "not-an-engine" not in body
+
+        await api.restart_container(qwen0)  # not ready while it restarts: out, series and all
+        body = await _until(agent, UP_1, absent=('replica="llm/qwen-0"',))
+        await api.set_ready(qwen0)
+        await _until(agent, UP_0, KV_0)
+
+        await api.delete(qwen0)
+        await _until(agent, UP_1, "kvwatch_discovery_replicas 1.0", absent=('replica="llm/qwen-0"',))
+        await api.delete(qwen1)  # ... and comes back on another node: not this agent's any more
+        moved = make_pod("qwen-1", node="node-b", containers=[vllm_container(ports[1])])
+        uid = await api.create(moved)
+        await api.run(uid, "127.0.0.1")
+        await api.set_ready(uid)
+        fixed = {"kvwatch.io/port": str(ports[1])}
+        await api.update(bad, lambda p: p["metadata"]["annotations"].update(fixed))
+        body = await _until(agent, 'kvwatch_target_up{backend="vllm",replica="llm/typo"} 1.0',
+                            absent=('replica="llm/qwen-1"', "kvwatch_discovery_pod_annotation_errors{"))
+        assert "replica llm/qwen-0 gone" in caplog.text
+    finally:
+        await agent.stop()
+        await api.stop()
+        await node.stop()
+
+
+async def test_known_pods_stay_while_the_api_is_unreachable_and_the_agent_says_so(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("test-token")
+    node = SimNode(h200_node("llama-3.1-8b", gpus=1, speed=20))
+    await node.start()
+    api = FakeApiServer()
+    port = (await api.start()) and api.port
+    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(_port(node.replica_urls[0]))]))
+    await api.run(uid, "127.0.0.1")
+    await api.set_ready(uid)
+    agent = Agent(_config(api, str(token)))
+    await agent.start()
+    try:
+        await _until(agent, UP_0, "kvwatch_discovery_stale 0.0")
+        await api.stop()
+        body = await _until(agent, "kvwatch_discovery_stale 1.0", UP_0)  # still scraped
+        assert 'kvwatch_collector_success{collector="kubernetes"} 0.0' in body
+        await api.start(port)
+        await _until(agent, "kvwatch_discovery_stale 0.0", UP_0)
+    finally:
+        await agent.stop()
+        await api.stop()
+        await node.stop()

@@ -1,0 +1,105 @@
+"""Which pods are engines and where their metrics are (kvwatch.discovery.pods), on pod objects as the API
+returns them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvwatch.discovery.pods import is_ready, judge_pod
+from tests.discovery.fake_apiserver import _conditions, make_pod, vllm_container
+
+
+def _ready(pod: dict, ip: str = "10.1.2.3") -> dict:
+    pod = copy.deepcopy(pod)
+    pod["status"].update(phase="Running", podIP=ip, conditions=_conditions(True))
+    return pod
+
+
+def test_a_vllm_container_is_recognised_by_image_and_port_argument():
+    verdict = judge_pod(_ready(make_pod("qwen-0", containers=[vllm_container(8100)])))
+    assert verdict.engine is not None
+    assert verdict.engine.replica == "llm/qwen-0"
+    assert verdict.engine.metrics_url == "http://10.1.2.3:8100/metrics"
+    assert (verdict.engine.backend, verdict.engine.recognised_by) == ("vllm", "vllm")
+
+
+def test_llm_d_decode_pod_scrapes_vllm_behind_its_routing_sidecar():
+    # llm-d's modelservice: image ghcr.io/llm-d/llm-d, command vllm serve, --port 8200; sidecar on 8000
+    vllm = {"name": "vllm", "image": "ghcr.io/llm-d/llm-d:v0.2.0", "command": ["vllm", "serve"],
+            "args": ["Qwen/Qwen3-0.6B", "--port", "8200"]}
+    pod = make_pod("decode-1", labels={"llm-d.ai/inferenceServing": "true", "llm-d.ai/role": "decode"},
+                   containers=[vllm])
+    engine = judge_pod(_ready(pod)).engine
+    assert engine is not None and engine.metrics_url == "http://10.1.2.3:8200/metrics"
+    assert engine.recognised_by == "llm-d" and engine.backend == "vllm"
+
+
+def test_kserve_predictor_uses_kserves_prometheus_annotations():
+    container = {"name": "kserve-container", "image": "kserve/huggingfaceserver:v0.15.0",
+                 "args": ["--model_name=qwen", "--http_port=8080"]}
+    pod = make_pod("qwen-predictor-abc", labels={"serving.kserve.io/inferenceservice": "qwen"},
+                   annotations={"prometheus.kserve.io/port": "8080", "prometheus.kserve.io/path": "/metrics"},
+                   containers=[container])
+    engine = judge_pod(_ready(pod)).engine
+    assert engine is not None and engine.recognised_by == "kserve"
+    assert engine.metrics_url == "http://10.1.2.3:8080/metrics" and engine.backend == "auto"
+
+
+def test_kserve_pods_that_serve_no_llm_are_left_alone():
+    pod = make_pod("iris", labels={"serving.kserve.io/inferenceservice": "iris"},
+                   containers=[{"name": "kserve-container", "image": "kserve/sklearnserver:v0.15.0"}])
+    verdict = judge_pod(_ready(pod))
+    assert verdict.engine is None and not verdict.problems
+
+
+def test_annotations_select_any_pod_and_a_named_port_resolves():
+    pod = make_pod("tgi", annotations={"kvwatch.io/scrape": "true", "kvwatch.io/port": "prom",
+                                       "kvwatch.io/backend": "tgi", "kvwatch.io/model": "llama"},
+                   containers=[{"name": "tgi", "image": "ghcr.io/huggingface/text-generation-inference",
+                                "ports": [{"name": "prom", "containerPort": 9000}]}])
+    engine = judge_pod(_ready(pod, "fd00::5")).engine
+    assert engine is not None and engine.metrics_url == "http://[fd00::5]:9000/metrics"
+    assert (engine.backend, engine.model_name) == ("tgi", "llama")
+
+
+def test_scrape_false_excludes_a_recognised_engine():
+    pod = make_pod("off", annotations={"kvwatch.io/scrape": "false"}, containers=[vllm_container()])
+    assert judge_pod(_ready(pod)).engine is None
+
+
+@pytest.mark.parametrize(("annotations", "key", "fragment"), [
+    ({"kvwatch.io/port": "99999"}, "kvwatch.io/port", "out of range"),
+    ({"kvwatch.io/port": "no_such"}, "kvwatch.io/port", "port number or a container port name"),
+    ({"kvwatch.io/port": "nope"}, "kvwatch.io/port", "no container port named 'nope'"),
+    ({"kvwatch.io/backend": "tensorflow"}, "kvwatch.io/backend", "unknown backend"),
+    ({"kvwatch.io/scrape": "maybe"}, "kvwatch.io/scrape", "expected true or false"),
+    ({"kvwatch.io/path": "metrics"}, "kvwatch.io/path", "absolute URL path"),
+])
+def test_a_malformed_annotation_is_named_with_the_reason(annotations, key, fragment):
+    pod = make_pod("bad", annotations=annotations, containers=[vllm_container()])
+    verdict = judge_pod(_ready(pod))
+    assert verdict.engine is None
+    assert [k for k, _ in verdict.problems] == [key]
+    assert fragment in verdict.problems[0][1]
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["status"].update(phase="Pending"),
+    lambda p: p["status"].update(conditions=_conditions(False)),
+    lambda p: p["status"].pop("podIP"),
+    lambda p: p["metadata"].update(deletionTimestamp="2026-12-01T18:30:00Z"),
+    lambda p: p["status"].update(phase="Succeeded"),
+])
+def test_only_running_ready_pods_with_an_ip_that_are_not_terminating_are_replicas(change):
+    pod = _ready(make_pod("x", containers=[vllm_container()]))
+    assert is_ready(pod)
+    change(pod)
+    assert not is_ready(pod)
+    assert judge_pod(pod).engine is None and not judge_pod(pod).problems
+
+
+def test_a_pod_object_of_the_wrong_shape_is_a_problem_not_a_crash():
+    verdict = judge_pod({"metadata": {"name": "x"}, "spec": {"containers": "not-a-list"}, "status": 5})
+    assert verdict.engine is None
