@@ -22,6 +22,7 @@ COMMANDS = (
     "manifests",
     "docs",
     "report",
+    "plan",
     "top",
 )
 

@@ -41,6 +41,9 @@ from typing import Any
 from kvwatch.sim.memory import DEFAULT_RUNTIME_RESERVE_BYTES, ReplicaMemory, plan_replica
 from kvwatch.sim.models import GpuSpec, ModelSpec, gpu_preset
 from kvwatch.sim.stats import EngineStats
+from kvwatch.sim.steptime import StepCost
+
+ADMISSION_POLICIES = ("none", "reserve_max_tokens", "quantile_budget")
 
 # request states
 WAITING, PREFILL, DECODE, FINISHED, ABORTED = range(5)
@@ -75,6 +78,14 @@ class EngineConfig:
     compute_efficiency: float = 0.5  # achieved / peak dense FLOPS (MFU)
     pcie_efficiency: float = 0.8
     step_overhead_s: float = 0.0015  # scheduler, sampling, launch: per step
+    step_cost: StepCost | None = None  # a fitted step-time model replacing the roofline (kvwatch plan)
+    # admission control in front of the scheduler (kvwatch plan's policies; vLLM has none):
+    # reserve_max_tokens admits while prompt + max_tokens of the admitted fit the pool;
+    # quantile_budget reserves prompt + min(max_tokens, admission_output_budget) and keeps
+    # admission_headroom of the pool as shared emergency room for requests that outgrow it
+    admission: str = "none"
+    admission_output_budget: int = 0
+    admission_headroom: float = 0.0
 
     def memory(self) -> ReplicaMemory:
         return plan_replica(
@@ -117,6 +128,12 @@ class EngineConfig:
                 f">= max_model_len ({self.context_len})"
             )
         capacity = self.num_gpu_blocks * self.block_size
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission {self.admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
+        if self.admission == "quantile_budget" and self.admission_output_budget < 1:
+            raise ValueError("admission quantile_budget needs admission_output_budget >= 1 token")
+        if not 0 <= self.admission_headroom < 1:
+            raise ValueError(f"admission_headroom must be within [0, 1), got {self.admission_headroom}")
         if capacity < self.context_len + 1:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens but max_model_len is {self.context_len}: one "
@@ -210,6 +227,7 @@ class _Req:
         "prefix_id",
         "prompt",
         "recomputed",
+        "reserved",
         "rid",
         "state",
         "stop_reason",
@@ -240,6 +258,7 @@ class _Req:
         self.finish_reason = None
         self.preemptions = 0
         self.recomputed = 0
+        self.reserved = 0  # tokens promised by admission control while admitted
         self.cached = 0
         self.token_times = None
 
@@ -285,6 +304,11 @@ class SimEngine:
         )
         self._t_per_xfer_byte = 1.0 / (tp * gpu.pcie_bandwidth * config.pcie_efficiency)
         self._overhead = config.step_overhead_s
+        self._cost = config.step_cost
+        self._admission = config.admission
+        self._output_budget = config.admission_output_budget
+        self._reserve_limit = self._cap * self._B * (1.0 - config.admission_headroom)
+        self._reserved = 0
 
         self._s = 0  # index of the next step
         self._grown = 0  # 1 once this step's decode growth is allocated
@@ -380,12 +404,14 @@ class SimEngine:
             self._host_used -= _ceil_div(r.host_tokens, self._B)
             r.host_tokens = 0
         elif r.state == PREFILL:
+            self._unreserve(r)
             self._free(r.own_blocks)
             self._release_prefix(r)
             self._prefill_kv -= r.computed
             del self._prefilling[request_id]
             del self._running[request_id]
         else:  # DECODE, between steps
+            self._unreserve(r)
             r.generated = self._leave_decode(r, self._s)
             self._free(self._own(r.base + self._s, r.prefix_blocks))
             self._release_prefix(r)
@@ -539,7 +565,10 @@ class SimEngine:
         live = self._dec_base_sum + n_dec * si + self._prefill_kv
         t_mem = self._t_weights + live * self._t_per_kv_token
         t_cmp = (prefill_tokens + n_dec) * self._t_per_token_flops
-        d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + xfer_bytes * self._t_per_xfer_byte
+        if self._cost is None:
+            d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + xfer_bytes * self._t_per_xfer_byte
+        else:
+            d = self._cost.seconds(prefill_tokens, n_dec, live) + xfer_bytes * self._t_per_xfer_byte
         t = self.now + d
         self.now = t
         self._s = si + 1
@@ -657,6 +686,13 @@ class SimEngine:
             cost = chunk
         if blocks_after + self._prefix_cost(r) > self._cap - self._used:
             return -1
+        if self._admission != "none":
+            want = r.prompt + (r.max_tokens if self._admission == "reserve_max_tokens"
+                               else min(r.max_tokens, self._output_budget))
+            if self._reserved and self._reserved + want > self._reserve_limit:
+                return -1
+            r.reserved = want
+            self._reserved += want
 
         first = r.t_scheduled is None
         if pb:
@@ -754,7 +790,12 @@ class SimEngine:
         r.generated = self._leave_decode(r, si + 1)
         self._end(r, self._own(r.base + si + 1, r.prefix_blocks), t)
 
+    def _unreserve(self, r: _Req) -> None:
+        self._reserved -= r.reserved
+        r.reserved = 0
+
     def _end(self, r: _Req, own_blocks: int, t: float) -> None:
+        self._unreserve(r)
         self._free(own_blocks)
         self._release_prefix(r)
         del self._running[r.rid]
@@ -772,6 +813,7 @@ class SimEngine:
     def _preempt_tail(self, si: int) -> float:
         """Preempt the most recently admitted running request; return offload bytes stored."""
         _, v = self._running.popitem()
+        self._unreserve(v)
         bs = self._B
         if v.state == DECODE:
             v.generated = self._leave_decode(v, si)

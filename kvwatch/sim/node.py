@@ -23,7 +23,7 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.sim.engine import EngineConfig, SimEngine
@@ -110,18 +110,33 @@ def run_headless(
     router: RouterSpec | Router | None = None,
     *,
     until: float | None = None,
+    sample_every: float = 1.0,
+    on_sample: Callable[[float], None] | None = None,
 ) -> HeadlessReport:
     """Feed ``requests`` (arrival order) into ``engines`` through ``router`` in simulated time.
 
     Without ``until`` the engines then drain until every request ended; with it, the run stops at
     that simulated time (requests still in the system stay there). Patience deadlines abort a request
     with no first token by ``arrival + first_token_patience``, or still running at
-    ``arrival + total_patience``."""
+    ``arrival + total_patience``.
+
+    ``on_sample(t)``, if given, is called every ``sample_every`` simulated seconds with every engine
+    advanced to ``t`` (time-weighted KV and queue statistics), through the drain too."""
     if not isinstance(router, Router):
         router = Router(router or RouterSpec(), len(engines))
     report = HeadlessReport()
     deadlines: list[tuple[float, int, int, str, bool]] = []  # (time, seq, engine, rid, first_token_only)
     seq = 0
+    next_sample = sample_every
+
+    def sample_until(limit: float) -> None:
+        nonlocal next_sample
+        while on_sample is not None and next_sample <= limit:
+            fire(next_sample)
+            for e in engines:
+                e.advance_to(next_sample)
+            on_sample(next_sample)
+            next_sample += sample_every
 
     def fire(limit: float) -> None:
         while deadlines and deadlines[0][0] <= limit:
@@ -139,6 +154,7 @@ def run_headless(
         t = wr.arrival
         if until is not None and t > until:
             break
+        sample_until(t)
         fire(t)
         for e in engines:
             e.advance_to(t)
@@ -164,7 +180,11 @@ def run_headless(
             heapq.heappush(deadlines, (t + wr.total_patience, seq, i, wr.request_id, False))
             seq += 1
 
-    if until is None:
+    if until is None and on_sample is not None:
+        while any(e.has_work() for e in engines):
+            sample_until(next_sample)
+        end = max(e.now for e in engines)
+    elif until is None:
         while deadlines:
             if not any(e.has_work() for e in engines):
                 break
@@ -173,6 +193,7 @@ def run_headless(
             e.run_until_idle()
         end = max(e.now for e in engines)
     else:
+        sample_until(until)
         fire(until)
         for e in engines:
             e.advance_to(until)

@@ -1,0 +1,270 @@
+"""``kvwatch plan calibrate | replay | compare | export``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+HELP = "capacity planning: calibrate the simulator on a node, replay its ledger on candidate configs"
+DESCRIPTION = """\
+Plan capacity from the node's own traffic (docs/planning.md):
+
+  kvwatch plan calibrate --step-samples steps.jsonl -o calibration.yaml
+  kvwatch plan calibrate --prometheus http://127.0.0.1:9090 --since 1h -o calibration.yaml
+  kvwatch plan calibrate --load http://127.0.0.1:8000 --max-num-seqs 8 -o calibration.yaml
+  kvwatch plan replay LEDGER_OR_TRACE [--calibration calibration.yaml] [--candidate c.yaml] [--html out.html]
+  kvwatch plan compare LEDGER --slo alerts/slo.yaml --gpus 8 [--html out.html]
+  kvwatch plan export LEDGER -o trace.jsonl   (Mooncake JSONL: timestamp, input_length, output_length)
+
+`kvwatch plan replay TRACE` with neither --calibration nor --candidate replays on the demo's
+default node (8x H200, Qwen3-32B as 8 data-parallel replicas), uncalibrated, and says so.
+
+Exit status 0 on success, 1 when an input cannot be used (the message names the file, line or key)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
+    cal = sub.add_parser(
+        "calibrate",
+        help="fit the simulator's step-time model on an engine",
+        description="Fit step = overhead + prefill tokens x a + decode sequences x b + "
+        "KV tokens x c; write a calibration YAML with the fit's quality.",
+    )
+    src = cal.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--step-samples",
+        metavar="FILE",
+        help="JSON lines of the vLLM plugin's step samples (context_tokens, generation_tokens, "
+        "num_context_reqs, num_generation_reqs, elapsed_ms)",
+    )
+    src.add_argument("--prometheus", metavar="URL", help="read vLLM's histograms from this Prometheus")
+    src.add_argument(
+        "--load", metavar="ENGINE_URL", help="drive a short calibration load against this engine"
+    )
+    cal.add_argument(
+        "--engine-url",
+        metavar="URL",
+        help="the engine whose shape (KV blocks, block size, max_model_len) to record "
+        "(default: the --load URL)",
+    )
+    cal.add_argument(
+        "--since", default="1h", metavar="DURATION", help="--prometheus: how far back to read (default 1h)"
+    )
+    cal.add_argument(
+        "--until", metavar="UNIX", type=float, help="--prometheus: end of the range (default now)"
+    )
+    cal.add_argument(
+        "--window",
+        default="30s",
+        metavar="DURATION",
+        help="--prometheus: rate window of each observation (default 30s)",
+    )
+    cal.add_argument(
+        "--selector",
+        default="",
+        metavar="LABELS",
+        help='--prometheus: label matchers, e.g. instance="node1:8000"',
+    )
+    cal.add_argument("--max-num-seqs", type=int, metavar="N", help="the engine's --max-num-seqs (recorded)")
+    cal.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="the engine's --max-num-batched-tokens (recorded)",
+    )
+    cal.add_argument("-o", "--output", required=True, metavar="FILE", help="calibration YAML to write")
+    cal.set_defaults(_plan=_calibrate)
+
+    rep = sub.add_parser("replay", help="replay a ledger or trace on a twin, next to the recorded figures")
+    rep.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
+    _twin_arguments(rep)
+    rep.add_argument("--html", metavar="OUT", help="write the replay as HTML")
+    rep.set_defaults(_plan=_replay)
+
+    cmp_ = sub.add_parser("compare", help="sweep candidate configurations against per-band SLOs")
+    cmp_.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
+    cmp_.add_argument("--slo", required=True, metavar="FILE", help="SLO file (alerts/slo.yaml format)")
+    cmp_.add_argument(
+        "--gpus", required=True, type=int, metavar="N", help="the most GPUs a candidate may use"
+    )
+    cmp_.add_argument("--model", default=None, metavar="PRESET", help="model preset (default: the demo's)")
+    cmp_.add_argument(
+        "--grid",
+        default="standard",
+        choices=("standard", "small"),
+        help="candidate grid (small: TP x DP x GPU type only)",
+    )
+    cmp_.add_argument(
+        "--jobs", type=int, default=None, metavar="N", help="parallel processes (default: CPUs)"
+    )
+    cmp_.add_argument("--top", type=int, default=5, metavar="N", help="candidates to print")
+    cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
+    cmp_.add_argument("--html", metavar="OUT", help="write the comparison as HTML (attainment vs GPUs)")
+    cmp_.set_defaults(_plan=_compare)
+
+    exp = sub.add_parser("export", help="write a ledger as a Mooncake-style JSONL trace (no text)")
+    exp.add_argument("inputs", nargs="+", metavar="LEDGER")
+    exp.add_argument("-o", "--output", required=True, metavar="FILE")
+    exp.set_defaults(_plan=_export)
+
+
+def _twin_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="calibration YAML; alone, the twin is the engine it was measured on",
+    )
+    p.add_argument("--candidate", metavar="FILE", help="candidate YAML (keys: docs/planning.md)")
+    p.add_argument("--bands", metavar="EDGES", help="band edges (default: the ledger's, else 1k,5k,10k,20k)")
+    p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    p.add_argument(
+        "--sample-every",
+        type=float,
+        metavar="SECONDS",
+        help="KV sampling interval in simulated seconds (default: span / 2000, 0.25-60 s)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    handler = getattr(args, "_plan", None)
+    if handler is None:
+        print(
+            "kvwatch plan: name a subcommand: calibrate, replay, compare, export (see --help)",
+            file=sys.stderr,
+        )
+        return 2
+    from kvwatch.plan.errors import PLAN_ERRORS
+
+    try:
+        return handler(args)
+    except PLAN_ERRORS as exc:
+        print(f"kvwatch plan {args.plan_command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from kvwatch.plan import sources
+    from kvwatch.plan.calibration import Calibration, EngineShape
+    from kvwatch.plan.fit import fit_step_cost
+
+    shape = EngineShape(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine_url = args.engine_url or args.load
+    if engine_url:
+        shape = sources.engine_shape(
+            engine_url.rstrip("/"),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    notes: list[str] = []
+    if args.step_samples:
+        obs = sources.observations_from_step_samples(sources.read_step_samples(args.step_samples))
+        source, window = "step_samples", f"file {args.step_samples}"
+        notes.append("step samples carry no KV token counts: per_kv_token_s is not fitted")
+    elif args.prometheus:
+        from kvwatch.plan.prometheus import observations_from_prometheus
+
+        obs, window, shape = observations_from_prometheus(
+            args.prometheus.rstrip("/"),
+            since=args.since,
+            until=args.until,
+            window=args.window,
+            selector=args.selector,
+            shape=shape,
+        )
+        source = "prometheus"
+        notes.append(
+            "each observation is one rate window's mean step (inter-token latency) against its "
+            "mean running requests, tokens per iteration and KV usage"
+        )
+    else:
+        assert shape.model_name is not None
+        obs = sources.calibration_load(args.load.rstrip("/"), shape.model_name)
+        source, window = "load", f"calibration load against {args.load} at {_now()}"
+        notes.append("prefill observations are a lone request's TTFT (frontend latency included)")
+    fit = fit_step_cost(obs)
+    cal = Calibration(source, fit, shape, _now(), window, tuple(notes))
+    cal.dump(args.output)
+    from kvwatch.plan.calibration import describe
+
+    print("\n".join(describe(cal)))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _bands(args: argparse.Namespace, recorded):
+    from kvwatch.report.summary import parse_band_edges
+
+    if args.bands:
+        return parse_band_edges(args.bands)
+    return recorded.bands if recorded is not None else None
+
+
+def _recorded(paths: list[str], kind: str):
+    from kvwatch.report import build_report
+
+    return build_report(paths, trace_format=kind)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvwatch.model import DEFAULT_BANDS
+    from kvwatch.plan.calibration import load_calibration
+    from kvwatch.plan.candidate import CALIBRATED, Candidate, load_candidate
+    from kvwatch.plan.inputs import read_workload
+    from kvwatch.plan.render import render_replay_html, render_replay_text
+    from kvwatch.plan.replay import replay
+
+    workload = read_workload(args.inputs, limit=args.limit)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    if args.candidate:
+        candidate = load_candidate(args.candidate)
+    elif calibration is not None:
+        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED)
+    else:
+        candidate = Candidate(name="demo default node")
+    recorded = _recorded(args.inputs, workload.kind)
+    bands = _bands(args, recorded) or DEFAULT_BANDS
+    result = replay(workload, candidate, calibration, bands=bands, sample_every=args.sample_every)
+    if not args.candidate and calibration is None:
+        result = _with_note(
+            result,
+            "no --calibration and no --candidate: the demo's default node "
+            "(8x H200, qwen3-32b DP=8), UNCALIBRATED datasheet roofline",
+        )
+    if args.html:
+        Path(args.html).write_text(
+            render_replay_html(result, workload, recorded, calibration), encoding="utf-8"
+        )
+    sys.stdout.write(render_replay_text(result, workload, recorded, calibration))
+    return 0
+
+
+def _with_note(result, note: str):
+    import dataclasses
+
+    return dataclasses.replace(result, notes=(note, *result.notes))
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from kvwatch.plan.compare import main_compare
+
+    return main_compare(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from kvwatch.plan.export import export_mooncake
+    from kvwatch.plan.inputs import read_workload
+
+    workload = read_workload(args.inputs)
+    count = export_mooncake(workload, args.output)
+    print(
+        f"wrote {count:,} requests to {args.output} (Mooncake JSONL: timestamp ms, input_length, "
+        "output_length)"
+    )
+    return 0

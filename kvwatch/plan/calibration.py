@@ -1,0 +1,182 @@
+"""The calibration file ``kvwatch plan calibrate`` writes and ``replay``/``compare`` read (YAML).
+
+It records the fitted step cost, how good the fit was (R², residuals, sample counts), where the
+data came from, and the engine it was measured on (KV blocks, block size, scheduler limits), so a
+twin of that engine can be built from the file alone. Reading it names the key that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvwatch.plan.fit import FitQuality, StepFit
+from kvwatch.sim.steptime import StepCost
+
+FORMAT_KEY = "kvwatch_calibration"
+FORMAT_VERSION = 1
+SOURCES = ("step_samples", "prometheus", "load")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The engine a calibration was measured on, as far as the source could tell."""
+
+    model_name: str | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    source: str  # step_samples | prometheus | load
+    fit: StepFit
+    engine: EngineShape = EngineShape()
+    created_at: str = ""
+    window: str = ""  # what was measured: a time range, a file, a load description
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cost(self) -> StepCost:
+        return self.fit.cost
+
+    def to_mapping(self) -> dict[str, Any]:
+        q = self.fit.quality
+        return {
+            FORMAT_KEY: FORMAT_VERSION,
+            "source": self.source,
+            "created_at": self.created_at,
+            "window": self.window,
+            "engine": {k: v for k, v in dataclasses.asdict(self.engine).items() if v is not None},
+            "step_cost": dataclasses.asdict(self.fit.cost),
+            "fit": {
+                "observations": q.observations,
+                "steps": q.steps,
+                "r2": q.r2,
+                "residual_p50": q.residual_p50,
+                "residual_p90": q.residual_p90,
+                "rmse_s": q.rmse_s,
+                "fitted_terms": list(q.fitted_terms),
+                "unfitted_terms": list(q.unfitted_terms),
+            },
+            "notes": list(self.notes),
+        }
+
+    def dump(self, path: str | Path) -> None:
+        header = (
+            "# kvwatch plan calibrate: fitted step-time model (docs/planning.md)\n"
+            "# step = overhead_s + prefill tokens x per_prefill_token_s + decode sequences x "
+            "per_decode_seq_s + KV tokens x per_kv_token_s\n"
+        )
+        Path(path).write_text(header + yaml.safe_dump(self.to_mapping(), sort_keys=False), encoding="utf-8")
+
+
+def _get(data: dict, key: str, where: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
+    if key not in data:
+        if required:
+            raise CalibrationError(f"{where}: missing key {key!r}")
+        return None
+    value = data[key]
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise CalibrationError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibration:
+    if not isinstance(data, dict) or data.get(FORMAT_KEY) != FORMAT_VERSION:
+        raise CalibrationError(
+            f"{source}: not a kvwatch calibration file (expected '{FORMAT_KEY}: "
+            f"{FORMAT_VERSION}' at the top; write one with kvwatch plan calibrate)"
+        )
+    origin = _get(data, "source", source, str)
+    if origin not in SOURCES:
+        raise CalibrationError(f"{source}.source: {origin!r} is not one of {', '.join(SOURCES)}")
+    costs = _get(data, "step_cost", source, dict)
+    try:
+        cost = StepCost(
+            **{
+                f.name: float(_get(costs, f.name, f"{source}.step_cost", (int, float)))
+                for f in dataclasses.fields(StepCost)
+            }
+        )
+    except ValueError as exc:
+        if isinstance(exc, CalibrationError):
+            raise
+        raise CalibrationError(f"{source}.step_cost: {exc}") from None
+    fit = _get(data, "fit", source, dict)
+    where = f"{source}.fit"
+    r2 = _get(fit, "r2", where, (int, float), required=False)
+    quality = FitQuality(
+        observations=int(_get(fit, "observations", where, int)),
+        steps=float(_get(fit, "steps", where, (int, float))),
+        r2=None if r2 is None else float(r2),
+        residual_p50=float(_get(fit, "residual_p50", where, (int, float))),
+        residual_p90=float(_get(fit, "residual_p90", where, (int, float))),
+        rmse_s=float(_get(fit, "rmse_s", where, (int, float))),
+        fitted_terms=tuple(_get(fit, "fitted_terms", where, list)),
+        unfitted_terms=tuple(_get(fit, "unfitted_terms", where, list, required=False) or ()),
+    )
+    engine_data = _get(data, "engine", source, dict, required=False) or {}
+    known = {f.name for f in dataclasses.fields(EngineShape)}
+    unknown = sorted(set(engine_data) - known)
+    if unknown:
+        raise CalibrationError(
+            f"{source}.engine: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    shape = {}
+    for key in known & set(engine_data):
+        kind = str if key == "model_name" else int
+        shape[key] = _get(engine_data, key, f"{source}.engine", kind, required=False)
+    notes = _get(data, "notes", source, list, required=False) or []
+    return Calibration(
+        origin,
+        StepFit(cost, quality),
+        EngineShape(**shape),
+        str(data.get("created_at") or ""),
+        str(data.get("window") or ""),
+        tuple(str(n) for n in notes),
+    )
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CalibrationError(f"cannot read calibration {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CalibrationError(f"{path}: not YAML: {exc}") from None
+    return calibration_from_mapping(data, str(path))
+
+
+def describe(cal: Calibration) -> list[str]:
+    """How far the calibration can be trusted, in lines for the text output."""
+    q = cal.fit.quality
+    r2 = "n/a" if q.r2 is None or math.isnan(q.r2) else f"{q.r2:.3f}"
+    c = cal.cost
+    lines = [
+        f"calibration: {cal.source} ({cal.window or 'window not recorded'}), {q.observations:,} observations "
+        f"standing for {q.steps:,.0f} engine steps",
+        f"  step = {c.overhead_s * 1e3:.3f} ms + {c.per_prefill_token_s * 1e6:.3f} us/prefill token + "
+        f"{c.per_decode_seq_s * 1e3:.4f} ms/decode seq + {c.per_kv_token_s * 1e9:.3f} ns/KV token",
+        f"  fit: R2 {r2}, |residual| p50 {q.residual_p50:.1%} p90 {q.residual_p90:.1%}, "
+        f"rmse {q.rmse_s * 1e3:.3f} ms",
+    ]
+    if q.unfitted_terms:
+        lines.append(f"  not determined by the data (set to 0): {', '.join(q.unfitted_terms)}")
+    return lines + [f"  note: {n}" for n in cal.notes]

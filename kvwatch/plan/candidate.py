@@ -1,0 +1,213 @@
+"""A candidate deployment to replay on: model, GPU type, TP x DP, KV dtype, scheduler knobs, CPU
+tier, admission policy, and which step-time model times it.
+
+``model: calibrated`` is the engine a calibration was measured on (its KV blocks, block size and
+limits, from the calibration file); any other model is a simulator preset (``sim/models.py``) on a
+GPU preset, timed by the datasheet roofline unless ``step_model: calibrated`` says the calibration
+was measured on that same model and GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvwatch.plan.calibration import Calibration
+from kvwatch.sim.engine import EngineConfig
+from kvwatch.sim.models import ModelSpec, gpu_preset, model_preset
+from kvwatch.sim.presets import DEMO_MODEL
+from kvwatch.sim.routing import POLICIES
+
+STEP_MODELS = ("roofline", "calibrated")
+ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
+CALIBRATED = "calibrated"
+
+
+class CandidateError(ValueError):
+    """A candidate that cannot be built or cannot run; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str = "default"
+    model: str = DEMO_MODEL
+    gpu: str = "h200"
+    tp: int = 1
+    dp: int = 8
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    cpu_offload_gb: float = 0.0  # per replica (vLLM --kv-offloading-size)
+    admission: str = "none"
+    admission_quantile: float = 0.9  # quantile_budget: output budget = this quantile of outputs
+    admission_headroom: float = 0.1  # quantile_budget: share of the pool kept for overruns
+    long_pool_share: float = 0.5  # long_pool: share of replicas serving long requests
+    long_threshold: int = 5000  # long_pool: max_tokens above this is a long request
+    router: str = "least_loaded"
+    step_model: str = "roofline"
+    num_gpu_blocks: int | None = None  # override the memory plan (vLLM --num-gpu-blocks-override)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
+
+    def label(self) -> str:
+        parts = [
+            f"{self.model}",
+            f"{self.dp}x{self.gpu}" if self.tp == 1 else f"{self.gpu} TP={self.tp} x DP={self.dp}",
+            f"kv {self.kv_cache_dtype}",
+            f"seqs {self.max_num_seqs}",
+            f"block {self.block_size}",
+        ]
+        if self.cpu_offload_gb:
+            parts.append(f"CPU tier {self.cpu_offload_gb:g} GB")
+        if self.admission != "none":
+            parts.append(f"admission {self.admission}")
+        return ", ".join(parts)
+
+    def validate(self) -> None:
+        checks = [
+            ("tp", self.tp >= 1),
+            ("dp", self.dp >= 1),
+            ("max_num_seqs", self.max_num_seqs >= 1),
+            ("block_size", self.block_size >= 1),
+            ("cpu_offload_gb", self.cpu_offload_gb >= 0),
+            ("admission_quantile", 0 < self.admission_quantile <= 1),
+            ("admission_headroom", 0 <= self.admission_headroom < 1),
+            ("long_pool_share", 0 < self.long_pool_share < 1),
+        ]
+        for key, ok in checks:
+            if not ok:
+                raise CandidateError(
+                    f"candidate {self.name!r}: {key} = {getattr(self, key)!r} is out of range"
+                )
+        for key, value, allowed in (
+            ("admission", self.admission, ADMISSIONS),
+            ("router", self.router, POLICIES),
+            ("step_model", self.step_model, STEP_MODELS),
+        ):
+            if value not in allowed:
+                raise CandidateError(
+                    f"candidate {self.name!r}: {key} {value!r} is not one of {', '.join(allowed)}"
+                )
+        if self.admission == "long_pool" and self.dp < 2:
+            raise CandidateError(
+                f"candidate {self.name!r}: admission long_pool needs dp >= 2 "
+                f"(a separate pool of replicas), got dp={self.dp}"
+            )
+
+
+def _calibrated_model(cal: Calibration | None) -> ModelSpec:
+    if cal is None or cal.engine.num_gpu_blocks is None or cal.engine.block_size is None:
+        raise CandidateError(
+            "model 'calibrated' needs a calibration that recorded the engine's "
+            "num_gpu_blocks and block_size (pass --calibration)"
+        )
+    # KV geometry is unknown: only block counts matter (num_gpu_blocks overrides the memory plan)
+    return ModelSpec(
+        key=CALIBRATED,
+        served_name=cal.engine.model_name or CALIBRATED,
+        layers=1,
+        kv_heads=1,
+        head_dim=1,
+        params=1.0,
+        active_params=1.0,
+        weight_bytes=1.0,
+        max_model_len=cal.engine.max_model_len or 2048,
+    )
+
+
+def engine_config(
+    c: Candidate, cal: Calibration | None = None, *, output_budget: int | None = None
+) -> EngineConfig:
+    """The simulator config of one replica; CandidateError when it cannot run (weights do not fit,
+    a request could never fit the cache, an unknown preset)."""
+    c.validate()
+    if c.step_model == CALIBRATED and cal is None:
+        raise CandidateError(f"candidate {c.name!r}: step_model calibrated needs --calibration")
+    try:
+        if c.model == CALIBRATED:
+            model = _calibrated_model(cal)
+            assert cal is not None
+            shape = cal.engine
+            fields: dict[str, Any] = {
+                "block_size": shape.block_size,
+                "num_gpu_blocks_override": shape.num_gpu_blocks,
+                "max_num_seqs": shape.max_num_seqs or c.max_num_seqs,
+                "max_num_batched_tokens": shape.max_num_batched_tokens
+                or max(c.max_num_batched_tokens, model.max_model_len),
+                "max_model_len": shape.max_model_len,
+            }
+        else:
+            model = model_preset(c.model)
+            fields = {
+                "block_size": c.block_size,
+                "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": max(c.max_num_batched_tokens, c.max_num_seqs),
+                "max_model_len": c.max_model_len,
+                "num_gpu_blocks_override": c.num_gpu_blocks,
+            }
+        config = EngineConfig(
+            model=model,
+            gpu=gpu_preset(c.gpu),
+            tp=c.tp,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            kv_cache_dtype=c.kv_cache_dtype,
+            enable_prefix_caching=c.enable_prefix_caching,
+            kv_offload_bytes=c.cpu_offload_gb * 1e9,
+            step_cost=cal.cost if CALIBRATED in (c.step_model, c.model) and cal else None,
+            admission=_engine_admission(c.admission),
+            admission_output_budget=output_budget or 0,
+            admission_headroom=c.admission_headroom if c.admission == "quantile_budget" else 0.0,
+            **fields,
+        )
+        config.validate()
+    except ValueError as exc:
+        if isinstance(exc, CandidateError):
+            raise
+        raise CandidateError(f"candidate {c.name!r} ({c.label()}) cannot run: {exc}") from None
+    return config
+
+
+def _engine_admission(admission: str) -> str:
+    return admission if admission in ("reserve_max_tokens", "quantile_budget") else "none"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Candidate)}
+
+
+def candidate_from_mapping(data: Any, source: str = "candidate") -> Candidate:
+    if not isinstance(data, dict):
+        raise CandidateError(f"{source}: expected a mapping of candidate keys ({', '.join(_FIELDS)})")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise CandidateError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(_FIELDS)})")
+    values = {}
+    for key, raw in data.items():
+        default = _FIELDS[key].default
+        kind = type(default) if default is not None else int
+        value = float(raw) if kind is float and isinstance(raw, int) and not isinstance(raw, bool) else raw
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)):
+            raise CandidateError(f"{source}.{key}: expected {kind.__name__}, got {value!r}")
+        values[key] = value
+    candidate = Candidate(**values)
+    candidate.validate()
+    return candidate
+
+
+def load_candidate(path: str | Path) -> Candidate:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CandidateError(f"cannot read candidate {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise CandidateError(f"{path}: not YAML: {exc}") from None
+    return candidate_from_mapping(data, str(path))

@@ -1,0 +1,231 @@
+"""Where calibration data comes from, in order of preference, each turned into step observations.
+
+1. **Step samples** from the vLLM stat-logger plugin: one record per engine step,
+   ``(context_tokens, generation_tokens, num_context_reqs, num_generation_reqs, elapsed_ms)``.
+   ``context_tokens`` are the prefill tokens the step computed, ``num_generation_reqs`` the decoding
+   sequences. Read from a JSON-lines file (one object with those keys, or a 5-element list, per line)
+   or passed in as tuples (``observations_from_step_samples``).
+2. **The engine's own histograms in Prometheus** (``prometheus.py``).
+3. **A calibration load** the command drives itself against the engine's OpenAI API
+   (``calibration_load``): prefill-only requests of several prompt sizes, then decode phases at
+   several concurrencies. TTFT of a lone request is one prefill step (plus the frontend's own
+   latency, which the overhead term absorbs); the median gap between a stream's chunks at
+   concurrency ``c`` is one decode step with ``c`` sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvwatch.plan.calibration import EngineShape
+from kvwatch.plan.fit import StepObservation
+
+STEP_SAMPLE_KEYS = (
+    "context_tokens",
+    "generation_tokens",
+    "num_context_reqs",
+    "num_generation_reqs",
+    "elapsed_ms",
+)
+
+
+class SourceError(ValueError):
+    """Calibration data that cannot be read; the message names the file, line or URL."""
+
+
+def observations_from_step_samples(samples: Iterable[Sequence[float]]) -> list[StepObservation]:
+    """The plugin's per-step records (module doc) as observations; KV tokens are not in them."""
+    out = []
+    for ctx_tokens, _gen_tokens, _n_ctx, n_gen, elapsed_ms in samples:
+        out.append(
+            StepObservation(
+                prefill_tokens=float(ctx_tokens), decode_seqs=float(n_gen), seconds=float(elapsed_ms) / 1000.0
+            )
+        )
+    return out
+
+
+def read_step_samples(path: str | Path) -> list[tuple[float, ...]]:
+    """A JSON-lines file of step samples; SourceError names the line and key that is wrong."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SourceError(f"cannot read step samples {path}: {exc.strerror or exc}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise SourceError(f"{where}: not JSON ({exc})") from None
+        if isinstance(obj, list):
+            if len(obj) != len(STEP_SAMPLE_KEYS):
+                raise SourceError(
+                    f"{where}: a list needs {len(STEP_SAMPLE_KEYS)} numbers ({', '.join(STEP_SAMPLE_KEYS)})"
+                )
+            obj = dict(zip(STEP_SAMPLE_KEYS, obj, strict=True))
+        if not isinstance(obj, dict):
+            raise SourceError(f"{where}: expected an object with {', '.join(STEP_SAMPLE_KEYS)}")
+        values = []
+        for key in STEP_SAMPLE_KEYS:
+            value = obj.get(key)
+            if value is None:
+                raise SourceError(f"{where}: missing {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise SourceError(f"{where}: {key!r} is {value!r}, expected a number >= 0")
+            values.append(float(value))
+        rows.append(tuple(values))
+    if not rows:
+        raise SourceError(f"{path}: no step samples")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine itself: its shape, and a calibration load
+# ---------------------------------------------------------------------------------------------
+
+
+def engine_shape(
+    base_url: str,
+    *,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    timeout_s: float = 10.0,
+) -> EngineShape:
+    """Block size and KV blocks from the engine's ``/metrics`` (vLLM ``cache_config_info``, read by
+    kvwatch's own adapter), served name and ``max_model_len`` from ``/v1/models``. The scheduler
+    limits are not exported by vLLM: they are what the caller says (its ``vllm serve`` flags)."""
+    from kvwatch.engines.registry import parse_exposition
+
+    try:
+        page = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+        models = httpx.get(f"{base_url}/v1/models", timeout=timeout_s)
+        page.raise_for_status()
+        models.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise SourceError(f"{base_url}: cannot read /metrics and /v1/models: {exc}") from None
+    sample = parse_exposition(page.text, "calibration").samples[0]
+    entry = models.json()["data"][0]
+    return EngineShape(
+        model_name=str(entry.get("id")),
+        block_size=sample.block_size,
+        num_gpu_blocks=sample.num_gpu_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=entry.get("max_model_len"),
+    )
+
+
+def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: chunk arrival times and the usage the engine reported."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    chunks: list[float] = []
+    usage: dict[str, Any] = {}
+    with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise SourceError(
+                f"{base_url}: calibration request refused ({response.status_code}): {response.read()[:300]!r}"
+            )
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("choices") and obj["choices"][0].get("text"):
+                chunks.append(time.perf_counter())
+            if obj.get("usage"):
+                usage = obj["usage"]
+    return {"sent": sent, "chunks": chunks, "usage": usage}
+
+
+def calibration_load(
+    base_url: str,
+    model: str,
+    *,
+    prompt_sizes: Sequence[int] = (16, 256, 768, 1536),
+    concurrencies: Sequence[int] = (1, 2, 4, 8),
+    decode_prompt: int = 64,
+    decode_tokens: int = 48,
+    repeats: int = 2,
+    timeout_s: float = 120.0,
+) -> list[StepObservation]:
+    """Drive the engine (module doc) and return one observation per phase measurement."""
+    obs: list[StepObservation] = []
+    with httpx.Client(timeout=timeout_s) as client:
+        for size in prompt_sizes:
+            for _ in range(repeats):
+                r = _stream(client, base_url, model, _filler(size), 2)
+                if not r["chunks"]:
+                    raise SourceError(f"{base_url}: a calibration request streamed no token")
+                prompt = float(r["usage"].get("prompt_tokens") or size)
+                obs.append(
+                    StepObservation(
+                        prefill_tokens=prompt,
+                        decode_seqs=0.0,
+                        kv_tokens=prompt,
+                        seconds=r["chunks"][0] - r["sent"],
+                    )
+                )
+        for c in concurrencies:
+            results: list[dict[str, Any]] = [{} for _ in range(c)]
+
+            def run(k: int, results: list[dict[str, Any]] = results) -> None:
+                with httpx.Client(timeout=timeout_s) as own:
+                    results[k] = _stream(own, base_url, model, _filler(decode_prompt), decode_tokens)
+
+            threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout_s)
+            gaps = _steady_gaps(results)
+            if not gaps:
+                continue
+            prompt = float(results[0].get("usage", {}).get("prompt_tokens") or decode_prompt)
+            obs.append(
+                StepObservation(
+                    prefill_tokens=0.0,
+                    decode_seqs=float(c),
+                    kv_tokens=c * (prompt + decode_tokens / 2),
+                    seconds=statistics.median(gaps),
+                    weight=float(len(gaps)),
+                )
+            )
+    return obs
+
+
+def _steady_gaps(results: list[dict[str, Any]]) -> list[float]:
+    """Chunk gaps while every stream was decoding (after the last first chunk, before the first end)."""
+    if not all(r.get("chunks") for r in results):
+        return []
+    start = max(r["chunks"][0] for r in results)
+    end = min(r["chunks"][-1] for r in results)
+    gaps = []
+    for r in results:
+        times = [t for t in r["chunks"] if start <= t <= end]
+        gaps += [b - a for a, b in itertools.pairwise(times)]
+    return gaps
+
+
+def _filler(tokens: int) -> str:
+    """About ``tokens`` tokens of filler (the engine's usage gives the exact count)."""
+    return " ".join(["hello"] * max(1, tokens - 1))
