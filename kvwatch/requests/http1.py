@@ -3,14 +3,26 @@
 Kept minimal and strict on purpose: a head that is not plainly valid is refused with a status the
 caller can send (400, 431, 505) rather than guessed at. Header names and values are kept as the
 peer sent them (bytes), so forwarded headers are byte-identical.
+
+Strict means RFC 9112's grammar, as nginx and Envoy apply it: a header name is a token; a value
+holds no control character but HTAB (no CR, LF or NUL: an engine whose parser splits on a bare LF,
+h11 for one, would otherwise read a header kvwatch never saw, and a smuggled request follows); the
+request target is visible ASCII; a chunk size is hex digits only. Each check is one precompiled
+regular expression over a bounded line, so a head costs linear time and no chunk costs more than
+one ``fullmatch`` of its size line (docs/security.md lists every limit).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from urllib.parse import unquote_to_bytes
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 128
+MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions
+MAX_CHUNK_SIZE_DIGITS = 16  # 16 hex digits: 2**64 - 1, more than any body
+MAX_CONTENT_LENGTH_DIGITS = 18
 CRLF = b"\r\n"
 HEAD_END = b"\r\n\r\n"
 
@@ -22,6 +34,21 @@ HOP_BY_HOP = frozenset({
 FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 Headers = list[tuple[bytes, bytes]]
+
+_TCHAR = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
+#: ``field-name ":" OWS field-value OWS``: a token, then anything but control characters (HTAB is
+#: whitespace); obs-text (0x80-0xFF) is allowed in values, as RFC 9110 §5.5 keeps it
+FIELD_LINE = re.compile(rb"([" + _TCHAR + rb"]+):([^\x00-\x08\x0a-\x1f\x7f]*)")
+TOKEN = re.compile(rb"[" + _TCHAR + rb"]+")
+#: origin-form, absolute-form, authority-form or "*": visible ASCII, nothing else (RFC 9112 §3.2)
+TARGET = re.compile(rb"[\x21-\x7e]+")
+REASON = re.compile(rb"[\t \x21-\x7e\x80-\xff]*")
+HEX = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_CHUNK_SIZE_DIGITS)
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+#: ``chunk-size *( BWS ";" BWS ext-name [ BWS "=" BWS ( token / quoted-string ) ] )`` (RFC 9112 §7.1.1)
+CHUNK_LINE = re.compile(
+    rb"([0-9A-Fa-f]{1,%d})(?:[ \t]*;[ \t]*[%b]+(?:[ \t]*=[ \t]*(?:[%b]+|%b))?)*[ \t]*"
+    % (MAX_CHUNK_SIZE_DIGITS, _TCHAR, _TCHAR, _QUOTED))
 
 
 class HttpError(Exception):
@@ -72,7 +99,10 @@ class RequestHead(_Head):
 
     @property
     def path(self) -> bytes:
-        return self.target.split(b"?", 1)[0]
+        """The path an ASGI server routes on: percent-decoded, without the query (uvicorn's h11 and
+        httptools back ends both ``unquote`` it before FastAPI matches routes)."""
+        path = self.target.split(b"?", 1)[0]
+        return unquote_to_bytes(path) if b"%" in path else path
 
 
 @dataclass(slots=True)
@@ -100,34 +130,72 @@ def _parse_headers(lines: list[bytes]) -> tuple[Headers, dict[bytes, list[bytes]
         raise HttpError(431, "too many header fields")
     headers: Headers = []
     index: dict[bytes, list[bytes]] = {}
+    match = FIELD_LINE.fullmatch
     for line in lines:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip() or b" " in name or b"\t" in name:
-            raise HttpError(400, "malformed header line")
-        value = value.strip(b" \t")
+        field_line = match(line)
+        if field_line is None:
+            raise HttpError(400, _field_problem(line))
+        name, value = field_line.group(1), field_line.group(2).strip(b" \t")
         headers.append((name, value))
         index.setdefault(name.lower(), []).append(value)
     return headers, index
+
+
+def _field_problem(line: bytes) -> str:
+    """Why a header line was refused, without echoing it (it may carry a credential)."""
+    name, sep, _ = line.partition(b":")
+    if not sep or not name:
+        return "malformed header line"
+    if TOKEN.fullmatch(name) is None:
+        return "header name is not a token"
+    return "control character (CR, LF, NUL, ...) in a header value"
 
 
 def parse_request_head(head: bytes) -> RequestHead:
     """``head`` is everything before the blank line (no trailing CRLF CRLF)."""
     lines = head.split(CRLF)
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
+    if len(parts) != 3 or TOKEN.fullmatch(parts[0]) is None:
         raise HttpError(400, "malformed request line")
     method, target, version = parts
+    if TARGET.fullmatch(target) is None:
+        raise HttpError(400, "request target holds a control or non-ASCII character")
+    target = origin_form(target, method)
     if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HttpError(505, "only HTTP/1.0 and HTTP/1.1 are proxied")
+        if version.startswith(b"HTTP/") and len(version) == 8:
+            raise HttpError(505, "only HTTP/1.0 and HTTP/1.1 are proxied")
+        raise HttpError(400, "malformed request line")
     headers, index = _parse_headers(lines[1:])
     return RequestHead(method.upper(), target, version, headers, index)
+
+
+_ABSOLUTE = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
+
+
+def origin_form(target: bytes, method: bytes) -> bytes:
+    """The target as it is sent to the engine: origin-form (RFC 9112 §3.2).
+
+    An absolute-form target (``http://host/v1/chat/completions``) becomes its path and query, as
+    nginx forwards it and as uvicorn's httptools back end routes it; the engine is told its own Host.
+    Anything but origin-form, absolute-form or ``OPTIONS *`` is refused.
+    """
+    if target[:1] == b"/" or (target == b"*" and method == b"OPTIONS"):
+        return target
+    authority = _ABSOLUTE.match(target)
+    if authority is None:
+        raise HttpError(400, "request target is not origin-form or absolute-form")
+    rest = target[authority.end():]
+    if rest[:1] == b"#":
+        rest = b""
+    return rest if rest[:1] == b"/" else b"/" + rest
 
 
 def parse_response_head(head: bytes) -> ResponseHead:
     lines = head.split(CRLF)
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
-    if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit() \
+            or REASON.fullmatch(reason) is None:
         raise HttpError(502, "upstream sent a malformed status line")
     try:
         headers, index = _parse_headers(lines[1:])
@@ -148,7 +216,7 @@ def _content_length(raw: list[bytes] | None) -> int | None:
     if len(values) > 1:
         raise HttpError(400, "conflicting Content-Length values")
     value = values.pop()
-    if not value.isdigit():
+    if not value.isdigit() or len(value) > MAX_CONTENT_LENGTH_DIGITS:
         raise HttpError(400, "malformed Content-Length")
     return int(value)
 
@@ -188,11 +256,15 @@ LAST_CHUNK = b"0\r\n\r\n"
 class ChunkedDecoder:
     """Incremental decoder of a chunked body: ``feed`` returns the payload bytes available so far.
 
-    Chunk extensions and trailers are read and dropped. ``done`` turns true after the last chunk;
-    bytes after it (a pipelined next message) are kept in ``rest``.
+    RFC 9112 §7.1: a chunk size is 1-16 hex digits (no sign, ``0x``, ``_`` or space: ``int(x, 16)``
+    takes all of those, and a negative size once moved the decoder backwards forever); extensions
+    are checked against the grammar and dropped; trailer fields are checked like header fields,
+    bounded like a head, and dropped. Every step consumes input, so a feed ends in time linear in
+    its bytes. ``done`` turns true after the last chunk; bytes after it (a pipelined next message)
+    are kept in ``rest``. Errors are ``HttpError(502)``: the client side answers them with 400.
     """
 
-    __slots__ = ("_buf", "_need", "_state", "done", "rest")
+    __slots__ = ("_buf", "_need", "_state", "_trailer_bytes", "_trailers", "done", "rest")
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
@@ -200,6 +272,8 @@ class ChunkedDecoder:
         self._buf = b""
         self._need = 0
         self._state = self._SIZE
+        self._trailer_bytes = 0
+        self._trailers = 0
         self.done = False
         self.rest = b""
 
@@ -209,11 +283,8 @@ class ChunkedDecoder:
             return b""
         if not self._buf and self._state == self._SIZE:  # fast path: exactly one whole chunk
             nl = data.find(CRLF, 0, 18)
-            if nl > 0:
-                try:
-                    size = int(data[:nl], 16)
-                except ValueError:
-                    size = 0  # extensions or garbage: the general path decides
+            if nl > 0 and HEX.fullmatch(data, 0, nl) is not None:
+                size = int(data[:nl], 16)
                 end = nl + 2 + size
                 if size > 0 and len(data) == end + 2 and data.endswith(CRLF):
                     return data[nl + 2:end]
@@ -234,30 +305,31 @@ class ChunkedDecoder:
                 if end - pos < 2:
                     break
                 if buf[pos:pos + 2] != CRLF:
-                    raise HttpError(502, "upstream chunk not followed by CRLF")
+                    raise HttpError(502, "chunk data not followed by CRLF")
                 pos += 2
                 state = self._SIZE
             elif state == self._SIZE:
-                nl = buf.find(CRLF, pos)
+                nl = buf.find(CRLF, pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
-                    if end - pos > 1024:
-                        raise HttpError(502, "upstream chunk size line too long")
+                    if end - pos > MAX_CHUNK_LINE:
+                        raise HttpError(502, "chunk size line too long")
                     break
-                size_text = buf[pos:nl].split(b";", 1)[0].strip()
-                try:
-                    need = int(size_text, 16)
-                except ValueError:
-                    raise HttpError(502, "upstream sent a malformed chunk size") from None
+                line = CHUNK_LINE.fullmatch(buf, pos, nl)
+                if line is None:
+                    raise HttpError(502, "malformed chunk size (1-16 hex digits, RFC 9112 §7.1)")
+                need = int(line.group(1), 16)
                 pos = nl + 2
                 state = self._DATA if need else self._TRAILER
-            else:  # trailer section: lines until an empty one
-                nl = buf.find(CRLF, pos)
+            else:  # trailer section: field lines until an empty one
+                nl = buf.find(CRLF, pos, pos + MAX_HEAD_BYTES + 2)
                 if nl < 0:
                     if end - pos > MAX_HEAD_BYTES:
-                        raise HttpError(502, "upstream trailer section too long")
+                        raise HttpError(502, "trailer section too long")
                     break
                 if nl == pos:
                     self.done = True
+                else:
+                    self._trailer_line(buf, pos, nl)
                 pos = nl + 2
         self._state, self._need = state, need
         if self.done:
@@ -267,3 +339,11 @@ class ChunkedDecoder:
         if len(out) == 1:
             return out[0]
         return b"".join(out)
+
+    def _trailer_line(self, buf: bytes, pos: int, nl: int) -> None:
+        self._trailer_bytes += nl - pos + 2
+        self._trailers += 1
+        if self._trailer_bytes > MAX_HEAD_BYTES or self._trailers > MAX_HEADERS:
+            raise HttpError(502, "trailer section too long")
+        if FIELD_LINE.fullmatch(buf, pos, nl) is None:
+            raise HttpError(502, "malformed trailer field")

@@ -344,9 +344,9 @@ class _ClientConnection(asyncio.Protocol):
     def _parse(self) -> None:
         config = self.proxy.config
         if self.head is None:
-            end = self.buf.find(HEAD_END)
-            if end < 0:
-                if len(self.buf) > MAX_HEAD_BYTES:
+            end = self.buf.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
+            if end < 0:  # the limit holds however the head arrives, in one read or many
+                if len(self.buf) >= MAX_HEAD_BYTES + len(HEAD_END):
                     self._refuse(431, "request head larger than 64 KiB")
                 return
             try:
@@ -489,6 +489,7 @@ class _Exchange:
         self.finished = False
         self.status: int | None = None
         self.head_sent = False
+        self.wrote = False  # some bytes of the response were written to the client
         self.keep_alive = head.keep_alive
         self.down_chunked = False
         self.sse = False
@@ -624,7 +625,8 @@ class _Exchange:
         headers.append((b"host", up.host_header))
         if body or self.head.method in (b"POST", b"PUT", b"PATCH"):
             headers.append((b"content-length", b"%d" % len(body)))
-        line = self.head.method + b" " + up.base_path + self.head.target + b" HTTP/1.1"
+        target = self.head.target if self.head.target == b"*" else up.base_path + self.head.target
+        line = self.head.method + b" " + target + b" HTTP/1.1"
         return render_head(line, headers) + body
 
     # -- upstream idle timeout (checked once per interval, not reset per chunk) --------------------
@@ -653,6 +655,7 @@ class _Exchange:
         if self.out:
             out, self.out = self.out, b""
             if not self.conn.closed:
+                self.wrote = True
                 self.down.write(out)  # type: ignore[union-attr]
 
     # -- callbacks from the upstream connection ---------------------------------------------------
@@ -825,6 +828,8 @@ class _Exchange:
     def _upstream_failed(self, status: int, reason: str) -> None:
         if self.finished:
             return
+        if self.head_sent and not self.wrote:  # nothing reached the client yet: it can get a 502
+            self.out, self.head_sent, self.down_chunked = b"", False, False
         if self.head_sent:
             log.warning("proxy %s: %s; cutting the client's stream", self.proxy.replica, reason)
             if self.held:
@@ -1008,9 +1013,9 @@ class _UpstreamConnection(asyncio.Protocol):
         assert ex is not None
         buf = self.buf + data
         while True:
-            end = buf.find(HEAD_END)
+            end = buf.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
             if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
+                if len(buf) >= MAX_HEAD_BYTES + len(HEAD_END):
                     self._broken("the engine's response head is larger than 64 KiB")
                 else:
                     self.buf = buf

@@ -92,3 +92,98 @@ def test_chunked_decoder_extensions_and_one_call_per_chunk() -> None:
 def test_chunked_decoder_refuses_garbage(bad: bytes) -> None:
     with pytest.raises(HttpError):
         ChunkedDecoder().feed(bad)
+
+
+# -- RFC 9112 grammar (issue #11: what an engine's parser could read differently is refused) -------
+
+
+@pytest.mark.parametrize("line", [
+    b"X-A: a\nTransfer-Encoding: chunked", b"X-A: a\rb", b"X-A: a\x00b", b"X-A: \x7f", b"X(A): b",
+    b"X@A: b", b"X\x00A: b", b": empty name", b"X-A\t: b",
+])
+def test_header_lines_with_control_characters_or_non_token_names_are_refused(line: bytes) -> None:
+    with pytest.raises(HttpError) as err:
+        http1.parse_request_head(b"GET / HTTP/1.1\r\n" + line)
+    assert err.value.status == 400
+    with pytest.raises(HttpError) as err:
+        http1.parse_response_head(b"HTTP/1.1 200 OK\r\n" + line)
+    assert err.value.status == 502
+
+
+def test_values_keep_htab_and_obs_text_as_rfc_9110_allows() -> None:
+    head = http1.parse_request_head(b"GET / HTTP/1.1\r\nX-A:\ta\tb\xe9 \r\nX~!#$%&'*+.^_`|: 1")
+    assert head.headers == [(b"X-A", b"a\tb\xe9"), (b"X~!#$%&'*+.^_`|", b"1")]
+
+
+@pytest.mark.parametrize("target", [b"/a\x01", b"/a\x7f", b"/\xc3\xa9", b"a/b", b"ftp://h/x", b"*"])
+def test_targets_outside_visible_ascii_or_origin_and_absolute_form_are_refused(target: bytes) -> None:
+    with pytest.raises(HttpError) as err:
+        http1.parse_request_head(b"GET " + target + b" HTTP/1.1")
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize(("target", "forwarded", "path"), [
+    (b"/v1/chat/completions?x=1", b"/v1/chat/completions?x=1", b"/v1/chat/completions"),
+    (b"http://h:8000/v1/completions", b"/v1/completions", b"/v1/completions"),
+    (b"HTTPS://h?x=1", b"/?x=1", b"/"),
+    (b"http://h", b"/", b"/"),
+    (b"/v1/chat%2Fcompletions", b"/v1/chat%2Fcompletions", b"/v1/chat/completions"),
+])
+def test_targets_become_origin_form_and_paths_are_routed_as_uvicorn_does(
+        target: bytes, forwarded: bytes, path: bytes) -> None:
+    head = http1.parse_request_head(b"POST " + target + b" HTTP/1.1")
+    assert (head.target, head.path) == (forwarded, path)
+    assert http1.parse_request_head(b"OPTIONS * HTTP/1.1").target == b"*"
+
+
+def test_status_lines_are_checked() -> None:
+    for bad in (b"HTTP/1.1 200 O\x00K", b"HTTP/1.2 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 20x OK"):
+        with pytest.raises(HttpError):
+            http1.parse_response_head(bad)
+    assert http1.parse_response_head(b"HTTP/1.0 200").status == 200
+
+
+def test_content_length_is_bounded() -> None:
+    with pytest.raises(HttpError):
+        http1.content_length([(b"Content-Length", b"9" * 5000)])  # int() would raise ValueError
+
+
+@pytest.mark.parametrize("size", [b"-6", b"-1", b"0x5", b"+5", b"1_0", b" 5", b"5\x00", b"1" * 17, b"", b"g"])
+def test_chunk_sizes_are_hex_digits_only(size: bytes) -> None:
+    with pytest.raises(HttpError):
+        ChunkedDecoder().feed(b"1\r\nA\r\n" + size + b"\r\nXXXXXXXXXXXXXXXXXXXX\r\n0\r\n\r\n")
+
+
+def test_negative_chunk_size_in_one_read_ends() -> None:
+    """The input that wedged the agent: it must raise, not loop."""
+    with pytest.raises(HttpError):
+        ChunkedDecoder().feed(b"1\r\nA\r\n-6\r\nX")
+
+
+@pytest.mark.parametrize("line", [
+    b"5;name", b"5;name=value", b'5;name="quoted \\" value"', b"5 ; a = b ; c", b"005", b"5 ",
+])
+def test_chunk_extensions_of_rfc_9112_are_accepted(line: bytes) -> None:
+    decoder = ChunkedDecoder()
+    assert decoder.feed(line + b"\r\nhello\r\n0\r\n\r\n") == b"hello" and decoder.done
+
+
+@pytest.mark.parametrize("line", [b"5;", b"5;a=\x01", b'5;a="open', b"5;a b", b"5;\nX"])
+def test_malformed_chunk_extensions_are_refused(line: bytes) -> None:
+    with pytest.raises(HttpError):
+        ChunkedDecoder().feed(line + b"\r\nhello\r\n0\r\n\r\n")
+
+
+def test_trailers_are_checked_and_bounded() -> None:
+    too_many = b"0\r\n" + b"X: y\r\n" * 200 + b"\r\n"
+    for bad in (b"0\r\nBad Name: x\r\n\r\n", b"0\r\nX: a\x00\r\n\r\n", too_many):
+        with pytest.raises(HttpError):
+            ChunkedDecoder().feed(bad)
+    decoder = ChunkedDecoder()
+    for _ in range(100):  # trailer bytes are counted across reads, not per read
+        try:
+            decoder.feed(b"0\r\n" if decoder._state == decoder._SIZE else b"X-Pad: " + b"a" * 1000 + b"\r\n")
+        except HttpError:
+            break
+    else:
+        raise AssertionError("an endless trailer section was accepted")
