@@ -37,6 +37,7 @@ import json
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import perf_counter
@@ -76,8 +77,11 @@ METERED_PATHS = {b"/v1/chat/completions": "chat", b"/v1/completions": "completio
 MAX_EVENT_BYTES = 1 << 20  # an SSE event larger than this is relayed as plain bytes
 MAX_CAPTURE_BYTES = 8 << 20  # non-streaming response bodies read for usage
 PIPELINE_BYTES = 64 << 10  # client bytes buffered while a response is still streaming
+MAX_ARRIVALS = 64  # read times kept for buffered bytes; later reads share the last one (earlier: never late)
 LINGER_S = 2.0  # after refusing a request, how long its remaining bytes are read and dropped
 UPSTREAM_IDLE_S = 4.0  # an idle pooled upstream connection older than this is not reused
+DRAIN_S = 5.0  # how long an engine may take to end a stream after [DONE] before its connection is closed
+DONE_EVENT = b"data: [DONE]"  # the last event of an OpenAI stream
 MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
 ACCOUNTING_ERRORS = "kvwatch_proxy_accounting_errors"
 TIMED_OUT = "kvwatch_proxy_connections_timed_out"
@@ -283,7 +287,12 @@ def _error_response(status: int, message: str, close: bool) -> bytes:
 
 class _ClientConnection(asyncio.Protocol):
     """One client connection: reads requests (head + body, within the slow-client timeout) and
-    runs one exchange at a time (keep-alive, pipelined bytes buffered)."""
+    runs one exchange at a time (keep-alive, pipelined bytes buffered, HTTP order kept).
+
+    A request is "received" when its first byte arrives, also when it waits in the buffer behind a
+    response in progress (true pipelining): ``arrivals`` remembers when each buffered read came in,
+    so TTFT and e2e include every moment the request spent inside kvwatch.
+    """
 
     def __init__(self, proxy: ProxyServer) -> None:
         self.proxy = proxy
@@ -301,6 +310,8 @@ class _ClientConnection(asyncio.Protocol):
         self.closed = False
         self.refused = False
         self.reading_paused = False
+        self.read_total = 0  # bytes read from the client so far
+        self.arrivals: deque[tuple[int, float, float]] = deque()  # (offset of a read, clock, wall)
 
     # -- asyncio callbacks ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -318,19 +329,31 @@ class _ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return
-        if self.exchange is not None:  # pipelined: wait for the response in progress
-            self.buf += data
+        starts = not self.buf and self.head is None  # this read's first byte begins a request
+        self._forget_arrivals(self.read_total - len(self.buf))
+        if len(self.arrivals) < MAX_ARRIVALS:
+            self.arrivals.append((self.read_total, self.proxy.clock(), self.proxy.wall_clock()))
+        self.read_total += len(data)
+        self.buf += data
+        if self.exchange is not None:  # pipelined: the response in progress goes first (HTTP order)
             if len(self.buf) > PIPELINE_BYTES and not self.reading_paused:
                 self.reading_paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
             return
-        if not self.buf and self.head is None:  # first byte of a request: "received"
-            self.t0 = self.proxy.clock()
-            self.wall = self.proxy.wall_clock()
-            if self.served:  # an idle keep-alive connection: the request gets the whole timeout
-                self._arm_timer()
-        self.buf += data
+        if starts and self.served:  # an idle keep-alive connection: the request gets the whole timeout
+            self._arm_timer()
         self._parse()
+
+    def _forget_arrivals(self, start: int) -> None:
+        """Drop the read times of bytes before offset ``start`` (no request can begin there now)."""
+        arrivals = self.arrivals
+        while len(arrivals) > 1 and arrivals[1][0] <= start:
+            arrivals.popleft()
+
+    def _stamp_request_start(self) -> None:
+        """t0 and started_at of the request whose first byte is ``buf[0]``: when that byte was read."""
+        self._forget_arrivals(self.read_total - len(self.buf))
+        _, self.t0, self.wall = self.arrivals[0]
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
@@ -344,6 +367,9 @@ class _ClientConnection(asyncio.Protocol):
     def _parse(self) -> None:
         config = self.proxy.config
         if self.head is None:
+            if not self.buf:
+                return
+            self._stamp_request_start()
             end = self.buf.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
             if end < 0:  # the limit holds however the head arrives, in one read or many
                 if len(self.buf) >= MAX_HEAD_BYTES + len(HEAD_END):
@@ -417,8 +443,7 @@ class _ClientConnection(asyncio.Protocol):
         if not self.buf:
             self._arm_timer(self.proxy.config.client_keepalive_timeout_s)
             return
-        self.t0, self.wall = self.proxy.clock(), self.proxy.wall_clock()  # a pipelined request
-        self._arm_timer()
+        self._arm_timer()  # a pipelined request: received when its first byte came (arrivals)
         self._parse()
 
     def _refuse(self, status: int, reason: str, head: RequestHead | None = None) -> None:
@@ -729,6 +754,17 @@ class _Exchange:
         elif sse.USAGE_MARK in data:
             self._read_usage(data, sep)
         self._send_events(data, sep)
+        if not self.carry and self.held is None and self.down_chunked and data.endswith(DONE_EVENT + sep):
+            self._stream_done()
+
+    def _stream_done(self) -> None:
+        """``[DONE]`` is relayed: the client has its whole response now. The engine may write its
+        last-chunk marker late (vLLM's frontend, under load, by seconds); that tail is not the
+        client's wait, so the response ends here and the upstream connection reads the rest on its
+        own (``release_tail``), while a next request on this client connection goes at once."""
+        if self.up is not None:
+            self.up.release_tail()
+        self.on_end()
 
     def _send_events(self, data: bytes, sep: bytes) -> None:
         self._emit(b"%x\r\n%b\r\n" % (len(data), data) if self.down_chunked else data)
@@ -786,6 +822,9 @@ class _Exchange:
                 continue
             if self.held is not None:
                 self.held.append(event)
+                if event == DONE_EVENT:  # the stream's end, without a usage chunk: send what was held
+                    out += self.held
+                    self.held = None
                 continue
             if sse.USAGE_MARK in event:  # usage riding on a content chunk: read, keep
                 self._usage(sse.parse_usage(event))
@@ -948,6 +987,7 @@ class _UpstreamConnection(asyncio.Protocol):
         self.remaining = 0
         self.reads = 0
         self.reusable = False  # the response allows this connection to carry another request
+        self.tail_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -961,6 +1001,25 @@ class _UpstreamConnection(asyncio.Protocol):
         self.remaining = 0
         self.reads = 0
         self.reusable = False
+
+    def release_tail(self) -> None:
+        """The exchange is done with this response (``[DONE]`` relayed): read what the engine still
+        sends of it on our own, then back to the pool; closed if it takes over ``DRAIN_S``."""
+        self.ex = None
+        if self.mode == _ENDED or self.closed:
+            return
+        if self.mode == _UNTIL_CLOSE or not self.reusable:
+            self.abort()  # nothing to keep this connection for
+            return
+        if self.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.transport.resume_reading()  # the slow client it was paused for is gone
+        self.tail_timer = asyncio.get_running_loop().call_later(DRAIN_S, self._tail_too_slow)
+
+    def _tail_too_slow(self) -> None:
+        self.tail_timer = None
+        if self.ex is None and self.mode != _ENDED:
+            self.abort()
 
     def abort(self) -> None:
         """Close now and forget the exchange (which is told by whoever called this)."""
@@ -985,8 +1044,8 @@ class _UpstreamConnection(asyncio.Protocol):
             except HttpError as exc:
                 self._broken(exc.reason)
                 return
-            if payload:
-                self.ex.on_body(payload)  # type: ignore[union-attr]
+            if payload and self.ex is not None:  # None: a tail after [DONE], read and dropped
+                self.ex.on_body(payload)
             if self.decoder.done:
                 self.reusable = self.reusable and not self.decoder.rest
                 self._end()
@@ -997,13 +1056,16 @@ class _UpstreamConnection(asyncio.Protocol):
                 self.reusable = self.reusable and len(data) == self.remaining
                 data = data[:self.remaining]
                 self.remaining = 0
-                self.ex.on_body(data)  # type: ignore[union-attr]
+                if self.ex is not None:
+                    self.ex.on_body(data)
                 self._end()
             else:
                 self.remaining -= len(data)
-                self.ex.on_body(data)  # type: ignore[union-attr]
+                if self.ex is not None:
+                    self.ex.on_body(data)
         elif mode == _UNTIL_CLOSE:
-            self.ex.on_body(data)  # type: ignore[union-attr]
+            if self.ex is not None:
+                self.ex.on_body(data)
         else:  # bytes on an idle connection: nothing asked for them
             self.proxy.pool.discard(self)
             self.abort()
@@ -1059,6 +1121,9 @@ class _UpstreamConnection(asyncio.Protocol):
         """The response is complete: back to the pool (or closed) first, then the exchange is told,
         so a pipelined next request can already use this connection."""
         ex, self.ex, self.mode = self.ex, None, _ENDED
+        if self.tail_timer is not None:
+            self.tail_timer.cancel()
+            self.tail_timer = None
         if self.reusable and not self.closed:
             self.proxy.pool.give(self)
         else:
