@@ -17,7 +17,8 @@ from prometheus_client.core import (
 )
 
 REPLICA = ("replica", "model_name", "backend", "dp_rank")
-GPU = ("gpu", "uuid")
+#: namespace, pod, container: who the kubelet allocated the GPU to (PodResources API; empty off Kubernetes)
+GPU = ("gpu", "uuid", "namespace", "pod", "container")
 REQUEST = ("replica", "model_name", "length_band", "source")
 
 #: label values of kvwatch_target_scrape_errors_total{reason}: why a scrape of an engine failed
@@ -157,7 +158,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_kv_tier_transfer_seconds", "counter", (*REPLICA, "family", "src_tier", "dst_tier"),
        "Time spent moving KV between tiers, where the engine measures it.", "replica"),
     _m("kvwatch_replica_gpu", "info", ("replica", "dp_rank", "gpu", "uuid", "mapped_by"),
-       "Which GPUs a replica runs on (mapped_by: config, pid, cuda_visible_devices).", "replica"),
+       "Which GPUs a replica runs on (mapped_by: config, pod_resources, pid, cuda_visible_devices).",
+       "replica"),
     # ---- derived KV signals --------------------------------------------------------------------
     _m("kvwatch_kv_live_tokens", "gauge", (*REPLICA, "source"),
        "Tokens held by running requests; source=engine is measured, source=proxy_estimate is the "

@@ -214,6 +214,21 @@ class GpuProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuGrant:
+    """One device the kubelet allocated to a container (PodResources API): who holds which GPU.
+
+    ``device_id`` is what the device plugin reported: a GPU UUID (NVIDIA's default), an index
+    (``--device-id-strategy=index``), ``UUID::N`` for time-sliced replicas, ``nvidiaN`` on GKE.
+    """
+
+    namespace: str
+    pod: str
+    container: str
+    resource_name: str
+    device_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSample:
     """One GPU at one poll. ``lost`` means NVML answered GPU_IS_LOST (fell off the bus)."""
 

@@ -20,6 +20,7 @@ from kvwatch import buckets
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
     OUTCOMES,
+    GpuGrant,
     GpuSample,
     InFlightRequest,
     LengthBands,
@@ -110,7 +111,9 @@ class NodeState:
         self.config_reload = ConfigReloadStatus()
         #: None while Kubernetes discovery is off
         self.discovery: DiscoveryStatus | None = None
-        #: GPU uuid -> (namespace, pod, container) holding it, from the kubelet's PodResources API
+        #: devices the kubelet allocated to containers (PodResources API), replaced whole each poll
+        self.gpu_grants: tuple[GpuGrant, ...] = ()
+        #: GPU uuid -> (namespace, pod, container) holding it, derived from gpu_grants + NVML
         self.gpu_owners: dict[str, tuple[str, str, str]] = {}
 
     # -- targets --------------------------------------------------------------------------------

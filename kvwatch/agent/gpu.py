@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvwatch.config import Config, NvmlConfig
-from kvwatch.derive.gpu_mapping import GpuMapping, GpuRef, ReplicaTarget, map_replicas
+from kvwatch.derive.gpu_mapping import GpuMapping, GpuRef, ReplicaTarget, gpu_owners, map_replicas
 from kvwatch.gpu.nvml import NvmlCollector, PollReport
 from kvwatch.gpu.processes import ProcessInfo, ProcReader, read_pid_file
 from kvwatch.state import NodeState
@@ -64,8 +64,11 @@ def xid_recorder(state: NodeState) -> Callable[[int, str, int], None]:
     return on_xid
 
 
-def replica_targets(config: Config, notes: list[str]) -> list[ReplicaTarget]:
-    """Configured replicas with their engine PID (``pid``, else read from ``pid_file`` now)."""
+def replica_targets(config: Config, notes: list[str],
+                    granted: dict[str, tuple[str, ...]] | None = None) -> list[ReplicaTarget]:
+    """Configured replicas with their engine PID (``pid``, else read from ``pid_file`` now) and the
+    devices the kubelet granted to the pod a discovered replica (``namespace/pod``) is."""
+    granted = granted or {}
     targets = []
     for i, rep in enumerate(config.replicas):
         pid = rep.pid
@@ -74,7 +77,7 @@ def replica_targets(config: Config, notes: list[str]) -> list[ReplicaTarget]:
                 pid = read_pid_file(rep.pid_file)
             except ValueError as exc:
                 notes.append(f"replicas[{i}].pid_file ({rep.name}): {exc}")
-        targets.append(ReplicaTarget(rep.name, rep.gpus, pid))
+        targets.append(ReplicaTarget(rep.name, rep.gpus, pid, granted.get(rep.name, ())))
     return targets
 
 
@@ -87,7 +90,10 @@ def refresh_mapping(config: Config, state: NodeState, proc: ProcReader | None = 
     """
     proc = proc or ProcReader()
     notes: list[str] = []
-    targets = replica_targets(config, notes)
+    by_pod: dict[str, list[str]] = {}
+    for grant in state.gpu_grants:
+        by_pod.setdefault(f"{grant.namespace}/{grant.pod}", []).append(grant.device_id)
+    targets = replica_targets(config, notes, {k: tuple(v) for k, v in by_pod.items()})
     processes: dict[int, ProcessInfo] = {}
     for target in targets:
         if target.pid is not None:
@@ -96,6 +102,7 @@ def refresh_mapping(config: Config, state: NodeState, proc: ProcReader | None = 
     inventory = [GpuRef(g.index, g.uuid) for g in gpus]
     nvml_pids = {g.uuid: {p.pid for p in g.processes} for g in gpus if not g.lost}
     result = map_replicas(targets, processes, inventory, nvml_pids)
+    state.gpu_owners = gpu_owners(state.gpu_grants, inventory)
     state.replica_gpus = result.replica_gpus
     state.pid_replica = result.pid_replica
     _log_notes([*notes, *result.notes], seen_notes)

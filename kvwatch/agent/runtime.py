@@ -102,6 +102,7 @@ class Agent:
         self._scheduler = AsyncIOScheduler(event_loop=asyncio.get_running_loop())
         self._sync_scrape_jobs()
         await self._start_gpu()
+        self._start_pod_resources()
         self._scheduler.start()
         await self._start_request_sources()
         await self._start_http()
@@ -250,6 +251,34 @@ class Agent:
                                 next_run_time=_now_dt(), max_instances=1, coalesce=True)
         self._scheduler.add_job(self._map_gpus, "interval", seconds=cfg.intervals.process_map_s,
                                 id="gpu_mapping", next_run_time=_now_dt(), max_instances=1, coalesce=True)
+
+    def _start_pod_resources(self) -> None:
+        settings = self.config.discovery.pod_resources
+        if not settings.enabled:
+            return
+        assert self._scheduler is not None
+        self._scheduler.add_job(self._poll_pod_resources, "interval", seconds=settings.interval_s,
+                                id="pod_resources", next_run_time=_now_dt(), max_instances=1, coalesce=True)
+
+    @_ends_quietly_on_shutdown
+    async def _poll_pod_resources(self) -> None:
+        """Who holds which GPU, from the kubelet; a failure keeps the last answer and says why."""
+        from kvwatch.discovery.podresources import PodResourcesError, list_grants
+
+        settings = self.config.discovery.pod_resources
+        started = time.perf_counter()
+        try:
+            grants = await list_grants(settings.socket, settings.resource_names, settings.timeout_s)
+        except PodResourcesError as exc:
+            if self.state.collectors.get("pod_resources", None) is None \
+                    or self.state.collectors["pod_resources"].success:
+                log.warning("%s; GPU -> pod labels keep the last answer", exc)
+            self.state.report("pod_resources", False, time.perf_counter() - started, str(exc))
+            return
+        self.state.gpu_grants = grants
+        self.state.report("pod_resources", True, time.perf_counter() - started, now=self.clock())
+        if self._gpu is not None:
+            await self._map_gpus()
 
     @_ends_quietly_on_shutdown
     async def _poll_gpus(self) -> None:

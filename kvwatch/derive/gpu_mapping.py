@@ -3,11 +3,14 @@
 Order of evidence, first that yields a GPU wins (docs/nvml.md):
 
 1. ``config``: the replica's ``gpus`` list (indexes or UUIDs). The operator knows best.
-2. ``pid``: NVML lists the engine PID, or any descendant (vLLM TP/DP workers are child processes),
+2. ``pod_resources``: the kubelet allocated the GPU to one of the replica's pod's containers (the
+   PodResources API; Kubernetes discovery names a replica ``namespace/pod``). Device ids are GPU
+   UUIDs, indexes, ``UUID::N`` (time-sliced replicas) or ``nvidiaN`` (GKE), as dcgm-exporter reads them.
+3. ``pid``: NVML lists the engine PID, or any descendant (vLLM TP/DP workers are child processes),
    among a GPU's compute processes. NVML may report host PIDs or namespaced PIDs depending on the call
    and driver (anchors §2.3), so a process matches by its PID in kvwatch's namespace first and, only if
    nothing matched that way, by the PIDs of its ``NSpid`` chain inside its container.
-3. ``cuda_visible_devices``: the GPUs the engine's processes may use, from ``CUDA_VISIBLE_DEVICES``
+4. ``cuda_visible_devices``: the GPUs the engine's processes may use, from ``CUDA_VISIBLE_DEVICES``
    (indexes or UUID prefixes, interpreted within ``NVIDIA_VISIBLE_DEVICES`` when the container runtime
    restricted it). Weakest: visible is not used. ``NVIDIA_VISIBLE_DEVICES=all`` (set by NGC images)
    says nothing and is ignored. MIG ids are ignored with a note.
@@ -20,8 +23,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwatch.gpu.processes import ProcessInfo
+from kvwatch.model import GpuGrant
 
-MAPPED_BY = ("config", "pid", "cuda_visible_devices")
+MAPPED_BY = ("config", "pod_resources", "pid", "cuda_visible_devices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,7 @@ class ReplicaTarget:
     name: str
     gpus: tuple[str, ...] = ()  # from config: GPU indexes or UUIDs
     pid: int | None = None  # engine PID in kvwatch's PID namespace, when known
+    granted: tuple[str, ...] = ()  # device ids the kubelet allocated to the replica's pod
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,8 @@ def map_replicas(replicas: Sequence[ReplicaTarget], processes: Mapping[int, Proc
         if rep.pid is not None and not tree:
             notes.append(f"replica {rep.name}: process {rep.pid} not found in /proc")
         refs, by, inner_matched = _config_gpus(rep, gpus, notes), "config", False
+        if not refs and rep.granted:
+            refs, by = _granted_gpus(rep.granted, gpus), "pod_resources"
         if not refs and tree:
             refs, inner_matched = _pid_gpus(tree, gpus, nvml_pids)
             by = "pid"
@@ -122,6 +129,32 @@ def _config_gpus(rep: ReplicaTarget, gpus: Sequence[GpuRef], notes: list[str]) -
         else:
             notes.append(f"replica {rep.name}: gpus entry {text!r} is neither an index nor a GPU- UUID")
     return refs
+
+
+def resolve_device_id(device_id: str, gpus: Sequence[GpuRef]) -> GpuRef | None:
+    """The GPU a device plugin's device id names, or None (MIG instances, unknown ids)."""
+    text = device_id.strip().split("::", 1)[0].split("/vgpu", 1)[0]  # time-slicing / GKE sharing suffixes
+    if text.lower().startswith("nvidia") and text[6:].isdigit():  # GKE: nvidia0, nvidia1, ...
+        text = text[6:]
+    if text.isdigit():
+        return next((g for g in gpus if g.index == int(text)), None)
+    if text.upper().startswith("GPU-"):
+        return next((g for g in gpus if g.uuid.lower() == text.lower()), None)
+    return None
+
+
+def _granted_gpus(granted: Sequence[str], gpus: Sequence[GpuRef]) -> list[GpuRef]:
+    return [ref for ref in (resolve_device_id(d, gpus) for d in granted) if ref is not None]
+
+
+def gpu_owners(grants: Sequence[GpuGrant], gpus: Sequence[GpuRef]) -> dict[str, tuple[str, str, str]]:
+    """GPU uuid -> (namespace, pod, container) holding it; the first grant wins for a shared GPU."""
+    owners: dict[str, tuple[str, str, str]] = {}
+    for grant in grants:
+        ref = resolve_device_id(grant.device_id, gpus)
+        if ref is not None:
+            owners.setdefault(ref.uuid, (grant.namespace, grant.pod, grant.container))
+    return owners
 
 
 def _pid_gpus(tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef],

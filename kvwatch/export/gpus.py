@@ -93,16 +93,18 @@ class GpuCollector:
         gpus = state.gpus
         pid_replica = dict(state.pid_replica)
         driver = state.driver_version or ""
+        owners = dict(state.gpu_owners)
+        idents = {}
         for gpu in gpus:
-            ident = [str(gpu.index), gpu.uuid]
+            ident = idents[(str(gpu.index), gpu.uuid)] = [str(gpu.index), gpu.uuid,
+                                                          *owners.get(gpu.uuid, ("", "", ""))]
             out.info("kvwatch_gpu", [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
             out.add("kvwatch_gpu_lost", ident, gpu.lost)
             if not gpu.lost:
                 _gpu_readings(out, gpu, ident, pid_replica)
-        present = {(str(g.index), g.uuid) for g in gpus}
         for (index, uuid, xid), count in sorted(dict(state.xid_counts).items()):
-            if (index, uuid) in present:
-                out.add("kvwatch_gpu_xid_errors", [index, uuid, str(xid)], count)
+            if (index, uuid) in idents:
+                out.add("kvwatch_gpu_xid_errors", [*idents[(index, uuid)], str(xid)], count)
         for labels, value in sorted(state.counters_for("kvwatch_gpu_nvml_errors")):
             out.add("kvwatch_gpu_nvml_errors", list(labels), value)
         for replica, mapped in sorted(state.replica_gpus.items()):

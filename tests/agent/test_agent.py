@@ -123,7 +123,7 @@ async def test_gpus_follow_nvml_and_vanish_when_nvml_does():
         await _until(lambda: _contains(agent, 'kvwatch_gpu_nvml_errors_total{call="nvmlDeviceGetMemoryInfo"'))
         fake.clear_failures()
         fake.set_lost(0)
-        await _until(lambda: _contains(agent, 'kvwatch_gpu_lost{gpu="0"'))
+        await _until(lambda: _contains(agent, 'kvwatch_gpu_lost{container="",gpu="0"'))
         assert 'kvwatch_target_up{backend="vllm",replica="sim-0"} 1.0' in await _metrics(agent)
     finally:
         await agent.stop()

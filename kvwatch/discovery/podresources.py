@@ -1,0 +1,52 @@
+"""Which container holds which GPU, from the kubelet's PodResources API (no hostPID, no /proc).
+
+gRPC over the kubelet's unix socket (``/var/lib/kubelet/pod-resources/kubelet.sock``), v1 ``List``,
+as dcgm-exporter does: every pod of the node with its containers and, per container, the devices
+the device plugins allocated (``resource_name`` + ``device_ids``). Only ``resource_names`` count
+(``nvidia.com/gpu`` by default; add e.g. ``nvidia.com/gpu.shared`` for time-slicing renames). The
+stubs in ``podresources_v1/`` are generated from the kubelet's ``api.proto`` and committed (no build
+step for a pure-Python package, no protoc at install time); ``scripts/gen-podresources.sh``
+regenerates them and a test checks they are current.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvwatch.model import GpuGrant
+
+
+class PodResourcesError(Exception):
+    """The kubelet could not be asked (socket missing, refused, timed out, unimplemented)."""
+
+
+def grants(pod_resources: Iterable[Any], resource_names: Sequence[str]) -> tuple[GpuGrant, ...]:
+    """Flatten a ``ListPodResourcesResponse.pod_resources`` into one grant per allocated device."""
+    wanted = set(resource_names)
+    out = []
+    for pod in pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name not in wanted:
+                    continue
+                for device_id in devices.device_ids:
+                    out.append(GpuGrant(pod.namespace, pod.name, container.name, devices.resource_name,
+                                        device_id))
+    return tuple(out)
+
+
+async def list_grants(socket: str, resource_names: Sequence[str], timeout_s: float) -> tuple[GpuGrant, ...]:
+    """One ``List`` call on the kubelet's socket."""
+    import grpc
+
+    from kvwatch.discovery.podresources_v1 import api_pb2, api_pb2_grpc
+
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+            stub = api_pb2_grpc.PodResourcesListerStub(channel)
+            response = await stub.List(api_pb2.ListPodResourcesRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise PodResourcesError(f"kubelet PodResources List on {socket}: {exc.code().name}: "
+                                f"{exc.details()}") from None
+    return grants(response.pod_resources, resource_names)

@@ -1,0 +1,137 @@
+"""GPU -> pod/container attribution from the kubelet's PodResources API, without hostPID."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvwatch.agent import Agent
+from kvwatch.config import (
+    Config,
+    DiscoveryConfig,
+    HostPort,
+    IntervalsConfig,
+    KubernetesDiscoveryConfig,
+    NvmlConfig,
+    PodResourcesConfig,
+    ScrapeConfig,
+)
+from kvwatch.derive.gpu_mapping import GpuRef, resolve_device_id
+from kvwatch.discovery.podresources import PodResourcesError, list_grants
+from kvwatch.gpu.fake import FakeNvml, _uuid_for
+from kvwatch.model import GpuGrant
+from kvwatch.sim.node import SimNode, h200_node
+from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.discovery.fake_kubelet import FakeKubelet
+
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = ROOT / "kvwatch" / "discovery" / "podresources_v1"
+GPU0, GPU1 = _uuid_for(0), _uuid_for(1)
+
+
+def test_committed_stubs_are_what_the_kubelets_proto_generates(tmp_path):
+    pytest.importorskip("grpc_tools")
+    subprocess.run(["sh", str(ROOT / "scripts" / "gen-podresources.sh"), str(tmp_path)], check=True,
+                   env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, cwd=ROOT)
+    for name in ("api_pb2.py", "api_pb2_grpc.py"):
+        assert filecmp.cmp(tmp_path / name, STUBS / name, shallow=False), f"{name} is stale: run the script"
+
+
+@pytest.mark.parametrize(("device_id", "expected"), [
+    (GPU1, 1), (GPU1.lower(), 1), ("1", 1), (f"{GPU0}::3", 0), ("nvidia1", 1), ("nvidia0/vgpu2", 0),
+    ("MIG-5f1e0d2c-aaaa-bbbb-cccc-000000000000", None), ("GPU-00000000-dead", None), ("7", None),
+])
+def test_device_ids_as_device_plugins_report_them(device_id, expected):
+    gpus = [GpuRef(0, GPU0), GpuRef(1, GPU1)]
+    ref = resolve_device_id(device_id, gpus)
+    assert (ref.index if ref else None) == expected
+
+
+async def test_list_reads_gpu_grants_over_the_kubelet_socket(tmp_path):
+    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"), {
+        ("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU0, GPU1]), ("example.com/nic", ["eth7"])],
+                            "sidecar": []},
+        ("monitoring", "dcgm-exporter-x"): {"exporter": []},
+    })
+    await kubelet.start()
+    try:
+        grants = await list_grants(kubelet.socket_path, ("nvidia.com/gpu",), 2.0)
+    finally:
+        await kubelet.stop()
+    assert grants == (GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU0),
+                      GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU1))
+
+
+async def test_a_missing_socket_is_an_error_that_names_it(tmp_path):
+    with pytest.raises(PodResourcesError, match=r"kubelet\.sock"):
+        await list_grants(str(tmp_path / "kubelet.sock"), ("nvidia.com/gpu",), 0.5)
+
+
+async def _until(url: str, *present: str, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    body = ""
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            body = (await client.get(url, timeout=5)).text
+            if all(p in body for p in present):
+                return body
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"not reached: {present}\n" + "\n".join(
+        line for line in body.splitlines() if "gpu_memory_used" in line or "replica_gpu" in line))
+
+
+async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_scan(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("test-token")
+    node = SimNode(h200_node("llama-3.1-8b", gpus=1, speed=20))
+    await node.start()
+    api = FakeApiServer()
+    await api.start()
+    port = int(node.replica_urls[0].rsplit(":", 1)[1])
+    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(port)]))
+    await api.run(uid, "127.0.0.1")
+    await api.set_ready(uid)
+    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"),
+                          {("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU1])]}})
+    await kubelet.start()
+    discovery = DiscoveryConfig(
+        kubernetes=KubernetesDiscoveryConfig(enabled=True, api_url=api.url, token_file=str(token),
+                                             ca_file=None),
+        pod_resources=PodResourcesConfig(enabled=True, socket=kubelet.socket_path, interval_s=0.3))
+    config = Config(listen=HostPort("127.0.0.1", 0), node="node-a", nvml=NvmlConfig(fake_gpus=0),
+                    intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
+                    scrape=ScrapeConfig(timeout_s=1.0), discovery=discovery)
+
+    class NoProcessScan:
+        def tree(self, pid):
+            raise AssertionError("a process scan was attempted")
+
+    agent = Agent(config, nvml=FakeNvml(2), proc=NoProcessScan())
+    await agent.start()
+    url = f"http://127.0.0.1:{agent.port}/metrics"
+    try:
+        body = await _until(
+            url, f'kvwatch_gpu_memory_used_bytes{{container="vllm",gpu="1",namespace="llm",pod="qwen-0",'
+                 f'uuid="{GPU1}"}}',
+            f'kvwatch_replica_gpu_info{{dp_rank="",gpu="1",mapped_by="pod_resources",replica="llm/qwen-0",'
+            f'uuid="{GPU1}"}} 1.0')
+        unowned = f'kvwatch_gpu_memory_used_bytes{{container="",gpu="0",namespace="",pod="",uuid="{GPU0}"}}'
+        assert unowned in body
+        assert 'kvwatch_collector_success{collector="pod_resources"} 1.0' in body
+        kubelet.pods = {}  # the pod went away: the GPU is nobody's
+        await _until(url, f'kvwatch_gpu_memory_used_bytes{{container="",gpu="1",namespace="",pod="",'
+                          f'uuid="{GPU1}"}}')
+        await kubelet.stop()
+        await _until(url, 'kvwatch_collector_success{collector="pod_resources"} 0.0')
+    finally:
+        await agent.stop()
+        await kubelet.stop()
+        await api.stop()
+        await node.stop()
