@@ -87,6 +87,15 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Exceptions inside kvwatch's request accounting; the client's stream kept flowing.", "self"),
     _m("kvwatch_proxy_connections_timed_out", "counter", ("replica",),
        "Client connections closed because headers or body did not arrive in time.", "self"),
+    _m("kvwatch_proxy_requests_shed", "counter", ("replica", "reason"),
+       "Requests answered 503 by a proxy limit: buffer (proxy.max_buffered_bytes), connections "
+       "(proxy.max_connections).", "self"),
+    _m("kvwatch_proxy_accept_errors", "counter", ("replica",),
+       "accept() failures on a proxy's listener (out of file descriptors); clients waited or were dropped.",
+       "self"),
+    _m("kvwatch_proxy_usage_injection_refused", "counter", ("replica",),
+       "Streams whose engine refused the body with stream_options.include_usage and took the client's own "
+       "(counted from chunks).", "self"),
     _m("kvwatch_otlp_spans", "counter", ("result",),
        "OTLP spans received, by result (request, ignored, malformed, unmapped: no configured replica).",
        "self"),

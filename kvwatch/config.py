@@ -92,6 +92,9 @@ class ProxyConfig:
     upstream_connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     models: tuple[str, ...] = ()  # accepted model_name label values beyond each replica's model_name
+    inject_usage: bool = True  # ask streams for their usage chunk (stream_options.include_usage)
+    max_buffered_bytes: int = 64 * 1024 * 1024  # request bytes all of a proxy's clients may buffer at once
+    max_connections: int = 1024  # client connections per proxy; more are answered 503 and closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +296,12 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _at_least_one(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected an integer of at least 1, got {value!r}")
+    return value
+
+
 def _positive_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
         raise ValueError(f"expected a positive number, got {value!r}")
@@ -485,7 +494,13 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         "upstream_connect_timeout": ("upstream_connect_timeout_s", parse_duration),
         "upstream_read_timeout": ("upstream_read_timeout_s", parse_duration),
         "models": ("models", _str_tuple),
+        "inject_usage": ("inject_usage", _bool),
+        "max_buffered_bytes": ("max_buffered_bytes", parse_size),
+        "max_connections": ("max_connections", _at_least_one),
     })
+    if proxy.max_buffered_bytes < proxy.max_body_bytes:
+        r.problem("proxy.max_buffered_bytes", f"must be at least proxy.max_body_bytes "
+                  f"({proxy.max_body_bytes}), or a body within that limit could never be buffered")
     otlp = _section(r, top, "otlp", OtlpConfig, {
         "listen": ("listen", parse_host_port),
         "replica": ("replica", _name),

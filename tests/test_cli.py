@@ -31,3 +31,20 @@ def test_no_command_prints_help_and_fails():
     result = subprocess.run([sys.executable, "-m", "kvwatch"], capture_output=True, text=True, timeout=60,
                             check=False)
     assert result.returncode == 2 and "COMMAND" in result.stdout
+
+
+def test_run_raises_the_open_files_soft_limit_to_the_hard_limit() -> None:
+    """A soft limit of 256 with 300 keep-alive clients dropped new ones silently (issue #11)."""
+    import resource
+
+    def low_soft_limit() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    code = ("import resource; from kvwatch.commands.run import raise_open_files_limit as r; "
+            "soft = lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0]; print(soft(), *r(), soft())")
+    out = subprocess.run([sys.executable, "-c", code], preexec_fn=low_soft_limit, capture_output=True,
+                         text=True, check=True, timeout=30).stdout.split()
+    before, soft, hard, after = (int(v) for v in out)
+    assert before == 256 and soft == after > 256
+    assert after == min(hard, 1 << 20) or hard == resource.RLIM_INFINITY

@@ -51,6 +51,32 @@ def use_uvloop() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+#: the soft limit kvwatch asks for when the hard limit is unlimited
+OPEN_FILES_WANTED = 1 << 20
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit, as nginx's worker_rlimit_nofile does; (soft, hard).
+
+    Every proxied stream holds two descriptors (client and engine) and pooled engine connections hold
+    more: a default soft limit of 1024 (or 256) silently drops clients and health checks. Under the
+    systemd unit the limit comes from LimitNOFILE (its system-call filter denies setrlimit).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            logging.getLogger("kvwatch").warning(
+                "could not raise the open-files limit from %d to %d (%s); the proxy's connections are "
+                "bounded by it", soft, wanted, exc)
+    return soft, hard
+
+
 def main(args: argparse.Namespace) -> int:
     import dataclasses
     import os
@@ -66,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     configure_logging(args.log_level or config.log_level)
+    soft, _ = raise_open_files_limit()
+    logging.getLogger("kvwatch").info("open files limit: %d", soft)
     use_uvloop()
     return asyncio.run(_serve(config))
 

@@ -70,10 +70,15 @@ class RequestInfo:
     choices: int = 1  # n
 
 
+#: strings pydantic (lax mode, which vLLM's request models use) reads as ``True`` for a bool field,
+#: compared lower-cased; the numbers 1 and 1.0 are ``True`` too
+LAX_TRUE_STRINGS = frozenset({"true", "1", "yes", "on", "t", "y"})
+
+
 def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         doc = None
     if not isinstance(doc, dict):
         return RequestInfo(endpoint, False, None, False, None, False, False)
@@ -87,33 +92,54 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
         model=model if isinstance(model, str) else None,
         streaming=doc.get("stream") is True,
         max_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None,
-        wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        wants_usage=isinstance(options, dict) and _lax_true(options.get("include_usage")),
         stream_options_present="stream_options" in doc,
         choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
     )
 
 
+def _lax_true(value: object) -> bool:
+    """Whether the engine will read ``value`` as true (so the client asked for usage itself)."""
+    if isinstance(value, str):
+        return value.lower() in LAX_TRUE_STRINGS
+    return isinstance(value, (bool, int, float)) and value == 1
+
+
 def body_requesting_usage(body: bytes, info: RequestInfo) -> bytes | None:
     """The body with ``stream_options.include_usage`` set, or None where it must stay as sent.
 
-    When the client sent no ``stream_options`` the key is inserted as text after the opening brace,
-    so every other byte stays as the client wrote it; otherwise the body is re-serialised. With
-    several choices (``n`` > 1) nothing is asked: the relay could not put the engine's final-chunk
-    fields back in place without reordering choices, so those streams are counted from chunks.
+    Only a body that is a JSON object in UTF-8 (RFC 8259's encoding, no BOM) is touched: the key
+    is inserted as text after its opening brace, which keeps a valid object valid and every other
+    byte as the client wrote it (json.loads also reads UTF-16 and UTF-32, where that insertion
+    would corrupt the body). A body that has ``stream_options`` already is re-serialised, unless
+    that would change a value (a number beyond a float's range becomes ``Infinity``). With several
+    choices (``n`` > 1) nothing is asked: the relay could not put the engine's final-chunk fields
+    back in place without reordering choices, so those streams are counted from chunks.
     """
     if not (info.parsed and info.streaming) or info.wants_usage or info.choices > 1:
         return None
+    if body.lstrip(b" \t\r\n")[:1] != b"{" or not _utf8(body):
+        return None
     if not info.stream_options_present:
         brace = body.find(b"{")
-        if brace < 0:
-            return None
         return body[:brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1:]
     doc = json.loads(body)
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return None  # the engine will judge this body as sent
     doc["stream_options"] = {**(options or {}), "include_usage": True}
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, UnicodeEncodeError):  # Infinity/NaN, or a lone surrogate escape
+        return None
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def estimate_prompt_tokens(body_bytes: int) -> int:

@@ -85,6 +85,11 @@ DONE_EVENT = b"data: [DONE]"  # the last event of an OpenAI stream
 MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
 ACCOUNTING_ERRORS = "kvwatch_proxy_accounting_errors"
 TIMED_OUT = "kvwatch_proxy_connections_timed_out"
+USAGE_REFUSED = "kvwatch_proxy_usage_injection_refused"
+SHED = "kvwatch_proxy_requests_shed"  # reason: buffer (proxy.max_buffered_bytes) | connections
+ACCEPT_ERRORS = "kvwatch_proxy_accept_errors"
+MAX_HELD_EVENTS = 64  # events held after the final chunk while waiting for the usage chunk
+MAX_HELD_BYTES = 1 << 20
 
 Sink = Callable[[RequestRecord], None]
 Count = Callable[..., None]  # NodeState.count(family, *label_values)
@@ -139,17 +144,21 @@ class ProxyServer:
         self.meter_factory = meter_factory
         self.clock = clock  # durations are measured on it (the demo passes the simulator's clock)
         self.wall_clock = wall_clock  # started_at: the agent's time base, which its scrapes share
-        self.inject_usage = True
+        self.inject_usage = config.inject_usage  # proxy.inject_usage; never switched off by a request
         self.pool = _UpstreamPool(MAX_IDLE_UPSTREAM, UPSTREAM_IDLE_S)
         self.connections: set[_ClientConnection] = set()
+        self.buffered = 0  # request bytes held by all connections and exchanges (proxy.max_buffered_bytes)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._learner: asyncio.Task | None = None
         self._last_error_log = 0.0
+        self._last_refusal_log = 0.0
+        self._last_shed_log = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, host: str, port: int, learn_models: bool = True) -> None:
         loop = asyncio.get_running_loop()
+        _log_accept_failures(loop, self)
         self._server = await loop.create_server(lambda: _ClientConnection(self), host, port,
                                                 backlog=1024, reuse_address=True)
         if learn_models:
@@ -182,6 +191,16 @@ class ProxyServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def shed(self, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            self.count(SHED, self.replica, reason)
+        now = time.monotonic()
+        if now - self._last_shed_log > 60:
+            self._last_shed_log = now
+            log.warning("proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total, logged "
+                        "at most once a minute)", self.replica, reason,
+                        "max_buffered_bytes" if reason == "buffer" else "max_connections", SHED)
 
     # -- accounting hooks (never raise into the relay) --------------------------------------------
     def accounting_failed(self, where: str) -> None:
@@ -218,10 +237,20 @@ class ProxyServer:
             self.accounting_failed("refusal")
 
     def usage_injection_refused(self) -> None:
-        if self.inject_usage:
-            self.inject_usage = False
-            log.warning("proxy %s: the engine refuses stream_options.include_usage; output tokens of "
-                        "streams will be counted from chunks (estimated)", self.replica)
+        """The engine refused a body with include_usage and took the client's own: counted, logged.
+
+        Nothing is decided for the replica from it: one client's body must not switch usage counting
+        off for everyone (an operator whose engine refuses the field sets proxy.inject_usage: false).
+        """
+        with contextlib.suppress(Exception):
+            self.count(USAGE_REFUSED, self.replica)
+        now = time.monotonic()
+        if now - self._last_refusal_log > 60:
+            self._last_refusal_log = now
+            log.warning("proxy %s: the engine refused a body with stream_options.include_usage and took "
+                        "the client's own; that stream is counted from chunks (counted in %s_total; set "
+                        "proxy.inject_usage: false if the engine never takes it)",
+                        self.replica, USAGE_REFUSED)
 
     async def _learn_models(self) -> None:
         """Add the engine's served model names (``/v1/models``) to the label set, once."""
@@ -262,8 +291,11 @@ async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: 
         raise ValueError(f"replica {replica.name}: proxy_listen is not set")
     server = ProxyServer(replica, proxy, ModelLabels(known_models, replica.model_name), bands,
                          in_flight, sink, count, meter_factory, clock, wall_clock)
-    for family in (ACCOUNTING_ERRORS, TIMED_OUT):  # zero series from the start, so rate() sees the first
+    # zero series from the start, so rate() sees the first
+    for family in (ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED, ACCEPT_ERRORS):
         count(family, replica.name, amount=0)
+    for reason in ("buffer", "connections"):
+        count(SHED, replica.name, reason, amount=0)
     await server.start(replica.proxy_listen.host, replica.proxy_listen.port, learn_models)
     return server
 
@@ -273,12 +305,37 @@ async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: 
 # ------------------------------------------------------------------------------------------------
 
 
+def _log_accept_failures(loop: asyncio.AbstractEventLoop, proxy: ProxyServer) -> None:
+    """Make a failing ``accept()`` (out of file descriptors: EMFILE) loud: logged and counted.
+
+    asyncio reports it to the loop's exception handler and retries a second later; clients meanwhile
+    wait in the backlog or are dropped. The handler is chained, so whatever handled it before still does.
+    """
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if "accept" in str(context.get("message", "")) and isinstance(exc, OSError):
+            with contextlib.suppress(Exception):
+                proxy.count(ACCEPT_ERRORS, proxy.replica)
+            log.error("proxy %s: cannot accept a connection (%s); new clients wait or are dropped. Raise "
+                      "the open-files limit (LimitNOFILE, ulimit -n) or lower proxy.max_connections",
+                      proxy.replica, exc.strerror or exc)
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def _error_response(status: int, message: str, close: bool) -> bytes:
     body = json.dumps({"error": {"message": f"kvwatch proxy: {message}", "type": "proxy_error",
                                  "code": status}}).encode()
     reasons = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Content Too Large",
                431: b"Request Header Fields Too Large", 501: b"Not Implemented",
-               502: b"Bad Gateway", 504: b"Gateway Timeout", 505: b"HTTP Version Not Supported"}
+               502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+               505: b"HTTP Version Not Supported"}
     headers: Headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     if close:
         headers.append((b"connection", b"close"))
@@ -311,18 +368,29 @@ class _ClientConnection(asyncio.Protocol):
         self.refused = False
         self.reading_paused = False
         self.read_total = 0  # bytes read from the client so far
+        self.accounted = 0  # len(buf) + len(body) as counted in proxy.buffered
         self.arrivals: deque[tuple[int, float, float]] = deque()  # (offset of a read, clock, wall)
 
     # -- asyncio callbacks ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
-        self.proxy.connections.add(self)
+        proxy = self.proxy
+        if len(proxy.connections) >= proxy.config.max_connections:
+            proxy.shed("connections")
+            self.refused = True
+            transport.write(_error_response(503, "too many client connections (proxy.max_connections)", True))
+            transport.close()
+            return
+        proxy.connections.add(self)
         self._arm_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
         self.proxy.connections.discard(self)
+        self.buf.clear()
+        self.body = bytearray()
+        self._account()
         if self.exchange is not None:
             self.exchange.client_gone()
 
@@ -339,10 +407,27 @@ class _ClientConnection(asyncio.Protocol):
             if len(self.buf) > PIPELINE_BYTES and not self.reading_paused:
                 self.reading_paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
+            self._account()
             return
         if starts and self.served:  # an idle keep-alive connection: the request gets the whole timeout
             self._arm_timer()
         self._parse()
+        self._account()
+
+    def _account(self) -> None:
+        """Keep ``proxy.buffered`` current with this connection's buffers; over budget: 503."""
+        held = len(self.buf) + len(self.body)
+        delta = held - self.accounted
+        if not delta:
+            return
+        self.accounted = held
+        proxy = self.proxy
+        proxy.buffered += delta
+        if delta > 0 and proxy.buffered > proxy.config.max_buffered_bytes and not self.refused:
+            proxy.shed("buffer")
+            self.body = bytearray()
+            self._refuse(503, "the proxy holds as many request bytes as it may (proxy.max_buffered_bytes)")
+            self._account()
 
     def _forget_arrivals(self, start: int) -> None:
         """Drop the read times of bytes before offset ``start`` (no request can begin there now)."""
@@ -445,6 +530,7 @@ class _ClientConnection(asyncio.Protocol):
             return
         self._arm_timer()  # a pipelined request: received when its first byte came (arrivals)
         self._parse()
+        self._account()
 
     def _refuse(self, status: int, reason: str, head: RequestHead | None = None) -> None:
         """Answer a request kvwatch will not relay, then close the connection.
@@ -456,6 +542,7 @@ class _ClientConnection(asyncio.Protocol):
         if head is not None and status == 413:
             self.proxy.record_refusal(head, status, self.t0, self.wall)
         self.buf.clear()
+        self.body = bytearray()
         self.refused = True
         if self.transport is not None and not self.closed:
             self.transport.write(_error_response(status, reason, close=True))
@@ -509,7 +596,8 @@ class _Exchange:
         self.meter: RequestMeter | None = None
         self.handle: int | None = None
         self.streaming = False
-        self.request = b""  # what is sent upstream
+        self.request = b""  # what is sent upstream; both dropped once the response head came
+        self.budgeted = 0  # len(body) + len(request) as counted in proxy.buffered
         self.up: _UpstreamConnection | None = None
         self.finished = False
         self.status: int | None = None
@@ -523,6 +611,8 @@ class _Exchange:
         self.sep: bytes | None = None
         self.carry = b""
         self.held: list[bytes] | None = None  # final chunk and after, waiting for the usage chunk
+        self.held_bytes = 0
+        self.hold_final = True  # False once held events outgrew MAX_HELD_*: relayed as they come
         self.capture: bytearray | None = None
         self.gone = False
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -534,7 +624,19 @@ class _Exchange:
         injected = self._start_metering(endpoint) if endpoint else None
         self.strip = injected is not None
         self.request = self._upstream_request(injected if injected is not None else self.body)
+        self._budget()
         self._send()
+
+    def _budget(self) -> None:
+        """Count the request bytes this exchange holds (body, and what goes upstream) in the budget."""
+        held = len(self.body) + len(self.request)
+        self.proxy.buffered += held - self.budgeted
+        self.budgeted = held
+
+    def _drop_request(self) -> None:
+        """The response head came: no retry can need the request now, so its bytes go."""
+        self.body = self.request = b""
+        self._budget()
 
     def _send(self) -> None:
         """On a pooled connection right now, else on a new one from a task."""
@@ -574,10 +676,11 @@ class _Exchange:
     def retry_without_usage(self) -> None:
         """The engine refused the body with include_usage (400/422): send the client's own body.
 
-        If that succeeds, the engine does not take ``stream_options`` and kvwatch stops asking.
+        Counted if that succeeds; it changes nothing for the next request (``usage_injection_refused``).
         """
         self.retried, self.strip, self.status = True, False, None
         self.request = self._upstream_request(self.body)
+        self._budget()
         self._send()
 
     def retry_fresh(self) -> None:
@@ -590,6 +693,7 @@ class _Exchange:
         if self.finished:
             return
         self.finished = True
+        self._drop_request()
         self.flush()
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -714,6 +818,7 @@ class _Exchange:
             headers.append((b"connection", b"close"))
         self._emit(render_head(b"HTTP/1.1 %d %b" % (head.status, head.reason), headers))
         self.head_sent = True
+        self._drop_request()
         return True
 
     def on_body(self, data: bytes) -> None:
@@ -779,6 +884,8 @@ class _Exchange:
     def _hold(self, data: bytes) -> None:
         """No event boundary yet: keep the bytes, unless an 'event' grows beyond reason."""
         if len(data) > MAX_EVENT_BYTES:
+            if self.held:
+                self._release_held()  # events held before these bytes leave before them
             self.sse = False  # not an event stream we understand: plain relay from here on
             self.on_body(data)
         else:
@@ -811,9 +918,14 @@ class _Exchange:
         write its next chunk (the usage chunk follows the final chunk in the same step).
         """
         out: list[bytes] = []
-        for event in data.split(sep)[:-1]:
-            if sse.USAGE_MARK in event and sse.is_usage_only(event):
-                usage, moved = sse.read_usage_event(event)
+        events = data.split(sep)
+        rest = events.pop()  # empty, unless separators overlap at the end ("}\n\n\n": "\n" begins the next)
+        if rest:
+            self.carry = rest + self.carry
+        for event in events:
+            if self.strip and sse.USAGE_MARK in event and sse.is_usage_only(event):
+                self.strip = False  # the one chunk kvwatch asked for; any later one is the engine's
+                usage, moved = self._read_usage_event(event)
                 self._usage(usage)
                 if self.held:
                     self.held[0] = sse.with_fields(self.held[0], moved)
@@ -822,17 +934,29 @@ class _Exchange:
                 continue
             if self.held is not None:
                 self.held.append(event)
-                if event == DONE_EVENT:  # the stream's end, without a usage chunk: send what was held
+                self.held_bytes += len(event)
+                too_many = len(self.held) > MAX_HELD_EVENTS or self.held_bytes > MAX_HELD_BYTES
+                if event == DONE_EVENT or too_many:
+                    # the stream's end without a usage chunk, or too much to hold: send it, in order
                     out += self.held
                     self.held = None
+                    self.hold_final = event == DONE_EVENT
                 continue
             if sse.USAGE_MARK in event:  # usage riding on a content chunk: read, keep
-                self._usage(sse.parse_usage(event))
-            if sse.FINISH.search(event):
-                self.held = [event]
+                self._usage(self._read_usage_event(event)[0])
+            if self.hold_final and self.strip and sse.FINISH.search(event):
+                self.held, self.held_bytes = [event], len(event)
                 continue
             out.append(event)
         return b"".join(event + sep for event in out)
+
+    def _read_usage_event(self, event: bytes) -> tuple[sse.Usage | None, list[tuple[bytes, bytes]]]:
+        """``sse.read_usage_event``, whose failure (a usage chunk nested 100,000 deep) is counted."""
+        try:
+            return sse.read_usage_event(event)
+        except Exception:
+            self.proxy.accounting_failed("usage")
+            return None, []
 
     def _release_held(self) -> None:
         """End of stream without a usage chunk: send what was held, as it was."""

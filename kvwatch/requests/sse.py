@@ -78,16 +78,26 @@ def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, byte
         return None, []
     try:
         doc = json.loads(event_data(event))
-    except ValueError:
+    except ValueError:  # not JSON (RecursionError, from nesting deeper than the stack, is the caller's)
         return None, []
     if not isinstance(doc, dict):
         return None, []
     usage = doc.get("usage")
     parsed = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))) \
         if isinstance(usage, dict) else None
-    moved = [(key.encode(), json.dumps(doc[key], ensure_ascii=False, separators=(",", ":")).encode())
-             for key in MOVED_FIELDS if key in doc]
+    moved = [(key.encode(), value) for key in MOVED_FIELDS
+             if key in doc and (value := _compact_json(doc[key])) is not None]
     return parsed, moved
+
+
+def _compact_json(value: object) -> bytes | None:
+    """``value`` as vLLM writes it; a lone surrogate (``"\\ud800"``) stays an escape, as it came."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def usage_from_body(body: bytes) -> tuple[Usage | None, str | None]:

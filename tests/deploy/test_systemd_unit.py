@@ -60,6 +60,13 @@ def test_unit_drops_every_privilege() -> None:
     assert "@system-service" in d["SystemCallFilter"]
 
 
+def test_unit_sets_an_open_files_limit_kvwatch_cannot_set_itself() -> None:
+    """The proxy needs two descriptors per stream; the unit's filter denies setrlimit (@resources)."""
+    d = _directives(UNIT.read_text())
+    assert int(d["LimitNOFILE"][0]) >= 65536
+    assert any("~" in v and "@resources" in v for v in d["SystemCallFilter"])
+
+
 def test_unit_opens_only_the_nvidia_devices_nvml_needs() -> None:
     d = _directives(UNIT.read_text())
     # PrivateDevices=yes would hide /dev/nvidia* altogether; the device cgroup limits access instead.

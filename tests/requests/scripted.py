@@ -70,6 +70,7 @@ class Script:
     prompt_tokens: int = 11
     completion_tokens: int | None = None  # usage value; None = number of content events
     send_usage: bool = True  # answer include_usage
+    force_usage: bool = False  # vLLM --enable-force-include-usage: a usage chunk whether asked or not
     reasoning: bool = False  # put the text in delta.reasoning instead of delta.content
     status: int = 200
     error_body: bytes = b'{"error":{"message":"bad request","type":"BadRequestError","code":400}}'
@@ -155,7 +156,8 @@ class ScriptedEngine:
         completion = script.completion_tokens if script.completion_tokens is not None else len(texts)
         if not doc.get("stream"):
             return self._whole(chat, texts, script, completion)
-        include_usage = (doc.get("stream_options") or {}).get("include_usage") is True
+        include_usage = (doc.get("stream_options") or {}).get("include_usage") in (True, "true") \
+            or script.force_usage
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         try:

@@ -19,7 +19,7 @@ from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
 from kvwatch.requests.accounting import RequestMeter
 from kvwatch.requests.http1 import frame_chunk
-from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT
+from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED
 
 from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy, wait_for
 
@@ -94,17 +94,36 @@ async def test_engine_4xx_is_relayed_and_recorded_as_rejected(engine: ScriptedEn
     assert proxy.server.inject_usage
 
 
-async def test_engine_that_refuses_stream_options_gets_the_clients_body(
+async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_decides_nothing(
         engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    """A refusal is one request's business: the next request is asked for usage again (one client must
+    not switch usage counting off for a replica), and the refusal is counted for the operator."""
     engine.script = Script(reject_stream_options=True)
     for _ in range(2):
         async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
             assert response.status == 200
             assert (await response.read()).endswith(DONE)
-    assert not proxy.server.inject_usage
-    assert len(engine.seen) == 3  # refused once, then the client's own body twice
+    assert proxy.server.inject_usage
+    assert [b"stream_options" in s.body for s in engine.seen] == [True, False, True, False]
+    assert proxy.count(USAGE_REFUSED, "r0") == 2
     assert [r.output_tokens_estimated for r in proxy.records] == [True, True]
     assert [r.outcome for r in proxy.records] == [Outcome.COMPLETED] * 2
+    engine.script = Script()
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        assert (await response.read()).endswith(DONE)
+    assert not proxy.records[-1].output_tokens_estimated  # usage counted again at once
+
+
+async def test_inject_usage_off_sends_every_body_as_written(engine: ScriptedEngine,
+                                                             http: ClientSession) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
+    try:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            assert (await response.read()).endswith(DONE)
+        assert b"stream_options" not in engine.seen[-1].body
+        assert harness.records[-1].output_tokens_estimated
+    finally:
+        await harness.server.stop()
 
 
 async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSession) -> None:

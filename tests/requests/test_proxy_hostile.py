@@ -4,15 +4,18 @@ and Envoy refuse it, and never wedges the loop, reaches the engine, or cross-wir
 from __future__ import annotations
 
 import asyncio
+import errno
 import faulthandler
 import time
 
 import pytest
 
+from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
+from kvwatch.requests.proxy import ACCEPT_ERRORS, SHED
 
 from .h11_engine import h11_engine
-from .scripted import ProxyHarness, ScriptedEngine, launch_proxy
+from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy, wait_for
 from .test_proxy_faults import raw_engine, read_request
 
 
@@ -222,3 +225,132 @@ async def test_trailing_slash_target_is_relayed_unmetered_as_fastapi_redirects_i
     assert status_of(response) == 218  # the scripted engine's catch-all route: relayed as it answered
     assert engine.seen[-1].path == "/v1/chat/completions/"
     assert proxy.records == []
+
+
+# -- serious 7: usage injection decides nothing for the replica --------------------------------------
+
+
+async def test_utf16_body_is_sent_as_written_and_switches_nothing_off(
+        engine: ScriptedEngine, proxy: ProxyHarness) -> None:
+    """json.loads reads UTF-16; inserting ASCII after its first "{" byte corrupted it, the engine
+    answered 400, the retry with the client's body succeeded, and kvwatch stopped asking the replica
+    for usage until restart."""
+    body = CHAT_BODY.decode().encode("utf-16")
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    await send_raw(proxy.url, request)
+    assert [s.body for s in engine.seen] == [body]  # never rewritten, never retried
+    plain = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+             b"Content-Length: %d\r\n\r\n%b" % (len(CHAT_BODY), CHAT_BODY))
+    response = await send_raw(proxy.url, plain)
+    assert b'"stream_options":{"include_usage":true}' in engine.seen[-1].body  # still asked
+    assert b'"usage"' not in response and not proxy.records[-1].output_tokens_estimated
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"tiny","messages":[],"stream":true,"stream_options":{},"max_tokens":1e999}',  # -> Infinity
+    b'\xef\xbb\xbf{"model":"tiny","messages":[],"stream":true}',  # a BOM: not RFC 8259 JSON text
+    b'{"model":"tiny","messages":[],"stream":true,"x":"\xff"}',  # not UTF-8
+])
+async def test_bodies_that_injection_could_change_are_sent_as_written(
+        engine: ScriptedEngine, proxy: ProxyHarness, body: bytes) -> None:
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    await send_raw(proxy.url, request)
+    assert engine.seen[0].body == body
+
+
+async def test_a_usage_chunk_the_engine_forces_is_kept_when_kvwatch_did_not_ask(
+        engine: ScriptedEngine) -> None:
+    """vLLM --enable-force-include-usage sends a usage chunk unasked; a direct client sees it, so a
+    client of kvwatch must too whenever kvwatch did not ask for it."""
+    engine.script = Script(force_usage=True)
+    harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
+    try:
+        plain = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(CHAT_BODY), CHAT_BODY))
+        response = await send_raw(harness.url, plain)
+        assert b'"choices":[],"usage"' in response
+        assert harness.records[-1].output_tokens == 2 and not harness.records[-1].output_tokens_estimated
+    finally:
+        await harness.server.stop()
+
+
+async def test_include_usage_as_pydantic_reads_it_is_the_clients_own(engine: ScriptedEngine,
+                                                                     proxy: ProxyHarness) -> None:
+    """``"include_usage": "true"`` is true to vLLM (pydantic's lax bool); the client asked for usage,
+    so its usage chunk is relayed, not removed."""
+    body = b'{"model":"tiny","messages":[],"stream":true,"stream_options":{"include_usage":"true"}}'
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    response = await send_raw(proxy.url, request)
+    assert engine.seen[-1].body == body and b'"choices":[],"usage"' in response
+
+
+# -- serious 5 and 10: memory and connections are bounded ------------------------------------------
+
+
+async def test_buffered_request_bytes_have_a_global_budget(engine: ScriptedEngine) -> None:
+    config = ProxyConfig(max_body_bytes=1 << 20, max_buffered_bytes=1 << 20)
+    harness = await launch_proxy(engine.url, config=config)
+    host, port = harness.url.removeprefix("http://").split(":")
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Length: 900000\r\n\r\n")
+        first = await asyncio.open_connection(host, int(port))
+        first[1].write(head + b"x" * 700_000)
+        await wait_for(lambda: harness.server.buffered >= 700_000)
+        second = await send_raw(harness.url, head + b"y" * 700_000)
+        assert status_of(second) == 503
+        assert harness.count(SHED, "r0", "buffer") == 1
+        first[1].write(b"x" * 200_000)  # the first request completes within the budget
+        assert status_of(await asyncio.wait_for(first[0].read(-1), 5)) == 400  # the engine's: not JSON
+        first[1].close()
+        await wait_for(lambda: harness.server.buffered == 0)
+    finally:
+        await harness.server.stop()
+
+
+async def test_request_body_is_dropped_once_the_response_head_came(engine: ScriptedEngine) -> None:
+    engine.script = Script(contents=[(0.05, "tok")] * 20)
+    harness = await launch_proxy(engine.url)
+    try:
+        body = CHAT_BODY[:-1] + b',"pad":"' + b"p" * 500_000 + b'"}'
+        host, port = harness.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        await reader.readuntil(b"\r\n\r\n")  # streaming has begun
+        [conn] = harness.server.connections
+        assert conn.exchange is not None and conn.exchange.body == b"" and conn.exchange.request == b""
+        assert harness.server.buffered == 0
+        assert b"[DONE]" in await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+    finally:
+        await harness.server.stop()
+
+
+async def test_connections_per_proxy_are_capped_with_503(engine: ScriptedEngine) -> None:
+    harness = await launch_proxy(engine.url, config=ProxyConfig(max_connections=2))
+    host, port = harness.url.removeprefix("http://").split(":")
+    try:
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        await wait_for(lambda: len(harness.server.connections) == 2)
+        response = await send_raw(harness.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(response) == 503 and b"proxy.max_connections" in response
+        assert harness.count(SHED, "r0", "connections") == 1
+        for _, writer in idle:
+            writer.close()
+        await wait_for(lambda: not harness.server.connections)
+        await still_serving(harness)
+    finally:
+        await harness.server.stop()
+
+
+async def test_a_failing_accept_is_logged_and_counted(proxy: ProxyHarness, caplog) -> None:
+    """What asyncio reports when accept() runs out of file descriptors (base_events/selector_events)."""
+    loop = asyncio.get_running_loop()
+    loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                 "exception": OSError(errno.EMFILE, "Too many open files")})
+    assert proxy.count(ACCEPT_ERRORS, "r0") == 1
+    assert any("cannot accept a connection (Too many open files)" in r.getMessage() for r in caplog.records)
