@@ -115,6 +115,11 @@ class Agent:
         self._discovered = tuple(replicas)
         self._reconfigure()
 
+    @property
+    def file_config(self) -> Config:
+        """The config as loaded (without discovered replicas): what a reload compares against."""
+        return self._base_config
+
     def apply_config(self, config: Config) -> None:
         """A reloaded (already validated) config: replicas, intervals and scrape settings take effect
         now; what needs a restart (listeners, NVML, ledger, bands) stays as started."""

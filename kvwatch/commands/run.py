@@ -18,6 +18,13 @@ runs one streaming proxy per replica (proxy_listen), an OTLP/HTTP receiver for v
 and followers for SGLang request files, and serves one normalized Prometheus exposition on
 --listen at /metrics, with a live status page at / and health endpoints /-/healthy and /-/ready.
 
+With discovery.kubernetes enabled it also lists and watches the engine pods of its node
+(KVWATCH_NODE) and scrapes each ready one as replica namespace/pod (docs/deploy.md).
+
+SIGHUP, or a change to the config file (a ConfigMap update included), reloads the config: a valid
+one applies its replicas, intervals and scrape settings at once; an invalid one is refused with
+every problem logged and the running config kept (kvwatch_config_last_reload_successful 0).
+
 SIGTERM or Ctrl-C stops it cleanly: proxies close upstream requests (engines free their KV), the
 ledger is flushed. Validate a config first with `kvwatch check-config FILE`."""
 
@@ -84,10 +91,12 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.config import ConfigError, load_config, parse_host_port
 
     path = args.config or os.environ.get("KVWATCH_CONFIG")
+
+    def adjust(config):
+        return dataclasses.replace(config, listen=parse_host_port(args.listen)) if args.listen else config
+
     try:
-        config = load_config(path)
-        if args.listen:
-            config = dataclasses.replace(config, listen=parse_host_port(args.listen))
+        config = adjust(load_config(path))
     except (ConfigError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -95,11 +104,12 @@ def main(args: argparse.Namespace) -> int:
     soft, _ = raise_open_files_limit()
     logging.getLogger("kvwatch").info("open files limit: %d", soft)
     use_uvloop()
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, path, adjust))
 
 
-async def _serve(config) -> int:
+async def _serve(config, path: str | None = None, adjust=lambda c: c) -> int:
     from kvwatch.agent import Agent
+    from kvwatch.agent.reload import ConfigReloader
     from kvwatch.status.page import make_status_routes
 
     log = logging.getLogger("kvwatch")
@@ -108,14 +118,24 @@ async def _serve(config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     agent = Agent(config, route_factories=[make_status_routes])
+    reloader = None
+    if path is not None:
+        reloader = ConfigReloader(path, lambda: agent.file_config, agent.apply_config,
+                                  agent.state.config_reload, adjust)
+        reloader.loaded()
     try:
         await agent.start()
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await agent.stop()
         return 1
+    if reloader is not None:
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        reloader.start()
     log.info("kvwatch running: %d replica(s) on node %s", len(config.replicas), config.node)
     await stop.wait()
     log.info("stopping")
+    if reloader is not None:
+        await reloader.stop()
     await agent.stop()
     return 0

@@ -1,0 +1,141 @@
+"""``kvwatch run`` end to end: pods discovered through a fake API server in front of simulated vLLM
+servers, and its config reloaded from a ConfigMap-style volume (``..data`` symlink swap) and SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvwatch.sim.node import SimNode, h200_node
+from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.local import free_port
+
+
+class ConfigMapVolume:
+    """A directory laid out as the kubelet's AtomicWriter lays out a ConfigMap volume."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.version = 0
+
+    def write(self, text: str) -> None:
+        self.version += 1
+        stamp = self.root / f"..2026_12_01_18_00_{self.version:02d}.000000001"
+        stamp.mkdir()
+        (stamp / "kvwatch.yaml").write_text(text)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(stamp.name)
+        os.replace(tmp, self.root / "..data")  # the atomic swap
+        link = self.root / "kvwatch.yaml"
+        if not link.is_symlink():
+            link.symlink_to("..data/kvwatch.yaml")
+
+    @property
+    def path(self) -> str:
+        return str(self.root / "kvwatch.yaml")
+
+
+def _config(api: FakeApiServer, token: Path, listen: int, extra: str = "") -> str:
+    return f"""
+listen: 127.0.0.1:{listen}
+node: node-a
+nvml: {{enabled: false}}
+intervals: {{engine: 300ms}}
+discovery:
+  kubernetes: {{enabled: true, api_url: "{api.url}", token_file: "{token}", ca_file: null, backoff_max: 1s}}
+{extra}"""
+
+
+async def _until(url: str, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    body = ""
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                body = (await client.get(url, timeout=2)).text
+            except httpx.HTTPError:
+                body = ""
+            if body and all(p in body for p in present) and not any(a in body for a in absent):
+                return body
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"not reached: {present} / not {absent}\n" + "\n".join(
+        line for line in body.splitlines() if "target_up" in line or "reload" in line or "discovery" in line))
+
+
+async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("test-token\n")
+    node = SimNode(h200_node("llama-3.1-8b", gpus=2, speed=20))
+    await node.start()
+    api = FakeApiServer()
+    await api.start()
+    ports = [int(u.rsplit(":", 1)[1]) for u in node.replica_urls]
+    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(ports[0])]))
+    await api.run(uid, "127.0.0.1")
+    await api.set_ready(uid)
+    volume_dir = tmp_path / "config"
+    volume_dir.mkdir()
+    volume = ConfigMapVolume(volume_dir)
+    listen = free_port()
+    volume.write(_config(api, token, listen))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvwatch.cli", "run", "--config", volume.path,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{listen}/metrics"
+    try:
+        await _until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+                     "kvwatch_config_last_reload_successful 1.0")
+        # the ConfigMap gains a static replica: the kubelet swaps ..data; kvwatch follows
+        static = f'replicas: [{{name: bare-1, metrics_url: "http://127.0.0.1:{ports[1]}/metrics"}}]'
+        volume.write(_config(api, token, listen, static))
+        await _until(url, 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0',
+                     'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0')
+        # a bad edit: refused, the running config kept, the metric says so
+        volume.write(_config(api, token, listen, static + "\nintervals: {engine: fast}"))
+        body = await _until(url, "kvwatch_config_last_reload_successful 0.0")
+        assert 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0' in body
+        # fixed in place (no swap) and SIGHUP: applied; bare-1 gone with its series
+        Path(os.path.realpath(volume.path)).write_text(_config(api, token, listen))
+        proc.send_signal(signal.SIGHUP)
+        await _until(url, "kvwatch_config_last_reload_successful 1.0",
+                     'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+                     absent=('replica="bare-1"',))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        except TimeoutError:
+            proc.kill()
+            _, stderr = await proc.communicate()
+        await api.stop()
+        await node.stop()
+    log = stderr.decode()
+    assert proc.returncode == 0, log[-3000:]
+    assert "config reload" in log and "intervals.engine: expected a duration" in log
+    assert "replica llm/qwen-0 discovered" in log
+
+
+def test_a_reload_applies_what_it_can_and_keeps_what_needs_a_restart():
+    from kvwatch.agent.reload import applicable, restart_only_changes
+    from kvwatch.config import config_from_mapping
+
+    running = config_from_mapping({"listen": "127.0.0.1:9477", "intervals": {"engine": "5s"}, "replicas": [
+        {"name": "a", "metrics_url": "http://127.0.0.1:8000/metrics", "api_url": "http://127.0.0.1:8000",
+         "proxy_listen": "127.0.0.1:8080"}]})
+    new = config_from_mapping({"listen": "127.0.0.1:9999", "intervals": {"engine": "1s"}, "replicas": [
+        {"name": "a", "metrics_url": "http://127.0.0.1:8001/metrics"},
+        {"name": "b", "metrics_url": "http://127.0.0.1:8002/metrics", "api_url": "http://127.0.0.1:8002",
+         "proxy_listen": "127.0.0.1:8081"}]})
+    assert restart_only_changes(running, new) == ["listen", "replicas[].proxy_listen"]
+    applied = applicable(running, new)
+    assert applied.listen == running.listen and applied.intervals.engine_s == 1.0
+    assert [(r.name, r.metrics_url, r.proxy_listen) for r in applied.replicas] == [
+        ("a", "http://127.0.0.1:8001/metrics", running.replicas[0].proxy_listen),
+        ("b", "http://127.0.0.1:8002/metrics", None)]
