@@ -22,11 +22,14 @@ import yaml
 from kvwatch.config import apply_env_overrides, config_from_mapping, parse_host_port
 from kvwatch.mixin import k8s
 
-from .kustomize_subset import UnsupportedError, build
+from .kustomize_subset import CLUSTER_SCOPED, UnsupportedError, build
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("node-agent", "pid-mapping", "sidecar-example")
+OVERLAYS = ("node-agent", "pid-mapping", "sidecar-example", "discovery")
+#: overlays whose namespace admits privileged pods, and the one thing each needs it for
+PRIVILEGED_NAMESPACE = {"pid-mapping": "hostPID", "discovery": "the kubelet's pod-resources socket"}
+POD_RESOURCES = "/var/lib/kubelet/pod-resources"
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # 1.29: first release with native sidecars on by default
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 CRD_SCHEMA = yaml.safe_load((Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(
@@ -95,8 +98,10 @@ def test_every_overlay_renders_the_objects_its_mode_needs(overlay: tuple[str, li
     else:
         assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor"} <= kinds
         assert "PodMonitor" not in kinds
-    namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"}
+    namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] not in CLUSTER_SCOPED}
     assert namespaces == {_one(objects, "Namespace")["metadata"]["name"]}
+    assert ({o["kind"] for o in objects} & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+            == ({"ClusterRole", "ClusterRoleBinding"} if name == "discovery" else set()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,17 +159,23 @@ def test_rule_groups_have_unique_names_within_each_prometheusrule(overlay) -> No
 
 
 def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    _, objects = overlay
+    name, objects = overlay
+    discovery = name == "discovery"  # its exceptions: a token, the pod-resources socket, UID 0
     for pod in _pod_specs(objects):
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-        assert pod["automountServiceAccountToken"] is False
+        assert pod["automountServiceAccountToken"] is discovery
         assert not pod.get("hostNetwork") and not pod.get("hostIPC")
-        assert not any("hostPath" in v for v in pod.get("volumes", []))
+        host_paths = [v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v]
+        assert host_paths == ([{"path": POD_RESOURCES, "type": "Directory"}] if discovery else [])
         for c in _containers(pod):
             sc = c["securityContext"]
             run_as_non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))
-            assert run_as_non_root is True, c["name"]
-            assert sc.get("runAsUser", pod["securityContext"].get("runAsUser", 1)) != 0, c["name"]
+            assert run_as_non_root is not discovery, c["name"]
+            uid = sc.get("runAsUser", pod["securityContext"].get("runAsUser", 1))
+            assert (uid == 0) is discovery, c["name"]
+            for mount in c.get("volumeMounts", []):
+                if mount["mountPath"] == POD_RESOURCES:
+                    assert mount["readOnly"] is True
             assert sc["readOnlyRootFilesystem"] is True, c["name"]
             assert sc["allowPrivilegeEscalation"] is False, c["name"]
             assert sc.get("privileged", False) is False, c["name"]
@@ -176,9 +187,33 @@ def test_host_pid_only_in_the_pid_mapping_overlay(overlay: tuple[str, list[dict[
     name, objects = overlay
     host_pid = [bool(p.get("hostPID")) for p in _pod_specs(objects)]
     assert host_pid == [name == "pid-mapping"] * len(host_pid)
-    # hostPID is outside Pod Security "baseline": the overlay must say so on its namespace.
+    # hostPID and hostPath are outside Pod Security "baseline": the overlay must say so on its namespace.
     enforce = _one(objects, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
-    assert enforce == ("privileged" if name == "pid-mapping" else "restricted")
+    assert enforce == ("privileged" if name in PRIVILEGED_NAMESPACE else "restricted")
+
+
+def test_discovery_may_read_pods_and_nothing_else() -> None:
+    objects = build(KUBE / "overlays" / "discovery")
+    role = _one(objects, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = _one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    daemonset = _one(objects, "DaemonSet")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": daemonset["spec"]["template"]["spec"][
+        "serviceAccountName"], "namespace": daemonset["metadata"]["namespace"]}]
+
+
+def test_discovery_needs_no_per_node_configuration() -> None:
+    objects = build(KUBE / "overlays" / "discovery")
+    cfg = _agent_config(objects)
+    assert cfg.replicas == ()  # found, not listed
+    assert cfg.discovery.kubernetes.enabled and cfg.discovery.kubernetes.api_url is None  # in-cluster
+    assert cfg.discovery.pod_resources.enabled
+    assert cfg.discovery.pod_resources.socket.startswith(POD_RESOURCES + "/")
+    container = _kvwatch_container(_kvwatch_pod(objects))
+    assert "KVWATCH_REPLICAS" not in _container_env(container)
+    assert _container_env(container)["KVWATCH_NODE"] == "gpu-node-1"  # the field selector's node
 
 
 def test_node_agent_observes_gpus_without_allocating_any() -> None:
@@ -251,10 +286,11 @@ def _agent_config(objects: list[dict[str, Any]]):
 
 
 def test_agent_config_in_each_overlay_is_accepted_by_kvwatch(overlay) -> None:
-    _, objects = overlay
+    name, objects = overlay
     cfg = _agent_config(objects)
     assert cfg.node == "gpu-node-1"
-    assert cfg.replicas
+    assert bool(cfg.replicas) is not cfg.discovery.kubernetes.enabled
+    assert cfg.discovery.kubernetes.enabled is (name == "discovery")
 
 
 def test_node_agent_reaches_engines_on_the_node_ip() -> None:
