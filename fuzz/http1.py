@@ -1,0 +1,110 @@
+"""Fuzz target for the proxy's HTTP/1 parsers (``kvwatch/requests/http1.py``).
+
+One input is tried as a request head, a response head and a chunked body (fed whole, and byte
+by byte). The invariants are what the proxy's safety rests on:
+
+- a parser returns or raises ``HttpError``; nothing else escapes (no ValueError from ``int()``, no
+  infinite loop: a hang is a finding);
+- an accepted head holds no byte an engine's parser could read differently: names are tokens,
+  values have no control character but HTAB, the target is visible ASCII; re-rendered as the proxy
+  forwards it, it parses back to the same head;
+- the chunked decoder gives the same payload (or the same refusal) however its input is split.
+
+Run by hand, with coverage guidance (docs/security.md, "Testing hostile input")::
+
+    .venv/bin/pip install atheris
+    .venv/bin/python fuzz/http1.py -max_total_time=600 fuzz/corpus/http1
+
+The normal test suite runs the same ``one_input`` under hypothesis for a few seconds
+(``tests/requests/test_http1_fuzz.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from kvwatch.requests import http1
+from kvwatch.requests.http1 import ChunkedDecoder, HttpError
+
+# RFC 9110 §5.6.2 and §5.5, written out here rather than taken from the code under test
+TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+CONTROL = frozenset([*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F])
+VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
+
+
+def is_token(data: bytes) -> bool:
+    return bool(data) and all(b in TCHAR for b in data)
+
+
+def check_head_fields(headers: http1.Headers) -> None:
+    for name, value in headers:
+        assert is_token(name), name
+        assert not any(b in CONTROL for b in value), value
+        assert value == value.strip(b" \t")
+
+
+def check_request_head(data: bytes) -> None:
+    try:
+        head = http1.parse_request_head(data)
+    except HttpError:
+        return
+    assert is_token(head.method)
+    assert head.target and all(b in VISIBLE_ASCII for b in head.target)
+    assert head.target[:1] == b"/" or head.target == b"*"
+    check_head_fields(head.headers)
+    forwarded = http1.render_head(head.method + b" " + head.target + b" " + head.version, head.headers)
+    again = http1.parse_request_head(forwarded[:-4])
+    assert (again.method, again.target, again.version, again.headers) == \
+        (head.method, head.target, head.version, head.headers)
+    for check in (head.content_length, head.chunked):
+        with contextlib.suppress(HttpError):
+            check()
+
+
+def check_response_head(data: bytes) -> None:
+    try:
+        head = http1.parse_response_head(data)
+    except HttpError as exc:
+        assert exc.status == 502
+        return
+    assert 0 <= head.status <= 999
+    check_head_fields(head.headers)
+    forwarded = http1.render_head(b"HTTP/1.1 %d %b" % (head.status, head.reason), head.headers)
+    again = http1.parse_response_head(forwarded[:-4])
+    assert (again.status, again.reason, again.headers) == (head.status, head.reason, head.headers)
+
+
+def decode(pieces: list[bytes]) -> tuple[bytes, bool, bytes] | str:
+    decoder = ChunkedDecoder()
+    out = bytearray()
+    try:
+        for piece in pieces:
+            out += decoder.feed(piece)
+    except HttpError:
+        return "refused"
+    return bytes(out), decoder.done, decoder.rest
+
+
+def check_chunked(data: bytes) -> None:
+    whole = decode([data])
+    split = decode([data[i:i + 1] for i in range(len(data))])
+    assert whole == split, (whole, split)
+
+
+def one_input(data: bytes) -> None:
+    check_request_head(data)
+    check_response_head(data)
+    check_chunked(data)
+
+
+def main() -> None:
+    import atheris
+
+    atheris.instrument_all()
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
