@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvwatch.config import Config, ReplicaConfig
-from kvwatch.discovery.kube_api import Pods, PodWatch
+from kvwatch.discovery.kube_api import ApiError, Pods, PodWatch
 from kvwatch.discovery.pods import PodEngine, judge_pod, pod_key
 from kvwatch.state import DiscoveryStatus, NodeState
 
@@ -53,6 +53,9 @@ class PodDiscovery:
             await self.watch.run()
         except asyncio.CancelledError:
             raise
+        except ApiError as exc:  # no API server to talk to at all (not in a cluster, no api_url)
+            log.error("kubernetes discovery cannot start: %s", exc)
+            self.state.report("kubernetes", False, 0.0, str(exc))
         except Exception:  # a bug here must not stop the agent; it shows as a failed collector
             log.exception("kubernetes discovery stopped")
             self.state.report("kubernetes", False, 0.0, "discovery stopped (see log)")

@@ -47,6 +47,7 @@ WATCH_EVENTS = "kvwatch_discovery_watch_events"
 WATCH_ERRORS = "kvwatch_discovery_watch_errors"
 RELISTS = "kvwatch_discovery_relists"
 BACKOFF_BASE_S = 0.5
+OFF_LOOP_BYTES = 1024 * 1024
 COLLECTOR = "kubernetes"
 
 Pods = dict[str, dict[str, Any]]  # pod uid -> pod object as the API sent it
@@ -237,7 +238,9 @@ class PodWatch:
         started = time.perf_counter()
         body = await self._get_bounded(client, self._params(), self.config.max_list_bytes)
         try:
-            data = json.loads(body)
+            # a node's pods are ~10 KiB each; a large list decodes off the event loop (the proxy runs there)
+            small = len(body) < OFF_LOOP_BYTES
+            data = json.loads(body) if small else await asyncio.to_thread(json.loads, body)
             items = data["items"] if isinstance(data.get("items"), list) else []
             rv = str(data["metadata"]["resourceVersion"])
         except (ValueError, KeyError, TypeError, AttributeError):

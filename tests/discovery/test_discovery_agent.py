@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
-import httpx
+import pytest
 
 from kvwatch.agent import Agent
 from kvwatch.config import (
@@ -18,7 +16,7 @@ from kvwatch.config import (
     NvmlConfig,
     ScrapeConfig,
 )
-from kvwatch.sim.node import SimNode, h200_node
+from tests.discovery.conftest import Cluster, scrape_until
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
 
 
@@ -30,25 +28,12 @@ def _config(api: FakeApiServer, token_file: str) -> Config:
                   discovery=DiscoveryConfig(kubernetes=kube))
 
 
-async def _metrics(agent: Agent) -> str:
-    async with httpx.AsyncClient() as client:
-        return (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)).text
+def _url(agent: Agent) -> str:
+    return f"http://127.0.0.1:{agent.port}/metrics"
 
 
-async def _until(agent: Agent, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    body = ""
-    while time.monotonic() < deadline:
-        body = await _metrics(agent)
-        if all(p in body for p in present) and not any(a in body for a in absent):
-            return body
-        await asyncio.sleep(0.1)
-    lines = "\n".join(line for line in body.splitlines() if "llm/" in line or "discovery" in line)
-    raise AssertionError(f"not reached: present={present} absent={absent}\n{lines}")
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
+async def _until(agent: Agent, *present: str, absent: tuple[str, ...] = ()) -> str:
+    return await scrape_until(_url(agent), *present, absent=absent)
 
 
 UP_0 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0'
@@ -57,21 +42,16 @@ KV_0 = ('kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="0",'
         'model_name="meta-llama/Llama-3.1-8B-Instruct",replica="llm/qwen-0"}')
 
 
-async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go(tmp_path, caplog):
+@pytest.mark.engines(2)
+async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go(cluster: Cluster, caplog):
     caplog.set_level(logging.INFO, logger="kvwatch")
-    token = tmp_path / "token"
-    token.write_text("test-token")
-    node = SimNode(h200_node("llama-3.1-8b", gpus=2, speed=20))
-    await node.start()
-    api = FakeApiServer()
-    await api.start()
-    ports = [_port(u) for u in node.replica_urls]
+    api, ports = cluster.api, cluster.ports
     qwen0 = await api.create(make_pod("qwen-0", containers=[vllm_container(ports[0])]))
     qwen1 = await api.create(make_pod("qwen-1", containers=[vllm_container(ports[1])]))
     bad = await api.create(make_pod("typo", annotations={"kvwatch.io/port": "80800"},
                                     containers=[vllm_container(ports[1])]))
     await api.create(make_pod("not-an-engine", containers=[{"name": "redis", "image": "redis:7"}]))
-    agent = Agent(_config(api, str(token)))
+    agent = Agent(_config(api, str(cluster.token)))
     await agent.start()
     try:
         body = await _until(agent, "kvwatch_discovery_replicas 0.0", "kvwatch_discovery_stale 0.0")
@@ -107,30 +87,19 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
         assert "replica llm/qwen-0 gone" in caplog.text
     finally:
         await agent.stop()
-        await api.stop()
-        await node.stop()
 
 
-async def test_known_pods_stay_while_the_api_is_unreachable_and_the_agent_says_so(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("test-token")
-    node = SimNode(h200_node("llama-3.1-8b", gpus=1, speed=20))
-    await node.start()
-    api = FakeApiServer()
-    port = (await api.start()) and api.port
-    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(_port(node.replica_urls[0]))]))
-    await api.run(uid, "127.0.0.1")
-    await api.set_ready(uid)
-    agent = Agent(_config(api, str(token)))
+async def test_known_pods_stay_while_the_api_is_unreachable_and_the_agent_says_so(cluster: Cluster):
+    api = cluster.api
+    await cluster.ready_vllm_pod("qwen-0", cluster.ports[0])
+    agent = Agent(_config(api, str(cluster.token)))
     await agent.start()
     try:
         await _until(agent, UP_0, "kvwatch_discovery_stale 0.0")
         await api.stop()
         body = await _until(agent, "kvwatch_discovery_stale 1.0", UP_0)  # still scraped
         assert 'kvwatch_collector_success{collector="kubernetes"} 0.0' in body
-        await api.start(port)
+        await api.start()  # the same port again
         await _until(agent, "kvwatch_discovery_stale 0.0", UP_0)
     finally:
         await agent.stop()
-        await api.stop()
-        await node.stop()

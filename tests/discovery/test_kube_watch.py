@@ -10,7 +10,14 @@ from collections import Counter
 import pytest
 
 from kvwatch.config import KubernetesDiscoveryConfig
-from kvwatch.discovery.kube_api import PodWatch, StreamError, decode_event, split_lines
+from kvwatch.discovery.kube_api import (
+    ApiError,
+    PodWatch,
+    StreamError,
+    decode_event,
+    in_cluster_url,
+    split_lines,
+)
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
 from tests.local import free_port
 
@@ -95,7 +102,7 @@ async def test_a_watch_the_server_ends_resumes_without_a_relist(tmp_path):
     try:
         async with watching(server, tmp_path, watch_timeout_s=1.0) as (watch, _sinks):
             await until(lambda: watch.status.synced)
-            await asyncio.sleep(2.5)  # at least two watches ended by timeoutSeconds
+            await asyncio.sleep(1.5)  # the first watch ended by timeoutSeconds, the next one running
             await server.create(make_pod("late"))
             await until(lambda: names(watch) == {"late"})
             lists = [r for r in server.requests if "watch" not in r]
@@ -208,3 +215,11 @@ def test_split_lines_is_bounded_and_keeps_partial_lines():
         split_lines(bytearray(), b"x" * 65, 64)
     with pytest.raises(StreamError):
         decode_event(b'{"type": "ADDED", "object": []}')
+
+
+def test_the_in_cluster_address_is_the_one_the_kubelet_injects():
+    assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}) \
+        == "https://10.96.0.1:443"
+    assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
+    with pytest.raises(ApiError, match="KUBERNETES_SERVICE_HOST is not set"):
+        in_cluster_url({})

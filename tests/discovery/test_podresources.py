@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import filecmp
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvwatch.agent import Agent
@@ -27,8 +24,7 @@ from kvwatch.derive.gpu_mapping import GpuRef, resolve_device_id
 from kvwatch.discovery.podresources import PodResourcesError, list_grants
 from kvwatch.gpu.fake import FakeNvml, _uuid_for
 from kvwatch.model import GpuGrant
-from kvwatch.sim.node import SimNode, h200_node
-from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.discovery.conftest import Cluster, scrape_until
 from tests.discovery.fake_kubelet import FakeKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,30 +70,9 @@ async def test_a_missing_socket_is_an_error_that_names_it(tmp_path):
         await list_grants(str(tmp_path / "kubelet.sock"), ("nvidia.com/gpu",), 0.5)
 
 
-async def _until(url: str, *present: str, timeout_s: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    body = ""
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            body = (await client.get(url, timeout=5)).text
-            if all(p in body for p in present):
-                return body
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"not reached: {present}\n" + "\n".join(
-        line for line in body.splitlines() if "gpu_memory_used" in line or "replica_gpu" in line))
-
-
-async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_scan(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("test-token")
-    node = SimNode(h200_node("llama-3.1-8b", gpus=1, speed=20))
-    await node.start()
-    api = FakeApiServer()
-    await api.start()
-    port = int(node.replica_urls[0].rsplit(":", 1)[1])
-    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(port)]))
-    await api.run(uid, "127.0.0.1")
-    await api.set_ready(uid)
+async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_scan(tmp_path, cluster: Cluster):
+    api, token = cluster.api, cluster.token
+    await cluster.ready_vllm_pod("qwen-0", cluster.ports[0])
     kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"),
                           {("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU1])]}})
     await kubelet.start()
@@ -117,7 +92,7 @@ async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_sca
     await agent.start()
     url = f"http://127.0.0.1:{agent.port}/metrics"
     try:
-        body = await _until(
+        body = await scrape_until(
             url, f'kvwatch_gpu_memory_used_bytes{{container="vllm",gpu="1",namespace="llm",pod="qwen-0",'
                  f'uuid="{GPU1}"}}',
             f'kvwatch_replica_gpu_info{{dp_rank="",gpu="1",mapped_by="pod_resources",replica="llm/qwen-0",'
@@ -126,12 +101,10 @@ async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_sca
         assert unowned in body
         assert 'kvwatch_collector_success{collector="pod_resources"} 1.0' in body
         kubelet.pods = {}  # the pod went away: the GPU is nobody's
-        await _until(url, f'kvwatch_gpu_memory_used_bytes{{container="",gpu="1",namespace="",pod="",'
+        await scrape_until(url, f'kvwatch_gpu_memory_used_bytes{{container="",gpu="1",namespace="",pod="",'
                           f'uuid="{GPU1}"}}')
         await kubelet.stop()
-        await _until(url, 'kvwatch_collector_success{collector="pod_resources"} 0.0')
+        await scrape_until(url, 'kvwatch_collector_success{collector="pod_resources"} 0.0')
     finally:
         await agent.stop()
         await kubelet.stop()
-        await api.stop()
-        await node.stop()

@@ -103,3 +103,18 @@ def test_only_running_ready_pods_with_an_ip_that_are_not_terminating_are_replica
 def test_a_pod_object_of_the_wrong_shape_is_a_problem_not_a_crash():
     verdict = judge_pod({"metadata": {"name": "x"}, "spec": {"containers": "not-a-list"}, "status": 5})
     assert verdict.engine is None
+
+
+def test_an_sglang_container_is_recognised_by_its_launch_command_and_default_port():
+    sglang = {"name": "server", "image": "registry.example.com/llm/server:1.2",
+              "command": ["python3", "-m", "sglang.launch_server"],
+              "args": ["--model-path", "Qwen/Qwen3-8B", "--enable-metrics"]}
+    engine = judge_pod(_ready(make_pod("sgl", containers=[sglang]))).engine
+    assert engine is not None and engine.backend == "sglang"
+    assert engine.metrics_url == "http://10.1.2.3:30000/metrics"
+
+
+def test_a_container_port_named_metrics_wins_over_the_arguments():
+    container = {**vllm_container(8000), "ports": [{"name": "metrics", "containerPort": 9100}]}
+    engine = judge_pod(_ready(make_pod("v", containers=[container]))).engine
+    assert engine is not None and engine.metrics_url.endswith(":9100/metrics")

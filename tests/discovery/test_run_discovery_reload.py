@@ -7,13 +7,12 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
-import httpx
+import pytest
 
-from kvwatch.sim.node import SimNode, h200_node
-from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.fake_apiserver import FakeApiServer
 from tests.local import free_port
 
 
@@ -52,33 +51,10 @@ discovery:
 {extra}"""
 
 
-async def _until(url: str, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 15.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    body = ""
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                body = (await client.get(url, timeout=2)).text
-            except httpx.HTTPError:
-                body = ""
-            if body and all(p in body for p in present) and not any(a in body for a in absent):
-                return body
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"not reached: {present} / not {absent}\n" + "\n".join(
-        line for line in body.splitlines() if "target_up" in line or "reload" in line or "discovery" in line))
-
-
-async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("test-token\n")
-    node = SimNode(h200_node("llama-3.1-8b", gpus=2, speed=20))
-    await node.start()
-    api = FakeApiServer()
-    await api.start()
-    ports = [int(u.rsplit(":", 1)[1]) for u in node.replica_urls]
-    uid = await api.create(make_pod("qwen-0", containers=[vllm_container(ports[0])]))
-    await api.run(uid, "127.0.0.1")
-    await api.set_ready(uid)
+@pytest.mark.engines(2)
+async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path, cluster: Cluster):
+    api, token, ports = cluster.api, cluster.token, cluster.ports
+    await cluster.ready_vllm_pod("qwen-0", ports[0])
     volume_dir = tmp_path / "config"
     volume_dir.mkdir()
     volume = ConfigMapVolume(volume_dir)
@@ -90,21 +66,21 @@ async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{listen}/metrics"
     try:
-        await _until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
                      "kvwatch_config_last_reload_successful 1.0")
         # the ConfigMap gains a static replica: the kubelet swaps ..data; kvwatch follows
         static = f'replicas: [{{name: bare-1, metrics_url: "http://127.0.0.1:{ports[1]}/metrics"}}]'
         volume.write(_config(api, token, listen, static))
-        await _until(url, 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0',
+        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0',
                      'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0')
         # a bad edit: refused, the running config kept, the metric says so
         volume.write(_config(api, token, listen, static + "\nintervals: {engine: fast}"))
-        body = await _until(url, "kvwatch_config_last_reload_successful 0.0")
+        body = await scrape_until(url, "kvwatch_config_last_reload_successful 0.0")
         assert 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0' in body
         # fixed in place (no swap) and SIGHUP: applied; bare-1 gone with its series
         Path(os.path.realpath(volume.path)).write_text(_config(api, token, listen))
         proc.send_signal(signal.SIGHUP)
-        await _until(url, "kvwatch_config_last_reload_successful 1.0",
+        await scrape_until(url, "kvwatch_config_last_reload_successful 1.0",
                      'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
                      absent=('replica="bare-1"',))
     finally:
@@ -114,8 +90,6 @@ async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path):
         except TimeoutError:
             proc.kill()
             _, stderr = await proc.communicate()
-        await api.stop()
-        await node.stop()
     log = stderr.decode()
     assert proc.returncode == 0, log[-3000:]
     assert "config reload" in log and "intervals.engine: expected a duration" in log
