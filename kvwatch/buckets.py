@@ -7,6 +7,8 @@ is not in these lists. Upper bounds only; ``+Inf`` is implicit. Documented in do
 
 from __future__ import annotations
 
+import functools
+
 TTFT_SECONDS: tuple[float, ...] = (
     0.025, 0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
     30.0, 60.0, 120.0, 300.0,
@@ -46,3 +48,9 @@ def le_label(bound: float) -> str:
     if bound == float("inf"):
         return "+Inf"
     return repr(float(bound))
+
+
+@functools.cache
+def le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label values of a bucket layout, ``+Inf`` last."""
+    return (*(le_label(b) for b in bounds), "+Inf")

@@ -16,7 +16,8 @@ from enum import StrEnum
 # Identity vocabularies (bounded label values)
 # --------------------------------------------------------------------------------------------
 
-BACKENDS = ("vllm", "sglang", "trtllm", "dynamo", "llamacpp", "tgi", "sim")
+#: every engine an adapter reads (``engines/registry.ADAPTERS`` has exactly these keys)
+BACKENDS = ("vllm", "sglang", "trtllm", "dynamo", "llamacpp", "tgi")
 
 #: KV tiers in plain words. Engines name them differently (KVBM "h2d" means host->disk when
 #: offloading and host->device when onboarding); adapters translate into these.
@@ -205,6 +206,28 @@ class NvLinkSample:
     active: bool | None = None
     tx_bytes_total: float | None = None
     rx_bytes_total: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """One process as /proc shows it to kvwatch.
+
+    ``pid`` is the PID in kvwatch's own PID namespace (the host's with ``hostPID``). ``ns_pids`` is
+    the ``NSpid`` chain from that namespace inwards, ``ns_pids[-1]`` being the PID the process
+    sees itself (inside its container).
+    """
+
+    pid: int
+    ppid: int | None = None
+    ns_pids: tuple[int, ...] = ()
+    children: tuple[int, ...] = ()
+    cuda_visible_devices: str | None = None
+    nvidia_visible_devices: str | None = None
+
+    @property
+    def all_pids(self) -> tuple[int, ...]:
+        """Every number this process is known by (own namespace first)."""
+        return tuple(dict.fromkeys((self.pid, *self.ns_pids)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ samples are dropped rather than served as if fresh.
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import threading
 import time
@@ -26,7 +25,6 @@ from kvwatch.model import (
     LengthBands,
     ReplicaSample,
     RequestRecord,
-    SlotSample,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -52,7 +50,6 @@ class TargetState:
     backend: str = "unknown"
     up: bool = False
     samples: tuple[ReplicaSample, ...] = ()
-    slots: tuple[SlotSample, ...] = ()
     last_success_ts: float | None = None
     last_error: str | None = None
     scrape_duration_s: float = 0.0
@@ -63,8 +60,9 @@ class TargetState:
     backoff_until: float | None = None
     #: last good samples, kept while down only to detect counter resets (engine restarts); never exported
     previous_samples: tuple[ReplicaSample, ...] = ()
-    #: why the last llama.cpp /slots fetch failed (the target stays up), None when it worked
-    slots_error: str | None = None
+    #: why the last fetch of the adapter's extra page (llama.cpp /slots) failed (the target stays up),
+    #: None when it worked
+    extra_page_error: str | None = None
 
 
 @dataclass(slots=True)
@@ -189,17 +187,11 @@ class Histogram:
         self.sum += total
 
     def cumulative(self) -> list[tuple[str, float]]:
-        return list(zip(le_labels(self.bounds), self.cumulative_counts(), strict=True))
+        return list(zip(buckets.le_labels(self.bounds), self.cumulative_counts(), strict=True))
 
     def cumulative_counts(self) -> list[float]:
         """Cumulative bucket counts, ``+Inf`` last (aligned with ``le_labels(bounds)``)."""
         return [float(c) for c in itertools.accumulate(self.bins)]
-
-
-@functools.cache
-def le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
-    """The ``le`` label values of a bucket layout, ``+Inf`` last."""
-    return (*(buckets.le_label(b) for b in bounds), "+Inf")
 
 
 HISTOGRAM_FAMILIES = {

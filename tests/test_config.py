@@ -61,6 +61,13 @@ def test_every_problem_is_reported_with_its_key_path():
     assert "unknown key" in found["bogus"]
 
 
+def test_a_backend_is_valid_only_if_an_adapter_reads_it():
+    # "sim" once passed validation and then failed every scrape as malformed: the demo's engines
+    # speak vLLM's page, so they are backend vllm
+    found = problems({"replicas": [{"name": "r", "metrics_url": "http://a/metrics", "backend": "sim"}]})
+    assert "unknown backend 'sim'" in found["replicas[0].backend"]
+
+
 def test_duplicate_names_and_proxy_ports_are_refused():
     rep = {"name": "r", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": ":9000"}
     found = problems({"replicas": [rep, dict(rep)]})

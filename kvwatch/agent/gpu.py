@@ -16,7 +16,8 @@ from typing import Any
 from kvwatch.config import Config, NvmlConfig
 from kvwatch.derive.gpu_mapping import GpuMapping, GpuRef, ReplicaTarget, gpu_owners, map_replicas
 from kvwatch.gpu.nvml import NvmlCollector, PollReport
-from kvwatch.gpu.processes import ProcessInfo, ProcReader, read_pid_file
+from kvwatch.gpu.processes import ProcReader, read_pid_file
+from kvwatch.model import ProcessInfo
 from kvwatch.state import NodeState
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvwatch.agent.derived import update_derived
+from kvwatch.agent.engines import scrape_target
 from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.config import Config, ReplicaConfig
 from kvwatch.derive.recompute import request_stalled
-from kvwatch.engines.scraper import scrape_target
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector

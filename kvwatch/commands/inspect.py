@@ -50,17 +50,16 @@ def _is_url(source: str) -> bool:
 async def _fetch(url: str, timeout_s: float, slots_url: str | None, backend: str) -> tuple[Any, Any]:
     import httpx
 
-    from kvwatch.config import ReplicaConfig, ScrapeConfig
+    from kvwatch.config import ScrapeConfig
     from kvwatch.engines import llamacpp
     from kvwatch.engines.fetch import ACCEPT_JSON, ScrapeError, fetch_body, fetch_metrics
-    from kvwatch.engines.scraper import slots_url as derive_slots_url
 
     limit = ScrapeConfig().max_response_bytes
     async with httpx.AsyncClient() as client:
         text = await fetch_metrics(client, url, replica="", timeout_s=timeout_s, max_bytes=limit)
         if backend not in ("auto", "llamacpp") or "llamacpp:" not in text:
             return text, None
-        where = slots_url or derive_slots_url(ReplicaConfig(REPLICA, url))
+        where = llamacpp.EXTRA_PAGE.url(url, slots_url)
         try:
             body, _ = await fetch_body(client, where, replica="", timeout_s=timeout_s,
                                        max_bytes=limit, accept=ACCEPT_JSON)

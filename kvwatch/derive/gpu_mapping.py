@@ -22,8 +22,7 @@ from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwatch.gpu.processes import ProcessInfo
-from kvwatch.model import GpuGrant
+from kvwatch.model import GpuGrant, ProcessInfo
 
 MAPPED_BY = ("config", "pod_resources", "pid", "cuda_visible_devices")
 

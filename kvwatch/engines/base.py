@@ -5,6 +5,7 @@ An adapter is a module with::
     BACKEND: str                                                   # one of model.BACKENDS
     def detect(expo: Exposition) -> bool                           # does this page belong to me?
     def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]
+    EXTRA_PAGE: ExtraPage                                          # optional: a page besides /metrics
 
 Version differences are data: each adapter lists, per ``ReplicaSample`` field, the exposed names
 that carried it over the engine's history, newest first (``Field``), and ``VersionHint`` rows that
@@ -15,9 +16,10 @@ the replica. A field whose names are all absent stays ``None`` (not measured), n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.engines.exposition import Exposition, Labels
 from kvwatch.model import HistogramSnapshot, ReplicaSample, TierTraffic
@@ -29,6 +31,30 @@ class Adapter(Protocol):
     def detect(self, expo: Exposition) -> bool: ...
 
     def parse(self, expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraPage:
+    """A page an adapter reads besides ``/metrics`` (llama.cpp's ``/slots``).
+
+    The scrape job fetches it after a good ``/metrics`` and hands the body to ``apply``; when it
+    fails (``apply`` raises ``ValueError`` or the fetch fails) only what it adds is lost: the target
+    stays up with the ``/metrics`` samples, and ``lost`` says what is missing and how to fix it.
+    """
+
+    path: str  # replaces a trailing /metrics of the metrics URL when the config names no URL
+    accept: str
+    apply: Callable[[bytes, tuple[ReplicaSample, ...]], tuple[ReplicaSample, ...]]
+    lost: str
+
+    def url(self, metrics_url: str, configured: str | None = None) -> str:
+        """``configured``, else ``metrics_url`` with ``/metrics`` replaced by ``path``."""
+        if configured:
+            return configured
+        parts = urlsplit(metrics_url)
+        path = parts.path.rstrip("/")
+        base = path[: -len("/metrics")] if path.endswith("/metrics") else ""
+        return urlunsplit((parts.scheme, parts.netloc, f"{base}{self.path}", "", ""))
 
 
 @dataclass(frozen=True, slots=True)

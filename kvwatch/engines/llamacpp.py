@@ -28,8 +28,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvwatch.engines.base import Field, RankView, VersionHint, read_fields, sample, version_hint
+from kvwatch.engines.base import (
+    ExtraPage,
+    Field,
+    RankView,
+    VersionHint,
+    read_fields,
+    sample,
+    version_hint,
+)
 from kvwatch.engines.exposition import Exposition
+from kvwatch.engines.fetch import ACCEPT_JSON
 from kvwatch.model import ReplicaSample, SlotSample
 
 BACKEND = "llamacpp"
@@ -143,3 +152,14 @@ def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> R
         live_tokens=live,
         version_hint=f"{hint}; KV from /slots ({len(slots)} slots)",
     )
+
+
+def _with_slots(body: bytes, samples: tuple[ReplicaSample, ...]) -> tuple[ReplicaSample, ...]:
+    slots = parse_slots(body)
+    return tuple(apply_slots(s, slots) for s in samples)
+
+
+#: ``/slots``, fetched after ``/metrics``: the only KV source of newer builds
+EXTRA_PAGE = ExtraPage("/slots", ACCEPT_JSON, _with_slots,
+                       "KV numbers from /slots unavailable (start llama-server with --slots, "
+                       "or set replicas[].slots_url)")

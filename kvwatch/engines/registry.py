@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from kvwatch.engines import dynamo, llamacpp, sglang, tgi, trtllm, vllm
+from kvwatch.engines.base import ExtraPage
 from kvwatch.engines.exposition import Exposition, parse_text
 from kvwatch.model import ReplicaSample
 
@@ -38,6 +39,11 @@ class ParseResult:
     backend: str
     samples: tuple[ReplicaSample, ...]
     notes: tuple[str, ...] = field(default=())
+
+
+def extra_page(backend: str) -> ExtraPage | None:
+    """The page the backend's adapter reads besides ``/metrics``, if it has one."""
+    return getattr(ADAPTERS.get(backend), "EXTRA_PAGE", None)
 
 
 def detect_backend(expo: Exposition) -> str | None:

@@ -31,11 +31,12 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
+from kvwatch import buckets
 from kvwatch.catalog import spec
 from kvwatch.config import Config
 from kvwatch.export.encode import HistogramRows
 from kvwatch.model import OUTCOMES
-from kvwatch.state import NodeState, le_labels
+from kvwatch.state import NodeState
 
 HISTOGRAMS = (
     "kvwatch_request_ttft_seconds",
@@ -80,7 +81,7 @@ class RequestCollector:
             for key in keys:
                 h = hists[key][name]
                 if h.count:  # a family this source never observes (queue time at a proxy) stays out
-                    family.add_row(key, le_labels(h.bounds), h.cumulative_counts(), h.sum)
+                    family.add_row(key, buckets.le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
         yield self._outcomes(outcomes)
         counter = spec("kvwatch_request_output_tokens_estimated").counter()

@@ -14,36 +14,15 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
+
+from kvwatch.model import ProcessInfo
 
 log = logging.getLogger(__name__)
 
 VISIBLE_DEVICE_VARS = (b"CUDA_VISIBLE_DEVICES", b"NVIDIA_VISIBLE_DEVICES")
 MAX_TREE = 4096  # processes followed below one engine PID (a runaway fork tree stops here)
 MAX_ENVIRON_BYTES = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    """One process as /proc shows it to kvwatch.
-
-    ``pid`` is the PID in kvwatch's own PID namespace (the host's with ``hostPID``). ``ns_pids`` is
-    the ``NSpid`` chain from that namespace inwards, ``ns_pids[-1]`` being the PID the process
-    sees itself (inside its container).
-    """
-
-    pid: int
-    ppid: int | None = None
-    ns_pids: tuple[int, ...] = ()
-    children: tuple[int, ...] = ()
-    cuda_visible_devices: str | None = None
-    nvidia_visible_devices: str | None = None
-
-    @property
-    def all_pids(self) -> tuple[int, ...]:
-        """Every number this process is known by (own namespace first)."""
-        return tuple(dict.fromkeys((self.pid, *self.ns_pids)))
 
 
 class ProcReader:

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
-from kvwatch.engines.scraper import scrape_target
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
@@ -102,6 +102,7 @@ async def test_scraper_reads_metrics_and_slots_of_the_real_server(real_llamacpp)
                             ScrapeConfig(timeout_s=30), state)
     target = state.target("cpu-llama")
     assert target.up and target.backend == "llamacpp", target.last_error
-    assert len(target.slots) == 2 and target.slots_error is None
+    assert target.extra_page_error is None
     (s,) = target.samples
+    assert s.version_hint.endswith("KV from /slots (2 slots)")
     assert (s.model_name, s.kv_capacity_tokens) == ("tiny", 512.0)

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
-from kvwatch.engines.scraper import scrape_target
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 

@@ -46,7 +46,7 @@ def test_dynamo_worker_pages_with_engine_families_belong_to_the_engine():
 
 
 def test_adapters_cover_every_engine_backend():
-    assert set(ADAPTERS) == set(BACKENDS) - {"sim"}
+    assert set(ADAPTERS) == set(BACKENDS)
 
 
 def test_page_without_engine_families_names_what_it_found():

@@ -7,15 +7,16 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvwatch.agent.engines import backoff_delay, scrape_target
 from kvwatch.config import Config, ReplicaConfig, ScrapeConfig
-from kvwatch.engines.scraper import backoff_delay, scrape_target, slots_url
+from kvwatch.engines.llamacpp import EXTRA_PAGE
 from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
 from .helpers import LLAMACPP_TINY, page
 
-LOGGER = "kvwatch.engines.scraper"
+LOGGER = "kvwatch.agent.engines"
 SCRAPE = ScrapeConfig(timeout_s=2.0, max_response_bytes=1024 * 1024, backoff_max_s=60.0)
 
 
@@ -234,8 +235,8 @@ async def test_llamacpp_slots_fill_kv_and_model_name_comes_from_config(server, c
     target = state.target("r0")
     (s,) = target.samples
     assert (s.model_name, s.kv_capacity_tokens, s.live_tokens) == ("tiny-gguf", 512.0, 42.0)
-    assert [slot.slot_id for slot in target.slots] == [0, 1]
-    assert target.slots_error is None
+    assert s.version_hint.endswith("KV from /slots (2 slots)")
+    assert target.extra_page_error is None
 
 
 async def test_llamacpp_slots_failure_keeps_the_target_up_and_logs_once(server, client, state, clock, caplog):
@@ -244,14 +245,14 @@ async def test_llamacpp_slots_failure_keeps_the_target_up_and_logs_once(server, 
         await scrape(client, server.url, state, clock)
         clock.advance(5)
     target = state.target("r0")
-    assert target.up and target.slots == () and dict(target.errors) == {}
+    assert target.up and dict(target.errors) == {}
     assert target.samples[0].kv_capacity_tokens is None
-    assert "HTTP 501" in target.slots_error
+    assert "HTTP 501" in target.extra_page_error
     lines = [line for line in log_lines(caplog) if "/slots" in line]
     assert len(lines) == 1 and "stays up" in lines[0]
 
 
 def test_slots_url_is_derived_from_the_metrics_url():
-    assert slots_url(ReplicaConfig("r", "http://h:8080/metrics")) == "http://h:8080/slots"
-    assert slots_url(ReplicaConfig("r", "http://h:8080/llama/metrics?x=1")) == "http://h:8080/llama/slots"
-    assert slots_url(ReplicaConfig("r", "http://h/m", slots_url="http://h/s")) == "http://h/s"
+    assert EXTRA_PAGE.url("http://h:8080/metrics") == "http://h:8080/slots"
+    assert EXTRA_PAGE.url("http://h:8080/llama/metrics?x=1") == "http://h:8080/llama/slots"
+    assert EXTRA_PAGE.url("http://h/m", "http://h/s") == "http://h/s"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.derive.gpu_mapping import GpuRef, ReplicaTarget, map_replicas, process_tree, visible_gpus
-from kvwatch.gpu.processes import ProcessInfo
+from kvwatch.model import ProcessInfo
 
 GPUS = tuple(GpuRef(i, f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}") for i in range(8))
 U = [g.uuid for g in GPUS]

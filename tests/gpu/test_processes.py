@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.gpu.processes import ProcessInfo, ProcReader, read_pid_file
+from kvwatch.gpu.processes import ProcReader, read_pid_file
+from kvwatch.model import ProcessInfo
 
 from .conftest import FakeProc, wait_until
 

@@ -1,14 +1,16 @@
-"""One scrape of one configured replica: fetch, parse, and update its ``TargetState``.
+"""The engine scrape job: one scrape of one replica, fetch, parse, and update its ``TargetState``.
 
-The agent calls ``scrape_target`` on an interval per replica. Failure semantics (DESIGN.md): a failed
-scrape sets ``up = False`` and drops the samples at once, so nothing stale is exported; the error is
-counted by reason; consecutive failures back off exponentially (1 s, 2 s, 4 s, ... up to
-``scrape.backoff_max``), so a dead engine is not hammered; one log line per state change (up -> down
-with the reason, a new reason while down, down -> up), never one per failed scrape. An engine restart
-shows as cumulative counters going backwards between the last good scrape and this one.
+Wiring (the agent layer): the one writer of ``NodeState.targets``. The agent calls
+``scrape_target`` on an interval per replica. A failed scrape sets ``up = False`` and drops the
+samples at once, so nothing stale is exported; the error is counted by reason; consecutive failures
+back off exponentially (1 s, 2 s, 4 s, ... up to ``scrape.backoff_max``), so a dead engine is not
+hammered; one log line per state change (up -> down with the reason, a new reason while down,
+down -> up), never one per failed scrape. An engine restart shows as cumulative counters going
+backwards between the last good scrape and this one.
 
-llama.cpp: ``/slots`` is fetched after ``/metrics`` (``slots_url``, or ``/metrics`` -> ``/slots``).
-Its failure only loses the slot-derived KV numbers; the target stays up.
+An adapter that declares an ``EXTRA_PAGE`` (llama.cpp's ``/slots``) has it fetched after
+``/metrics`` (``replicas[].slots_url``, or the metrics URL with ``/metrics`` replaced). Its failure
+only loses what that page adds; the target stays up.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from kvwatch.config import ReplicaConfig, ScrapeConfig
-from kvwatch.engines import llamacpp
+from kvwatch.engines.base import ExtraPage
 from kvwatch.engines.exposition import ExpositionError
-from kvwatch.engines.fetch import ACCEPT_JSON, ScrapeError, fetch_body, fetch_metrics
-from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, parse_exposition
+from kvwatch.engines.fetch import ScrapeError, fetch_body, fetch_metrics
+from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_exposition
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState, TargetState
 
@@ -38,16 +39,6 @@ COUNTER_FIELDS = (
     "preemptions_total", "recomputed_tokens_total", "prompt_tokens_total", "generation_tokens_total",
     "prefix_cache_queries_total", "prefix_cache_hits_total",
 )
-
-
-def slots_url(replica_cfg: ReplicaConfig) -> str:
-    """Configured ``slots_url``, else the metrics URL with ``/metrics`` replaced by ``/slots``."""
-    if replica_cfg.slots_url:
-        return replica_cfg.slots_url
-    parts = urlsplit(replica_cfg.metrics_url)
-    path = parts.path.rstrip("/")
-    base = path[: -len("/metrics")] if path.endswith("/metrics") else ""
-    return urlunsplit((parts.scheme, parts.netloc, f"{base}/slots", "", ""))
 
 
 def backoff_delay(consecutive_failures: int, backoff_max_s: float) -> float:
@@ -101,35 +92,32 @@ def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tup
     return tuple(s if s.model_name else dataclasses.replace(s, model_name=model_name) for s in samples)
 
 
-async def _slots(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
-                 target: TargetState, samples: tuple[ReplicaSample, ...]) -> tuple[ReplicaSample, ...]:
-    url = slots_url(replica_cfg)
+async def _extra_page(client: httpx.AsyncClient, page: ExtraPage, replica_cfg: ReplicaConfig,
+                      scrape_cfg: ScrapeConfig, target: TargetState,
+                      samples: tuple[ReplicaSample, ...]) -> tuple[ReplicaSample, ...]:
+    url = page.url(replica_cfg.metrics_url, replica_cfg.slots_url)
     try:
-        body, _ = await fetch_body(client, url, replica=replica_cfg.name, accept=ACCEPT_JSON,
+        body, _ = await fetch_body(client, url, replica=replica_cfg.name, accept=page.accept,
                                    timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
                                    max_bytes=scrape_cfg.max_response_bytes)
-        slots = llamacpp.parse_slots(body)
-    except (ScrapeError, llamacpp.SlotsError) as exc:
+        completed = page.apply(body, samples)
+    except (ScrapeError, ValueError) as exc:
         error = f"{url}: {exc}"
-        if target.slots_error is None:
-            log.warning("replica %s: /slots failed (%s); KV numbers from /slots unavailable, target stays "
-                        "up (start llama-server with --slots, or set replicas[].slots_url)",
-                        replica_cfg.name, error)
-        target.slots_error = error
-        target.slots = ()
+        if target.extra_page_error is None:
+            log.warning("replica %s: %s failed (%s); %s, target stays up", replica_cfg.name, page.path,
+                        error, page.lost)
+        target.extra_page_error = error
         return samples
-    if target.slots_error is not None:
-        log.info("replica %s: /slots works again (%d slots)", replica_cfg.name, len(slots))
-    target.slots_error = None
-    target.slots = slots
-    return tuple(llamacpp.apply_slots(s, slots) for s in samples)
+    if target.extra_page_error is not None:
+        log.info("replica %s: %s works again", replica_cfg.name, page.path)
+    target.extra_page_error = None
+    return completed
 
 
 def _failed(target: TargetState, err: ScrapeError, started: float, backoff_max_s: float) -> None:
     was_up = target.up
     target.up = False
     target.samples = ()
-    target.slots = ()
     target.errors[err.reason] += 1
     target.consecutive_failures += 1
     target.backoff_until = started + backoff_delay(target.consecutive_failures, backoff_max_s)
@@ -187,8 +175,9 @@ async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, s
         state.report(f"engine:{replica_cfg.name}", False, target.scrape_duration_s, str(err), now=started)
         return
     samples = _with_model(result.samples, replica_cfg.model_name)
-    if result.backend == llamacpp.BACKEND:
-        samples = await _slots(client, replica_cfg, scrape_cfg, target, samples)
+    page = extra_page(result.backend)
+    if page is not None:
+        samples = await _extra_page(client, page, replica_cfg, scrape_cfg, target, samples)
     target.scrape_duration_s = time.perf_counter() - clock
     _succeeded(target, result, samples, started)
     state.report(f"engine:{replica_cfg.name}", True, target.scrape_duration_s, now=started)
