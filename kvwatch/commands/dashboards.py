@@ -25,7 +25,7 @@ Exit status: 0 written / up to date, 1 out of date, 2 a query reads an unknown s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvwatch.mixin.dashboards import DCGM_DASHBOARD_UID, DEFAULT_JOB
+    from kvwatch.mixin.dashboards.scaffold import DCGM_DASHBOARD_UID, DEFAULT_JOB
 
     parser.add_argument("--out", default="dashboards", metavar="DIR",
                         help="directory for the dashboard JSON (default: %(default)s)")
@@ -40,14 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvwatch.mixin.dashboards import (
-        DCGM_DASHBOARD_UID,
-        DEFAULT_JOB,
-        Options,
-        boards,
-        name_problems,
-        render_dashboards,
-    )
+    from kvwatch.mixin.dashboards import boards, render_dashboards
+    from kvwatch.mixin.dashboards.check import name_problems
+    from kvwatch.mixin.dashboards.scaffold import DCGM_DASHBOARD_UID, DEFAULT_JOB, Options
     from kvwatch.mixin.output import command_line, refused, write_or_check
 
     opts = Options(dcgm_dashboard_uid=args.dcgm_dashboard_uid, job=args.job)

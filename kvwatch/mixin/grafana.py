@@ -3,7 +3,7 @@
 vLLM's pattern (tools/generate_grafana_dashboards.py): no Grafana library, just functions that
 return the JSON Grafana stores, so a dashboard is reviewable code and its output diffable. Panels
 carry their queries as ``Query`` objects under a private key (``_queries``) that ``dashboard_json``
-strips; ``kvwatch.mixin.dashboards.panel_queries`` reads them to list every query.
+strips; ``kvwatch.mixin.dashboards.check.panel_queries`` reads them to list every query.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvwatch.mixin.dashboards import PanelQuery, panel_queries
+from kvwatch.mixin.dashboards.check import PanelQuery, panel_queries
 
 from .alerting import AlertingStack
 from .stack import wait_until

@@ -13,16 +13,16 @@ import yaml
 from kvwatch.cli import main as cli
 from kvwatch.mixin import dashboards as dash
 from kvwatch.mixin import grafana as g
-from kvwatch.mixin.dashboards import (
+from kvwatch.mixin.dashboards import boards
+from kvwatch.mixin.dashboards.check import name_problems, panel_queries, substitute, variable_selectors
+from kvwatch.mixin.dashboards.fleet import fleet_board
+from kvwatch.mixin.dashboards.scaffold import (
     DEFAULT_VALUES,
     FLEET_UID,
     LATENCY_UID,
     NODE_UID,
+    Board,
     Options,
-    boards,
-    panel_queries,
-    substitute,
-    variable_selectors,
 )
 
 from .helpers import ROOT, run_tool, tool
@@ -67,8 +67,8 @@ def test_generator_refuses_a_panel_on_a_series_kvwatch_does_not_export(monkeypat
     def with_bad_panel(opts=None):
         out = real(opts)
         bad = g.timeseries("Preemptions (typo)", [g.Query("rate(kvwatch_preemptions[5m])")], description="x")
-        out[0] = dash.Board(out[0].uid, out[0].title, out[0].description, out[0].variables,
-                            (*out[0].panels, bad))
+        out[0] = Board(out[0].uid, out[0].title, out[0].description, out[0].variables,
+                       (*out[0].panels, bad))
         return out
 
     monkeypatch.setattr(dash, "boards", with_bad_panel)
@@ -79,7 +79,7 @@ def test_generator_refuses_a_panel_on_a_series_kvwatch_does_not_export(monkeypat
 
 
 def test_every_query_reads_only_exported_recorded_or_allowed_series() -> None:
-    assert dash.name_problems(boards()) == []
+    assert name_problems(boards()) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +253,6 @@ def test_gpu_panels_are_not_filtered_by_model_or_replica() -> None:
 
 
 def test_options_are_threaded_through() -> None:
-    fleet = dash.fleet_board(Options(job="agents")).json()
+    fleet = fleet_board(Options(job="agents")).json()
     job = next(v for v in fleet["templating"]["list"] if v["name"] == "job")
     assert job["current"]["value"] == "agents" and not job["includeAll"]

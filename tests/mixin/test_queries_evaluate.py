@@ -20,7 +20,7 @@ import yaml
 
 from kvwatch import buckets
 from kvwatch.catalog import CATALOG, GPU, REPLICA, MetricSpec
-from kvwatch.mixin.dashboards import panel_queries, recorded_series
+from kvwatch.mixin.dashboards.check import panel_queries, recorded_series
 from kvwatch.mixin.rules import LEVELS
 from kvwatch.model import OUTCOMES
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kvwatch.mixin.alerts import CRITICAL_XIDS
-from kvwatch.mixin.dashboards import recorded_series
+from kvwatch.mixin.dashboards.check import recorded_series
 from kvwatch.mixin.promql import catalog_family
 from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE, alert_names
 from kvwatch.mixin.rules import rule_files

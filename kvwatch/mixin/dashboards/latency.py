@@ -1,0 +1,131 @@
+"""The Latency by length band dashboard: TTFT / TPOT / end-to-end quantiles per output-length band,
+SLO attainment, burn rates, error budget, outcomes and output lengths."""
+
+from __future__ import annotations
+
+from kvwatch.mixin import grafana as g
+from kvwatch.mixin.dashboards.scaffold import (
+    BUDGET,
+    FLEET_BAND,
+    LATENCY_UID,
+    PAGE_BURN,
+    RATE,
+    SLO_LABELS,
+    Board,
+    Options,
+    Scope,
+    burn_rate,
+    links,
+    quantile,
+    variables,
+)
+from kvwatch.mixin.grafana import Query
+from kvwatch.mixin.promql import eq
+
+_LATENCY = (
+    ("TTFT", "kvwatch_request_ttft_seconds", "Time to first token: request received -> first content chunk."),
+    ("TPOT", "kvwatch_request_tpot_seconds", "Time per output token: (e2e - TTFT) / (output tokens - 1)."),
+    ("End to end", "kvwatch_request_duration_seconds", "Request received -> last byte sent."),
+)
+
+
+
+def latency_board(opts: Options) -> Board:
+    s = Scope(("cluster", "node", "model", "replica", "band"))
+    fleet = Scope(("cluster", "model", "band"))  # for fleet-level recorded series
+    band = "{{length_band}}"
+    lay = g.Layout()
+
+    for title, family, what in _LATENCY:
+        lay.row(f"{title} by output-length band")
+        for q in (0.5, 0.9, 0.99):
+            lay.add(g.timeseries(f"{title} p{round(q * 100)}", [Query(quantile(q, family, s), band)],
+                                 description=f"{what} p{round(q * 100)} per band (band = final output "
+                                             f"tokens), from kvwatch's histogram.", unit="s", min_=0), 8, 8)
+    lay.row("Streaming and SLO attainment")
+    gaps = quantile(0.99, "kvwatch_request_inter_chunk_seconds", s)
+    lay.add(g.timeseries("Inter-chunk gap p99", [Query(gaps, band)],
+                         description="p99 of the gaps between content chunks (a chunk may carry several "
+                                     "tokens) per band.", unit="s", min_=0), 8, 8)
+    for var, family, label in (("ttft_slo", "kvwatch_request_ttft_seconds", "TTFT"),
+                               ("tpot_slo", "kvwatch_request_tpot_seconds", "TPOT")):
+        le_target = eq("le", f"${var}")
+        good = f"sum by (length_band) ({s.rate(family + '_bucket', le_target)})"
+        total = f"sum by (length_band) ({s.rate(family + '_count')})"
+        lay.add(g.bargauge(f"Requests within the {label} target", [Query(f"{good}\n/\n({total} > 0)", band)],
+                           description=f"Share of requests per band with {label} at most ${var} (a bucket "
+                                       f"boundary; pick it above).", unit="percentunit", min_=0, max_=1,
+                           thresholds=((None, "red"), (0.9, "orange"), (0.99, "green"))), 8, 8)
+
+    lay.row("SLO burn and error budget")
+    slo_legend = "{{slo}} {{model_name}} {{length_band}}"
+    lay.add(g.timeseries("Burn rate, 1h", [Query(burn_rate("1h", fleet), slo_legend)],
+                         description="Error ratio over 1h / error budget. The page needs 14.4 here (and over "
+                                     "5m), or 6 over 6h (and 30m).", min_=0,
+                         thresholds=PAGE_BURN, threshold_lines=True), 8, 8)
+    lay.add(g.timeseries("Burn rate, 6h", [Query(burn_rate("6h", fleet), slo_legend)],
+                         description="Error ratio over 6h / error budget. 6 pages (with 30m); 1 over 3d "
+                                     "opens a ticket.", min_=0,
+                         thresholds=((None, "green"), (1, "orange"), (6, "red")), threshold_lines=True), 8, 8)
+    lay.add(g.bargauge("Error budget left", [
+        Query(fleet.sel("kvwatch:slo_error_budget_remaining:ratio", labels=SLO_LABELS), slo_legend)],
+        description="Share of the SLO period's error budget not yet spent, per objective and band.",
+        unit="percentunit", max_=1, thresholds=BUDGET), 8, 8)
+    lay.add(g.table("Firing SLO alerts", [
+        Query(fleet.sel("ALERTS", 'alertname=~"KVWatch(Latency|Completion)BudgetBurn"', 'alertstate="firing"',
+                        labels=(*SLO_LABELS,)), instant=True, table=True, sparse=True)],
+        description="KVWatchLatencyBudgetBurn / KVWatchCompletionBudgetBurn firing now.",
+        hide=("Time", "__name__", "Value", "alertstate")), 24, 6)
+
+    lay.row("Outcomes per band")
+    lay.add(g.timeseries("Finished requests by outcome", [
+        Query(f"sum by (length_band, outcome) ({s.rate('kvwatch_requests_total')})",
+              "{{length_band}} {{outcome}}")],
+        description="completed (stop), truncated (token budget), aborted (client went away), error "
+                    "(5xx / broken stream), rejected (4xx).", unit="reqps", stack=True, min_=0), 12, 8)
+    lay.add(g.timeseries("Completion ratio per band", [
+        Query(fleet.sel("kvwatch:request_completion:ratio_rate5m", labels=FLEET_BAND),
+              "{{model_name}} " + band)],
+        description="(completed + truncated) / finished, 5m. Long bands falling while short bands hold is "
+                    "starvation (KVWatchLongRequestsStarving).", unit="percentunit", min_=0, max_=1), 12, 8)
+    lay.add(g.timeseries("Abandonment ratio per band", [
+        Query(fleet.sel("kvwatch:request_outcome:ratio_rate5m", 'outcome="aborted"', labels=FLEET_BAND),
+              "{{model_name}} " + band)],
+        description="Share of finished requests whose client went away, 5m.", unit="percentunit", min_=0),
+        12, 8)
+    lay.add(g.timeseries("Truncation ratio per band", [
+        Query(fleet.sel("kvwatch:request_outcome:ratio_rate5m", 'outcome="truncated"', labels=FLEET_BAND),
+              "{{model_name}} " + band)],
+        description="Share of finished requests cut by their max_tokens, 5m.", unit="percentunit", min_=0),
+        12, 8)
+
+    lay.row("Load and output lengths")
+    adm = "{{admission_band}}"
+    lay.add(g.timeseries("In flight by admission band", [
+        Query(f"sum by (admission_band) ({s.sel('kvwatch_requests_in_flight')})", adm)],
+        description="Requests being relayed now by the proxy, by band of their max_tokens.", stack=True,
+        min_=0), 8, 8)
+    lay.add(g.timeseries("In-flight tokens by admission band", [
+        Query(f"sum by (admission_band) ({s.sel('kvwatch_in_flight_tokens')})", adm)],
+        description="Estimated tokens (prompt + generated so far) held by in-flight requests.", stack=True,
+        min_=0), 8, 8)
+    lay.add(g.bargauge("Output length distribution", [
+        Query(f"sum by (le) (increase({s.sel('kvwatch_request_output_tokens_bucket')}[$__range]))", "{{le}}",
+              instant=True, heatmap=True)],
+        description="Finished requests by output tokens over the time range (cumulative buckets as "
+                    "counts per bucket).", unit="short"), 8, 8)
+    per_step = f"sum by (le) (increase({s.sel('kvwatch_request_output_tokens_bucket')}[{RATE}]))"
+    lay.add(g.heatmap("Output length over time", Query(per_step, "{{le}}", heatmap=True),
+        description="Finished requests per output-token bucket over time.", unit="short"), 12, 8)
+    lay.add(g.timeseries("Requests with estimated output tokens", [
+        Query(f"sum({s.rate('kvwatch_request_output_tokens_estimated_total')})\n/\n"
+              f"(sum({s.rate('kvwatch_requests_total')}) > 0)", "estimated")],
+        description="Share of requests whose tokens were counted from chunks (no usage arrived): their band "
+                    "can be off.", unit="percentunit", min_=0), 12, 8)
+
+    return Board(LATENCY_UID, "kvwatch / Latency by length band",
+                 "TTFT, TPOT and end-to-end latency per output-length band, SLO attainment, burn rates and "
+                 "error budget, outcomes per band, in-flight load and output-length distribution.",
+                 variables(("cluster", "node", "model", "replica", "band", "ttft_slo", "tpot_slo"),
+                            opts.job),
+                 tuple(lay.panels), links())

@@ -1,0 +1,157 @@
+"""What the three dashboards share: the variables, the scope that applies them, the board record,
+threshold colour steps and the link bar. A board module builds panels; this one knows Grafana's
+variables and how a selector picks them up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwatch import buckets
+from kvwatch.catalog import BY_NAME
+from kvwatch.mixin import grafana as g
+from kvwatch.mixin.promql import FLEET_LABELS, Match, catalog_family, selector
+
+#: grafana.com dashboard 12239, NVIDIA's dcgm-exporter dashboard (grafana/dcgm-exporter-dashboard.json)
+DCGM_DASHBOARD_UID = "Oxed_c6Wz"
+DEFAULT_JOB = "kvwatch"
+
+NODE_UID = "kvwatch-node"
+LATENCY_UID = "kvwatch-latency-by-band"
+FLEET_UID = "kvwatch-fleet"
+
+#: dashboard variable -> the label it filters
+VARIABLE_LABELS: Mapping[str, str] = {
+    "cluster": "cluster", "node": "instance", "model": "model_name", "replica": "replica",
+    "band": "length_band",
+}
+
+#: what panel_queries() puts in for each variable by default (regexes match everything)
+DEFAULT_VALUES: Mapping[str, str] = {
+    "datasource": "prometheus", "cluster": ".*", "job": DEFAULT_JOB, "node": ".*", "model": ".*",
+    "replica": ".*", "band": ".*", "ttft_slo": "2.0", "tpot_slo": "0.06",
+    "__rate_interval": "1m", "__interval": "15s", "__range": "1h",
+}
+
+RATE = "$__rate_interval"
+SLO_OBJECTIVE = "kvwatch:slo_objective:ratio"
+
+# labels of the recorded series the dashboards read (fleet-level ones have no instance)
+FLEET_BAND = (*FLEET_LABELS, "model_name", "length_band")
+FLEET_MODEL = (*FLEET_LABELS, "model_name")
+SLO_LABELS = (*FLEET_BAND, "slo", "sli")
+# node-level recorded series keep every label of the replica series; tier ratios drop dp_rank
+REPLICA_LABELS = (*BY_NAME["kvwatch_preemptions"].labels, "cluster", "instance")
+TIER_LABELS = ("replica", "model_name", "cluster", "instance")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    dcgm_dashboard_uid: str = DCGM_DASHBOARD_UID
+    job: str = DEFAULT_JOB
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """The variables a dashboard has; ``sel`` applies those whose label a series carries."""
+
+    variables: tuple[str, ...]
+
+    def sel(self, name: str, *extra: Match | str, labels: Sequence[str] | None = None) -> str:
+        if labels is None:
+            spec = catalog_family(name)
+            if spec is None:
+                raise KeyError(f"{name}: not a catalog series; pass the labels of recorded series")
+            labels = (*spec.labels, "cluster", "instance")
+        matchers = [f'{VARIABLE_LABELS[v]}=~"${v}"' for v in self.variables
+                    if VARIABLE_LABELS.get(v) in labels]
+        return selector(name, *matchers, *extra)
+
+    def rate(self, name: str, *extra: Match | str, window: str = RATE) -> str:
+        return f"rate({self.sel(name, *extra)}[{window}])"
+
+
+@dataclass(frozen=True, slots=True)
+class Board:
+    uid: str
+    title: str
+    description: str
+    variables: tuple[dict[str, Any], ...]
+    panels: tuple[dict[str, Any], ...]
+    links: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def filename(self) -> str:
+        return f"{self.uid}.json"
+
+    def json(self) -> dict[str, Any]:
+        return g.dashboard_json(uid=self.uid, title=self.title, description=self.description,
+                                variables=self.variables, panels=self.panels, links=self.links)
+
+
+def quantile(q: float, family: str, scope: Scope, by: str = "length_band") -> str:
+    return f"histogram_quantile({q}, sum by (le, {by}) ({scope.rate(family + '_bucket')}))"
+
+
+def links() -> tuple[dict[str, Any], ...]:
+    return ({"title": "kvwatch", "type": "dashboards", "tags": ["kvwatch"], "asDropdown": False,
+             "includeVars": True, "keepTime": True, "targetBlank": False},)
+
+
+def dcgm_link(opts: Options) -> dict[str, Any]:
+    return {"title": "NVIDIA DCGM Exporter dashboard", "type": "link", "icon": "dashboard",
+            "url": f"/d/{opts.dcgm_dashboard_uid}", "keepTime": True, "targetBlank": True,
+            "tooltip": "dcgm-exporter's dashboard (grafana.com 12239); kvwatch's uuid = its UUID"}
+
+
+def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
+    out = [g.datasource_variable()]
+    for name in names:
+        if name == "cluster":
+            out.append(g.query_variable("cluster", "Cluster", "label_values(kvwatch_build_info, cluster)"))
+        elif name == "job":
+            var = g.query_variable("job", "Job", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, job)',
+                                   multi=False)
+            var.update(includeAll=False, current={"selected": True, "text": job, "value": job})
+            out.append(var)
+        elif name == "node":
+            out.append(g.query_variable("node", "Node",
+                                        'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'))
+        elif name == "model":
+            out.append(g.query_variable(
+                "model", "Model",
+                'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"}, model_name)'))
+        elif name == "replica":
+            out.append(g.query_variable(
+                "replica", "Replica",
+                'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node", '
+                'model_name=~"$model"}, replica)'))
+        elif name == "band":
+            out.append(g.query_variable(
+                "band", "Length band",
+                'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, '
+                'length_band)'))
+        elif name == "ttft_slo":
+            out.append(g.custom_variable(
+                "ttft_slo", "TTFT target (s)", [buckets.le_label(b) for b in buckets.TTFT_SECONDS],
+                DEFAULT_VALUES["ttft_slo"], "A bucket boundary of kvwatch_request_ttft_seconds"))
+        elif name == "tpot_slo":
+            out.append(g.custom_variable(
+                "tpot_slo", "TPOT target (s)", [buckets.le_label(b) for b in buckets.TPOT_SECONDS],
+                DEFAULT_VALUES["tpot_slo"], "A bucket boundary of kvwatch_request_tpot_seconds"))
+        else:
+            raise ValueError(f"unknown dashboard variable {name!r}")
+    return tuple(out)
+
+
+PCT_HIGH_BAD = ((None, "green"), (0.9, "orange"), (0.98, "red"))
+ANY_IS_BAD = ((None, "green"), (1, "orange"))
+ANY_IS_RED = ((None, "green"), (1, "red"))
+PAGE_BURN = ((None, "green"), (6, "orange"), (14.4, "red"))
+BUDGET = ((None, "red"), (0, "orange"), (0.25, "green"))
+
+def burn_rate(window: str, s: Scope) -> str:
+    ratio = s.sel(f"kvwatch:slo_errors:ratio_rate{window}", labels=SLO_LABELS)
+    return f"{ratio}\n/ on (slo) group_left ()\n(1 - {SLO_OBJECTIVE})"
