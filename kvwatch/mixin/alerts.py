@@ -3,7 +3,8 @@
 Paging (``critical``) is kept for what needs a human now: a lost GPU, a GPU error that kills or
 corrupts work, and kvwatch being gone everywhere (every SLO alert is then blind). KV-cache causes
 open tickets (``warning``): the per-band SLO alerts (``kvwatch/mixin/rules.py``) page when users
-actually feel them. Every threshold is a named constant here and listed in docs/alerting.md.
+actually feel them. Every threshold and ``for:`` is a field of ``thresholds.AlertConfig``, set in
+the SLO file's ``alerts:`` section, and listed in docs/alerting.md.
 
 Two levels, as the recording rules (``kvwatch/mixin/rules.py`` puts each in its file): node alerts
 read one node's raw series or node-level recordings and keep ``instance``; fleet alerts read the
@@ -12,28 +13,17 @@ fleet-level recordings (``cluster``, ``model_name``) and compare replicas across
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from kvwatch.mixin.promql import FLEET_LABELS, by, eq, nre, one_of, re_, regex_any, selector
 from kvwatch.mixin.recording import COMPLETION_OUTCOMES
 from kvwatch.mixin.rulefile import CRITICAL, WARNING, Alert, Group
 from kvwatch.mixin.slo import SloFile
+from kvwatch.mixin.thresholds import AlertConfig
 
 DEFAULT_JOB = "kvwatch"
 
-KV_PRESSURE_USAGE = 0.95
-STORM_PREEMPTIONS_PER_FINISHED = 0.5
-STORM_MIN_PREEMPTIONS_PER_S = 0.05  # 3 a minute
-RECOMPUTE_WASTE_RATIO = 0.2
-HEADROOM_SECONDS = 300
-STRANDED_RATIO = 0.2
-TIER_PCIE_RATIO = 0.8
-LINK_BUSY_UTILIZATION = 0.1  # GPUs lower the PCIe generation when idle to save power
-STARVING_LONG_COMPLETION = 0.9
-STARVING_SHORT_COMPLETION = 0.97
-STARVING_ABORTED_RATIO = 0.05
-STARVING_MIN_REQUESTS = 20  # finished long-band requests in the hour
-SOURCE_STALE_SECONDS = 600
 #: sources that only report when something arrives: idle is not stale
 PUSH_SOURCES = ("otlp", "proxy")
 
@@ -63,6 +53,14 @@ _REPLICA = ("replica {{ $labels.replica }} (model {{ $labels.model_name }}, DP r
 _GPU = "GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }}"
 
 
+def _lasting(cfg: AlertConfig, alert: str) -> str:
+    """An alert's ``for:`` in words for its description: ``1h30m`` -> ``1 hour 30 minutes``."""
+    units = {"s": "second", "m": "minute", "h": "hour", "d": "day", "w": "week", "y": "year"}
+    words = [f"{n} {units[u]}{'' if n == '1' else 's'}"
+             for n, u in re.findall(r"(\d+)([smhdwy])", cfg.for_of(alert) or "0s")]
+    return " ".join(words)
+
+
 def counter_rose(series: str, window: str) -> str:
     """True where an event counter rose within ``window``, including a series that first appeared
     in it: ``increase()`` cannot see the jump from nothing to 1, and XID series appear with their
@@ -78,66 +76,69 @@ def counter_rose(series: str, window: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def kv_alerts() -> tuple[Alert, ...]:
+def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
     preempt_10m = "rate(kvwatch_preemptions_total[10m])"
     finished_10m = "sum without (finished_reason) (rate(kvwatch_engine_finished_requests_total[10m]))"
     return (
         Alert(
             "KVWatchKVCachePressure",
-            f"(kvwatch_kv_usage_ratio > {KV_PRESSURE_USAGE})\nand\n(rate(kvwatch_preemptions_total[5m]) > 0)",
+            f"(kvwatch_kv_usage_ratio > {cfg.kv_pressure_usage})\nand\n"
+            f"(rate(kvwatch_preemptions_total[5m]) > 0)",
             WARNING,
             "A replica's KV cache is nearly full and the engine is preempting requests.",
             f"The KV cache of {_REPLICA} is {{{{ $value | humanizePercentage }}}} full and the engine "
             f"preempted requests in the last 5 minutes: running requests are being evicted and recomputed.",
-            for_="10m",
+            for_=cfg.for_of("KVWatchKVCachePressure"),
         ),
         Alert(
             "KVWatchPreemptionStorm",
-            f"{preempt_10m}\n  > {STORM_PREEMPTIONS_PER_FINISHED} * ({finished_10m} or 0 * {preempt_10m})\n"
-            f"and\n{preempt_10m} > {STORM_MIN_PREEMPTIONS_PER_S}",
+            f"{preempt_10m}\n  > {cfg.storm_preemptions_per_finished} * "
+            f"({finished_10m} or 0 * {preempt_10m})\n"
+            f"and\n{preempt_10m} > {cfg.storm_min_preemptions_per_s}",
             WARNING,
             "A replica preempts requests faster than it finishes them.",
             f"The engine of {_REPLICA} preempts {{{{ printf \"%.2f\" $value }}}} requests/s, more than one "
-            f"for every {round(1 / STORM_PREEMPTIONS_PER_FINISHED)} requests it finishes (10 minute rate): "
+            f"for every {round(1 / cfg.storm_preemptions_per_finished)} requests it finishes "
+            f"(10 minute rate): "
             f"the KV cache is thrashing.",
-            for_="10m",
+            for_=cfg.for_of("KVWatchPreemptionStorm"),
         ),
         Alert(
             "KVWatchRecomputeWaste",
-            f"kvwatch:recompute_waste:ratio_rate15m > {RECOMPUTE_WASTE_RATIO}",
+            f"kvwatch:recompute_waste:ratio_rate15m > {cfg.recompute_waste_ratio}",
             WARNING,
             "A replica spends a large share of its work recomputing preempted requests.",
             f"The engine of {_REPLICA} recomputed {{{{ $value | humanizePercentage }}}} as many tokens "
             f"as it processed (prompt + output) over 15 minutes, because preempted requests lose their "
             f"KV cache.",
-            for_="30m",
+            for_=cfg.for_of("KVWatchRecomputeWaste"),
         ),
         Alert(
             "KVWatchKVHeadroomLow",
-            f"kvwatch_kv_headroom_seconds < {HEADROOM_SECONDS}",
+            f"kvwatch_kv_headroom_seconds < {cfg.headroom_seconds}",
             WARNING,
             "A replica's KV cache will be full within minutes at its current growth.",
             f"The KV cache of {_REPLICA} fills in {{{{ $value | humanizeDuration }}}} at its current "
             f"growth; after that the engine queues or preempts.",
-            for_="5m",
+            for_=cfg.for_of("KVWatchKVHeadroomLow"),
         ),
     )
 
 
-def tier_alerts() -> tuple[Alert, ...]:
+def tier_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
     width_low = "kvwatch_gpu_pcie_link_width < kvwatch_gpu_pcie_link_width_max"
     gen_low = (f"(kvwatch_gpu_pcie_link_generation < kvwatch_gpu_pcie_link_generation_max)\n"
-               f"  and\n  (kvwatch_gpu_utilization_ratio > {LINK_BUSY_UTILIZATION})")
+               f"  and\n  (kvwatch_gpu_utilization_ratio > {cfg.link_busy_utilization})")
     return (
         Alert(
             "KVWatchKVTierPCIeSaturated",
-            f"kvwatch:kv_tier_pcie:ratio_rate5m > {TIER_PCIE_RATIO}",
+            f"kvwatch:kv_tier_pcie:ratio_rate5m > {cfg.tier_pcie_ratio}",
             WARNING,
             "KV offload traffic is close to the PCIe bandwidth of the replica's GPUs.",
             "KV {{ $labels.direction }} traffic of replica {{ $labels.replica }} (model "
             "{{ $labels.model_name }}) on {{ $labels.instance }} uses {{ $value | humanizePercentage }} "
             "of the one-direction PCIe bandwidth of its GPUs' links: tier transfers are bus-bound.",
-            for_="15m",
+            for_=cfg.for_of("KVWatchKVTierPCIeSaturated"),
         ),
         Alert(
             "KVWatchGPUPCIeLinkDegraded",
@@ -148,7 +149,7 @@ def tier_alerts() -> tuple[Alert, ...]:
             "A GPU's PCIe link trained below its maximum generation or width.",
             f"The PCIe link {{{{ $labels.degraded }}}} of {_GPU} is {{{{ $value }}}}, below the maximum "
             f"(the generation is only checked while the GPU is busy): host offload bandwidth is reduced.",
-            for_="15m",
+            for_=cfg.for_of("KVWatchGPUPCIeLinkDegraded"),
         ),
     )
 
@@ -158,42 +159,42 @@ def tier_alerts() -> tuple[Alert, ...]:
 # --------------------------------------------------------------------------------------------
 
 
-def stranded_alert() -> Alert:
+def stranded_alert(cfg: AlertConfig) -> Alert:
     return Alert(
         "KVWatchKVCapacityStranded",
-        f"kvwatch:kv_stranded:ratio > {STRANDED_RATIO}",
+        f"kvwatch:kv_stranded:ratio > {cfg.stranded_ratio}",
         WARNING,
         "KV capacity sits free on idle replicas while other replicas of the same model queue.",
         "{{ $value | humanizePercentage }} of the KV capacity of model {{ $labels.model_name }} is free "
         "on replicas with nothing waiting while another replica of it queues or preempts: routing "
         "does not use the free memory.",
-        for_="15m",
+        for_=cfg.for_of("KVWatchKVCapacityStranded"),
     )
 
 
-def starvation_alert(slo: SloFile) -> Alert:
+def starvation_alert(slo: SloFile, cfg: AlertConfig) -> Alert:
     long_ = one_of("length_band", slo.long_bands)
     short = one_of("length_band", slo.short_bands)
     completion = "kvwatch:request_completion:ratio_rate1h"
     aborted = selector("kvwatch:request_outcome:ratio_rate1h", long_, eq("outcome", "aborted"))
     return Alert(
         "KVWatchLongRequestsStarving",
-        f"({selector(completion, long_)} < {STARVING_LONG_COMPLETION})\n"
+        f"({selector(completion, long_)} < {cfg.starving_long_completion})\n"
         f"and ignoring (outcome)\n"
-        f"({aborted} > {STARVING_ABORTED_RATIO})\n"
+        f"({aborted} > {cfg.starving_aborted_ratio})\n"
         f"and on ({_MODEL})\n"
-        f"(min by ({_MODEL}) ({selector(completion, short)}) >= {STARVING_SHORT_COMPLETION})\n"
+        f"(min by ({_MODEL}) ({selector(completion, short)}) >= {cfg.starving_short_completion})\n"
         f"and\n"
         f"(sum without (outcome) ({selector('kvwatch:requests:rate1h', long_)}) * 3600 "
-        f">= {STARVING_MIN_REQUESTS})",
+        f">= {cfg.starving_min_requests})",
         WARNING,
         "Long requests are abandoned or fail while short requests of the same model are fine.",
         f"Only {{{{ $value | humanizePercentage }}}} of {{{{ $labels.model_name }}}} requests in length "
         f"band {{{{ $labels.length_band }}}} finished {' or '.join(COMPLETION_OUTCOMES)} in the last hour "
-        f"and more than {round(STARVING_ABORTED_RATIO * 100)}% were aborted by their clients, while the "
+        f"and more than {round(cfg.starving_aborted_ratio * 100)}% were aborted by their clients, while the "
         f"short bands ({', '.join(slo.short_bands)}) completed at least "
-        f"{round(STARVING_SHORT_COMPLETION * 100)}%: long requests are starving.",
-        for_="30m",
+        f"{round(cfg.starving_short_completion * 100)}%: long requests are starving.",
+        for_=cfg.for_of("KVWatchLongRequestsStarving"),
     )
 
 
@@ -202,7 +203,7 @@ def starvation_alert(slo: SloFile) -> Alert:
 # --------------------------------------------------------------------------------------------
 
 
-def gpu_alerts() -> tuple[Alert, ...]:
+def gpu_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
     crit = regex_any(CRITICAL_XIDS)
     critical_xids = selector("kvwatch_gpu_xid_errors_total", re_("xid", crit))
     other_xids = selector("kvwatch_gpu_xid_errors_total", nre("xid", crit))
@@ -216,7 +217,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
             "A GPU has fallen off the bus (NVML reports it lost).",
             f"NVML reports {_GPU} lost: every replica on it has stopped. Drain the node and reset or "
             f"replace the GPU.",
-            for_="1m",
+            for_=cfg.for_of("KVWatchGPULost"),
         ),
         Alert(
             "KVWatchGPUCriticalXID",
@@ -226,6 +227,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
             f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 15 minutes "
             f"(about {{{{ $value | humanize }}}} times). See the runbook for what this XID means and "
             f"whether to drain.",
+            for_=cfg.for_of("KVWatchGPUCriticalXID"),
         ),
         Alert(
             "KVWatchGPUXIDErrors",
@@ -235,6 +237,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
             f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 15 minutes "
             f"(about {{{{ $value | humanize }}}} times); these XIDs usually mean an application (engine) "
             f"fault, not failing hardware.",
+            for_=cfg.for_of("KVWatchGPUXIDErrors"),
         ),
         Alert(
             "KVWatchGPUUncorrectableECC",
@@ -243,6 +246,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
             "A GPU had uncorrectable ECC memory errors.",
             f"{_GPU} counted about {{{{ $value | humanize }}}} uncorrectable ECC errors in the last 15 "
             f"minutes: data in its memory was corrupted. Drain the GPU.",
+            for_=cfg.for_of("KVWatchGPUUncorrectableECC"),
         ),
         Alert(
             "KVWatchGPURowRemapFailure",
@@ -250,6 +254,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
             CRITICAL,
             "A GPU failed to remap a bad HBM row.",
             f"{_GPU} could not remap a failing memory row: the GPU should be drained and replaced.",
+            for_=cfg.for_of("KVWatchGPURowRemapFailure"),
         ),
         Alert(
             "KVWatchGPURowRemapPending",
@@ -258,16 +263,16 @@ def gpu_alerts() -> tuple[Alert, ...]:
             "A GPU has a memory row remap waiting for a GPU reset.",
             f"{_GPU} has a row remap pending: it takes effect at the next GPU reset. Drain and reset the "
             f"GPU in a maintenance window.",
-            for_="5m",
+            for_=cfg.for_of("KVWatchGPURowRemapPending"),
         ),
         Alert(
             "KVWatchGPUThrottled",
             f"{throttled} == 1",
             WARNING,
             "A GPU is slowing its clocks for thermal or hardware reasons.",
-            f"{_GPU} has clock event {{{{ $labels.reason }}}} active for 10 minutes: tokens per second "
-            f"drop on every replica using it.",
-            for_="10m",
+            f"{_GPU} has clock event {{{{ $labels.reason }}}} active for "
+            f"{_lasting(cfg, 'KVWatchGPUThrottled')}: tokens per second drop on every replica using it.",
+            for_=cfg.for_of("KVWatchGPUThrottled"),
         ),
     )
 
@@ -277,7 +282,7 @@ def gpu_alerts() -> tuple[Alert, ...]:
 # --------------------------------------------------------------------------------------------
 
 
-def self_alerts(job: str) -> tuple[Alert, ...]:
+def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
     up = selector("up", eq("job", job))
     stale = selector("kvwatch_source_last_success_timestamp_seconds",
                      nre("source", "|".join(f"{regex_any([p])}.*" for p in PUSH_SOURCES)))
@@ -287,18 +292,20 @@ def self_alerts(job: str) -> tuple[Alert, ...]:
             f"{up} == 0",
             WARNING,
             "Prometheus cannot scrape a kvwatch agent.",
-            "Prometheus has not scraped kvwatch on {{ $labels.instance }} for 5 minutes: KV, GPU and "
+            "Prometheus has not scraped kvwatch on {{ $labels.instance }} for "
+            f"{_lasting(cfg, 'KVWatchDown')}: KV, GPU and "
             "per-band latency of that node are not watched.",
-            for_="5m",
+            for_=cfg.for_of("KVWatchDown"),
         ),
         Alert(
             "KVWatchAbsent",
             f"absent({up})",
             CRITICAL,
             "No kvwatch agent is scraped at all.",
-            'Prometheus has no target with job="{{ $labels.job }}" for 15 minutes: every kvwatch alert, '
+            'Prometheus has no target with job="{{ $labels.job }}" for '
+            f"{_lasting(cfg, 'KVWatchAbsent')}: every kvwatch alert, "
             "the per-band SLO alerts included, is blind.",
-            for_="15m",
+            for_=cfg.for_of("KVWatchAbsent"),
         ),
         Alert(
             "KVWatchEngineTargetDown",
@@ -306,42 +313,44 @@ def self_alerts(job: str) -> tuple[Alert, ...]:
             WARNING,
             "kvwatch cannot scrape an inference engine's metrics.",
             "kvwatch on {{ $labels.instance }} has failed to scrape replica {{ $labels.replica }} "
-            "({{ $labels.backend }}) for 5 minutes: the engine is down, restarting or unreachable.",
-            for_="5m",
+            f"({{{{ $labels.backend }}}}) for {_lasting(cfg, 'KVWatchEngineTargetDown')}: the engine is "
+            "down, restarting or unreachable.",
+            for_=cfg.for_of("KVWatchEngineTargetDown"),
         ),
         Alert(
             "KVWatchCollectorFailing",
             "kvwatch_collector_success == 0",
             WARNING,
             "A kvwatch collector keeps failing.",
-            "Collector {{ $labels.collector }} of kvwatch on {{ $labels.instance }} has failed for 15 "
-            "minutes; its series are missing.",
-            for_="15m",
+            "Collector {{ $labels.collector }} of kvwatch on {{ $labels.instance }} has failed for "
+            f"{_lasting(cfg, 'KVWatchCollectorFailing')}; its series are missing.",
+            for_=cfg.for_of("KVWatchCollectorFailing"),
         ),
         Alert(
             "KVWatchSourceStale",
-            f"(time() - {stale} > {SOURCE_STALE_SECONDS})\n"
+            f"(time() - {stale} > {cfg.source_stale_seconds})\n"
             f"unless on (instance, job, source)\n"
             f'label_replace(kvwatch_collector_success == 0, "source", "$1", "collector", "(.*)")',
             WARNING,
             "A kvwatch source stopped reporting without reporting a failure.",
             "Source {{ $labels.source }} of kvwatch on {{ $labels.instance }} last succeeded "
             "{{ $value | humanizeDuration }} ago without reporting a failure: its poller is stuck.",
-            for_="5m",
+            for_=cfg.for_of("KVWatchSourceStale"),
         ),
     )
 
 
-def node_alert_groups(job: str = DEFAULT_JOB) -> tuple[Group, ...]:
+def node_alert_groups(job: str = DEFAULT_JOB, cfg: AlertConfig | None = None) -> tuple[Group, ...]:
     """Alerts on one node's series: they run where the node is scraped."""
+    cfg = cfg or AlertConfig()
     return (
-        Group("kvwatch-kv.alerts", kv_alerts()),
-        Group("kvwatch-tier.alerts", tier_alerts()),
-        Group("kvwatch-gpu.alerts", gpu_alerts()),
-        Group("kvwatch-self.alerts", self_alerts(job)),
+        Group("kvwatch-kv.alerts", kv_alerts(cfg)),
+        Group("kvwatch-tier.alerts", tier_alerts(cfg)),
+        Group("kvwatch-gpu.alerts", gpu_alerts(cfg)),
+        Group("kvwatch-self.alerts", self_alerts(job, cfg)),
     )
 
 
 def fleet_alert_group(slo: SloFile) -> Group:
     """Alerts on the fleet-level recordings: they run where every node of the fleet is."""
-    return Group("kvwatch-fleet.alerts", (stranded_alert(), starvation_alert(slo)))
+    return Group("kvwatch-fleet.alerts", (stranded_alert(slo.alerts), starvation_alert(slo, slo.alerts)))

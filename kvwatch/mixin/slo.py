@@ -22,13 +22,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvwatch import buckets
 from kvwatch.catalog import spec
 from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file
+from kvwatch.mixin.thresholds import AlertConfig, alert_config_from_mapping
 from kvwatch.model import OUTCOMES, LengthBands
 
 #: latency SLIs: name -> (histogram family, bucket boundaries)
@@ -96,6 +97,7 @@ class SloFile:
     long_bands: tuple[str, ...]  # watched by KVWatchLongRequestsStarving
     short_bands: tuple[str, ...]  # the comparison: these must still be fine
     objectives: tuple[Objective, ...]
+    alerts: AlertConfig = field(default_factory=AlertConfig)  # the operational alerts' knobs
 
     @property
     def period_seconds(self) -> int:
@@ -237,7 +239,8 @@ def _edges(value: Any) -> LengthBands:
 # the file
 # --------------------------------------------------------------------------------------------
 
-_TOP_KEYS = {"version", "period", "length_bands", "long_bands", "short_bands", "defaults", "objectives"}
+_TOP_KEYS = {"version", "period", "length_bands", "long_bands", "short_bands", "defaults", "objectives",
+             "alerts"}
 _DEFAULT_KEYS = {"model", "min_requests", "matchers"}
 _OBJECTIVE_KEYS = {
     "name", "description", "sli", "threshold", "objective", "bands", "model", "min_requests", "matchers",
@@ -337,10 +340,11 @@ def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
                       f"duplicate objective name {obj.name!r} (also objectives[{seen[obj.name]}])")
         seen[obj.name] = i
         objectives.append(obj)
+    alerts = alert_config_from_mapping(top.get("alerts"), "alerts", r.problems)
     if r.problems:
         raise ConfigError(r.problems, source)
     return SloFile(period=period, bands=bands, long_bands=long_bands, short_bands=short_bands,
-                   objectives=tuple(objectives))
+                   objectives=tuple(objectives), alerts=alerts)
 
 
 def load_slo_file(path: str | Path) -> SloFile:

@@ -126,9 +126,25 @@ def test_an_le_string_kvwatch_does_not_export_is_caught(tmp_path, monkeypatch) -
     assert rc != 0 and "KVWatchLatencyBudgetBurn" in output
 
 
-def test_a_kv_pressure_threshold_off_by_a_little_is_caught(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(alerts, "KV_PRESSURE_USAGE", 0.98)
-    rc, output = _mutated_run(tmp_path, "kv.test.yaml", "KV cache nearly full", ALERTS / "slo.yaml")
+def _with_alert_knobs(tmp_path: Path, slo: Path, section: str) -> Path:
+    """A copy of the SLO file ``slo`` with an ``alerts:`` section (YAML text) appended."""
+    out = tmp_path / "slo-knobs.yaml"
+    out.write_text(slo.read_text() + "\n" + section)
+    return out
+
+
+def test_a_kv_pressure_threshold_off_by_a_little_is_caught(tmp_path) -> None:
+    slo = _with_alert_knobs(tmp_path, ALERTS / "slo.yaml", "alerts: {thresholds: {kv_pressure_usage: 0.98}}")
+    rc, output = _mutated_run(tmp_path, "kv.test.yaml", "KV cache nearly full", slo)
+    assert rc != 0 and "KVWatchKVCachePressure" in output
+
+
+def test_the_overridden_threshold_case_fails_on_the_default_rules(tmp_path) -> None:
+    """overrides.test.yaml passes on rules from an SLO file with knobs set (test_every_promtool_case_passes);
+    on rules with the defaults it must fail, so it really tests the override."""
+    slo = tmp_path / "slo-defaults.yaml"
+    slo.write_text(SLO_CASES.read_text().split("\nalerts:")[0])
+    rc, output = _mutated_run(tmp_path, "overrides.test.yaml", "overridden", slo)
     assert rc != 0 and "KVWatchKVCachePressure" in output
 
 
@@ -138,9 +154,10 @@ def test_missing_the_first_xid_of_a_gpu_is_caught(tmp_path, monkeypatch) -> None
     assert rc != 0 and "KVWatchGPUCriticalXID" in output
 
 
-def test_starvation_that_ignores_abandonment_is_caught(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(alerts, "STARVING_ABORTED_RATIO", 0.5)
-    rc, output = _mutated_run(tmp_path, "kv.test.yaml", "starvation", ALERTS / "slo.yaml")
+def test_starvation_that_ignores_abandonment_is_caught(tmp_path) -> None:
+    slo = _with_alert_knobs(tmp_path, ALERTS / "slo.yaml",
+                            "alerts: {thresholds: {starving_aborted_ratio: 0.5}}")
+    rc, output = _mutated_run(tmp_path, "kv.test.yaml", "starvation", slo)
     assert rc != 0 and "KVWatchLongRequestsStarving" in output
 
 

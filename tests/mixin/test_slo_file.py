@@ -174,3 +174,40 @@ def test_rules_command_reports_every_problem_by_key_path_and_writes_nothing(tmp_
     assert "objectives[0].threshold: 0.07 s is not a bucket boundary" in err
     assert "objectives[0].bands: unknown length band(s) 'nope'" in err
     assert not out.exists()
+
+
+def test_alert_knobs_default_to_the_shipped_values_and_can_be_set() -> None:
+    from kvwatch.mixin.thresholds import DEFAULT_FOR, AlertConfig
+
+    assert slo_from_mapping(VALID).alerts == AlertConfig()
+    data = {**VALID, "alerts": {"thresholds": {"kv_pressure_usage": 0.9, "headroom_seconds": 600},
+                                "for": {"KVWatchGPUThrottled": "30m", "KVWatchGPULost": "0s"}}}
+    knobs = slo_from_mapping(data).alerts
+    assert (knobs.kv_pressure_usage, knobs.headroom_seconds, knobs.stranded_ratio) == (0.9, 600, 0.2)
+    assert knobs.for_of("KVWatchGPUThrottled") == "30m" and knobs.for_of("KVWatchGPULost") is None
+    assert knobs.for_of("KVWatchDown") == DEFAULT_FOR["KVWatchDown"] == "5m"
+
+
+def test_bad_alert_knobs_are_named_by_key_path() -> None:
+    found = _problems({**VALID, "alerts": {
+        "thresholds": {"kv_pressure_usage": 1.5, "headroom_seconds": -1, "kv_presure_usage": 0.9,
+                       "starving_min_requests": 2.5},
+        "for": {"KVWatchDown": "five minutes", "KVWatchNope": "5m"},
+        "selector": "x"}})
+    assert "from 0 to 1" in found["alerts.thresholds.kv_pressure_usage"]
+    assert "non-negative" in found["alerts.thresholds.headroom_seconds"]
+    assert "unknown threshold" in found["alerts.thresholds.kv_presure_usage"]
+    assert "whole number" in found["alerts.thresholds.starving_min_requests"]
+    assert "Prometheus duration" in found["alerts.for.KVWatchDown"]
+    assert "unknown alert" in found["alerts.for.KVWatchNope"]
+    assert "unknown key" in found["alerts.selector"]
+
+
+def test_every_alert_kvwatch_ships_has_a_for_knob() -> None:
+    from kvwatch.mixin.rulefile import alert_names
+    from kvwatch.mixin.rules import FLEET_FILE, NODE_FILE, rule_files
+    from kvwatch.mixin.thresholds import DEFAULT_FOR
+
+    files = [f for f in rule_files(load_slo_file(ALERTS / "slo.yaml"))
+             if f.filename in (NODE_FILE, FLEET_FILE)]
+    assert set(alert_names(files)) == set(DEFAULT_FOR)
