@@ -54,3 +54,25 @@ def le_label(bound: float) -> str:
 def le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
     """The ``le`` label values of a bucket layout, ``+Inf`` last."""
     return (*(le_label(b) for b in bounds), "+Inf")
+
+
+# ---- the vLLM plugin's exact per-request and per-step signals ----------------------------------
+
+#: times a request was preempted; 0 is a bucket of its own ("never preempted")
+PREEMPTIONS: tuple[float, ...] = (0, 1, 2, 3, 5, 10, 20, 50)
+
+#: output tokens / max_tokens and cached / prompt tokens
+RATIO: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+#: engine step time
+STEP_SECONDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+#: scheduled tokens per step (context + generation): edges of the ``batch_tokens`` label
+BATCH_TOKEN_EDGES: tuple[int, ...] = (16, 64, 256, 1000, 4000, 16000)
+
+#: KV block lifetime, idle time before eviction and reuse gaps
+KV_BLOCK_SECONDS: tuple[float, ...] = (
+    0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)

@@ -32,7 +32,7 @@ class MetricSpec:
     kind: str  # gauge | counter | histogram | info
     labels: tuple[str, ...]
     help: str
-    area: str  # self | replica | derived | gpu | request
+    area: str  # self | replica | derived | gpu | request | plugin
 
     def gauge(self) -> GaugeMetricFamily:
         assert self.kind == "gauge", self.name
@@ -122,6 +122,12 @@ CATALOG: tuple[MetricSpec, ...] = (
        "error_event).", "self"),
     _m("kvwatch_discovery_relists", "counter", (),
        "Pod lists repeated because the watch's resourceVersion was gone (410).", "self"),
+    _m("kvwatch_vllm_plugin_datagrams", "counter", ("replica", "result"),
+       "Datagrams received from the vLLM stat-logger plugin, by result (accepted; malformed, oversized, "
+       "unknown_version: dropped).", "self"),
+    _m("kvwatch_vllm_plugin_dropped_datagrams", "counter", ("replica", "dp_rank"),
+       "Datagrams the vLLM plugin could not send (no agent listening, or its queue full), as the "
+       "engine reports it in the next datagram that gets through.", "plugin"),
     # ---- engine replicas (as the engine reports them) -----------------------------------------
     _m("kvwatch_replica", "info", (*REPLICA, "version_hint", "cache_dtype"),
        "Replica identity: one series per replica and data-parallel rank.", "replica"),
@@ -185,8 +191,19 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Free KV tokens on idle replicas of a model while another replica of it queues or preempts.",
        "derived"),
     _m("kvwatch_recomputed_tokens", "counter", (*REPLICA, "source"),
-       "Tokens recomputed after preemption; source=engine is reported, source=estimate is "
+       "Tokens recomputed after preemption; source=engine is reported, source=vllm_plugin is exact "
+       "(re-prefilled tokens of resumed requests, from vLLM's prefix-cache stats), source=estimate is "
        "preemptions x mean live tokens per running request.", "derived"),
+    _m("kvwatch_engine_step_seconds", "histogram", ("replica", "dp_rank", "batch_tokens"),
+       "Engine step time by scheduled tokens in the step (vLLM plugin, --enable-logging-iteration-details).",
+       "plugin"),
+    _m("kvwatch_kv_block_lifetime_seconds", "histogram", ("replica", "dp_rank"),
+       "Sampled KV blocks: allocation to eviction (vLLM plugin, --kv-cache-metrics).", "plugin"),
+    _m("kvwatch_kv_block_idle_seconds", "histogram", ("replica", "dp_rank"),
+       "Sampled KV blocks: last use to eviction (vLLM plugin, --kv-cache-metrics).", "plugin"),
+    _m("kvwatch_kv_block_reuse_gap_seconds", "histogram", ("replica", "dp_rank"),
+       "Sampled KV blocks: time between successive prefix-cache reuses (vLLM plugin, --kv-cache-metrics).",
+       "plugin"),
     _m("kvwatch_kv_tier_link_utilization_ratio", "gauge", ("replica", "direction"),
        "KV tier traffic of the replica (offload: GPU to host/disk/remote; onload: back to GPU) over the "
        "theoretical PCIe bandwidth of its GPUs' links as currently trained, over the rate window.",
@@ -256,6 +273,21 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_request_queue_seconds", "histogram", REQUEST,
        "Time in the engine's queue (engine-side sources only).", "request"),
     _m("kvwatch_request_output_tokens", "histogram", REQUEST, "Output tokens per request.", "request"),
+    _m("kvwatch_request_prefill_seconds", "histogram", REQUEST,
+       "Engine-side prefill: first scheduled -> first token, preemptions during prefill included "
+       "(vLLM plugin).", "request"),
+    _m("kvwatch_request_decode_seconds", "histogram", REQUEST,
+       "Engine-side decode: first token -> last token (vLLM plugin, OTLP spans).", "request"),
+    _m("kvwatch_request_preemptions", "histogram", REQUEST,
+       "Times each finished request was preempted (vLLM plugin).", "request"),
+    _m("kvwatch_request_output_limit_ratio", "histogram", REQUEST,
+       "Output tokens / max_tokens per request: how far the length limit over-stated the answer.",
+       "request"),
+    _m("kvwatch_request_prefix_reuse_ratio", "histogram", REQUEST,
+       "Prompt tokens served from the prefix cache / prompt tokens, per request (vLLM plugin).", "request"),
+    _m("kvwatch_request_unused_max_tokens", "counter", REQUEST,
+       "max_tokens minus output tokens of requests that stopped early (completed): KV a worst-case "
+       "reservation would have held for nothing.", "request"),
     _m("kvwatch_requests", "counter", (*REQUEST, "outcome"),
        "Finished requests by outcome (completed, truncated, aborted, error, rejected) and length band.",
        "request"),

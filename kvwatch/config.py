@@ -112,6 +112,14 @@ class SglangFilesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmPluginSocketConfig:
+    """One replica's socket for kvwatch's vLLM stat-logger plugin (the engine's KVWATCH_VLLM_SOCKET)."""
+
+    replica: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerConfig:
     path: str | None = None  # None = off
     max_bytes: int = 64 * 1024 * 1024
@@ -163,6 +171,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     otlp: OtlpConfig = field(default_factory=OtlpConfig)
     sglang_request_files: tuple[SglangFilesConfig, ...] = ()
+    vllm_plugin_sockets: tuple[VllmPluginSocketConfig, ...] = ()
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     log_level: str = "info"
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
@@ -416,7 +425,7 @@ def _section(r: KeyPathReader, top: Mapping[str, Any], key: str, cls: type, spec
 
 _TOP_KEYS = {
     "replicas", "listen", "node", "length_bands", "intervals", "scrape", "nvml", "proxy", "otlp",
-    "sglang_request_files", "ledger", "log_level", "discovery",
+    "sglang_request_files", "vllm_plugin_sockets", "ledger", "log_level", "discovery",
 }
 
 
@@ -530,6 +539,7 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
             files.append(SglangFilesConfig(rep_name, directory, r.get(m, "poll", path, parse_duration, 1.0)))
 
     discovery = _discovery(r, top)
+    plugin_sockets = _plugin_sockets(r, top.get("vllm_plugin_sockets"), seen)
 
     cfg = Config(
         discovery=discovery,
@@ -543,12 +553,47 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         proxy=proxy,
         otlp=otlp,
         sglang_request_files=tuple(files),
+        vllm_plugin_sockets=plugin_sockets,
         ledger=ledger,
         log_level=r.get(top, "log_level", "", _log_level, default="info"),
     )
     if r.problems:
         raise ConfigError(r.problems, source)
     return cfg
+
+
+def _plugin_sockets(r: KeyPathReader, raw: Any,
+                    replicas: Mapping[str, int]) -> tuple[VllmPluginSocketConfig, ...]:
+    """``vllm_plugin_sockets: [{replica, path}]``: one socket per replica, one replica per socket."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        r.problem("vllm_plugin_sockets", "expected a list of {replica, path}")
+        return ()
+    out: list[VllmPluginSocketConfig] = []
+    for i, node in enumerate(raw):
+        path = f"vllm_plugin_sockets[{i}]"
+        m = r.mapping(node, path, {"replica", "path"})
+        rep_name = r.get(m, "replica", path, _name, required=True)
+        sock = r.get(m, "path", path, _socket_path, required=True)
+        if rep_name is not None and rep_name not in replicas:
+            r.problem(_join(path, "replica"), f"no replica named {rep_name!r}")
+        elif rep_name in {s.replica for s in out}:
+            r.problem(_join(path, "replica"), f"replica {rep_name!r} already has a socket")
+        if sock is not None and sock in {s.path for s in out}:
+            r.problem(_join(path, "path"), f"{sock!r} is already another replica's socket")
+        if rep_name and sock:
+            out.append(VllmPluginSocketConfig(rep_name, sock))
+    return tuple(out)
+
+
+def _socket_path(value: Any) -> str:
+    text = str(value)
+    if not text.startswith("/"):
+        raise ValueError(f"expected an absolute path for a Unix socket, got {text!r}")
+    if len(text.encode()) > 107:
+        raise ValueError("a Unix socket path is at most 107 bytes")
+    return text
 
 
 def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:

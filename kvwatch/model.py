@@ -338,7 +338,9 @@ class RequestRecord:
     gap_sum: float = 0.0
     max_gap_seconds: float | None = None  # the longest inter-chunk gap (proxy streams)
     max_gap_ended_at: float | None = None  # when it ended, in started_at's time base
-    preemptions: int | None = None
+    preemptions: int | None = None  # times the engine preempted it (vLLM plugin)
+    prefill_seconds: float | None = None  # engine-side first scheduled -> first token (vLLM plugin)
+    cached_prompt_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM plugin)
 
     @property
     def tpot_seconds(self) -> float | None:
@@ -370,3 +372,68 @@ class InFlightRequest:
     generated_tokens: int
     started_at: float
     max_tokens: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Engine steps (the vLLM stat-logger plugin)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionSample:
+    """One sampled KV block eviction: how long the block lived, sat idle, and its reuse gaps."""
+
+    lifetime_seconds: float | None
+    idle_seconds: float | None
+    reuse_gaps_seconds: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """One engine step of one DP rank, as vLLM reported it to its stat loggers.
+
+    The batch shape and ``elapsed_ms`` exist only with vLLM's ``--enable-logging-iteration-details``;
+    ``resumed_*`` are the prefix-cache lookups of previously preempted requests scheduled again.
+    """
+
+    replica: str
+    dp_rank: str
+    at: float  # unix seconds, the engine's clock
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage_ratio: float | None = None
+    ctx_requests: int | None = None
+    ctx_tokens: int | None = None
+    gen_requests: int | None = None
+    gen_tokens: int | None = None
+    elapsed_ms: float | None = None
+    preempted: int | None = None  # preemption events in this step
+    resumed_requests: int | None = None
+    resumed_queried_tokens: int | None = None
+    resumed_hit_tokens: int | None = None
+    evictions: tuple[EvictionSample, ...] = ()
+    evictions_left_out: int = 0
+
+    @property
+    def recomputed_tokens(self) -> int | None:
+        """Tokens re-prefilled for resumed requests: looked up minus found in the prefix cache."""
+        if self.resumed_queried_tokens is None or self.resumed_hit_tokens is None:
+            return None
+        return max(0, self.resumed_queried_tokens - self.resumed_hit_tokens)
+
+    @property
+    def batch_tokens(self) -> int | None:
+        if self.ctx_tokens is None or self.gen_tokens is None:
+            return None
+        return self.ctx_tokens + self.gen_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PluginLink:
+    """Header facts of one plugin datagram: who sent it and what the sender dropped so far."""
+
+    replica: str
+    dp_rank: str
+    pid: int | None
+    seq: int | None
+    dropped: int | None  # datagrams this engine process could not send so far

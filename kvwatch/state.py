@@ -11,7 +11,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -19,10 +19,13 @@ from kvwatch import buckets
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
     OUTCOMES,
+    EngineStep,
     GpuGrant,
     GpuSample,
     InFlightRequest,
     LengthBands,
+    Outcome,
+    PluginLink,
     ReplicaSample,
     RequestRecord,
 )
@@ -102,6 +105,7 @@ class NodeState:
         #: pid -> replica name, for per-process GPU memory attribution
         self.pid_replica: dict[int, str] = {}
         self.requests = RequestStats(bands)
+        self.plugin = PluginStats()
         self.in_flight = InFlightTracker()
         self.counters: Counter[tuple[str, ...]] = Counter()  # self-metrics: (family, *label values)
         #: derived KV signals, replaced whole by kvwatch.agent.derived.update_derived after each scrape
@@ -200,6 +204,11 @@ HISTOGRAM_FAMILIES = {
     "kvwatch_request_inter_chunk_seconds": buckets.INTER_CHUNK_SECONDS,
     "kvwatch_request_duration_seconds": buckets.DURATION_SECONDS,
     "kvwatch_request_queue_seconds": buckets.QUEUE_SECONDS,
+    "kvwatch_request_prefill_seconds": buckets.TTFT_SECONDS,
+    "kvwatch_request_decode_seconds": buckets.DURATION_SECONDS,
+    "kvwatch_request_preemptions": buckets.PREEMPTIONS,
+    "kvwatch_request_output_limit_ratio": buckets.RATIO,
+    "kvwatch_request_prefix_reuse_ratio": buckets.RATIO,
 }
 
 
@@ -221,6 +230,8 @@ class RequestStats:
         #: (replica, model, band, source) -> requests whose longest gap was a preemption stall; a key
         #: is present (at 0) once a request with a measured longest gap was seen
         self.stalls: Counter[tuple[str, str, str, str]] = Counter()
+        #: (replica, model, band, source) -> max_tokens - output tokens of requests that stopped early
+        self.unused_limit_tokens: Counter[tuple[str, str, str, str]] = Counter()
         self.observed = 0
 
     def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
@@ -252,6 +263,7 @@ class RequestStats:
             if record.gap_counts:
                 hists["kvwatch_request_inter_chunk_seconds"].merge_bins(
                     record.gap_bounds, record.gap_counts, record.gap_sum)
+            self._observe_engine_facts(hists, key, record)
             self.outcomes[(*key, record.outcome.value)] += 1
             if record.output_tokens_estimated:
                 self.estimated[key] += 1
@@ -260,20 +272,36 @@ class RequestStats:
             self.observed += 1
         return band
 
+    def _observe_engine_facts(self, hists: dict[str, Histogram], key: tuple[str, str, str, str],
+                              record: RequestRecord) -> None:
+        """What only an engine-side source knows per request (the vLLM plugin; OTLP partly)."""
+        if record.prefill_seconds is not None:
+            hists["kvwatch_request_prefill_seconds"].observe(record.prefill_seconds)
+        if record.decode_seconds is not None:
+            hists["kvwatch_request_decode_seconds"].observe(record.decode_seconds)
+        if record.preemptions is not None:
+            hists["kvwatch_request_preemptions"].observe(record.preemptions)
+        if record.output_tokens is not None and record.max_tokens:
+            hists["kvwatch_request_output_limit_ratio"].observe(record.output_tokens / record.max_tokens)
+            if record.outcome is Outcome.COMPLETED and not record.output_tokens_estimated:
+                self.unused_limit_tokens[key] += max(0, record.max_tokens - record.output_tokens)
+        if record.cached_prompt_tokens is not None and record.prompt_tokens:
+            hists["kvwatch_request_prefix_reuse_ratio"].observe(
+                min(1.0, record.cached_prompt_tokens / record.prompt_tokens))
+
     def snapshot(self) -> tuple[dict[tuple[str, str, str, str], dict[str, Histogram]],
                                 dict[tuple[str, str, str, str, str], int],
                                 dict[tuple[str, str, str, str], int]]:
         """Copies for exporters (scrape must not hold the lock while rendering)."""
         with self._lock:
-            hists = {}
-            for key, fams in self.histograms.items():
-                copies = {}
-                for name, h in fams.items():
-                    c = Histogram(h.bounds)
-                    c.bins, c.sum, c.count = list(h.bins), h.sum, h.count
-                    copies[name] = c
-                hists[key] = copies
+            hists = {key: {name: _copy_histogram(h) for name, h in fams.items()}
+                     for key, fams in self.histograms.items()}
             return hists, dict(self.outcomes), dict(self.estimated)
+
+    def unused_limit_counts(self) -> dict[tuple[str, str, str, str], int]:
+        """A copy of the unused max_tokens per key, for exporters."""
+        with self._lock:
+            return dict(self.unused_limit_tokens)
 
     def stall_counts(self) -> dict[tuple[str, str, str, str], int]:
         """A copy of the preemption-stall counts, for exporters."""
@@ -343,3 +371,111 @@ class InFlightTracker:
                                            req.prompt_tokens_estimate, generated, req.started_at,
                                            req.max_tokens))
             return out
+
+
+# --------------------------------------------------------------------------------------------
+# the vLLM plugin's engine steps
+# --------------------------------------------------------------------------------------------
+
+STEP_RING_SIZE = 4096
+BATCH_TOKEN_BANDS = LengthBands(buckets.BATCH_TOKEN_EDGES)
+
+
+@dataclass(slots=True)
+class PluginUnit:
+    """Cumulative facts of one DP rank of one replica, as its plugin reported them."""
+
+    datagrams: int = 0
+    pid: int | None = None
+    #: drops reported by engine processes that have since been replaced (pid changed)
+    dropped_before: int = 0
+    dropped_now: int = 0
+    #: tokens re-prefilled for resumed requests; None until a step said it (unknown, not 0)
+    recomputed_tokens: int | None = None
+    resumed_requests: int = 0
+    preemptions: int = 0
+    eviction_samples_left_out: int = 0
+    last_at: float | None = None
+    step_seconds: dict[str, Histogram] = field(default_factory=dict)  # batch-token band -> histogram
+    block_lifetime: Histogram = field(default_factory=lambda: Histogram(buckets.KV_BLOCK_SECONDS))
+    block_idle: Histogram = field(default_factory=lambda: Histogram(buckets.KV_BLOCK_SECONDS))
+    block_reuse_gap: Histogram = field(default_factory=lambda: Histogram(buckets.KV_BLOCK_SECONDS))
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_before + self.dropped_now
+
+    def copy(self) -> PluginUnit:
+        out = PluginUnit(self.datagrams, self.pid, self.dropped_before, self.dropped_now,
+                         self.recomputed_tokens, self.resumed_requests, self.preemptions,
+                         self.eviction_samples_left_out, self.last_at)
+        out.step_seconds = {k: _copy_histogram(h) for k, h in self.step_seconds.items()}
+        out.block_lifetime = _copy_histogram(self.block_lifetime)
+        out.block_idle = _copy_histogram(self.block_idle)
+        out.block_reuse_gap = _copy_histogram(self.block_reuse_gap)
+        return out
+
+
+def _copy_histogram(h: Histogram) -> Histogram:
+    c = Histogram(h.bounds)
+    c.bins, c.sum, c.count = list(h.bins), h.sum, h.count
+    return c
+
+
+class PluginStats:
+    """Per (replica, DP rank): exact recompute, drops, step-time and KV-block histograms, and a
+    bounded ring of the most recent step samples (for calibrating the simulator). Thread-safe."""
+
+    def __init__(self, ring_size: int = STEP_RING_SIZE) -> None:
+        self._lock = threading.Lock()
+        self.units: dict[tuple[str, str], PluginUnit] = {}
+        self.steps: deque[EngineStep] = deque(maxlen=ring_size)
+
+    def observe(self, link: PluginLink, step: EngineStep | None) -> None:
+        key = (link.replica, link.dp_rank)
+        with self._lock:
+            unit = self.units.get(key)
+            if unit is None:
+                unit = self.units[key] = PluginUnit()
+            unit.datagrams += 1
+            if link.pid is not None and unit.pid is not None and link.pid != unit.pid:
+                unit.dropped_before += unit.dropped_now  # a new engine process counts from 0
+                unit.dropped_now = 0
+            if link.pid is not None:
+                unit.pid = link.pid
+            if link.dropped is not None:
+                unit.dropped_now = max(unit.dropped_now, link.dropped)
+            if step is not None:
+                self._observe_step(unit, step)
+
+    def _observe_step(self, unit: PluginUnit, step: EngineStep) -> None:
+        unit.last_at = step.at
+        recomputed = step.recomputed_tokens
+        if recomputed is not None:
+            unit.recomputed_tokens = (unit.recomputed_tokens or 0) + recomputed
+        unit.resumed_requests += step.resumed_requests or 0
+        unit.preemptions += step.preempted or 0
+        if step.elapsed_ms is not None and step.batch_tokens is not None:
+            band = BATCH_TOKEN_BANDS.band_for(step.batch_tokens)
+            hist = unit.step_seconds.get(band)
+            if hist is None:
+                hist = unit.step_seconds[band] = Histogram(buckets.STEP_SECONDS)
+            hist.observe(step.elapsed_ms / 1000.0)
+            self.steps.append(step)
+        for ev in step.evictions:
+            if ev.lifetime_seconds is not None:
+                unit.block_lifetime.observe(ev.lifetime_seconds)
+            if ev.idle_seconds is not None:
+                unit.block_idle.observe(ev.idle_seconds)
+            for gap in ev.reuse_gaps_seconds:
+                unit.block_reuse_gap.observe(gap)
+        unit.eviction_samples_left_out += step.evictions_left_out
+
+    def snapshot(self) -> dict[tuple[str, str], PluginUnit]:
+        with self._lock:
+            return {key: unit.copy() for key, unit in self.units.items()}
+
+    def recent_steps(self) -> list[EngineStep]:
+        """The ring of step samples with a batch shape and a time, oldest first."""
+        with self._lock:
+            return list(self.steps)

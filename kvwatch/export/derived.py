@@ -18,6 +18,13 @@ from kvwatch.derive.node import DerivedView, UnitKey
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 
+
+def exact_recompute(state: NodeState) -> dict[tuple[str, str | None], int]:
+    """(replica, dp_rank) -> tokens re-prefilled after preemption, where the vLLM plugin said."""
+    return {key: unit.recomputed_tokens for key, unit in state.plugin.snapshot().items()
+            if unit.recomputed_tokens is not None}
+
+
 TIER_CONDITIONS = ("offload_pcie_bound", "link_down_trained", "foreign_bus_traffic")
 
 
@@ -37,7 +44,7 @@ class DerivedCollector:
         units = {s.key for s in self.state.live_samples()}
         up = {key[0] for key in units}
         yield from self._fragmentation(view, units, up)
-        yield from self._units(view, units)
+        yield from self._units(view, units, exact_recompute(self.state))
         yield from self._overcommit(view, units, up)
         yield from self._stranded(view, up)
         yield from self._tier_links(view, up)
@@ -58,7 +65,8 @@ class DerivedCollector:
         yield ratio
 
     @staticmethod
-    def _units(view: DerivedView, units: set[UnitKey]) -> Iterator[Metric]:
+    def _units(view: DerivedView, units: set[UnitKey],
+               exact: dict[tuple[str, str | None], int]) -> Iterator[Metric]:
         headroom = spec("kvwatch_kv_headroom_seconds").gauge()
         recomputed = spec("kvwatch_recomputed_tokens").counter()
         for u in view.units:
@@ -68,7 +76,10 @@ class DerivedCollector:
             labels = replica_label_values(s.replica, s.model_name, s.backend, s.dp_rank)
             if u.headroom.seconds is not None:
                 headroom.add_metric(labels, u.headroom.seconds)
-            if u.recomputed_tokens is not None:
+            plugin = exact.get((s.replica, s.dp_rank))
+            if plugin is not None and u.recomputed_source != "engine":
+                recomputed.add_metric([*labels, "vllm_plugin"], float(plugin))  # replaces the estimate
+            elif u.recomputed_tokens is not None:
                 recomputed.add_metric([*labels, u.recomputed_source], u.recomputed_tokens)
         yield headroom
         yield recomputed

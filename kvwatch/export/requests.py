@@ -45,6 +45,11 @@ HISTOGRAMS = (
     "kvwatch_request_duration_seconds",
     "kvwatch_request_queue_seconds",
     "kvwatch_request_output_tokens",
+    "kvwatch_request_prefill_seconds",
+    "kvwatch_request_decode_seconds",
+    "kvwatch_request_preemptions",
+    "kvwatch_request_output_limit_ratio",
+    "kvwatch_request_prefix_reuse_ratio",
 )
 OTHER_MODEL = "other"
 
@@ -88,6 +93,10 @@ class RequestCollector:
         for key in sorted(estimated):
             counter.add_metric(list(key), float(estimated[key]))
         yield counter
+        unused = spec("kvwatch_request_unused_max_tokens").counter()
+        for key, n in sorted(self.state.requests.unused_limit_counts().items()):
+            unused.add_metric(list(key), float(n))
+        yield unused
         yield self._stalls()
         yield from self._in_flight()
 

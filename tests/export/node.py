@@ -13,12 +13,13 @@ from kvwatch.config import Config, ReplicaConfig
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector
+from kvwatch.export.plugin import PluginCollector
 from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.export.self_metrics import SelfCollector
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
-from kvwatch.model import InFlightRequest, Outcome, RequestRecord
+from kvwatch.model import EngineStep, EvictionSample, InFlightRequest, Outcome, PluginLink, RequestRecord
 from kvwatch.state import NodeState
 
 CAPTURE = (Path(__file__).resolve().parent.parent / "fixtures" / "engines" / "captured"
@@ -59,6 +60,18 @@ def full_node(replicas: int = 8) -> tuple[NodeState, Config]:
             outcome=list(Outcome)[i % len(Outcome)], started_at=T0, prompt_tokens=900, output_tokens=out,
             max_tokens=32000, ttft_seconds=0.05 * (i % 40), e2e_seconds=30.0 + i % 300,
             gap_bounds=gaps, gap_counts=tuple(bins), gap_sum=0.03 * out))
+    for i in range(500):  # the vLLM plugin's engine-side records and steps
+        rep = reps[i % replicas].name
+        out = lengths[i % len(lengths)]
+        state.requests.observe(RequestRecord(
+            replica=rep, model_name=MODEL, source="vllm_plugin", outcome=Outcome.COMPLETED, started_at=T0,
+            prompt_tokens=900, output_tokens=out, max_tokens=32000, e2e_seconds=30.0 + i % 300,
+            queue_seconds=0.01 * (i % 50), prefill_seconds=0.02 * (i % 30), decode_seconds=29.0 + i % 300,
+            preemptions=i % 4, cached_prompt_tokens=128 * (i % 8)))
+        state.plugin.observe(PluginLink(rep, "0", 4000 + i % replicas, i, 0), EngineStep(
+            rep, "0", T0, ctx_tokens=(i % 3) * 900, gen_tokens=64, elapsed_ms=5.0 + i % 40,
+            resumed_queried_tokens=(i % 4) * 100, resumed_hit_tokens=0,
+            evictions=(EvictionSample(60.0 + i, 10.0, (1.0 + i % 5,)),)))
     bands = config.length_bands
     for i in range(32):
         handle = state.in_flight.start(InFlightRequest(reps[i % replicas].name, MODEL,
@@ -73,6 +86,6 @@ def full_node_registry(replicas: int = 8) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     for collector in (ReplicaCollector(state, config), DerivedCollector(state, config),
                       GpuCollector(state, config), RequestCollector(state, config),
-                      SelfCollector(state, config)):
+                      PluginCollector(state, config), SelfCollector(state, config)):
         registry.register(collector)
     return registry

@@ -43,4 +43,4 @@ def test_golden_holds_every_catalog_area():
     golden = GOLDEN.read_text()
     exposed = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}
     areas = {spec.area for spec in CATALOG if set(spec.series_names) & exposed or spec.name in exposed}
-    assert areas >= {"self", "replica", "derived", "gpu", "request"}
+    assert areas >= {"self", "replica", "derived", "gpu", "request", "plugin"}

@@ -113,6 +113,15 @@ def _histogram(name: str, labels: dict[str, str]) -> list[dict[str, str]]:
         "kvwatch_request_duration_seconds": buckets.DURATION_SECONDS,
         "kvwatch_request_queue_seconds": buckets.QUEUE_SECONDS,
         "kvwatch_request_output_tokens": buckets.output_token_bounds((1000, 5000, 10000, 20000)),
+        "kvwatch_request_prefill_seconds": buckets.TTFT_SECONDS,
+        "kvwatch_request_decode_seconds": buckets.DURATION_SECONDS,
+        "kvwatch_request_preemptions": buckets.PREEMPTIONS,
+        "kvwatch_request_output_limit_ratio": buckets.RATIO,
+        "kvwatch_request_prefix_reuse_ratio": buckets.RATIO,
+        "kvwatch_engine_step_seconds": buckets.STEP_SECONDS,
+        "kvwatch_kv_block_lifetime_seconds": buckets.KV_BLOCK_SECONDS,
+        "kvwatch_kv_block_idle_seconds": buckets.KV_BLOCK_SECONDS,
+        "kvwatch_kv_block_reuse_gap_seconds": buckets.KV_BLOCK_SECONDS,
     }[name]
     total = len(bounds) + 1
     out = [_series(f"{name}_bucket", {**labels, "le": buckets.le_label(b)}, f"0+{i + 1}x{STEPS}")

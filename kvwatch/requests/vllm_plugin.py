@@ -1,0 +1,304 @@
+"""Receiver for kvwatch's vLLM stat-logger plugin: per-request and per-step facts from inside vLLM.
+
+The plugin (``plugins/vllm``, package ``kvwatch_vllm_plugin``) sends one compact JSON datagram per
+engine step to a Unix datagram socket; the agent binds one socket per replica
+(``vllm_plugin_sockets[]``) and maps the datagram's engine index to the replica's DP rank. Each
+finished request becomes a ``RequestRecord`` (source ``vllm_plugin``) handed to the request sink;
+each step becomes an ``EngineStep`` handed to the step sink with its ``PluginLink`` (sender pid and
+its drop count).
+
+Datagrams come from a process we do not control: anything over ``MAX_DATAGRAM_BYTES``, not JSON,
+of the wrong shape or of an unknown version is counted (``kvwatch_vllm_plugin_datagrams_total
+{result}``) and dropped; nothing here raises into the event loop. Parsing is ``json.loads`` of at
+most 64 KiB, linear in the size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.model import EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
+
+log = logging.getLogger(__name__)
+
+SOURCE = "vllm_plugin"
+WIRE_VERSIONS = frozenset({1})
+MAX_DATAGRAM_BYTES = 64 * 1024
+MAX_ENGINE_INDEX = 1023
+RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
+DATAGRAMS = "kvwatch_vllm_plugin_datagrams"
+RESULTS = ("accepted", "malformed", "oversized", "unknown_version")
+COLLECTOR = "vllm_plugin"
+
+#: vLLM finish reasons (``FinishReason.__str__``) -> outcome; anything else is completed
+OUTCOMES = {"length": Outcome.TRUNCATED, "abort": Outcome.ABORTED, "error": Outcome.ERROR}
+
+RecordSink = Callable[[RequestRecord], None]
+StepSink = Callable[[PluginLink, EngineStep | None], None]
+Count = Callable[..., None]
+Report = Callable[..., None]
+
+
+class DatagramError(ValueError):
+    """A datagram that is dropped; ``result`` is the counter label that says why."""
+
+    def __init__(self, result: str, reason: str) -> None:
+        super().__init__(reason)
+        self.result = result
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    link: PluginLink
+    step: EngineStep | None
+    records: tuple[RequestRecord, ...]
+
+
+def _num(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise DatagramError("malformed", f"{what} must be a non-negative number or null")
+    return float(value)
+
+
+def _int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DatagramError("malformed", f"{what} must be a non-negative integer or null")
+    return value
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise DatagramError("malformed", f"{what} must be an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise DatagramError("malformed", f"{what} must be a list")
+    return value
+
+
+def request_record(fields: Mapping[str, Any], replica: str, model_name: str, sent_at: float) -> RequestRecord:
+    """One finished request of a datagram -> RequestRecord; raises DatagramError."""
+    f = _mapping(fields, "a finished request")
+    reason = f.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise DatagramError("malformed", "reason must be a string or null")
+    e2e = _num(f.get("e2e"), "e2e")
+    return RequestRecord(
+        replica=replica,
+        model_name=model_name,
+        source=SOURCE,
+        outcome=OUTCOMES.get(reason or "", Outcome.COMPLETED),
+        started_at=sent_at - e2e if e2e is not None else sent_at,
+        finish_reason=reason[:16] if reason else None,
+        prompt_tokens=_int(f.get("prompt"), "prompt"),
+        output_tokens=_int(f.get("output"), "output"),
+        max_tokens=_int(f.get("max_tokens"), "max_tokens"),
+        e2e_seconds=e2e,
+        queue_seconds=_num(f.get("queue"), "queue"),
+        prefill_seconds=_num(f.get("prefill"), "prefill"),
+        decode_seconds=_num(f.get("decode"), "decode"),
+        preemptions=_int(f.get("preemptions"), "preemptions"),
+        cached_prompt_tokens=_int(f.get("cached"), "cached"),
+    )
+
+
+def _evictions(raw: Any) -> tuple[EvictionSample, ...]:
+    out = []
+    for item in _list(raw, "ev"):
+        if not isinstance(item, list) or len(item) != 3:
+            raise DatagramError("malformed", "an eviction sample must be [lifetime, idle, [gaps]]")
+        gaps = tuple(g for g in (_num(x, "a reuse gap") for x in _list(item[2], "reuse gaps"))
+                     if g is not None)
+        out.append(EvictionSample(_num(item[0], "lifetime"), _num(item[1], "idle"), gaps))
+    return tuple(out)
+
+
+def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions: Any,
+                left_out: Any) -> EngineStep:
+    s = _mapping(raw, "s")
+    shape = _list(s.get("it"), "it")
+    if shape and len(shape) != 5:
+        raise DatagramError("malformed", "it must be [ctx requests, ctx tokens, gen requests, gen tokens, "
+                                         "ms]")
+    ctx_r, ctx_t, gen_r, gen_t = (_int(v, "a batch count") for v in shape[:4]) if shape else (None,) * 4
+    usage = _num(s.get("kv"), "kv")
+    return EngineStep(
+        replica=replica,
+        dp_rank=dp_rank,
+        at=sent_at,
+        running=_int(s.get("run"), "run"),
+        waiting=_int(s.get("wait"), "wait"),
+        kv_usage_ratio=usage,
+        ctx_requests=ctx_r,
+        ctx_tokens=ctx_t,
+        gen_requests=gen_r,
+        gen_tokens=gen_t,
+        elapsed_ms=_num(shape[4], "elapsed_ms") if shape else None,
+        preempted=_int(s.get("preempted"), "preempted"),
+        resumed_requests=_int(s.get("pre_req"), "pre_req"),
+        resumed_queried_tokens=_int(s.get("pre_q"), "pre_q"),
+        resumed_hit_tokens=_int(s.get("pre_h"), "pre_h"),
+        evictions=_evictions(evictions),
+        evictions_left_out=_int(left_out, "evx") or 0,
+    )
+
+
+def decode(data: bytes, replica: str, model_name: str) -> Decoded:
+    """Pure: one datagram -> its link facts, step and finished requests; raises DatagramError."""
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise DatagramError("oversized", f"datagram of {len(data)} bytes (limit {MAX_DATAGRAM_BYTES})")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise DatagramError("malformed", "not JSON") from None
+    body = _mapping(body, "a datagram")
+    version = body.get("v")
+    if version not in WIRE_VERSIONS or isinstance(version, bool):
+        raise DatagramError("unknown_version", f"wire version {version!r} (this agent reads 1)")
+    engine = _int(body.get("e"), "e")
+    if engine is None or engine > MAX_ENGINE_INDEX:
+        raise DatagramError("malformed", f"e must be an engine index 0..{MAX_ENGINE_INDEX}")
+    sent_at = _num(body.get("t"), "t")
+    if sent_at is None:
+        raise DatagramError("malformed", "t (unix time) is required")
+    dp_rank = str(engine)
+    link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
+                      _int(body.get("d"), "d"))
+    step = None
+    if body.get("s") is not None:
+        step = engine_step(body["s"], replica, dp_rank, sent_at, body.get("ev"), body.get("evx"))
+    records = tuple(request_record(f, replica, model_name, sent_at) for f in _list(body.get("f"), "f"))
+    return Decoded(link, step, records)
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, receiver: PluginReceiver) -> None:
+        self.receiver = receiver
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.receiver.handle(data)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("vllm plugin socket error: %s", exc)
+
+
+class PluginReceiver:
+    """One bound socket (one replica). ``await start()``, ``await stop()``."""
+
+    def __init__(self, replica: str, path: str, model_name: str, records: RecordSink, steps: StepSink,
+                 count: Count, report: Report | None = None) -> None:
+        self.replica = replica
+        self.path = path
+        self.model_name = model_name
+        self.records = records
+        self.steps = steps
+        self.count = count
+        self.report = report
+        self._transport: asyncio.DatagramTransport | None = None
+        self._warned_at = -60.0
+
+    async def start(self) -> None:
+        sock = bind_socket(self.path)
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        log.info("vLLM plugin receiver for %s on %s", self.replica, self.path)
+
+    async def stop(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+
+    def handle(self, data: bytes) -> None:
+        """Decode, hand on, count; never raises (it runs on the agent's event loop)."""
+        started = time.perf_counter()
+        try:
+            decoded = decode(data, self.replica, self.model_name)
+        except DatagramError as exc:
+            self._count(exc.result)
+            self._warn(exc)
+            return
+        except Exception as exc:  # a decoder bug must not take the receiver down
+            self._count("malformed")
+            self._warn(exc)
+            return
+        self._count("accepted")
+        try:
+            self.steps(decoded.link, decoded.step)
+            for record in decoded.records:
+                self.records(record)
+        except Exception:
+            log.exception("vllm plugin: a sink failed")
+        if self.report is not None:
+            with contextlib.suppress(Exception):
+                self.report(f"{COLLECTOR}:{self.replica}", True, time.perf_counter() - started)
+
+    def _count(self, result: str, n: int = 1) -> None:
+        try:
+            self.count(DATAGRAMS, self.replica, result, amount=n)
+        except Exception:
+            log.exception("vllm plugin: counting failed")
+
+    def _warn(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= 60.0:
+            self._warned_at = now
+            log.warning("vllm plugin: dropped a datagram on %s: %s", self.path, exc)
+
+
+def bind_socket(path: str) -> socket.socket:
+    """A Unix datagram socket bound at ``path`` (a stale socket file left by a dead agent is replaced;
+    any other file there is an error). Mode 0660: the engine's group may send."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        sock.bind(path)
+        os.chmod(path, 0o660)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_receivers(sockets: Any, replicas: Mapping[str, str], records: RecordSink, steps: StepSink,
+                          count: Count, report: Report | None = None) -> list[PluginReceiver]:
+    """Start one receiver per configured socket (the agent's wiring entry point).
+
+    ``replicas`` maps replica name -> model_name label; every result series starts at zero.
+    """
+    started = []
+    for entry in sockets:
+        receiver = PluginReceiver(entry.replica, entry.path, replicas.get(entry.replica, "other"),
+                                  records, steps, count, report)
+        for result in RESULTS:
+            receiver._count(result, 0)
+        await receiver.start()
+        started.append(receiver)
+    return started

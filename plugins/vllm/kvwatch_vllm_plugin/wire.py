@@ -1,0 +1,117 @@
+"""The datagram format (version 1) and a sender that never blocks: standard library only.
+
+One engine step becomes one datagram (more when many requests finish in the step), a compact JSON
+object. The kvwatch agent decodes it (``kvwatch/requests/vllm_plugin.py``); the two sides share only
+this format, documented in kvwatch's docs/vllm-plugin.md:
+
+    {"v": 1, "e": engine index (DP rank), "p": pid, "n": sequence number, "t": unix time,
+     "d": datagrams dropped before this one,
+     "s": {step: "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h",
+           "preempted", "gen", "pt_comp", "pt_local", "pt_ext",
+           "it": [ctx requests, ctx tokens, generation requests, generation tokens, elapsed ms]},
+     "f": [{finished request: "reason", "e2e", "queue", "prefill", "decode", "inference",
+            "prompt", "output", "cached", "max_tokens", "preemptions"}, ...],
+     "ev": [[block lifetime s, idle s, [reuse gaps s, ...]], ...], "evx": eviction events left out}
+
+A value vLLM did not provide is ``null`` (never 0), and a key may be missing: readers treat both as
+unknown. No prompt or output text and no request id is ever put in a datagram.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+WIRE_VERSION = 1
+SOCKET_ENV = "KVWATCH_VLLM_SOCKET"
+DEFAULT_SOCKET = "/run/kvwatch/vllm.sock"
+#: the agent refuses datagrams over 64 KiB; finished requests are split well below that
+FINISHED_PER_DATAGRAM = 32
+#: eviction samples kept per step (vLLM samples 1% of blocks by default); the rest are counted
+MAX_EVICTIONS = 64
+MAX_REUSE_GAPS = 16
+
+_SEPARATORS = (",", ":")
+
+
+def number(value: Any) -> int | float | None:
+    """A finite int or float as is; anything else (missing, bool, NaN, a str) is None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def encode(header: Mapping[str, Any], step: Mapping[str, Any] | None,
+           finished: Sequence[Mapping[str, Any]], evictions: Sequence[Sequence[Any]],
+           evictions_left_out: int) -> list[dict[str, Any]]:
+    """One step's facts as datagram bodies (dicts; ``dumps`` makes the bytes). The first carries the
+    step and the evictions; finished requests go FINISHED_PER_DATAGRAM to a datagram."""
+    first: dict[str, Any] = dict(header)
+    if step is not None:
+        first["s"] = step
+    if evictions:
+        first["ev"] = list(evictions)
+    if evictions_left_out:
+        first["evx"] = evictions_left_out
+    bodies = [first]
+    for start in range(0, len(finished), FINISHED_PER_DATAGRAM):
+        chunk = list(finished[start:start + FINISHED_PER_DATAGRAM])
+        if start == 0:
+            first["f"] = chunk
+        else:
+            bodies.append({**header, "f": chunk})
+    return bodies
+
+
+def dumps(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=_SEPARATORS, allow_nan=False).encode()
+
+
+def eviction_sample(lifetime: Any, idle: Any, gaps: Iterable[Any]) -> list[Any]:
+    kept = [g for g in (number(x) for x in list(gaps)[:MAX_REUSE_GAPS]) if g is not None]
+    return [number(lifetime), number(idle), kept]
+
+
+class DatagramSender:
+    """Sends to a Unix datagram socket without ever blocking or raising.
+
+    A missing socket (agent absent), a refused one (agent gone, socket file left), a full receive
+    queue (agent slow) or any other error drops the datagram and counts it in ``dropped``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sent = 0
+        self.dropped = 0
+        self._sock: socket.socket | None = None
+
+    def send(self, data: bytes) -> bool:
+        try:
+            if self._sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.setblocking(False)
+                self._sock = sock
+            self._sock.sendto(data, self.path)
+        except Exception:  # BlockingIOError, FileNotFoundError, ConnectionRefusedError, EMSGSIZE, ...
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                self._sock.close()
+            self._sock = None
+
+
+def socket_path(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get(SOCKET_ENV) or DEFAULT_SOCKET

@@ -1,0 +1,73 @@
+"""The plugin inside the real vLLM's Python, with vLLM's own stats classes (no engine started).
+
+One subprocess in the cached CPU vLLM venv (``vllm_harness.py``): it builds ``SchedulerStats``,
+``IterationStats``, ``FinishedRequestStats``, ... exactly as vLLM 0.32 defines them, calls the plugin's
+``record`` and sends to a socket the test bound with kvwatch's receiver code. Pins the plugin to the
+field names of the installed vLLM, and shows that foreign objects and exploding attributes never
+raise into vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import CACHE, _unavailable
+
+from kvwatch.model import Outcome
+from kvwatch.requests.vllm_plugin import bind_socket, decode
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
+
+pytestmark = pytest.mark.real_vllm
+
+
+def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        _unavailable(f"real vLLM is not installed in {VENV}: run scripts/setup-test-env.sh")
+    path = str(tmp_path / "p.sock")
+    sock = bind_socket(path)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu",
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_harness.py")), path,
+                               str(tmp_path / "absent.sock")], capture_output=True, text=True, env=env,
+                              timeout=180, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        sock.setblocking(False)
+        datagrams = []
+        while True:
+            try:
+                datagrams.append(sock.recv(70_000))
+            except BlockingIOError:
+                break
+    finally:
+        sock.close()
+    assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5}
+    assert all(b"SECRET" not in d for d in datagrams)  # request ids never leave the engine
+    full, foreign = (decode(d, "r0", "tiny") for d in datagrams)
+    assert full.link.dp_rank == "1" and full.link.seq == 1 and foreign.link.seq == 2
+    s = full.step
+    assert (s.running, s.waiting, s.kv_usage_ratio, s.preempted) == (3, 2, 0.75, 1)
+    assert (s.ctx_requests, s.ctx_tokens, s.gen_requests, s.gen_tokens, s.elapsed_ms) == (1, 444, 2, 2, 12.5)
+    assert (s.resumed_requests, s.resumed_queried_tokens, s.resumed_hit_tokens, s.recomputed_tokens) == \
+        (1, 700, 256, 444)
+    assert [(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds) for e in s.evictions] == \
+        [(3.0, 1.0, (0.5, 0.25)), (9.0, 4.0, ())]
+    long, short = full.records
+    assert (long.outcome, long.finish_reason, long.output_tokens, long.max_tokens, long.preemptions) == \
+        (Outcome.TRUNCATED, "length", 64, 64, 2)
+    assert (long.queue_seconds, long.prefill_seconds, long.decode_seconds, long.e2e_seconds) == \
+        (0.5, 0.25, 1.75, 2.5)
+    assert (long.prompt_tokens, long.cached_prompt_tokens) == (300, 128)
+    assert (short.outcome, short.max_tokens) == (Outcome.COMPLETED, None)  # no limit: unknown, not 0
+    # objects without vLLM's fields: every value unknown, nothing invented
+    f = foreign.step
+    assert (f.running, f.kv_usage_ratio, f.preempted, f.recomputed_tokens, f.elapsed_ms) == (None,) * 5
+    assert foreign.records == ()

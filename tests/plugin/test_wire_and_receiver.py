@@ -1,0 +1,165 @@
+"""The plugin's datagram format and sender (standard library only) against kvwatch's receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvwatch.model import Outcome, PluginLink
+from kvwatch.requests.vllm_plugin import (
+    MAX_DATAGRAM_BYTES,
+    DatagramError,
+    PluginReceiver,
+    bind_socket,
+    decode,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "vllm"))
+from kvwatch_vllm_plugin import wire
+
+
+def header(**extra):
+    return {"v": 1, "e": 0, "p": 4242, "n": 1, "t": 1000.0, "d": 0, **extra}
+
+
+FINISHED = {"reason": "length", "e2e": 2.5, "queue": 0.5, "prefill": 0.25, "decode": 1.75, "inference": 2.0,
+            "prompt": 300, "output": 64, "cached": 128, "max_tokens": 64, "preemptions": 2}
+
+
+def test_a_step_with_requests_round_trips_and_missing_fields_stay_unknown():
+    step = {"run": 3, "wait": 2, "kv": 0.75, "pre_req": 1, "pre_q": 700, "pre_h": 256, "preempted": 1,
+            "it": [1, 444, 2, 2, 12.5]}
+    bodies = wire.encode(header(), step, [FINISHED, {"reason": "stop", "output": 5}],
+                         [wire.eviction_sample(3.0, 1.0, (0.5, float("nan"), "x"))], 0)
+    assert len(bodies) == 1
+    decoded = decode(wire.dumps(bodies[0]), "r0", "tiny")
+    assert decoded.link == PluginLink("r0", "0", 4242, 1, 0)
+    s = decoded.step
+    assert (s.running, s.waiting, s.kv_usage_ratio, s.ctx_tokens, s.gen_tokens, s.elapsed_ms) == \
+        (3, 2, 0.75, 444, 2, 12.5)
+    assert s.recomputed_tokens == 444 and s.batch_tokens == 446
+    assert s.evictions[0].reuse_gaps_seconds == (0.5,)  # NaN and a string are not sent
+    first, second = decoded.records
+    assert first.source == "vllm_plugin" and first.outcome is Outcome.TRUNCATED
+    assert (first.preemptions, first.max_tokens, first.cached_prompt_tokens, first.prefill_seconds) == \
+        (2, 64, 128, 0.25)
+    assert first.started_at == pytest.approx(1000.0 - 2.5)
+    assert second.outcome is Outcome.COMPLETED
+    assert (second.max_tokens, second.preemptions, second.e2e_seconds, second.prompt_tokens) == (None,) * 4
+
+
+def test_many_finished_requests_are_split_below_the_size_limit():
+    bodies = wire.encode(header(), {"run": 1}, [FINISHED] * 100, [], 0)
+    assert len(bodies) == 4 and "s" in bodies[0] and all("s" not in b for b in bodies[1:])
+    records = [r for b in bodies for r in decode(wire.dumps(b), "r0", "m").records]
+    assert len(records) == 100
+    assert max(len(wire.dumps(b)) for b in bodies) < MAX_DATAGRAM_BYTES // 4
+
+
+@pytest.mark.parametrize(("data", "result"), [
+    (b"x" * (MAX_DATAGRAM_BYTES + 1), "oversized"),
+    (b"not json", "malformed"),
+    (b"\xff\xfe", "malformed"),
+    (b"[1, 2]", "malformed"),
+    (json.dumps({**header(), "v": 2}).encode(), "unknown_version"),
+    (json.dumps({**header(), "v": True}).encode(), "unknown_version"),
+    (json.dumps({k: v for k, v in header().items() if k != "e"}).encode(), "malformed"),
+    (json.dumps({**header(), "e": 5000}).encode(), "malformed"),
+    (json.dumps({**header(), "t": None}).encode(), "malformed"),
+    (json.dumps({**header(), "s": {"run": -1}}).encode(), "malformed"),
+    (json.dumps({**header(), "s": {"it": [1, 2]}}).encode(), "malformed"),
+    (json.dumps({**header(), "f": [{"output": "many"}]}).encode(), "malformed"),
+    (json.dumps({**header(), "f": [{"reason": 3}]}).encode(), "malformed"),
+    (json.dumps({**header(), "ev": [[1.0]], "s": {}}).encode(), "malformed"),
+    (b"[" * 100_000, "oversized"),
+    (b"[" * 60_000, "malformed"),  # deep nesting: RecursionError is caught
+])
+def test_bad_datagrams_are_refused_with_a_reason(data, result):
+    with pytest.raises(DatagramError) as err:
+        decode(data, "r0", "m")
+    assert err.value.result == result
+
+
+def test_sender_counts_drops_when_no_agent_listens(tmp_path):
+    sender = wire.DatagramSender(str(tmp_path / "absent.sock"))
+    assert sender.send(b"{}") is False and sender.dropped == 1
+    (tmp_path / "stale.sock").touch()  # a file that is not a socket: refused, still no exception
+    stale = wire.DatagramSender(str(tmp_path / "stale.sock"))
+    assert stale.send(b"{}") is False and stale.dropped == 1
+
+
+def test_sender_never_blocks_on_an_agent_that_does_not_read(tmp_path):
+    path = str(tmp_path / "slow.sock")
+    receiver = bind_socket(path)
+    try:
+        sender = wire.DatagramSender(path)
+        started = time.perf_counter()
+        for _ in range(2000):
+            sender.send(b"x" * 2000)
+        elapsed = time.perf_counter() - started
+        assert sender.dropped > 0 and sender.sent + sender.dropped == 2000
+        assert elapsed < 1.0  # EAGAIN at once, never a wait
+    finally:
+        receiver.close()
+
+
+def test_socket_path_comes_from_the_environment_with_a_default():
+    assert wire.socket_path({}) == wire.DEFAULT_SOCKET == "/run/kvwatch/vllm.sock"
+    assert wire.socket_path({wire.SOCKET_ENV: "/tmp/x.sock"}) == "/tmp/x.sock"
+
+
+def test_bind_refuses_to_replace_a_file_that_is_not_a_socket(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    with pytest.raises(OSError, match="not a socket"):
+        bind_socket(str(target))
+    assert target.read_text() == "keep me"
+
+
+async def test_receiver_counts_bad_datagrams_and_keeps_serving(tmp_path):
+    counts: dict[tuple, float] = {}
+    records, steps = [], []
+
+    def count(family, *labels, amount=1):
+        counts[(family, *labels)] = counts.get((family, *labels), 0) + amount
+
+    path = str(tmp_path / "r0.sock")
+    receiver = PluginReceiver("r0", path, "tiny", records.append,
+                              lambda link, step: steps.append((link, step)), count)
+    await receiver.start()
+    (tmp_path / "stale").touch()
+    try:
+        sender = wire.DatagramSender(path)
+        for data in (b"garbage", json.dumps({**header(), "v": 9}).encode(), b"y" * (MAX_DATAGRAM_BYTES + 10),
+                     wire.dumps(wire.encode(header(), {"run": 1}, [FINISHED], [], 0)[0])):
+            assert sender.send(data)
+        deadline = time.monotonic() + 5
+        while not records and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        await receiver.stop()
+    assert len(records) == 1 and records[0].preemptions == 2 and len(steps) == 1
+    assert counts[("kvwatch_vllm_plugin_datagrams", "r0", "accepted")] == 1
+    assert counts[("kvwatch_vllm_plugin_datagrams", "r0", "malformed")] == 1
+    assert counts[("kvwatch_vllm_plugin_datagrams", "r0", "unknown_version")] == 1
+    assert counts[("kvwatch_vllm_plugin_datagrams", "r0", "oversized")] == 1
+    assert not Path(path).exists()  # the socket file goes with the receiver
+
+
+async def test_a_stale_socket_file_from_a_dead_agent_is_replaced(tmp_path):
+    path = str(tmp_path / "r0.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody listens
+    receiver = PluginReceiver("r0", path, "m", lambda r: None, lambda link, step: None, lambda *a, **k: None)
+    await receiver.start()
+    try:
+        assert wire.DatagramSender(path).send(b"{}")
+    finally:
+        await receiver.stop()

@@ -1,0 +1,69 @@
+"""Run by the real vLLM venv's python (not pytest): drives KvwatchStatLogger with vLLM's own stats classes.
+
+argv: SOCKET_PATH ABSENT_PATH. Prints one JSON object with the loggers' counters.
+"""
+
+import json
+import os
+import sys
+
+from vllm.v1.engine import FinishReason
+from vllm.v1.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    KVCacheEvictionEvent,
+    PrefixCacheStats,
+    SchedulerIterationDetails,
+    SchedulerStats,
+)
+
+socket_path, absent_path = sys.argv[1], sys.argv[2]
+os.environ["KVWATCH_VLLM_SOCKET"] = socket_path
+from kvwatch_vllm_plugin.logger import KvwatchStatLogger  # noqa: E402
+
+logger = KvwatchStatLogger(None, engine_index=1)
+logger.log_engine_initialized()
+
+prefix = PrefixCacheStats(requests=2, queries=300, hits=128)
+prefix.record(num_tokens=700, num_hits=256, preempted=True)  # one resumed request
+sched = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.75,
+                       prefix_cache_stats=prefix,
+                       iteration_details=SchedulerIterationDetails(
+                           iteration_index=7, num_ctx_requests=1, num_ctx_tokens=444,
+                           num_generation_requests=2, num_generation_tokens=2, elapsed_ms=12.5),
+                       kv_cache_eviction_events=[KVCacheEvictionEvent(3.0, 1.0, (0.5, 0.25)),
+                                                 KVCacheEvictionEvent(9.0, 4.0, ())])
+it = IterationStats()
+it.num_generation_tokens = 2
+it.num_preempted_reqs = 1
+it.prompt_token_stats.computed = 172
+it.prompt_token_stats.local_cache_hit = 128
+it.finished_requests = [
+    FinishedRequestStats(finish_reason=FinishReason.LENGTH, request_id="SECRET-REQUEST-ID", e2e_latency=2.5,
+                         num_prompt_tokens=300, num_preemptions=2, num_generation_tokens=64,
+                         max_tokens_param=64, queued_time=0.5, prefill_time=0.25, inference_time=2.0,
+                         decode_time=1.75, num_cached_tokens=128),
+    FinishedRequestStats(finish_reason=FinishReason.STOP, request_id="SECRET-2", e2e_latency=1.0,
+                         num_prompt_tokens=10, num_generation_tokens=5, max_tokens_param=None),
+]
+logger.record(sched, it, engine_idx=1)
+logger.record(None, None, engine_idx=1)          # nothing to say: nothing sent
+logger.record(object(), object(), engine_idx=1)  # a future vLLM with other fields: nulls, no raise
+
+
+class Exploding:
+    @property
+    def num_running_reqs(self):
+        raise RuntimeError("boom")
+
+
+logger.record(Exploding(), None, engine_idx=1)   # swallowed and counted
+logger.log()
+
+os.environ["KVWATCH_VLLM_SOCKET"] = absent_path
+absent = KvwatchStatLogger(None, engine_index=0)
+for _ in range(5):
+    absent.record(sched, it, engine_idx=0)
+absent.log()
+print(json.dumps({"sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
+                  "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped}))
