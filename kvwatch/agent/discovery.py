@@ -17,7 +17,7 @@ from typing import Any
 
 from kvwatch.config import Config, ReplicaConfig
 from kvwatch.discovery.kube_api import ApiError, Pods, PodWatch
-from kvwatch.discovery.pods import PodEngine, judge_pod, pod_key
+from kvwatch.discovery.pods import PodEngine, PodVerdict, judge_pod, pod_key
 from kvwatch.state import DiscoveryStatus, NodeState
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class PodDiscovery:
         self._set_replicas = set_replicas
         self._problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         self._replicas: tuple[ReplicaConfig, ...] = ()
+        #: uid -> (resourceVersion, verdict): a pod is judged again only when it changed
+        self._verdicts: dict[str, tuple[str, PodVerdict]] = {}
         self._stale = True
         self.watch = PodWatch(config.discovery.kubernetes, config.node, self.on_pods, state.count,
                               state.report, environ=environ, on_stale=self.on_stale)
@@ -75,12 +77,18 @@ class PodDiscovery:
         recognise = self.config.discovery.kubernetes.recognise
         replicas: list[ReplicaConfig] = []
         problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
-        for pod in pods.values():
-            verdict = judge_pod(pod, recognise)
+        verdicts: dict[str, tuple[str, PodVerdict]] = {}
+        for uid, pod in pods.items():
+            version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
+            cached = self._verdicts.get(uid)
+            verdict = cached[1] if cached is not None and cached[0] == version and version \
+                else judge_pod(pod, recognise)
+            verdicts[uid] = (version, verdict)
             if verdict.engine is not None:
                 replicas.append(replica_config(verdict.engine))
             elif verdict.problems:
                 problems[pod_key(pod)] = verdict.problems
+        self._verdicts = verdicts
         self._log_problems(problems)
         self._problems = problems
         replicas.sort(key=lambda r: r.name)
