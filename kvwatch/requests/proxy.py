@@ -145,15 +145,14 @@ class ProxyServer:
         self.clock = clock  # durations are measured on it (the demo passes the simulator's clock)
         self.wall_clock = wall_clock  # started_at: the agent's time base, which its scrapes share
         self.inject_usage = config.inject_usage  # proxy.inject_usage; never switched off by a request
+        self.engine_forces_usage = False  # seen: a usage chunk in a stream nobody asked usage of
         self.pool = _UpstreamPool(MAX_IDLE_UPSTREAM, UPSTREAM_IDLE_S)
         self.connections: set[_ClientConnection] = set()
         self.buffered = 0  # request bytes held by all connections and exchanges (proxy.max_buffered_bytes)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._learner: asyncio.Task | None = None
-        self._last_error_log = 0.0
-        self._last_refusal_log = 0.0
-        self._last_shed_log = 0.0
+        self._last_logged: dict[str, float] = {}  # what _now_and_then last let through, when
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, host: str, port: int, learn_models: bool = True) -> None:
@@ -192,23 +191,25 @@ class ProxyServer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def shed(self, reason: str) -> None:
+    def _counted(self, family: str, *labels: str) -> bool:
+        """Count one occurrence; True at most once a minute per family, when it should be logged."""
         with contextlib.suppress(Exception):
-            self.count(SHED, self.replica, reason)
+            self.count(family, self.replica, *labels)
         now = time.monotonic()
-        if now - self._last_shed_log > 60:
-            self._last_shed_log = now
+        if now - self._last_logged.get(family, -60.0) <= 60:
+            return False
+        self._last_logged[family] = now
+        return True
+
+    def shed(self, reason: str) -> None:
+        if self._counted(SHED, reason):
             log.warning("proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total, logged "
                         "at most once a minute)", self.replica, reason,
                         "max_buffered_bytes" if reason == "buffer" else "max_connections", SHED)
 
     # -- accounting hooks (never raise into the relay) --------------------------------------------
     def accounting_failed(self, where: str) -> None:
-        with contextlib.suppress(Exception):
-            self.count(ACCOUNTING_ERRORS, self.replica)
-        now = time.monotonic()
-        if now - self._last_error_log > 60:
-            self._last_error_log = now
+        if self._counted(ACCOUNTING_ERRORS):
             log.exception("proxy %s: request accounting failed in %s; the stream kept flowing "
                           "(counted in %s_total, logged at most once a minute)", self.replica, where,
                           ACCOUNTING_ERRORS)
@@ -242,15 +243,18 @@ class ProxyServer:
         Nothing is decided for the replica from it: one client's body must not switch usage counting
         off for everyone (an operator whose engine refuses the field sets proxy.inject_usage: false).
         """
-        with contextlib.suppress(Exception):
-            self.count(USAGE_REFUSED, self.replica)
-        now = time.monotonic()
-        if now - self._last_refusal_log > 60:
-            self._last_refusal_log = now
+        if self._counted(USAGE_REFUSED):
             log.warning("proxy %s: the engine refused a body with stream_options.include_usage and took "
                         "the client's own; that stream is counted from chunks (counted in %s_total; set "
                         "proxy.inject_usage: false if the engine never takes it)",
                         self.replica, USAGE_REFUSED)
+
+    def engine_sends_usage_unasked(self) -> None:
+        """Engine output, which no client can forge (its text is JSON-escaped inside one event)."""
+        if not self.engine_forces_usage:
+            self.engine_forces_usage = True
+            log.info("proxy %s: the engine sends a usage chunk unasked (--enable-force-include-usage); "
+                     "kvwatch no longer asks for it, and relays it as the engine sent it", self.replica)
 
     async def _learn_models(self) -> None:
         """Add the engine's served model names (``/v1/models``) to the label set, once."""
@@ -608,6 +612,7 @@ class _Exchange:
         self.sse = False
         self.strip = False
         self.retried = False  # the engine refused include_usage once; the client's own body was sent
+        self.unasked = False  # a metered stream whose body asks no usage (as the client wrote it)
         self.sep: bytes | None = None
         self.carry = b""
         self.held: list[bytes] | None = None  # final chunk and after, waiting for the usage chunk
@@ -721,7 +726,8 @@ class _Exchange:
                 estimate_prompt_tokens(len(self.body)), 0, self.wall, info.max_tokens))
             self.meter = proxy.meter_factory(proxy.replica, model, info, self.wall, self.t0,
                                              proxy.in_flight, self.handle)
-            if proxy.inject_usage:
+            self.unasked = info.streaming and not info.wants_usage
+            if proxy.inject_usage and not proxy.engine_forces_usage:
                 return body_requesting_usage(self.body, info)
         except Exception:
             self.meter = None
@@ -892,9 +898,14 @@ class _Exchange:
             self.carry = data
 
     def _read_usage(self, data: bytes, sep: bytes) -> None:
-        """The client asked for usage itself: read it, forward everything."""
+        """Usage nobody here removes (the client asked, or the engine sends it anyway): read it, forward
+        everything. A usage-only chunk in a stream nobody asked usage of shows the engine always
+        sends one (vLLM ``--enable-force-include-usage``): then kvwatch stops asking, and so stops
+        removing a chunk a direct client would see."""
         try:
             usage = sse.find_usage(data, sep)
+            if self.unasked and any(sse.is_usage_only(e) for e in data.split(sep) if sse.USAGE_MARK in e):
+                self.proxy.engine_sends_usage_unasked()
         except Exception:
             self.proxy.accounting_failed("usage")
             return
@@ -917,7 +928,7 @@ class _Exchange:
         Only single-choice streams get here, and the hold lasts as long as the engine takes to
         write its next chunk (the usage chunk follows the final chunk in the same step).
         """
-        out: list[bytes] = []
+        out: list[bytes] = []  # events with their separators, as they leave
         events = data.split(sep)
         rest = events.pop()  # empty, unless separators overlap at the end ("}\n\n\n": "\n" begins the next)
         if rest:
@@ -929,8 +940,11 @@ class _Exchange:
                 self._usage(usage)
                 if self.held:
                     self.held[0] = sse.with_fields(self.held[0], moved)
-                    out += self.held
+                    out += [held + sep for held in self.held]
                     self.held = None
+                blank = len(event) - len(event.lstrip(b"\r\n"))  # blank lines before it are not the chunk
+                if blank:
+                    out.append(event[:blank])
                 continue
             if self.held is not None:
                 self.held.append(event)
@@ -938,7 +952,7 @@ class _Exchange:
                 too_many = len(self.held) > MAX_HELD_EVENTS or self.held_bytes > MAX_HELD_BYTES
                 if event == DONE_EVENT or too_many:
                     # the stream's end without a usage chunk, or too much to hold: send it, in order
-                    out += self.held
+                    out += [held + sep for held in self.held]
                     self.held = None
                     self.hold_final = event == DONE_EVENT
                 continue
@@ -947,8 +961,8 @@ class _Exchange:
             if self.hold_final and self.strip and sse.FINISH.search(event):
                 self.held, self.held_bytes = [event], len(event)
                 continue
-            out.append(event)
-        return b"".join(event + sep for event in out)
+            out.append(event + sep)
+        return b"".join(out)
 
     def _read_usage_event(self, event: bytes) -> tuple[sse.Usage | None, list[tuple[bytes, bytes]]]:
         """``sse.read_usage_event``, whose failure (a usage chunk nested 100,000 deep) is counted."""

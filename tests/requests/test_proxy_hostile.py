@@ -156,17 +156,22 @@ async def test_heads_an_engine_could_misparse_are_400_and_never_forwarded(
     b"X-A: a\nTransfer-Encoding: chunked", b"X-A: a\rb", b"X-A: a\x00b", b"X(A): b", b"X A: b",
 ])
 async def test_engine_heads_with_control_characters_are_502(field: bytes) -> None:
+    response = await through_engine_answering(b"HTTP/1.1 200 OK\r\n%b\r\ncontent-length: 2\r\n\r\nok" % field)
+    assert status_of(response) == 502
+    assert b"a\nTransfer" not in response and b"\x00" not in response
+
+
+async def through_engine_answering(answer: bytes) -> bytes:
+    """What a client of the proxy receives for ``GET /v1/models`` from an engine that sends ``answer``."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\n" + field + b"\r\ncontent-length: 2\r\n\r\nok")
+        writer.write(answer)
         await writer.drain()
 
     async with raw_engine(handler) as url:
         harness = await launch_proxy(url)
         try:
-            response = await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert status_of(response) == 502
-            assert b"a\nTransfer" not in response and b"\x00" not in response
+            return await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         finally:
             await harness.server.stop()
 
@@ -182,18 +187,10 @@ async def test_request_head_over_64_kib_in_one_read_is_431(engine: ScriptedEngin
 
 
 async def test_engine_head_over_64_kib_in_one_read_is_502() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * (70 * 1024) + b"\r\ncontent-length: 2\r\n\r\nok")
-        await writer.drain()
-
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            response = await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert status_of(response) == 502
-        finally:
-            await harness.server.stop()
+    pad = b"a" * (70 * 1024)
+    answer = b"HTTP/1.1 200 OK\r\nX-Pad: %b\r\ncontent-length: 2\r\n\r\nok" % pad
+    response = await through_engine_answering(answer)
+    assert status_of(response) == 502
 
 
 CHAT_BODY = b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"stream":true}'
@@ -354,3 +351,16 @@ async def test_a_failing_accept_is_logged_and_counted(proxy: ProxyHarness, caplo
                                  "exception": OSError(errno.EMFILE, "Too many open files")})
     assert proxy.count(ACCEPT_ERRORS, "r0") == 1
     assert any("cannot accept a connection (Too many open files)" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_engine_that_forces_usage_keeps_its_chunk_once_kvwatch_has_seen_it(
+        engine: ScriptedEngine, proxy: ProxyHarness) -> None:
+    """An n=2 stream is never asked for usage; a usage chunk in it shows the engine sends one always,
+    so kvwatch stops asking and no longer removes what a direct client would see."""
+    engine.script = Script(force_usage=True)
+    unasked = b'{"model":"tiny","messages":[],"stream":true,"n":2}'
+    for body in (unasked, CHAT_BODY):
+        response = await send_raw(proxy.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        assert engine.seen[-1].body == body and b'"choices":[],"usage"' in response
+    assert [r.output_tokens_estimated for r in proxy.records] == [False, False]
