@@ -43,7 +43,7 @@ TOKEN = re.compile(rb"[" + _TCHAR + rb"]+")
 #: origin-form, absolute-form, authority-form or "*": visible ASCII, nothing else (RFC 9112 §3.2)
 TARGET = re.compile(rb"[\x21-\x7e]+")
 REASON = re.compile(rb"[\t \x21-\x7e\x80-\xff]*")
-HEX = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_CHUNK_SIZE_DIGITS)
+_X = frozenset(b"xX")
 _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
 #: ``chunk-size *( BWS ";" BWS ext-name [ BWS "=" BWS ( token / quoted-string ) ] )`` (RFC 9112 §7.1.1)
 CHUNK_LINE = re.compile(
@@ -283,11 +283,18 @@ class ChunkedDecoder:
             return b""
         if not self._buf and self._state == self._SIZE:  # fast path: exactly one whole chunk
             nl = data.find(CRLF, 0, 18)
-            if nl > 0 and HEX.fullmatch(data, 0, nl) is not None:
-                size = int(data[:nl], 16)
-                end = nl + 2 + size
-                if size > 0 and len(data) == end + 2 and data.endswith(CRLF):
-                    return data[nl + 2:end]
+            if nl > 0:
+                digits = data[:nl]
+                # int(x, 16) also takes a sign, spaces, "_" and a "0x" prefix; ASCII letters and digits
+                # only, no x in second place, leaves what int() refuses (g-z) or what is hex
+                if digits.isalnum() and (nl == 1 or digits[1] not in _X):
+                    try:
+                        size = int(digits, 16)
+                    except ValueError:
+                        size = 0  # garbage: the general path refuses it
+                    end = nl + 2 + size
+                    if size > 0 and len(data) == end + 2 and data.endswith(CRLF):
+                        return data[nl + 2:end]
         buf = self._buf + data if self._buf else data
         out: list[bytes] = []
         pos, end = 0, len(buf)
