@@ -128,3 +128,17 @@ def test_check_config_cli_exit_status_and_messages(tmp_path):
                           capture_output=True, text=True, timeout=60, check=False)
     assert fail.returncode == 1
     assert "replicas[0].metrics_url: expected an http(s) URL, got 'nope'" in fail.stderr
+
+
+def test_proxy_limits_have_defaults_and_bad_values_name_their_key():
+    proxy = config_from_mapping({}).proxy
+    assert (proxy.max_buffered_bytes, proxy.max_connections, proxy.inject_usage) == (64 << 20, 1024, True)
+    parsed = config_from_mapping({"proxy": {"max_buffered_bytes": "128MiB", "max_connections": 10,
+                                            "inject_usage": False}}).proxy
+    assert (parsed.max_buffered_bytes, parsed.max_connections, parsed.inject_usage) == (128 << 20, 10, False)
+    with pytest.raises(ConfigError) as err:
+        config_from_mapping({"proxy": {"max_connections": 0, "inject_usage": "maybe",
+                                       "max_body_bytes": "16MiB", "max_buffered_bytes": "8MiB"}})
+    text = str(err.value)
+    for key in ("proxy.max_connections", "proxy.inject_usage", "proxy.max_buffered_bytes"):
+        assert key in text
