@@ -633,14 +633,19 @@ class _Exchange:
         self._send()
 
     def _budget(self) -> None:
-        """Count the request bytes this exchange holds (body, and what goes upstream) in the budget."""
-        held = len(self.body) + len(self.request)
+        """Count the bytes this exchange holds (the request body, what goes upstream, a JSON response
+        read for its usage) in proxy.buffered."""
+        held = len(self.body) + len(self.request) + (len(self.capture) if self.capture is not None else 0)
         self.proxy.buffered += held - self.budgeted
         self.budgeted = held
 
     def _drop_request(self) -> None:
         """The response head came: no retry can need the request now, so its bytes go."""
         self.body = self.request = b""
+        self._budget()
+
+    def _drop_capture(self) -> None:
+        self.capture = None
         self._budget()
 
     def _send(self) -> None:
@@ -699,6 +704,7 @@ class _Exchange:
             return
         self.finished = True
         self._drop_request()
+        self._drop_capture()
         self.flush()
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -833,10 +839,13 @@ class _Exchange:
             return
         self._emit(b"%x\r\n%b\r\n" % (len(data), data) if self.down_chunked else data)
         if self.capture is not None:
-            if len(self.capture) + len(data) <= MAX_CAPTURE_BYTES:
+            proxy = self.proxy
+            if len(self.capture) + len(data) <= MAX_CAPTURE_BYTES and \
+                    proxy.buffered + len(data) <= proxy.config.max_buffered_bytes:
                 self.capture += data
             else:
-                self.capture = None
+                self.capture = None  # usage unread, as for a body over MAX_CAPTURE_BYTES
+            self._budget()
 
     def _relay_events(self, data: bytes) -> None:
         """Forward complete SSE events only (the usage chunk may need removing); hot path."""
@@ -991,7 +1000,9 @@ class _Exchange:
         if meter is not None:
             try:
                 if self.capture is not None:
-                    meter.on_json_body(bytes(self.capture))
+                    capture = bytes(self.capture)
+                    self._drop_capture()
+                    meter.on_json_body(capture)
                 meter.on_end(self.proxy.clock())
             except Exception:
                 self.meter = None

@@ -364,3 +364,22 @@ async def test_an_engine_that_forces_usage_keeps_its_chunk_once_kvwatch_has_seen
                                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
         assert engine.seen[-1].body == body and b'"choices":[],"usage"' in response
     assert [r.output_tokens_estimated for r in proxy.records] == [False, False]
+
+
+async def test_a_json_response_read_for_usage_counts_in_the_budget(engine: ScriptedEngine) -> None:
+    """A non-streaming answer is read whole for its usage; within the budget it is, over it it is not."""
+    body = b'{"model":"tiny","messages":[]}'
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    roomy = await launch_proxy(engine.url)
+    tight = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=64, max_buffered_bytes=64))
+    try:
+        for harness in (roomy, tight):
+            response = await send_raw(harness.url, request)
+            assert status_of(response) == 200 and b'"usage"' in response  # the client's bytes, always
+            await wait_for(lambda h=harness: h.server.buffered == 0)
+        assert roomy.records[-1].output_tokens == 2 and not roomy.records[-1].output_tokens_estimated
+        assert tight.records[-1].output_tokens is None  # read nothing it had no room for
+    finally:
+        await roomy.server.stop()
+        await tight.server.stop()
