@@ -158,6 +158,7 @@ class ProxyServer:
     async def start(self, host: str, port: int, learn_models: bool = True) -> None:
         loop = asyncio.get_running_loop()
         _log_accept_failures(loop, self)
+        _warn_if_descriptors_short(self)
         self._server = await loop.create_server(lambda: _ClientConnection(self), host, port,
                                                 backlog=1024, reuse_address=True)
         if learn_models:
@@ -331,6 +332,24 @@ def _log_accept_failures(loop: asyncio.AbstractEventLoop, proxy: ProxyServer) ->
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+def _warn_if_descriptors_short(proxy: ProxyServer) -> None:
+    """Say at start when the open-files limit cannot hold ``proxy.max_connections``.
+
+    Under uvloop an accept() out of descriptors never reaches Python: libuv accepts and closes the
+    waiting connections with a reserved descriptor (its EMFILE trick), so those clients are dropped
+    without a trace. The connection cap, kept below the limit, is what sheds them visibly (503).
+    """
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * proxy.config.max_connections + MAX_IDLE_UPSTREAM + 64  # client + engine side, pool, agent
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("proxy %s: the open-files limit (%d) is below what proxy.max_connections=%d needs (~%d: "
+                    "a client and an engine descriptor each); clients past it are dropped unlogged under "
+                    "uvloop. Raise LimitNOFILE / ulimit -n, or lower proxy.max_connections",
+                    proxy.replica, soft, proxy.config.max_connections, need)
 
 
 def _error_response(status: int, message: str, close: bool) -> bytes:

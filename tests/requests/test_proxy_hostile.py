@@ -383,3 +383,18 @@ async def test_a_json_response_read_for_usage_counts_in_the_budget(engine: Scrip
     finally:
         await roomy.server.stop()
         await tight.server.stop()
+
+
+async def test_an_open_files_limit_too_low_for_the_connection_cap_is_said_at_start(
+        engine: ScriptedEngine, caplog) -> None:
+    """Under uvloop libuv drops clients it has no descriptor for without telling Python: the only
+    trace kvwatch can leave is the warning at start."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    harness = await launch_proxy(engine.url, config=ProxyConfig(max_connections=soft))
+    try:
+        assert any("open-files limit" in r.getMessage() and "proxy.max_connections" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await harness.server.stop()
