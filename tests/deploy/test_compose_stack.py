@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
+from local import require_tool
 
 from kvwatch.mixin.k8s import RULE_FILE_PATTERNS
 
@@ -92,16 +92,15 @@ def test_kvwatch_runs_the_demo_hardened_and_prometheus_scrapes_its_port() -> Non
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_prometheus_config_passes_promtool_with_the_repositorys_rule_files(tmp_path: Path) -> None:
-    out = subprocess.run(["promtool", "check", "config", str(COMPOSE_DIR / "prometheus.yml")],
+    out = subprocess.run([require_tool("promtool"), "check", "config", str(COMPOSE_DIR / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     # Again with rule_files pointing where the mount takes them from, so promtool checks the rules too.
     config = dict(PROMETHEUS)
     config["rule_files"] = [str(_host_path("prometheus", pattern)) for pattern in PROMETHEUS["rule_files"]]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    out = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+    out = subprocess.run([require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -120,11 +119,11 @@ def test_prometheus_alerts_the_compose_alertmanager() -> None:
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed")
 def test_alertmanager_config_it_mounts_passes_amtool() -> None:
     config = _host_path("alertmanager", _flag("alertmanager", "config.file"))
     assert config == ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
-    out = subprocess.run(["amtool", "check-config", str(config)], capture_output=True, text=True,
+    amtool = require_tool("amtool")
+    out = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from local import require_tool
 
 from kvwatch.cli import main as cli
 from kvwatch.mixin.k8s import DASHBOARDS_FILE, LEVEL_LABEL, RULES_FILE, ManifestError, generate
@@ -73,13 +73,13 @@ def test_only_rule_files_become_rules_not_the_slo_spec_or_promtool_tests(sources
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_prometheusrule_spec_is_a_rule_file_promtool_accepts(sources, tmp_path) -> None:
     alerts, dashboards = sources
     [rule] = _docs(generate(alerts, dashboards, root=tmp_path)[RULES_FILE])
     back = tmp_path / "back.rules.yaml"
     back.write_text(yaml.safe_dump(rule["spec"]))
-    out = subprocess.run(["promtool", "check", "rules", str(back)], capture_output=True, text=True,
+    promtool = require_tool("promtool")
+    out = subprocess.run([promtool, "check", "rules", str(back)], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 rules found" in out.stdout

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from local import require_tool
 
 from kvwatch.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "kvwatch.service"
 CONFIG = ROOT / "deploy" / "systemd" / "kvwatch.yaml"
-needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                           reason="systemd-analyze not installed")
 
 
 def _directives(text: str) -> dict[str, list[str]]:
@@ -89,18 +87,16 @@ def test_example_config_is_valid() -> None:
     assert str(cfg.otlp.listen) == "127.0.0.1:4318"
 
 
-@needs_systemd_analyze
 def test_systemd_analyze_verify_finds_nothing(tmp_path: Path) -> None:
-    out = subprocess.run(["systemd-analyze", "verify", str(_unit_runnable_here(tmp_path))],
+    out = subprocess.run([require_tool("systemd-analyze"), "verify", str(_unit_runnable_here(tmp_path))],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0
     # Unknown or misspelt keys are only warnings: demand silence.
     assert out.stdout + out.stderr == ""
 
 
-@needs_systemd_analyze
 def test_systemd_security_exposure_is_ok(tmp_path: Path) -> None:
-    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+    out = subprocess.run([require_tool("systemd-analyze"), "security", "--offline=yes", "--no-pager",
                           str(_unit_runnable_here(tmp_path))],
                          capture_output=True, text=True, timeout=60, check=False)
     if "--offline" in out.stderr:

@@ -22,9 +22,7 @@ import asyncio
 import contextlib
 import copy
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,11 +35,10 @@ from typing import Any
 import httpx
 import yaml
 from aiohttp import web
+from local import require_tool
 
 from .stack import ROOT, Prometheus, free_port, stop_group, wait_until
 
-ALERTMANAGER = Path(os.environ.get("KVWATCH_ALERTMANAGER", shutil.which("prometheus-alertmanager")
-                                   or "/usr/bin/prometheus-alertmanager"))
 SHIPPED_ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 INTERVAL = "5s"  # Prometheus scrape and rule evaluation
 WEBHOOK_TOKEN = "e2e-webhook-token"  # read by Alertmanager from a file, as the shipped config does
@@ -170,10 +167,10 @@ class Alertmanager:
         self.proc: subprocess.Popen | None = None
 
     def start(self, ready_timeout_s: float = 60.0) -> None:
-        assert ALERTMANAGER.exists(), f"{ALERTMANAGER} not found: run scripts/setup-test-env.sh"
+        alertmanager = require_tool("prometheus-alertmanager", path_env="KVWATCH_ALERTMANAGER")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(ALERTMANAGER), f"--config.file={self.config_path}",
+                [alertmanager, f"--config.file={self.config_path}",
                  f"--storage.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
                  "--cluster.listen-address=", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -27,11 +27,10 @@ from typing import Any, TypeVar
 
 import httpx
 import yaml
-from local import free_port
+from local import free_port, require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMETHEUS = Path(os.environ.get("KVWATCH_PROMETHEUS", "/usr/bin/prometheus"))
 SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
 
 T = TypeVar("T")
@@ -201,9 +200,10 @@ class Prometheus:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     def start(self, ready_timeout_s: float = 60.0) -> Prometheus:
+        prometheus = require_tool("prometheus", path_env="KVWATCH_PROMETHEUS")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(PROMETHEUS), f"--config.file={self.config_path}",
+                [prometheus, f"--config.file={self.config_path}",
                  f"--storage.tsdb.path={self.workdir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
                  "--log.level=warn"],

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvwatch.catalog import BY_NAME
@@ -22,7 +22,6 @@ from kvwatch.state import NodeState
 from .helpers import LLAMACPP_TINY, only, page, samples
 
 GOLDEN = Path(__file__).parent / "golden" / "replica_collector.prom"
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 
 def node() -> NodeState:
@@ -60,7 +59,8 @@ def test_output_matches_golden_file():
 
 @pytest.mark.prometheus
 def test_promtool_check_metrics_passes():
-    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=render(node()), capture_output=True,
+    promtool = require_tool("promtool")
+    proc = subprocess.run([promtool, "check", "metrics"], input=render(node()), capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+from local import require_tool
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
@@ -54,6 +55,6 @@ def test_escaping_of_label_values_and_help_matches():
 
 def test_histogram_rows_lint_clean_with_promtool(tmp_path):
     body = TextEncoder().encode(full_node_registry())
-    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
+    result = subprocess.run([require_tool("promtool"), "check", "metrics"], input=body, capture_output=True,
                             timeout=60, check=False)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()

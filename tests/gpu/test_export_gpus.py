@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pynvml
 import pytest
+from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -144,13 +144,13 @@ def test_empty_state_renders_nothing():
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_accepts_the_exposition(node):
     fake, state, collector = node
     fake.set_lost(1)
     refresh_gpu_state(collector, state)
     text = render(state)
-    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+    promtool = require_tool("promtool")
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout + done.stderr == ""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"
@@ -15,11 +14,8 @@ PROMTOOL_TESTS = Path(__file__).resolve().parent / "promtool"
 
 def tool(name: str) -> str:
     """Path of a Debian Prometheus tool; the suite's set-up installs them (scripts/setup-test-env.sh)."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: run scripts/setup-test-env.sh (Debian prometheus / "
-                    "prometheus-alertmanager)")
-    return path
+    return require_tool(name, install="run scripts/setup-test-env.sh (Debian prometheus / "
+                                      "prometheus-alertmanager)")
 
 
 def run_tool(*args: str | Path, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, _unavailable
+from local import CACHE, SKIP_REAL_ENGINES, unavailable
 
 from kvwatch.model import Outcome
 from kvwatch.requests.vllm_plugin import bind_socket, decode
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.real_vllm
 def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     python = VENV / "bin" / "python"
     if not python.exists():
-        _unavailable(f"real vLLM is not installed in {VENV}: run scripts/setup-test-env.sh")
+        unavailable(f"real vLLM is not installed in {VENV}: run scripts/setup-test-env.sh", SKIP_REAL_ENGINES)
     path = str(tmp_path / "p.sock")
     sock = bind_socket(path)
     try:

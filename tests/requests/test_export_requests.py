@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
+from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -120,9 +120,7 @@ def test_common_slo_thresholds_are_bucket_boundaries(bounds: tuple, slo_threshol
 
 @pytest.mark.prometheus
 def test_promtool_accepts_the_exposition(tmp_path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool is not installed (Debian package prometheus)")
+    promtool = require_tool("promtool")
     state = NodeState("n", DEFAULT_BANDS)
     state.requests.observe(record(900))
     state.requests.observe(record(None, Outcome.ERROR, ttft_seconds=None))

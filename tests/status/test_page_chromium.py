@@ -12,25 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from local import require_tool
 
 from .node import populated_state
 from .server import serve
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = [
-    pytest.mark.chromium,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium not installed"),
-]
+pytestmark = [pytest.mark.chromium]
 
 
 async def dump_dom(url: str, profile: Path, budget_ms: int) -> str:
-    args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    chromium = require_tool("chromium")
+    args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
             "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-extensions",
             f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--dump-dom", url]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,

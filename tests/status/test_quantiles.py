@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from local import require_tool
 
 from kvwatch.derive.quantiles import histogram_quantile
 
@@ -58,7 +58,6 @@ CASES = [
 
 
 @pytest.mark.prometheus
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_same_results_as_promtool(tmp_path: Path) -> None:
     """Every case is evaluated by promtool's PromQL engine and must equal ours."""
     series, tests = [], []
@@ -79,6 +78,7 @@ def test_same_results_as_promtool(tmp_path: Path) -> None:
     (tmp_path / "test.yml").write_text(
         "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n"
         + "\n".join(series) + "\n    promql_expr_test:\n" + "\n".join(tests) + "\n")
-    result = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True,
+    promtool = require_tool("promtool")
+    result = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
