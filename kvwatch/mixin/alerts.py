@@ -327,6 +327,16 @@ def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
             for_=cfg.for_of("KVWatchCollectorFailing"),
         ),
         Alert(
+            "KVWatchConfigReloadFailed",
+            "kvwatch_config_last_reload_successful == 0",
+            WARNING,
+            "kvwatch refused its edited config and runs on the previous one.",
+            "kvwatch on {{ $labels.instance }} has run on its previous config for "
+            f"{_lasting(cfg, 'KVWatchConfigReloadFailed')}: the last reload was invalid (its log names "
+            "every bad key).",
+            for_=cfg.for_of("KVWatchConfigReloadFailed"),
+        ),
+        Alert(
             "KVWatchSourceStale",
             f"(time() - {stale} > {cfg.source_stale_seconds})\n"
             f"unless on (instance, job, source)\n"

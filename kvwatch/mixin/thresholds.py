@@ -41,6 +41,7 @@ DEFAULT_FOR: Mapping[str, str | None] = {
     "KVWatchEngineTargetDown": "5m",
     "KVWatchCollectorFailing": "15m",
     "KVWatchSourceStale": "5m",
+    "KVWatchConfigReloadFailed": "10m",
 }
 
 _PROM_DURATION = re.compile(r"^(?:\d+[smhdwy])+$")
