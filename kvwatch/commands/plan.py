@@ -102,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp_.add_argument("--top", type=int, default=5, metavar="N", help="candidates to print")
     cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
+    cmp_.add_argument("--price", metavar="TYPE=PRICE,...",
+                      help="price per GPU-hour by type, e.g. h100=2.5,h200=3.5,b200=6 (default 1 each)")
     cmp_.add_argument("--html", metavar="OUT", help="write the comparison as HTML (attainment vs GPUs)")
     cmp_.set_defaults(_plan=_compare)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,7 @@ class ReplayResult:
     wall_seconds: float
     usage_timeline: tuple[tuple[float, float], ...]  # (sim seconds, node KV usage), thinned
     notes: tuple[str, ...] = field(default=())
+    requests: Any = None  # the twin's request table (report.load.COLUMNS), for SLO attainment
 
 
 class LongPoolRouter(Router):
@@ -202,7 +204,7 @@ def replay(
             f"(output p{candidate.admission_quantile * 100:g} of the workload), "
             f"{candidate.admission_headroom:.0%} of the pool kept as shared headroom"
         )
-    return ReplayResult(candidate, words, calibrated, twin, node, wall, timeline, tuple(notes))
+    return ReplayResult(candidate, words, calibrated, twin, node, wall, timeline, tuple(notes), loaded.frame)
 
 
 def _request_table(

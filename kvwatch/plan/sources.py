@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import statistics
 import threading
 import time
@@ -150,7 +151,7 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
-            if obj.get("choices") and obj["choices"][0].get("text"):
+            if obj.get("choices"):  # a token (its text may be empty: a partial UTF-8 sequence)
                 chunks.append(time.perf_counter())
             if obj.get("usage"):
                 usage = obj["usage"]
@@ -162,18 +163,21 @@ def calibration_load(
     model: str,
     *,
     prompt_sizes: Sequence[int] = (16, 256, 768, 1536),
-    concurrencies: Sequence[int] = (1, 2, 4, 8),
+    concurrencies: Sequence[int] = (1, 2, 3, 4, 6, 8),
     decode_prompt: int = 64,
-    decode_tokens: int = 48,
+    decode_tokens: int = 96,
     repeats: int = 2,
     timeout_s: float = 120.0,
 ) -> list[StepObservation]:
     """Drive the engine (module doc) and return one observation per phase measurement."""
     obs: list[StepObservation] = []
     with httpx.Client(timeout=timeout_s) as client:
+        probe = _stream(client, base_url, model, _filler(64), 1)
+        per_word = float(probe["usage"].get("prompt_tokens") or 64) / 64
+        words = lambda tokens: max(1, int(tokens / per_word))  # noqa: E731 - the engine's tokenizer
         for size in prompt_sizes:
             for _ in range(repeats):
-                r = _stream(client, base_url, model, _filler(size), 2)
+                r = _stream(client, base_url, model, _filler(words(size)), 2)
                 if not r["chunks"]:
                     raise SourceError(f"{base_url}: a calibration request streamed no token")
                 prompt = float(r["usage"].get("prompt_tokens") or size)
@@ -186,31 +190,49 @@ def calibration_load(
                     )
                 )
         for c in concurrencies:
-            results: list[dict[str, Any]] = [{} for _ in range(c)]
-
-            def run(k: int, results: list[dict[str, Any]] = results) -> None:
-                with httpx.Client(timeout=timeout_s) as own:
-                    results[k] = _stream(own, base_url, model, _filler(decode_prompt), decode_tokens)
-
-            threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(c)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout_s)
-            gaps = _steady_gaps(results)
-            if not gaps:
-                continue
-            prompt = float(results[0].get("usage", {}).get("prompt_tokens") or decode_prompt)
-            obs.append(
-                StepObservation(
-                    prefill_tokens=0.0,
-                    decode_seqs=float(c),
-                    kv_tokens=c * (prompt + decode_tokens / 2),
-                    seconds=statistics.median(gaps),
-                    weight=float(len(gaps)),
-                )
+            gaps, prompt = _decode_phase(
+                base_url, model, c, _filler_words(words(decode_prompt), c), decode_tokens, timeout_s
             )
+            if len(gaps) >= 3:
+                obs.append(
+                    StepObservation(
+                        prefill_tokens=0.0,
+                        decode_seqs=float(c),
+                        kv_tokens=c * (prompt + decode_tokens / 2),
+                        seconds=statistics.median(gaps),
+                    )
+                )
     return obs
+
+
+def _filler_words(words: int, count: int) -> list[str]:
+    return [_filler(words) for _ in range(count)]
+
+
+def _decode_phase(
+    base_url: str, model: str, c: int, prompts: list[str], tokens: int, timeout_s: float
+) -> tuple[list[float], float]:
+    """``c`` streams started together (clients made first, then a barrier); their chunk gaps while
+    all of them decode, and the prompt tokens the engine counted."""
+    clients = [httpx.Client(timeout=timeout_s) for _ in range(c)]
+    results: list[dict[str, Any]] = [{} for _ in range(c)]
+    barrier = threading.Barrier(c)
+
+    def run(k: int) -> None:
+        barrier.wait(timeout_s)
+        results[k] = _stream(clients[k], base_url, model, prompts[k], tokens)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(c)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+    finally:
+        for client in clients:
+            client.close()
+    prompt = float(results[0].get("usage", {}).get("prompt_tokens") or 0.0)
+    return _steady_gaps(results), prompt
 
 
 def _steady_gaps(results: list[dict[str, Any]]) -> list[float]:
@@ -226,6 +248,10 @@ def _steady_gaps(results: list[dict[str, Any]]) -> list[float]:
     return gaps
 
 
-def _filler(tokens: int) -> str:
-    """About ``tokens`` tokens of filler (the engine's usage gives the exact count)."""
-    return " ".join(["hello"] * max(1, tokens - 1))
+_FILLER_RNG = random.Random(16)
+
+
+def _filler(words: int) -> str:
+    """``words`` random words of filler: no two prompts share a prefix, so the engine's prefix cache
+    cannot skip the prefill being measured. The engine's usage gives the exact token count."""
+    return " ".join(str(_FILLER_RNG.randrange(10**5)) for _ in range(max(1, words)))

@@ -108,7 +108,13 @@ GPUS: dict[str, GpuSpec] = {
         # H200 SXM: 141 GB HBM3e at 4.8 TB/s (reference §3.3), 989 TFLOPS dense bf16, 1979 fp8,
         # PCIe Gen5 x16 = 64 GB/s per direction before protocol overhead.
         GpuSpec("h200", "NVIDIA H200", 141 * GB, 4.8e12, 989e12, 1979e12, 64 * GB),
+        # H100 SXM (NVIDIA H100 datasheet): 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with
+        # 2:4 sparsity), 1,979 fp8 dense, PCIe Gen5 x16.
         GpuSpec("h100", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 989e12, 1979e12, 64 * GB),
+        # B200 (HGX, 1,000 W; NVIDIA's Blackwell datasheet as tabulated at
+        # glennklockwood.com/garden/processors/B200): 192 GB HBM3e at 8 TB/s, 2,250 TFLOPS dense bf16,
+        # 4,500 fp8 dense (twice that with sparsity), PCIe Gen6 x16 = 128 GB/s per direction.
+        GpuSpec("b200", "NVIDIA B200", 192 * GB, 8.0e12, 2250e12, 4500e12, 128 * GB, pcie_gen=6),
     )
 }
 

@@ -1,0 +1,371 @@
+"""``kvwatch plan compare``: sweep candidate deployments, keep the cheapest that meet every band's SLO.
+
+The sweep, in two stages so it stays a few dozen replays rather than the full product:
+
+1. hardware: every GPU type preset (H100 80 GB, H200 141 GB, B200 192 GB) x every TP x DP split of
+   1, 2, 4 ... up to ``--gpus`` GPUs x KV dtype (bf16, fp8), vLLM's default scheduler knobs;
+2. knobs, one at a time, on the three cheapest stage-1 candidates that meet the SLOs (or, if none
+   does, the three with the best worst-band attainment): ``max_num_seqs`` 256, block size 32, the
+   CPU offload tier (200 GB per replica), and the admission policies ``reserve_max_tokens``,
+   ``quantile_budget`` (output p90 budget, 10 % shared headroom) and ``long_pool`` (half the
+   replicas for requests whose max_tokens exceeds 5,000).
+
+A candidate whose weights do not fit, or whose cache cannot hold one request, is listed as unable
+to run, with the reason. Candidates run in parallel processes (``--jobs``).
+
+SLO attainment, per objective and band: the share of the band's replayed requests whose SLI is
+within the threshold (latency SLIs: a request without the value, e.g. abandoned before its first
+token, counts as bad), or whose outcome is good (completion SLI). Margin = attainment - objective.
+A candidate meets the SLOs when every objective meets its target in every band that has requests.
+Cost is GPUs x the GPU type's price per hour (``--price``; default 1 for every type, so cost is
+the GPU count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvwatch.model import LengthBands
+from kvwatch.plan.calibration import Calibration, load_calibration
+from kvwatch.plan.candidate import Candidate, CandidateError
+from kvwatch.plan.inputs import Workload, read_workload
+from kvwatch.plan.replay import ReplayResult, replay
+from kvwatch.sim.models import GPUS
+from kvwatch.sim.presets import DEMO_MODEL
+
+GPU_TYPES = ("h100", "h200", "b200")
+KV_DTYPES = ("auto", "fp8")
+_SLI_COLUMN = {"ttft": "ttft_seconds", "tpot": "tpot_seconds", "e2e": "e2e_seconds"}
+
+
+@dataclass(frozen=True, slots=True)
+class BandAttainment:
+    objective: str
+    band: str
+    requests: int
+    attainment: float
+    target: float
+
+    @property
+    def margin(self) -> float:
+        return self.attainment - self.target
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    candidate: Candidate
+    error: str | None  # cannot run
+    attainments: tuple[BandAttainment, ...] = ()
+    completed_per_gpu_hour: float | None = None
+    preemptions: int = 0
+    e2e_p99: float | None = None
+    wall_seconds: float = 0.0
+
+    @property
+    def meets(self) -> bool:
+        return self.error is None and all(a.margin >= 0 for a in self.attainments)
+
+    @property
+    def worst_margin(self) -> float:
+        return min((a.margin for a in self.attainments), default=-math.inf)
+
+    @property
+    def worst_attainment(self) -> float | None:
+        if self.error is not None:
+            return None
+        return min((a.attainment for a in self.attainments), default=None)
+
+
+def splits(max_gpus: int) -> list[tuple[int, int]]:
+    """(tp, dp) for 1, 2, 4 ... GPUs up to ``max_gpus`` (and ``max_gpus`` itself)."""
+    counts = sorted({*(2**k for k in range(8) if 2**k <= max_gpus), max_gpus})
+    return [(tp, g // tp) for g in counts for tp in (1, 2, 4, 8) if tp <= g and g % tp == 0]
+
+
+def hardware_grid(max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES) -> list[Candidate]:
+    out = []
+    for gpu in GPU_TYPES:
+        for tp, dp in splits(max_gpus):
+            for dtype in dtypes:
+                name = f"{gpu}-tp{tp}-dp{dp}-{'fp8kv' if dtype == 'fp8' else 'bf16kv'}"
+                out.append(Candidate(name=name, model=model, gpu=gpu, tp=tp, dp=dp, kv_cache_dtype=dtype))
+    return out
+
+
+def knob_variants(base: Candidate) -> list[Candidate]:
+    variants = [
+        ("seqs256", {"max_num_seqs": 256}),
+        ("block32", {"block_size": 32}),
+        ("offload200", {"cpu_offload_gb": 200.0}),
+        ("reserve", {"admission": "reserve_max_tokens"}),
+        ("quantile", {"admission": "quantile_budget"}),
+    ]
+    if base.dp >= 2:
+        variants.append(("longpool", {"admission": "long_pool"}))
+    return [dataclasses.replace(base, name=f"{base.name}-{suffix}", **change) for suffix, change in variants]
+
+
+def attainment(result: ReplayResult, objectives: Sequence, bands: LengthBands) -> tuple[BandAttainment, ...]:
+    frame = result.requests
+    out_tokens = frame["output_tokens"].to_numpy(dtype=float)
+    band_of = np.array([bands.band_for(x) for x in out_tokens])
+    outcome = frame["outcome"].astype(str).to_numpy()
+    rows = []
+    for obj in objectives:
+        for band in obj.bands:
+            mask = band_of == band
+            n = int(mask.sum())
+            if not n:
+                continue
+            if obj.is_latency:
+                values = frame[_SLI_COLUMN[obj.sli]].to_numpy(dtype=float)[mask]
+                good = int(np.sum(values <= obj.threshold))  # NaN compares False: bad
+                total = n
+            else:
+                total = int(np.isin(outcome[mask], [*obj.good_outcomes, *obj.bad_outcomes]).sum())
+                good = int(np.isin(outcome[mask], obj.good_outcomes).sum())
+                if not total:
+                    continue
+            rows.append(BandAttainment(obj.name, band, total, good / total, obj.objective))
+    return tuple(rows)
+
+
+_STATE: dict = {}
+
+
+def _init(workload: Workload, objectives: tuple, bands: LengthBands, calibration: Calibration | None) -> None:
+    _STATE.update(workload=workload, objectives=objectives, bands=bands, calibration=calibration)
+
+
+def _evaluate(candidate: Candidate) -> Evaluated:
+    s = _STATE
+    try:
+        result = replay(s["workload"], candidate, s["calibration"], bands=s["bands"])
+    except CandidateError as exc:
+        return Evaluated(candidate, str(exc))
+    from kvwatch.report.summary import ALL
+
+    total = next(r for r in result.report.rows_for(ALL) if r.length_band == ALL)
+    return Evaluated(
+        candidate,
+        None,
+        attainment(result, s["objectives"], s["bands"]),
+        result.node.completed_per_gpu_hour,
+        result.node.preemptions,
+        total.e2e_p99_seconds,
+        result.wall_seconds,
+    )
+
+
+def evaluate_all(
+    candidates: Sequence[Candidate],
+    workload: Workload,
+    objectives: tuple,
+    bands: LengthBands,
+    calibration: Calibration | None,
+    jobs: int | None,
+) -> list[Evaluated]:
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    if jobs == 1:
+        _init(workload, objectives, bands, calibration)
+        return [_evaluate(c) for c in candidates]
+    with ProcessPoolExecutor(
+        max_workers=jobs, initializer=_init, initargs=(workload, objectives, bands, calibration)
+    ) as pool:
+        return list(pool.map(_evaluate, candidates, chunksize=1))
+
+
+def band_margins(e: Evaluated) -> dict[str, BandAttainment]:
+    """Per band, its tightest objective (the smallest margin)."""
+    worst: dict[str, BandAttainment] = {}
+    for a in e.attainments:
+        if a.band not in worst or a.margin < worst[a.band].margin:
+            worst[a.band] = a
+    return worst
+
+
+def cost(e: Evaluated, prices: dict[str, float]) -> float:
+    return e.candidate.gpus * prices.get(e.candidate.gpu, 1.0)
+
+
+def ranked(evaluated: Sequence[Evaluated], prices: dict[str, float]) -> list[Evaluated]:
+    """Meeting candidates first, cheapest first, larger worst-band margin first."""
+    return sorted(
+        evaluated, key=lambda e: (not e.meets, e.error is not None, cost(e, prices), -e.worst_margin)
+    )
+
+
+def sweep(
+    workload: Workload,
+    objectives: tuple,
+    bands: LengthBands,
+    max_gpus: int,
+    model: str,
+    *,
+    grid: str = "standard",
+    calibration: Calibration | None = None,
+    jobs: int | None = None,
+    prices: dict[str, float] | None = None,
+) -> list[Evaluated]:
+    prices = prices or {}
+    stage1 = hardware_grid(max_gpus, model, KV_DTYPES if grid == "standard" else ("auto",))
+    results = evaluate_all(stage1, workload, objectives, bands, calibration, jobs)
+    if grid == "standard":
+        runnable = [e for e in ranked(results, prices) if e.error is None]
+        bases = [e.candidate for e in runnable[:3]]
+        stage2 = [v for b in bases for v in knob_variants(b)]
+        results += evaluate_all(stage2, workload, objectives, bands, calibration, jobs)
+    return ranked(results, prices)
+
+
+def parse_prices(text: str | None) -> dict[str, float]:
+    prices: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in GPUS:
+            raise CandidateError(f"--price {part!r}: unknown GPU type {key!r} (known: {', '.join(GPUS)})")
+        try:
+            prices[key] = float(value)
+        except ValueError:
+            raise CandidateError(f"--price {part!r}: {value!r} is not a number") from None
+    return prices
+
+
+def render_compare_text(
+    evaluated: Sequence[Evaluated],
+    workload: Workload,
+    top: int,
+    prices: dict[str, float],
+    calibration: Calibration | None,
+) -> str:
+    from kvwatch import texttable
+
+    meeting = [e for e in evaluated if e.meets]
+    lines = [
+        f"kvwatch plan compare: {len(workload.requests):,} requests from {workload.kind} "
+        f"{', '.join(workload.paths)}; {len(evaluated)} candidates, {len(meeting)} meet every band's SLO",
+        "step time: "
+        + (
+            "calibrated where step_model says so"
+            if calibration
+            else "UNCALIBRATED datasheet roofline for every candidate: a ranking to check on "
+            "hardware, not a measurement"
+        ),
+        f"cost: GPUs x price per GPU-hour ({', '.join(f'{k}={v:g}' for k, v in prices.items()) or 'all 1'})",
+    ]
+    shown = meeting[:top] if meeting else [e for e in evaluated if e.error is None][:top]
+    if not meeting:
+        lines.append("no candidate meets every SLO; the closest:")
+    body = []
+    for rank, e in enumerate(shown, start=1):
+        worst = min(e.attainments, key=lambda a: a.margin, default=None)
+        body.append(
+            [
+                str(rank),
+                e.candidate.name,
+                str(e.candidate.gpus),
+                f"{cost(e, prices):g}",
+                "yes" if e.meets else "no",
+                "n/a" if worst is None else f"{worst.margin * 100:+.1f} pp ({worst.objective} {worst.band})",
+                "n/a" if e.completed_per_gpu_hour is None else f"{e.completed_per_gpu_hour:,.0f}",
+                f"{e.preemptions:,}",
+            ]
+        )
+    table = texttable.render(
+        ["#", "candidate", "GPUs", "cost", "meets", "worst margin", "done/GPU-h", "preempt"], body
+    )
+    margins = []
+    for rank, e in enumerate(shown, start=1):
+        margins.append(
+            f"{rank}. {e.candidate.label()}: "
+            + ", ".join(
+                f"{band} {a.margin * 100:+.1f} pp ({a.objective} {a.attainment:.1%})"
+                for band, a in band_margins(e).items()
+            )
+        )
+    cannot = [e for e in evaluated if e.error is not None]
+    tail = (
+        [f"{len(cannot)} candidate(s) cannot run:"] + [f"  {e.error}" for e in cannot[:10]] if cannot else []
+    )
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + table
+        + "\n\nmargin per band (its tightest objective):\n"
+        + "\n".join(margins)
+        + ("\n\n" + "\n".join(tail) if tail else "")
+        + "\n"
+    )
+
+
+def render_compare_html(evaluated: Sequence[Evaluated], text: str) -> str:
+    from html import escape
+
+    from kvwatch import humanize as h
+    from kvwatch.report import svg
+
+    counts = sorted({e.candidate.gpus for e in evaluated})
+    series = []
+    for gpu in GPU_TYPES:
+        best = []
+        for g in counts:
+            vals = [
+                e.worst_attainment
+                for e in evaluated
+                if e.candidate.gpu == gpu and e.candidate.gpus == g and e.worst_attainment is not None
+            ]
+            best.append(max(vals) if vals else None)
+        series.append((gpu, best))
+    chart = svg.grouped_bars(
+        "Worst-band SLO attainment of the best candidate, by GPUs",
+        [str(g) for g in counts],
+        series,
+        h.ratio,
+        width=560,
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>kvwatch plan compare</title>'
+        "<style>body{font-family:system-ui,sans-serif;margin:2em}.s0{fill:#4e79a7}.s1{fill:#f28e2b}"
+        ".s2{fill:#59a14f}.chart text{font-size:11px}</style></head><body><h1>kvwatch plan compare</h1>"
+        f"{chart}<pre>{escape(text)}</pre></body></html>\n"
+    )
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    from kvwatch.mixin.slo import load_slo_file
+
+    slo = load_slo_file(args.slo)
+    if args.gpus < 1:
+        raise CandidateError(f"--gpus must be >= 1, got {args.gpus}")
+    workload = read_workload(args.inputs, limit=args.limit)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    prices = parse_prices(getattr(args, "price", None))
+    evaluated = sweep(
+        workload,
+        slo.objectives,
+        slo.bands,
+        args.gpus,
+        args.model or DEMO_MODEL,
+        grid=args.grid,
+        calibration=calibration,
+        jobs=args.jobs,
+        prices=prices,
+    )
+    text = render_compare_text(evaluated, workload, args.top, prices, calibration)
+    if args.html:
+        Path(args.html).write_text(render_compare_html(evaluated, text), encoding="utf-8")
+    sys.stdout.write(text)
+    return 0

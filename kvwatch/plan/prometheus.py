@@ -1,0 +1,143 @@
+"""Calibration from the engine's own histograms, read from Prometheus over a time range.
+
+For each rate window (``query_range`` with ``step = window``) and each engine series, one
+observation of the window's mean step::
+
+    steps          = increase(vllm:iteration_tokens_total_count[w])
+    tokens/step    = increase(vllm:iteration_tokens_total_sum[w]) / steps
+    step seconds   = increase(vllm:inter_token_latency_seconds_sum[w]) / increase(..._count[w])
+    decode seqs    = avg_over_time(vllm:num_requests_running[w])
+    prefill tokens = max(0, tokens/step - decode seqs)
+    KV tokens      = avg_over_time(vllm:kv_cache_usage_perc[w]) x num_gpu_blocks x block_size
+
+The mean inter-token latency stands for the mean step (every decoding sequence gets one token per
+step); windows without tokens are skipped. This is a fit of window means, not of single steps:
+it sees how the mean step moves with the mean batch, so its R² is over windows, and a window
+that mixes a burst of prefills with quiet decode is one point. The engine's shape comes from
+``vllm:cache_config_info``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from kvwatch.plan.calibration import EngineShape
+from kvwatch.plan.fit import StepObservation
+from kvwatch.plan.sources import SourceError
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_seconds(text: str, what: str) -> float:
+    text = text.strip()
+    try:
+        return float(text[:-1]) * _UNITS[text[-1]] if text and text[-1] in _UNITS else float(text)
+    except ValueError:
+        raise SourceError(f"{what} {text!r} is not a duration like 30s, 5m or 1h") from None
+
+
+Series = dict[tuple, dict[float, float]]
+
+
+def _query_range(url: str, expr: str, start: float, end: float, step: float) -> Series:
+    try:
+        response = httpx.get(
+            f"{url}/api/v1/query_range",
+            params={"query": expr, "start": start, "end": end, "step": step},
+            timeout=30,
+        )
+        body = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SourceError(f"{url}: query_range failed for {expr}: {exc}") from None
+    if body.get("status") != "success":
+        raise SourceError(f"{url}: Prometheus refused {expr}: {body.get('error', body)}")
+    out: dict[tuple, dict[float, float]] = {}
+    for series in body["data"]["result"]:
+        key = (series["metric"].get("instance"), series["metric"].get("engine"))
+        out[key] = {float(t): float(v) for t, v in series["values"]}
+    return out
+
+
+def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShape:
+    try:
+        body = httpx.get(
+            f"{url}/api/v1/query",
+            params={"query": f"vllm:cache_config_info{{{selector}}}", "time": at},
+            timeout=30,
+        ).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SourceError(f"{url}: cannot read vllm:cache_config_info: {exc}") from None
+    result = body.get("data", {}).get("result", [])
+    if not result:
+        raise SourceError(
+            f"{url}: no vllm:cache_config_info{{{selector}}} in the range: is Prometheus "
+            "scraping a vLLM engine with these labels?"
+        )
+    labels = result[0]["metric"]
+    try:
+        blocks, block = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    except (KeyError, ValueError):
+        raise SourceError(f"{url}: vllm:cache_config_info has no usable num_gpu_blocks/block_size") from None
+    return EngineShape(
+        model_name=shape.model_name or labels.get("model_name"),
+        block_size=block,
+        num_gpu_blocks=blocks,
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_model_len=shape.max_model_len,
+    )
+
+
+def observations_from_prometheus(
+    url: str, *, since: str, until: float | None, window: str, selector: str, shape: EngineShape
+) -> tuple[list[StepObservation], str, EngineShape]:
+    """Observations (module doc), a description of the range, and the engine's shape."""
+    end = until if until is not None else time.time()
+    start = end - duration_seconds(since, "--since")
+    w = duration_seconds(window, "--window")
+    rng = f"[{int(w)}s]"
+    sel = f"{{{selector}}}"
+    shape = _shape(url, selector, end, shape)
+    capacity = shape.num_gpu_blocks * shape.block_size  # type: ignore[operator]
+
+    def q(expr: str) -> dict[tuple, dict[float, float]]:
+        return _query_range(url, f"sum by (instance, engine) ({expr})", start + w, end, w)
+
+    steps = q(f"increase(vllm:iteration_tokens_total_count{sel}{rng})")
+    tokens = q(f"increase(vllm:iteration_tokens_total_sum{sel}{rng})")
+    itl_sum = q(f"increase(vllm:inter_token_latency_seconds_sum{sel}{rng})")
+    itl_count = q(f"increase(vllm:inter_token_latency_seconds_count{sel}{rng})")
+    running = q(f"avg_over_time(vllm:num_requests_running{sel}{rng})")
+    usage = q(f"avg_over_time(vllm:kv_cache_usage_perc{sel}{rng})")
+    obs = []
+    for key, by_time in steps.items():
+        for t, n in by_time.items():
+            gaps = itl_count.get(key, {}).get(t, 0.0)
+            if n <= 0 or gaps <= 0:
+                continue
+            seqs = running.get(key, {}).get(t)
+            if seqs is None:
+                continue
+            per_step = tokens.get(key, {}).get(t, 0.0) / n
+            kv = usage.get(key, {}).get(t)
+            obs.append(
+                StepObservation(
+                    prefill_tokens=max(0.0, per_step - seqs),
+                    decode_seqs=seqs,
+                    seconds=itl_sum[key][t] / gaps,
+                    kv_tokens=None if kv is None else kv * capacity,
+                    weight=1.0,
+                )
+            )
+    if not obs:
+        raise SourceError(
+            f"{url}: no window with engine steps between {start:.0f} and {end:.0f} "
+            f"(selector {{{selector}}}): did the engine serve anything then?"
+        )
+    desc = (
+        f"Prometheus {url}, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(start))} + {since}, "
+        f"{int(w)} s windows"
+    )
+    return obs, desc, shape

@@ -1,0 +1,203 @@
+"""Validation of ``kvwatch plan`` on the real CPU vLLM (docs/planning.md "Validation").
+
+Two traces are sent to the real vLLM through ``kvwatch run``'s proxy by the official ``openai``
+client at their arrival times, so both ledgers are kvwatch's real records. A real Prometheus
+scrapes vLLM every second. The twin is calibrated twice: from vLLM's histograms in Prometheus
+over trace A (``kvwatch plan calibrate --prometheus``) and from a short calibration load
+(``--load``); it then replays each ledger, and its figures are compared with what was recorded:
+
+* per band e2e p50 and p99: the ledger (kvwatch's proxy) against the twin;
+* preemptions: vLLM's own ``vllm:num_preemptions_total`` over the trace against the twin's;
+* peak KV usage: ``max_over_time(vllm:kv_cache_usage_perc)`` in Prometheus (1 s scrapes) against
+  the twin's peak sampled every 1 simulated second.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from .stack import parse, total
+
+BANDS = (128, 256)  # the tiny engine's outputs (32-400 tokens) span three bands: 0-128, 128-256, 256+
+TARGETS = {"e2e_p50": 0.15, "e2e_p99": 0.25, "preemptions": 0.20, "peak_kv": 0.10}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival: float
+    prompt_words: int  # random numbers of ~5 tokens each: no shared prefixes
+    max_tokens: int  # sent with ignore_eos: the output is exactly this long
+
+
+def make_trace(seed: int, count: int, rate: float) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(
+            TraceRequest(
+                t,
+                rng.randint(15, 90),
+                rng.choice([rng.randint(32, 127), rng.randint(128, 255), rng.randint(256, 400)]),
+            )
+        )
+    return out
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return " ".join(str(rng.randrange(10**5)) for _ in range(words))
+
+
+def drive(
+    base_url: str, trace: list[TraceRequest], seed: int, timeout_s: float = 240.0
+) -> list[dict[str, Any]]:
+    """Send every request at ``start + arrival`` (one thread each) through ``base_url`` (…/v1)."""
+    rng = random.Random(seed)
+    prompts = [_prompt(rng, r.prompt_words) for r in trace]
+    results: list[dict[str, Any]] = [{} for _ in trace]
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+    start = time.monotonic() + 0.5
+
+    def one(i: int) -> None:
+        r = trace[i]
+        time.sleep(max(0.0, start + r.arrival - time.monotonic()))
+        chunks = 0
+        try:
+            stream = client.completions.create(
+                model="tiny",
+                prompt=prompts[i],
+                max_tokens=r.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for _ in stream:
+                chunks += 1
+            results[i] = {"chunks": chunks, "end": "complete"}
+        except (openai.APIError, httpx.HTTPError) as exc:
+            results[i] = {"chunks": chunks, "end": type(exc).__name__}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(trace))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    client.close()
+    return results
+
+
+def preemptions(metrics_url: str) -> float:
+    return total(parse(httpx.get(metrics_url, timeout=30).text), "vllm:num_preemptions_total")
+
+
+def peak_kv(prometheus_url: str, start: float, end: float) -> float:
+    span = max(1, int(end - start) + 1)
+    body = httpx.get(
+        f"{prometheus_url}/api/v1/query",
+        params={"query": f"max(max_over_time(vllm:kv_cache_usage_perc[{span}s]))", "time": end},
+        timeout=30,
+    ).json()
+    return float(body["data"]["result"][0]["value"][1])
+
+
+def split_ledger(ledger: Path, boundary: float, before: Path, after: Path) -> None:
+    lines = [ln for ln in ledger.read_text().splitlines() if ln.strip()]
+    early = [ln for ln in lines if json.loads(ln)["started_at"] < boundary]
+    late = [ln for ln in lines if json.loads(ln)["started_at"] >= boundary]
+    before.write_text("".join(ln + "\n" for ln in early))
+    after.write_text("".join(ln + "\n" for ln in late))
+
+
+def error(twin: float | None, recorded: float | None) -> float | None:
+    if twin is None or recorded is None or recorded == 0:
+        return None
+    return (twin - recorded) / recorded
+
+
+def compare(
+    name: str, twin_result: Any, recorded_report: Any, recorded_preemptions: float, recorded_peak: float
+) -> list[dict[str, Any]]:
+    """One row per band (and all bands): recorded, twin, relative error, within target or not."""
+    from kvwatch.report.summary import ALL
+
+    rec = {r.length_band: r for r in recorded_report.rows_for(ALL)}
+    rows = []
+    for r in twin_result.report.rows_for(ALL):
+        o = rec.get(r.length_band)
+        if o is None or not o.requests:
+            continue
+        row = {"case": name, "band": "all" if r.length_band == ALL else r.length_band, "requests": o.requests}
+        for key in ("e2e_p50", "e2e_p99"):
+            attr = f"{key}_seconds"
+            row[key] = {
+                "recorded": getattr(o, attr),
+                "twin": getattr(r, attr),
+                "error": error(getattr(r, attr), getattr(o, attr)),
+            }
+        rows.append(row)
+    node = twin_result.node
+    rows.append(
+        {
+            "case": name,
+            "band": "node",
+            "preemptions": {
+                "recorded": recorded_preemptions,
+                "twin": node.preemptions,
+                "error": error(node.preemptions, recorded_preemptions),
+            },
+            "peak_kv": {
+                "recorded": recorded_peak,
+                "twin": node.peak_kv_usage,
+                "error": error(node.peak_kv_usage, recorded_peak),
+            },
+        }
+    )
+    for row in rows:
+        for key, limit in TARGETS.items():
+            if key in row:
+                err = row[key]["error"]
+                row[key]["met"] = err is not None and abs(err) <= limit
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The error table as markdown (docs/planning.md quotes it)."""
+
+    def cell(m: dict[str, Any], fmt: str) -> str:
+        err = m["error"]
+        mark = "" if m.get("met") else " **miss**"
+        return (
+            f"{format(m['recorded'], fmt)} / {format(m['twin'], fmt)} / "
+            f"{'n/a' if err is None else f'{err:+.0%}'}{mark}"
+        )
+
+    out = [
+        "| case | band | requests | e2e p50 rec / twin / err | e2e p99 rec / twin / err | "
+        "preemptions rec / twin / err | peak KV rec / twin / err |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    r["case"],
+                    r["band"],
+                    str(r.get("requests", "")),
+                    cell(r["e2e_p50"], ".2f") if "e2e_p50" in r else "",
+                    cell(r["e2e_p99"], ".2f") if "e2e_p99" in r else "",
+                    cell(r["preemptions"], ".0f") if "preemptions" in r else "",
+                    cell(r["peak_kv"], ".2f") if "peak_kv" in r else "",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(out)

@@ -1,0 +1,160 @@
+"""``kvwatch plan`` against the real CPU vLLM: calibrate on it, replay its real ledgers on the twin.
+
+The error table is printed, and written as JSON and markdown to ``$PLAN_VALIDATION_OUT``
+when that is set (docs/planning.md publishes one run). The issue's targets (e2e p50 15 %, p99
+25 %, preemptions 20 %, peak KV 10 %) are recorded per row as met or missed; the assertions are
+the looser bounds below which the twin is useful at all on this shared 2-core machine, where
+other processes steal CPU from vLLM between calibration and replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from local import free_port
+
+from kvwatch.cli import main
+from kvwatch.model import LengthBands
+from kvwatch.plan.calibration import load_calibration
+from kvwatch.plan.candidate import CALIBRATED, Candidate
+from kvwatch.plan.inputs import read_workload
+from kvwatch.plan.replay import replay
+from kvwatch.report import build_report
+
+from .plan_validation import BANDS, compare, drive, make_trace, peak_kv, preemptions, split_ledger, table
+from .stack import KvwatchRun, Prometheus, parse, total, wait_until
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.prometheus, pytest.mark.slow]
+
+TRACE_A = make_trace(seed=161, count=28, rate=1.2)
+TRACE_B = make_trace(seed=162, count=28, rate=1.2)
+SHAPE_FLAGS = [
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "2048",
+]  # vllm-cpu.sh and vLLM's CPU default
+
+
+def _idle(metrics_url: str) -> bool:
+    s = parse(__import__("httpx").get(metrics_url, timeout=30).text)
+    return total(s, "vllm:num_requests_running") + total(s, "vllm:num_requests_waiting") == 0
+
+
+def _run_trace(real_vllm, proxy: str, prom: Prometheus, trace, seed: int) -> dict:
+    wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle before the trace", 0.5)
+    before, started = preemptions(real_vllm.metrics_url), time.time()
+    results = drive(proxy, trace, seed)
+    assert all(r.get("end") == "complete" for r in results), results
+    wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle after the trace", 0.5)
+    ended = time.time()
+    time.sleep(2.5)  # two more 1 s scrapes, so Prometheus holds the trace's last samples
+    return {
+        "start": started,
+        "end": ended,
+        "preemptions": preemptions(real_vllm.metrics_url) - before,
+        "peak_kv": peak_kv(prom.url, started, ended + 2),
+    }
+
+
+def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tmp_path: Path, capsys):
+    host = real_vllm.base_url.removeprefix("http://")
+    prom = Prometheus(tmp_path, [host], job="vllm", interval="1s", rule_files=()).start()
+    ledger = tmp_path / "ledger.jsonl"
+    config = {
+        "node": "plan-validation",
+        "length_bands": list(BANDS),
+        "nvml": {"enabled": False},
+        "intervals": {"engine": "1s"},
+        "ledger": {"path": str(ledger)},
+        "replicas": [
+            {
+                "name": "vllm-0",
+                "backend": "vllm",
+                "metrics_url": real_vllm.metrics_url,
+                "api_url": real_vllm.base_url,
+                "proxy_listen": f"127.0.0.1:{free_port()}",
+                "model_name": "tiny",
+            }
+        ],
+    }
+    proxy = f"http://{config['replicas'][0]['proxy_listen']}/v1"
+    agent = KvwatchRun(config, tmp_path).start()
+    cal_load, cal_prom = tmp_path / "cal-load.yaml", tmp_path / "cal-prometheus.yaml"
+    try:
+        wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle before calibration", 0.5)
+        assert (
+            main(["plan", "calibrate", "--load", real_vllm.base_url, *SHAPE_FLAGS, "-o", str(cal_load)]) == 0
+        )
+        a = _run_trace(real_vllm, proxy, prom, TRACE_A, seed=1)
+        since = f"{int(a['end'] - a['start']) + 4}s"
+        assert (
+            main(
+                [
+                    "plan",
+                    "calibrate",
+                    "--prometheus",
+                    prom.url,
+                    "--since",
+                    since,
+                    "--until",
+                    str(a["end"] + 2),
+                    "--window",
+                    "4s",
+                    "--engine-url",
+                    real_vllm.base_url,
+                    *SHAPE_FLAGS,
+                    "-o",
+                    str(cal_prom),
+                ]
+            )
+            == 0
+        )
+        b = _run_trace(real_vllm, proxy, prom, TRACE_B, seed=2)
+    finally:
+        agent.stop()
+        prom.stop()
+    capsys.readouterr()
+    ledger_a, ledger_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    split_ledger(ledger, b["start"], ledger_a, ledger_b)
+    bands = LengthBands(BANDS)
+    twin = Candidate(name="twin of the CPU vLLM", model=CALIBRATED, dp=1, step_model=CALIBRATED)
+    rows, results = [], {}
+    for case, cal_path, path, rec in (
+        ("A on Prometheus(A) (in sample)", cal_prom, ledger_a, a),
+        ("B on Prometheus(A)", cal_prom, ledger_b, b),
+        ("B on calibration load", cal_load, ledger_b, b),
+    ):
+        cal = load_calibration(cal_path)
+        result = replay(read_workload([str(path)]), twin, cal, bands=bands, sample_every=1.0)
+        results[case] = result
+        rows += compare(case, result, build_report([str(path)]), rec["preemptions"], rec["peak_kv"])
+    text = table(rows)
+    fits = {p.name: load_calibration(p).to_mapping() for p in (cal_load, cal_prom)}
+    print(text)
+    print(json.dumps(fits, indent=1))
+    out = os.environ.get("PLAN_VALIDATION_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "plan-validation.md").write_text(text + "\n")
+        (Path(out) / "plan-validation.json").write_text(
+            json.dumps({"rows": rows, "fits": fits, "recorded": {"a": a, "b": b}}, indent=1)
+        )
+    with capsys.disabled():
+        print("\n" + text)
+
+    assert a["preemptions"] > 0 and b["preemptions"] > 0, "the traces must preempt on the real engine"
+    for case, result in results.items():
+        assert result.calibrated, case
+        assert result.node.completed + result.node.truncated == len(
+            read_workload([str(ledger_a if case.startswith("A") else ledger_b)]).requests
+        )
+    for row in rows:
+        if row["band"] == "all":
+            assert abs(row["e2e_p50"]["error"]) < 0.5, row  # a twin further off than this is not a twin
+        if row["band"] == "node":
+            assert abs(row["peak_kv"]["error"]) < 0.25, row

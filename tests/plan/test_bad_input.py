@@ -1,0 +1,133 @@
+"""Every bad input gets an error naming the line or key, and the command exits 1 without a traceback."""
+
+import json
+
+import pytest
+import yaml
+
+from kvwatch.cli import main
+from kvwatch.config import ConfigError
+from kvwatch.mixin.slo import load_slo_file
+from kvwatch.model import DEFAULT_BANDS
+from kvwatch.plan.calibration import CalibrationError, load_calibration
+from kvwatch.plan.candidate import Candidate, CandidateError, candidate_from_mapping, engine_config
+from kvwatch.plan.inputs import PlanInputError, read_workload
+from kvwatch.plan.sources import SourceError, read_step_samples
+
+GOOD = {
+    "v": 1,
+    "replica": "r0",
+    "outcome": "completed",
+    "started_at": 1.7e9,
+    "prompt_tokens": 100,
+    "output_tokens": 50,
+    "max_tokens": 200,
+    "e2e_seconds": 2.0,
+    "ttft_seconds": 0.1,
+}
+
+
+def _ledger(tmp_path, lines):
+    path = tmp_path / "ledger.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_a_ledger_line_without_a_required_field_names_the_line_and_key(tmp_path, capsys):
+    broken = {k: v for k, v in GOOD.items() if k != "prompt_tokens"}
+    path = _ledger(tmp_path, [GOOD, GOOD, broken])
+    with pytest.raises(PlanInputError, match=r"line 3: missing 'prompt_tokens'"):
+        read_workload([str(path)])
+    assert main(["plan", "replay", str(path)]) == 1
+    assert "line 3: missing 'prompt_tokens'" in capsys.readouterr().err
+
+
+def test_an_aborted_line_without_its_e2e_cannot_be_replayed(tmp_path):
+    aborted = {**GOOD, "outcome": "aborted"}
+    del aborted["e2e_seconds"]
+    with pytest.raises(PlanInputError, match=r"line 2: an aborted request needs 'e2e_seconds'"):
+        read_workload([str(_ledger(tmp_path, [GOOD, aborted]))])
+
+
+def test_error_and_rejected_lines_are_counted_not_replayed(tmp_path):
+    w = read_workload(
+        [
+            str(
+                _ledger(
+                    tmp_path,
+                    [GOOD, {**GOOD, "outcome": "error"}, {"v": 1, "replica": "r0", "outcome": "rejected"}],
+                )
+            )
+        ]
+    )
+    assert len(w.requests) == 1 and sum(w.skipped.values()) == 2
+
+
+def test_an_empty_trace_is_refused(tmp_path, capsys):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(PlanInputError, match="empty"):
+        read_workload([str(path)])
+    assert main(["plan", "replay", str(path)]) == 1
+    assert "empty" in capsys.readouterr().err
+
+
+def test_an_slo_for_a_band_that_does_not_exist_names_the_key(tmp_path, capsys):
+    slo = {
+        "version": 1,
+        "length_bands": [1000, 5000],
+        "objectives": [
+            {"name": "x", "sli": "ttft", "threshold": "2s", "objective": 0.99, "bands": ["9k-10k"]}
+        ],
+    }
+    path = tmp_path / "slo.yaml"
+    path.write_text(yaml.safe_dump(slo))
+    with pytest.raises(ConfigError, match=r"objectives\[0\]\.bands.*9k-10k"):
+        load_slo_file(path)
+    ledger = _ledger(tmp_path, [GOOD])
+    assert main(["plan", "compare", str(ledger), "--slo", str(path), "--gpus", "8"]) == 1
+    assert "9k-10k" in capsys.readouterr().err
+
+
+def test_a_candidate_whose_weights_do_not_fit_cannot_run(tmp_path, capsys):
+    c = Candidate(name="big", model="llama-3.1-405b", gpu="h100", tp=2, dp=1)
+    with pytest.raises(CandidateError, match=r"'big'.*cannot run.*weights per h100 GPU"):
+        engine_config(c)
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump({"name": "big", "model": "llama-3.1-405b", "gpu": "h100", "tp": 2, "dp": 1})
+    )
+    assert main(["plan", "replay", str(_ledger(tmp_path, [GOOD])), "--candidate", str(path)]) == 1
+    assert "cannot run" in capsys.readouterr().err
+
+
+def test_a_candidate_file_with_an_unknown_or_mistyped_key_names_it():
+    with pytest.raises(CandidateError, match=r"unknown key.*tensor_parallel"):
+        candidate_from_mapping({"tensor_parallel": 2})
+    with pytest.raises(CandidateError, match=r"candidate\.tp: expected int"):
+        candidate_from_mapping({"tp": "two"})
+    with pytest.raises(CandidateError, match="admission 'fifo' is not one of"):
+        candidate_from_mapping({"admission": "fifo"})
+
+
+def test_a_calibration_file_with_a_missing_key_names_it(tmp_path):
+    path = tmp_path / "cal.yaml"
+    path.write_text(
+        yaml.safe_dump({"kvwatch_calibration": 1, "source": "load", "step_cost": {"overhead_s": 0.1}})
+    )
+    with pytest.raises(CalibrationError, match=r"step_cost: missing key 'per_prefill_token_s'"):
+        load_calibration(path)
+    path.write_text("just: text\n")
+    with pytest.raises(CalibrationError, match="not a kvwatch calibration file"):
+        load_calibration(path)
+
+
+def test_step_samples_with_a_missing_field_name_the_line(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text('[10, 4, 1, 4, 12.5]\n{"context_tokens": 0, "generation_tokens": 4}\n')
+    with pytest.raises(SourceError, match=r"line 2: missing 'num_context_reqs'"):
+        read_step_samples(path)
+
+
+def test_bands_of_the_default_set_are_the_ones_an_slo_names():
+    assert "1k-5k" in DEFAULT_BANDS.names
