@@ -167,6 +167,7 @@ def engine_config(
             admission=_engine_admission(c.admission),
             admission_output_budget=output_budget or 0,
             admission_headroom=c.admission_headroom if c.admission == "quantile_budget" else 0.0,
+            step_histograms=False,  # the twin reads requests and counters, not /metrics
             **fields,
         )
         config.validate()

@@ -86,6 +86,7 @@ class EngineConfig:
     admission: str = "none"
     admission_output_budget: int = 0
     admission_headroom: float = 0.0
+    step_histograms: bool = True  # per-step iteration-token and ITL histograms (/metrics); off: faster
 
     def memory(self) -> ReplicaMemory:
         return plan_replica(
@@ -305,6 +306,7 @@ class SimEngine:
         self._t_per_xfer_byte = 1.0 / (tp * gpu.pcie_bandwidth * config.pcie_efficiency)
         self._overhead = config.step_overhead_s
         self._cost = config.step_cost
+        self._step_histograms = config.step_histograms
         self._admission = config.admission
         self._output_budget = config.admission_output_budget
         self._reserve_limit = self._cap * self._B * (1.0 - config.admission_headroom)
@@ -577,12 +579,13 @@ class SimEngine:
         st.steps += 1
         st.busy_seconds += d
         st.generation_tokens += n_dec + len(completing)
-        st.h_iteration_tokens.observe(prefill_tokens + n_dec)
-        steady = n_dec - len(onloaded)
-        if steady:
-            st.h_itl.observe(d, steady)
-        for r in onloaded:
-            st.h_itl.observe(t - r.t_last_token)
+        if self._step_histograms:
+            st.h_iteration_tokens.observe(prefill_tokens + n_dec)
+            steady = n_dec - len(onloaded)
+            if steady:
+                st.h_itl.observe(d, steady)
+            for r in onloaded:
+                st.h_itl.observe(t - r.t_last_token)
         if self._traced:
             for r in self._traced.values():
                 r.token_times.append(t)
