@@ -10,7 +10,8 @@
    (``calibration_load``): prefill-only requests of several prompt sizes, then decode phases at
    several concurrencies. TTFT of a lone request is one prefill step (plus the frontend's own
    latency, which the overhead term absorbs); the median gap between a stream's chunks at
-   concurrency ``c`` is one decode step with ``c`` sequences.
+   concurrency ``c`` is one decode step with ``c`` sequences; phases with long prompts (``long_context``,
+   sized to fit a small cache) vary the KV tokens the batch reads, so ``per_kv_token_s`` is fitted.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def calibration_load(
     prompt_sizes: Sequence[int] = (16, 256, 768, 1536),
     concurrencies: Sequence[int] = (1, 2, 3, 4, 6, 8),
     decode_prompt: int = 64,
+    long_context: Sequence[tuple[int, int]] = ((1, 1024), (2, 1024), (4, 400)),
     decode_tokens: int = 96,
     repeats: int = 2,
     timeout_s: float = 120.0,
@@ -189,9 +191,9 @@ def calibration_load(
                         seconds=r["chunks"][0] - r["sent"],
                     )
                 )
-        for c in concurrencies:
+        for c, context in [(c, decode_prompt) for c in concurrencies] + list(long_context):
             gaps, prompt = _decode_phase(
-                base_url, model, c, _filler_words(words(decode_prompt), c), decode_tokens, timeout_s
+                base_url, model, c, _filler_words(words(context), c), decode_tokens, timeout_s
             )
             if len(gaps) >= 3:
                 obs.append(

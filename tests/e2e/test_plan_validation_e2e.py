@@ -2,9 +2,10 @@
 
 The error table is printed, and written as JSON and markdown to ``$PLAN_VALIDATION_OUT``
 when that is set (docs/planning.md publishes one run). The issue's targets (e2e p50 15 %, p99
-25 %, preemptions 20 %, peak KV 10 %) are recorded per row as met or missed; the assertions are
-the looser bounds below which the twin is useful at all on this shared 2-core machine, where
-other processes steal CPU from vLLM between calibration and replay.
+25 %, preemptions 20 %, peak KV 10 %) are recorded per row as met or missed. The assertions:
+in sample (a twin calibrated on the trace it replays) e2e p50 within 25 %; out of sample within
+60 %, because on this shared 2-core machine the client, kvwatch's proxy, Prometheus and other
+work take CPU from vLLM differently from one trace to the next; peak KV within 10 % everywhere.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
     proxy = f"http://{config['replicas'][0]['proxy_listen']}/v1"
     agent = KvwatchRun(config, tmp_path).start()
     cal_load, cal_prom = tmp_path / "cal-load.yaml", tmp_path / "cal-prometheus.yaml"
+    cal_prom_b = tmp_path / "cal-prometheus-b.yaml"
     try:
         wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle before calibration", 0.5)
         assert (
@@ -115,6 +117,29 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
             == 0
         )
         b = _run_trace(real_vllm, proxy, prom, TRACE_B, seed=2)
+        since = f"{int(b['end'] - b['start']) + 4}s"
+        assert (
+            main(
+                [
+                    "plan",
+                    "calibrate",
+                    "--prometheus",
+                    prom.url,
+                    "--since",
+                    since,
+                    "--until",
+                    str(b["end"] + 2),
+                    "--window",
+                    "4s",
+                    "--engine-url",
+                    real_vllm.base_url,
+                    *SHAPE_FLAGS,
+                    "-o",
+                    str(cal_prom_b),
+                ]
+            )
+            == 0
+        )
     finally:
         agent.stop()
         prom.stop()
@@ -127,6 +152,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
     for case, cal_path, path, rec in (
         ("A on Prometheus(A) (in sample)", cal_prom, ledger_a, a),
         ("B on Prometheus(A)", cal_prom, ledger_b, b),
+        ("B on Prometheus(B) (in sample)", cal_prom_b, ledger_b, b),
         ("B on calibration load", cal_load, ledger_b, b),
     ):
         cal = load_calibration(cal_path)
@@ -134,7 +160,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
         results[case] = result
         rows += compare(case, result, build_report([str(path)]), rec["preemptions"], rec["peak_kv"])
     text = table(rows)
-    fits = {p.name: load_calibration(p).to_mapping() for p in (cal_load, cal_prom)}
+    fits = {p.name: load_calibration(p).to_mapping() for p in (cal_load, cal_prom, cal_prom_b)}
     print(text)
     print(json.dumps(fits, indent=1))
     out = os.environ.get("PLAN_VALIDATION_OUT")
@@ -154,7 +180,12 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
             read_workload([str(ledger_a if case.startswith("A") else ledger_b)]).requests
         )
     for row in rows:
+        in_sample = "in sample" in row["case"]
         if row["band"] == "all":
-            assert abs(row["e2e_p50"]["error"]) < 0.5, row  # a twin further off than this is not a twin
+            # in sample the model must fit what it was fitted on; out of sample it carries the drift
+            # of a shared machine between two traces (docs/planning.md), bounded only loosely
+            assert abs(row["e2e_p50"]["error"]) < (0.25 if in_sample else 0.6), row
         if row["band"] == "node":
-            assert abs(row["peak_kv"]["error"]) < 0.25, row
+            assert abs(row["peak_kv"]["error"]) <= 0.10, row
+            # preemption counts (5 to 11 per trace) are recorded, not asserted: vLLM counts a
+            # preemption when the request is scheduled again, and one step's order decides a few
