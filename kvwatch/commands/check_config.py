@@ -30,6 +30,13 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if not args.quiet:
         names = ", ".join(r.name for r in cfg.replicas) or "none"
+        found = []
+        if cfg.discovery.kubernetes.enabled:
+            api = cfg.discovery.kubernetes.api_url or "the in-cluster API"
+            found.append(f"pods on node {cfg.node} through {api}")
+        if cfg.discovery.pod_resources.enabled:
+            found.append(f"GPU owners from {cfg.discovery.pod_resources.socket}")
+        discovery = f"; discovery: {', '.join(found)}" if found else ""
         print(f"{args.file}: OK ({len(cfg.replicas)} replica(s): {names}; listen {cfg.listen}; "
-              f"bands {', '.join(cfg.length_bands.names)})")
+              f"bands {', '.join(cfg.length_bands.names)}{discovery})")
     return 0
