@@ -16,8 +16,14 @@ Phases per target:
   burst   64 requests at once (3 rounds): TTFT p99.
   flat    64 streams of 200 chunks as fast as the upstream can write: chunks per CPU-second.
 
+Scenario ``late-tail`` (``--scenario late-tail``): the upstream writes ``[DONE]`` and then waits
+0.5-2 s before its last-chunk marker (vLLM's frontend does so under load). 16 clients each send 6
+requests one after the other on one keep-alive connection, the next as soon as the previous response
+is complete: TTFT of the requests on reused connections, against direct and nginx.
+
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
+  .venv/bin/python bench/proxy_bench.py --scenario late-tail
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -88,6 +95,7 @@ def _frame(payload: bytes) -> bytes:
 class _Upstream(asyncio.Protocol):
     chunks = 200
     interval = 0.01
+    tail: tuple[float, float] | None = None  # seconds between [DONE] and the last-chunk marker
 
     def __init__(self) -> None:
         self.buf = b""
@@ -137,7 +145,14 @@ class _Upstream(asyncio.Protocol):
         tail = _frame(FINISH_CHUNK)
         if usage:
             tail += _frame(USAGE_CHUNK % (self.chunks + 12, self.chunks))
-        t.write(tail + _frame(DONE) + b"0\r\n\r\n")
+        if self.tail is None:
+            t.write(tail + _frame(DONE) + b"0\r\n\r\n")
+        else:
+            t.write(tail + _frame(DONE))
+            await asyncio.sleep(random.uniform(*self.tail))
+            if self.closed:
+                return
+            t.write(b"0\r\n\r\n")
         if close:
             t.close()
 
@@ -145,6 +160,9 @@ class _Upstream(asyncio.Protocol):
 async def role_upstream(args: argparse.Namespace) -> None:
     _Upstream.chunks = args.chunks
     _Upstream.interval = args.interval
+    if args.tail:
+        low, high = (float(x) for x in args.tail.split(","))
+        _Upstream.tail = (low, high)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Upstream, "127.0.0.1", args.port, backlog=1024)
     _ready(args.port)
@@ -401,6 +419,75 @@ async def burst(port: int, streams: int, rounds: int) -> list[int]:
     return ttfts
 
 
+class _KeepAliveClient(asyncio.Protocol):
+    """One connection, one request at a time: the next is sent once the previous response is complete
+    (its last-chunk marker read), as aiohttp, httpx and the ``openai`` SDK do."""
+
+    def __init__(self, request: bytes, count: int, done: asyncio.Future) -> None:
+        self.request = request
+        self.left = count
+        self.done = done
+        self.samples: list[_Stream] = []
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+        self.sent_ns = 0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self._send()
+
+    def _send(self) -> None:
+        self.left -= 1
+        self.samples.append(_Stream())
+        self.sent_ns = time.perf_counter_ns()
+        self.transport.write(self.request)  # type: ignore[union-attr]
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter_ns()
+        sample = self.samples[-1]
+        self.buf += data
+        if sample.upstream_received_ns is None and (m := _RECEIVED.search(self.buf)):
+            sample.upstream_received_ns = int(m.group(1))
+        if sample.ttft_ns is None and sample.upstream_received_ns is not None and \
+                (stamp := _STAMP.search(self.buf)):
+            sample.ttft_ns = now - self.sent_ns - (int(stamp.group(1)) - sample.upstream_received_ns)
+        if self.buf.endswith(b"\r\n0\r\n\r\n"):  # the response is complete
+            self.buf = b""
+            if self.left:
+                self._send()
+            elif not self.done.done():
+                self.done.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_exception(RuntimeError(f"connection lost: {exc}"))
+
+
+async def reused_connections(port: int, clients: int, requests: int) -> list[int]:
+    """TTFT of every request after each client's first (those go on a reused connection)."""
+    loop = asyncio.get_running_loop()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+               b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+               % (port, len(REQUEST_BODY), REQUEST_BODY))
+
+    async def one_client() -> list[_Stream]:
+        done = loop.create_future()
+        transport, protocol = await loop.create_connection(
+            lambda: _KeepAliveClient(request, requests, done), "127.0.0.1", port)
+        try:
+            await asyncio.wait_for(done, 120)
+        finally:
+            transport.close()
+        return protocol.samples
+
+    lanes = []
+    for _ in range(clients):
+        lanes.append(asyncio.create_task(one_client()))
+        await asyncio.sleep(0.05)
+    samples = await asyncio.gather(*lanes)
+    return [s.ttft_ns for lane in samples for s in lane[1:] if s.ttft_ns is not None]
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -527,6 +614,51 @@ def _stop(proc: subprocess.Popen | None) -> None:
             proc.wait(5)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def orchestrate_late_tail(args: argparse.Namespace) -> int:
+    """Scenario late-tail: the upstream ends its streams 0.5-2 s after [DONE]; reused connections."""
+    targets = args.targets.split(",")
+    if "direct" not in targets:
+        targets.insert(0, "direct")
+    _use_uvloop(True)
+    up_port = _free_port()
+    upstream = _spawn("upstream", up_port, 0, ["--chunks", "20", "--interval", "0.01", "--tail", "0.5,2.0"],
+                      uvloop=True)
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
+    ttfts: dict[str, list[int]] = {name: [] for name in targets}
+    try:
+        for n in range(args.rounds):
+            for name in targets:
+                port, proc, _pids = _start_target(name, up_port, workdir)
+                try:
+                    ttfts[name] += asyncio.run(reused_connections(port, 16, 6))
+                finally:
+                    _stop(proc)
+                print(f"# round {n + 1}: {name} done", file=sys.stderr, flush=True)
+    finally:
+        _stop(upstream)
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = {q: _pct(ttfts["direct"], q) for q in (50, 99)}
+    nginx = {q: _pct(ttfts["nginx"], q) for q in (50, 99)} if "nginx" in ttfts else None
+    print("| target | requests | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | p99 vs nginx ms |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, values in ttfts.items():
+        row = {"target": name, "requests": len(values), "ttft_p50_ms": _ms(_pct(values, 50)),
+               "ttft_p99_ms": _ms(_pct(values, 99)), "added_ttft_p50_ms": _ms(_pct(values, 50) - base[50]),
+               "added_ttft_p99_ms": _ms(_pct(values, 99) - base[99]),
+               "p99_vs_nginx_ms": _ms(_pct(values, 99) - nginx[99]) if nginx else None}
+        rows.append(row)
+        vs_nginx = "-" if row["p99_vs_nginx_ms"] is None else f"{row['p99_vs_nginx_ms']:+.3f}"
+        print(f"| {name} | {len(values)} | {row['ttft_p50_ms']:.3f} | {row['ttft_p99_ms']:.3f} | "
+              f"{row['added_ttft_p50_ms']:+.3f} | {row['added_ttft_p99_ms']:+.3f} | {vs_nginx} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\n{args.rounds} round(s) x 16 clients x 6 sequential requests on one keep-alive connection each "
+          f"(TTFT of the 5 on a reused connection); upstream: 20 chunks x 10 ms, [DONE], then 0.5-2 s before "
+          f"the last-chunk marker; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    return 0
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -683,10 +815,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--chunks", type=int, default=200, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.01, help=argparse.SUPPRESS)
+    p.add_argument("--tail", help=argparse.SUPPRESS)
+    p.add_argument("--scenario", choices=("streaming", "late-tail"), default="streaming",
+                   help="streaming: steady, burst and flat phases; late-tail: [DONE] 0.5-2 s before the "
+                        "stream ends, clients reuse connections")
     p.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:
         return _run_role(args)
+    if args.scenario == "late-tail":
+        return orchestrate_late_tail(args)
     return orchestrate(args)
 
 

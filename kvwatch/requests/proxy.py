@@ -81,6 +81,7 @@ MAX_ARRIVALS = 64  # read times kept for buffered bytes; later reads share the l
 LINGER_S = 2.0  # after refusing a request, how long its remaining bytes are read and dropped
 UPSTREAM_IDLE_S = 4.0  # an idle pooled upstream connection older than this is not reused
 DRAIN_S = 5.0  # how long an engine may take to end a stream after [DONE] before its connection is closed
+MAX_SPARES = 8  # engine connections being opened ahead of need at once (see ProxyServer.warm_spare)
 DONE_EVENT = b"data: [DONE]"  # the last event of an OpenAI stream
 MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
 ACCOUNTING_ERRORS = "kvwatch_proxy_accounting_errors"
@@ -153,6 +154,9 @@ class ProxyServer:
         self._tasks: set[asyncio.Task] = set()
         self._learner: asyncio.Task | None = None
         self._last_logged: dict[str, float] = {}  # what _now_and_then last let through, when
+        self._spares = 0
+        self.tails = 0  # engine connections reading a stream's tail after [DONE] on their own
+        self._stopping = False
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, host: str, port: int, learn_models: bool = True) -> None:
@@ -172,6 +176,7 @@ class ProxyServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._server is not None:
             self._server.close()
         self.pool.close()
@@ -191,6 +196,35 @@ class ProxyServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def connect_upstream(self) -> tuple[asyncio.BaseTransport, _UpstreamConnection]:
+        up = self.upstream
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.config.upstream_connect_timeout_s):
+            return await loop.create_connection(  # type: ignore[return-value]
+                lambda: _UpstreamConnection(self), up.host, up.port, ssl=self.ssl_context,
+                server_hostname=up.host if up.tls else None)
+
+    def warm_spare(self) -> None:
+        """A stream's late tail holds its engine connection while the client, which already has its
+        response, may send its next request at once: open an idle one for it now, so that request
+        does not wait for a connect (measured: bench/proxy_bench.py --scenario late-tail)."""
+        if self.pool.idle or self._spares >= MAX_SPARES or self._stopping:
+            return
+        self._spares += 1
+        self.spawn(self._open_spare())
+
+    async def _open_spare(self) -> None:
+        try:
+            transport, protocol = await self.connect_upstream()
+        except (OSError, TimeoutError):
+            return  # a request that needs one will connect (and report the failure) itself
+        finally:
+            self._spares -= 1
+        if self._stopping:
+            transport.close()
+        else:
+            self.pool.give(protocol)
 
     def _counted(self, family: str, *labels: str) -> bool:
         """Count one occurrence; True at most once a minute per family, when it should be logged."""
@@ -669,20 +703,19 @@ class _Exchange:
 
     def _send(self) -> None:
         """On a pooled connection right now, else on a new one from a task."""
-        protocol = self.proxy.pool.take()
+        proxy = self.proxy
+        protocol = proxy.pool.take()
         if protocol is not None:
             self._attach(protocol, reused=True)
         else:
-            self.proxy.spawn(self._connect())
+            proxy.spawn(self._connect())
+        if proxy.tails and not proxy.pool.idle:  # tails hold connections: the next request gets a spare
+            proxy.warm_spare()
 
     async def _connect(self) -> None:
-        proxy, up = self.proxy, self.proxy.upstream
-        loop = asyncio.get_running_loop()
+        up = self.proxy.upstream
         try:
-            async with asyncio.timeout(proxy.config.upstream_connect_timeout_s):
-                transport, protocol = await loop.create_connection(
-                    lambda: _UpstreamConnection(proxy), up.host, up.port, ssl=proxy.ssl_context,
-                    server_hostname=up.host if up.tls else None)
+            transport, protocol = await self.proxy.connect_upstream()
         except TimeoutError:
             self._end(self._fail_before_head(
                 504, f"timed out connecting to the engine at {up.host}:{up.port}"))
@@ -1182,15 +1215,27 @@ class _UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             with contextlib.suppress(RuntimeError):
                 self.transport.resume_reading()  # the slow client it was paused for is gone
-        self.tail_timer = asyncio.get_running_loop().call_later(DRAIN_S, self._tail_too_slow)
+        loop = asyncio.get_running_loop()
+        self.tail_timer = loop.call_later(DRAIN_S, self._tail_too_slow)
+        self.proxy.tails += 1
+        loop.call_soon(self._spare_if_draining)  # after this read: its last-chunk marker may be in it
+
+    def _spare_if_draining(self) -> None:
+        if self.tail_timer is not None:
+            self.proxy.warm_spare()
+
+    def _tail_done(self) -> None:
+        if self.tail_timer is not None:
+            self.tail_timer.cancel()
+            self.tail_timer = None
+            self.proxy.tails -= 1
 
     def _tail_too_slow(self) -> None:
-        self.tail_timer = None
-        if self.ex is None and self.mode != _ENDED:
-            self.abort()
+        self.abort()
 
     def abort(self) -> None:
         """Close now and forget the exchange (which is told by whoever called this)."""
+        self._tail_done()
         self.ex = None
         self.mode = _ENDED
         self.closed = True
@@ -1289,9 +1334,7 @@ class _UpstreamConnection(asyncio.Protocol):
         """The response is complete: back to the pool (or closed) first, then the exchange is told,
         so a pipelined next request can already use this connection."""
         ex, self.ex, self.mode = self.ex, None, _ENDED
-        if self.tail_timer is not None:
-            self.tail_timer.cancel()
-            self.tail_timer = None
+        self._tail_done()
         if self.reusable and not self.closed:
             self.proxy.pool.give(self)
         else:
@@ -1309,6 +1352,7 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._tail_done()
         ex = self.ex
         if ex is None:
             self.proxy.pool.discard(self)
