@@ -166,9 +166,16 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     notes: list[str] = []
     if args.step_samples:
-        obs = sources.observations_from_step_samples(sources.read_step_samples(args.step_samples))
         source, window = "step_samples", f"file {args.step_samples}"
-        notes.append("step samples carry no KV token counts: per_kv_token_s is not fitted")
+        if sources.is_datagram_file(args.step_samples):
+            capacity = (shape.num_gpu_blocks * shape.block_size
+                        if shape.num_gpu_blocks and shape.block_size else None)
+            obs = sources.read_plugin_datagrams(args.step_samples, capacity)
+            if capacity is None:
+                notes.append("no --engine-url: KV usage cannot become tokens, per_kv_token_s is not fitted")
+        else:
+            obs = sources.observations_from_step_samples(sources.read_step_samples(args.step_samples))
+            notes.append("step samples carry no KV token counts: per_kv_token_s is not fitted")
     elif args.prometheus:
         from kvwatch.plan.prometheus import observations_from_prometheus
 

@@ -1,6 +1,8 @@
 """Where calibration data comes from, in order of preference, each turned into step observations.
 
-1. **Step samples** from the vLLM stat-logger plugin: one record per engine step,
+1. **Step samples** from the vLLM stat-logger plugin (``plugins/vllm``): its ``EngineStep`` records
+   (``observations_from_engine_steps``), a JSON-lines capture of its datagrams
+   (``read_plugin_datagrams``), or plain records, one per engine step,
    ``(context_tokens, generation_tokens, num_context_reqs, num_generation_reqs, elapsed_ms)``.
    ``context_tokens`` are the prefill tokens the step computed, ``num_generation_reqs`` the decoding
    sequences. Read from a JSON-lines file (one object with those keys, or a 5-element list, per line)
@@ -28,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from kvwatch.model import EngineStep
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
 
@@ -91,6 +94,78 @@ def read_step_samples(path: str | Path) -> list[tuple[float, ...]]:
     if not rows:
         raise SourceError(f"{path}: no step samples")
     return rows
+
+
+def observations_from_engine_steps(
+    steps: Iterable[EngineStep], capacity_tokens: int | None = None
+) -> list[StepObservation]:
+    """The vLLM plugin's ``EngineStep`` records (``kvwatch/requests/vllm_plugin.py``) as observations.
+
+    Only steps carrying the batch shape and ``elapsed_ms`` count (vLLM sends them with
+    ``--enable-logging-iteration-details``). With the pool's ``capacity_tokens`` (the calibration's
+    engine shape) the step's KV usage gives the KV tokens held, so ``per_kv_token_s`` is fitted too.
+    """
+    out = []
+    for st in steps:
+        if st.elapsed_ms is None or st.ctx_tokens is None or st.gen_requests is None:
+            continue
+        kv = (
+            None
+            if st.kv_usage_ratio is None or capacity_tokens is None
+            else st.kv_usage_ratio * capacity_tokens
+        )
+        out.append(
+            StepObservation(
+                prefill_tokens=float(st.ctx_tokens),
+                decode_seqs=float(st.gen_requests),
+                seconds=st.elapsed_ms / 1000.0,
+                kv_tokens=kv,
+            )
+        )
+    return out
+
+
+def read_plugin_datagrams(path: str | Path, capacity_tokens: int | None = None) -> list[StepObservation]:
+    """A JSON-lines capture of the plugin's datagrams (wire format v1: one object with ``"s"`` per
+    step), decoded by the agent's own decoder; SourceError names the line that is wrong."""
+    from kvwatch.requests.vllm_plugin import DatagramError, engine_step
+
+    steps = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if isinstance(obj, dict) and "s" in obj:
+                steps.append(
+                    engine_step(
+                        obj["s"],
+                        "calibration",
+                        str(obj.get("e", "0")),
+                        float(obj.get("t") or 0.0),
+                        obj.get("ev"),
+                        obj.get("evx"),
+                    )
+                )
+        except (ValueError, DatagramError) as exc:
+            raise SourceError(f"{path} line {number}: not a plugin datagram ({exc})") from None
+    obs = observations_from_engine_steps(steps, capacity_tokens)
+    if not obs:
+        raise SourceError(
+            f"{path}: no datagram carries a step's batch shape and elapsed_ms (start vLLM "
+            "with --enable-logging-iteration-details)"
+        )
+    return obs
+
+
+def is_datagram_file(path: str | Path) -> bool:
+    try:
+        with Path(path).open(encoding="utf-8") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
+        obj = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and "s" in obj and "v" in obj
 
 
 # ---------------------------------------------------------------------------------------------
