@@ -7,7 +7,10 @@ is not in these lists. Upper bounds only; ``+Inf`` is implicit. Documented in do
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
+from collections.abc import Iterable
 
 TTFT_SECONDS: tuple[float, ...] = (
     0.025, 0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
@@ -76,3 +79,40 @@ BATCH_TOKEN_EDGES: tuple[int, ...] = (16, 64, 256, 1000, 4000, 16000)
 KV_BLOCK_SECONDS: tuple[float, ...] = (
     0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
 )
+
+
+class Histogram:
+    """A histogram with fixed bounds: non-cumulative bins (the last is ``+Inf``), sum and count,
+    cumulative when rendered. kvwatch's request histograms and the simulator's engine histograms."""
+
+    __slots__ = ("bins", "bounds", "count", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.bins = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        """Record ``weight`` observations of ``value`` (``le`` is inclusive, as in Prometheus)."""
+        self.bins[bisect.bisect_left(self.bounds, value)] += weight
+        self.sum += value * weight
+        self.count += weight
+
+    def merge_bins(self, bounds: tuple[float, ...], counts: Iterable[int], total: float) -> None:
+        """Fold a request's pre-binned gaps in; bounds must be this histogram's bounds."""
+        if bounds != self.bounds:
+            raise ValueError("gap bins were made with different bounds")
+        n = 0
+        for i, c in enumerate(counts):
+            self.bins[i] += c
+            n += c
+        self.count += n
+        self.sum += total
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        return list(zip(le_labels(self.bounds), self.cumulative_counts(), strict=True))
+
+    def cumulative_counts(self) -> list[float]:
+        """Cumulative bucket counts, ``+Inf`` last (aligned with ``le_labels(bounds)``)."""
+        return [float(c) for c in itertools.accumulate(self.bins)]

@@ -327,7 +327,8 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
-def _name(value: Any) -> str:
+def short_name(value: Any) -> str:
+    """A replica, node or SLO name: a label value short and plain enough for any config or query."""
     text = str(value)
     if not _NAME.match(text):
         raise ValueError(f"expected a short name of letters, digits, '_', '.', '-', got {text!r}")
@@ -386,7 +387,7 @@ def _replica(r: KeyPathReader, node: Any, path: str) -> ReplicaConfig | None:
         if node is not None and isinstance(node, Mapping):
             r.problem(path, "empty replica: needs at least name and metrics_url")
         return None
-    name = r.get(m, "name", path, _name, required=True)
+    name = r.get(m, "name", path, short_name, required=True)
     metrics_url = r.get(m, "metrics_url", path, _http_url, required=True)
     backend = r.get(m, "backend", path, _backend, default="auto")
     api_url = r.get(m, "api_url", path, _http_url)
@@ -512,7 +513,7 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
                   f"({proxy.max_body_bytes}), or a body within that limit could never be buffered")
     otlp = _section(r, top, "otlp", OtlpConfig, {
         "listen": ("listen", parse_host_port),
-        "replica": ("replica", _name),
+        "replica": ("replica", short_name),
         "max_body_bytes": ("max_body_bytes", parse_size),
     })
     if otlp.replica is not None and otlp.replica not in seen:
@@ -531,7 +532,7 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
     for i, node in enumerate(raw_files):
         path = f"sglang_request_files[{i}]"
         m = r.mapping(node, path, {"replica", "directory", "poll"})
-        rep_name = r.get(m, "replica", path, _name, required=True)
+        rep_name = r.get(m, "replica", path, short_name, required=True)
         directory = r.get(m, "directory", path, str, required=True)
         if rep_name is not None and rep_name not in seen:
             r.problem(_join(path, "replica"), f"no replica named {rep_name!r}")
@@ -545,7 +546,7 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         discovery=discovery,
         replicas=tuple(replicas),
         listen=r.get(top, "listen", "", parse_host_port, default=parse_host_port(DEFAULT_LISTEN)),
-        node=r.get(top, "node", "", _name, default=socket.gethostname()),
+        node=r.get(top, "node", "", short_name, default=socket.gethostname()),
         length_bands=r.get(top, "length_bands", "", _edges, default=LengthBands()),
         intervals=intervals,
         scrape=scrape,
@@ -574,7 +575,7 @@ def _plugin_sockets(r: KeyPathReader, raw: Any,
     for i, node in enumerate(raw):
         path = f"vllm_plugin_sockets[{i}]"
         m = r.mapping(node, path, {"replica", "path"})
-        rep_name = r.get(m, "replica", path, _name, required=True)
+        rep_name = r.get(m, "replica", path, short_name, required=True)
         sock = r.get(m, "path", path, _socket_path, required=True)
         if rep_name is not None and rep_name not in replicas:
             r.problem(_join(path, "replica"), f"no replica named {rep_name!r}")

@@ -306,6 +306,10 @@ class GpuSample:
 # --------------------------------------------------------------------------------------------
 
 
+#: the ``v`` of a request-ledger line: ``requests/ledger.py`` writes it, ``report/`` reads it
+LEDGER_VERSION = 1
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One finished request, from whichever source saw it (proxy, OTLP span, SGLang file).

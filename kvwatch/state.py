@@ -7,15 +7,13 @@ samples are dropped rather than served as if fresh.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvwatch import buckets
+from kvwatch.buckets import Histogram
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
     OUTCOMES,
@@ -161,41 +159,6 @@ class NodeState:
 # --------------------------------------------------------------------------------------------
 # requests
 # --------------------------------------------------------------------------------------------
-
-
-class Histogram:
-    """A cumulative histogram with fixed bounds (non-cumulative bins internally)."""
-
-    __slots__ = ("bins", "bounds", "count", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.bins = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.bins[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def merge_bins(self, bounds: tuple[float, ...], counts: Iterable[int], total: float) -> None:
-        """Fold a request's pre-binned gaps in; bounds must be this histogram's bounds."""
-        if bounds != self.bounds:
-            raise ValueError("gap bins were made with different bounds")
-        n = 0
-        for i, c in enumerate(counts):
-            self.bins[i] += c
-            n += c
-        self.count += n
-        self.sum += total
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        return list(zip(buckets.le_labels(self.bounds), self.cumulative_counts(), strict=True))
-
-    def cumulative_counts(self) -> list[float]:
-        """Cumulative bucket counts, ``+Inf`` last (aligned with ``le_labels(bounds)``)."""
-        return [float(c) for c in itertools.accumulate(self.bins)]
 
 
 HISTOGRAM_FAMILIES = {

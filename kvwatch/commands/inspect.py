@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,18 +73,6 @@ def _read(source: str) -> str:
     return Path(source).read_text(encoding="utf-8")
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "+Inf" if value > 0 else "-Inf"
-        return None if math.isnan(value) else value
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _replica_doc(sample: Any) -> dict[str, Any]:
     from kvwatch.engines.base import missing_fields
 
@@ -151,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.engines.exposition import ExpositionError
     from kvwatch.engines.fetch import ScrapeError
     from kvwatch.engines.registry import NoEngineMetricsError, parse_exposition
+    from kvwatch.jsonsafe import jsonable
 
     slots: Any = None
     try:
@@ -187,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
             "slots": ([dataclasses.asdict(s) for s in slots] if isinstance(slots, tuple) else None),
             "slots_error": slots if isinstance(slots, str) else None,
         }
-        print(json.dumps(_jsonable(doc), indent=2))
+        print(json.dumps(jsonable(doc), indent=2))
     else:
         _print_text(args.source, result, slots)
     return 0

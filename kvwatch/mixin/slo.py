@@ -28,7 +28,7 @@ from typing import Any
 
 from kvwatch import buckets
 from kvwatch.catalog import spec
-from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file
+from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file, short_name
 from kvwatch.mixin.thresholds import AlertConfig, alert_config_from_mapping
 from kvwatch.model import OUTCOMES, LengthBands
 
@@ -52,7 +52,6 @@ FASTEST_BURN = 14.4
 LONGEST_ALERT_WINDOW_S = 3 * 86400
 
 ANY_MODEL = "*"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PROM_DURATION = re.compile(r"^(\d+)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -121,13 +120,6 @@ def _period(value: Any) -> str:
     seconds = prom_duration_seconds(text)
     if seconds < LONGEST_ALERT_WINDOW_S:
         raise ValueError(f"the period must be at least 3d (the longest alert window), got {text!r}")
-    return text
-
-
-def _slo_name(value: Any) -> str:
-    text = str(value)
-    if not _NAME.match(text):
-        raise ValueError(f"expected a short lower-case name of letters, digits, '_', '.', '-', got {text!r}")
     return text
 
 
@@ -254,7 +246,7 @@ def _objective_entry(r: KeyPathReader, node: Any, path: str, bands: LengthBands,
     if not m:
         r.problem(path, "expected an objective with at least name, sli, objective and bands")
         return None
-    name = r.get(m, "name", path, _slo_name, required=True)
+    name = r.get(m, "name", path, short_name, required=True)
     sli = r.get(m, "sli", path, _sli, required=True)
     objective = r.get(m, "objective", path, _objective, required=True)
     band_names = r.get(m, "bands", path, lambda v: _bands(v, bands), required=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvwatch.model import OUTCOMES
+from kvwatch.model import LEDGER_VERSION, OUTCOMES
 from kvwatch.report.inputs import InputFile, ReportError, read_all
 from kvwatch.report.jsonlines import BOOL, NUM, STR, Field, Problems
 from kvwatch.report.pieces import read_json_lines
@@ -28,7 +28,6 @@ COLUMNS = (
     "output_tokens_estimated", "ttft_seconds", "e2e_seconds", "tpot_seconds",
 )
 
-LEDGER_VERSION = 1
 LEDGER_FIELDS = (
     Field("replica", STR, required=True),
     Field("model_name", STR),

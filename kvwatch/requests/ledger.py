@@ -21,11 +21,10 @@ import queue
 import threading
 from collections.abc import Callable
 
-from kvwatch.model import LengthBands, RequestRecord
+from kvwatch.model import LEDGER_VERSION, LengthBands, RequestRecord
 
 log = logging.getLogger(__name__)
 
-LEDGER_VERSION = 1
 WRITE_ERRORS = "kvwatch_ledger_write_errors"
 _STOP = object()
 

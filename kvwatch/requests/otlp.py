@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +38,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from kvwatch.config import Config, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
+from kvwatch.requests.values import non_negative_int, non_negative_number
 
 log = logging.getLogger(__name__)
 
@@ -72,24 +72,6 @@ def _any_value(value: Any) -> Any:
     if kind in (None, "kvlist_value", "bytes_value"):
         return None
     return getattr(value, kind)
-
-
-def _seconds(attrs: dict[str, Any], key: str) -> float | None:
-    value = attrs.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise MalformedSpanError(f"{key} must be a non-negative number of seconds, got {value!r}")
-    return float(value)
-
-
-def _count(attrs: dict[str, Any], key: str) -> int | None:
-    value = attrs.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MalformedSpanError(f"{key} must be a non-negative integer, got {value!r}")
-    return value
 
 
 def _finish_reasons(value: Any) -> list[str]:
@@ -127,6 +109,13 @@ def is_request_span(attrs: dict[str, Any]) -> bool:
 
 def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
     """One request span -> RequestRecord (source ``otlp``); raises MalformedSpanError."""
+    try:
+        return _span_record(span, attrs, replica, model_name)
+    except ValueError as exc:
+        raise MalformedSpanError(str(exc)) from None
+
+
+def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
     reasons = _finish_reasons(attrs.get("gen_ai.response.finish_reasons"))
     return RequestRecord(
         replica=replica,
@@ -135,13 +124,13 @@ def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str
         outcome=span_outcome(span, reasons),
         started_at=span.start_time_unix_nano / 1e9,
         finish_reason=reasons[-1] if reasons else None,
-        prompt_tokens=_count(attrs, "gen_ai.usage.prompt_tokens"),
-        output_tokens=_count(attrs, "gen_ai.usage.completion_tokens"),
-        max_tokens=_count(attrs, "gen_ai.request.max_tokens"),
-        ttft_seconds=_seconds(attrs, "gen_ai.latency.time_to_first_token"),
-        e2e_seconds=_seconds(attrs, "gen_ai.latency.e2e"),
-        queue_seconds=_seconds(attrs, "gen_ai.latency.time_in_queue"),
-        decode_seconds=_seconds(attrs, "gen_ai.latency.time_in_model_decode"),
+        prompt_tokens=non_negative_int(attrs, "gen_ai.usage.prompt_tokens"),
+        output_tokens=non_negative_int(attrs, "gen_ai.usage.completion_tokens"),
+        max_tokens=non_negative_int(attrs, "gen_ai.request.max_tokens"),
+        ttft_seconds=non_negative_number(attrs, "gen_ai.latency.time_to_first_token"),
+        e2e_seconds=non_negative_number(attrs, "gen_ai.latency.e2e"),
+        queue_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_queue"),
+        decode_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_model_decode"),
     )
 
 

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -35,6 +34,7 @@ from typing import Any
 from kvwatch.config import Config, SglangFilesConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
+from kvwatch.requests.values import non_negative_int, non_negative_number
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +52,6 @@ Report = Callable[..., None]  # NodeState.report(collector, success, duration_s,
 
 class MalformedLineError(ValueError):
     pass
-
-
-def _number(meta: dict[str, Any], key: str) -> float | None:
-    value = meta.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise MalformedLineError(f"{key} must be a non-negative number")
-    return float(value)
-
-
-def _tokens(meta: dict[str, Any], key: str) -> int | None:
-    value = meta.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MalformedLineError(f"{key} must be a non-negative integer")
-    return value
 
 
 def finish_of(value: Any) -> tuple[str | None, int | None]:
@@ -112,23 +94,25 @@ def _max_new_tokens(parameters: Any) -> int | None:
 
 
 def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestRecord:
-    """One exporter line -> RequestRecord (source ``sglang_file``); raises MalformedLineError."""
+    """One exporter line -> RequestRecord (source ``sglang_file``); raises MalformedLineError (a
+    ValueError, as a bad number raises)."""
     if not isinstance(doc, dict):
         raise MalformedLineError("a line must be a JSON object")
     nested = doc.get("meta_info")
     meta = nested if isinstance(nested, dict) else doc
-    output = _tokens(meta, "completion_tokens")
-    e2e = _number(meta, "e2e_latency")
+    output = non_negative_int(meta, "completion_tokens")
+    e2e = non_negative_number(meta, "e2e_latency")
     kind, status = finish_of(meta.get("finish_reason"))
     decode = ttft = None
-    throughput = _number(meta, "decode_throughput")  # (completion_tokens - 1) / decode time
+    throughput = non_negative_number(meta, "decode_throughput")  # (completion_tokens - 1) / decode time
     if throughput and output is not None and output > 1:
         decode = (output - 1) / throughput
         if e2e is not None:
             ttft = max(e2e - decode, 0.0)
-    received = _number(meta, "request_received_ts")
+    received = non_negative_number(meta, "request_received_ts")
     if received is None:
-        sent = _number(meta, "response_sent_to_client_ts") or _number(meta, "request_finished_ts")
+        sent = (non_negative_number(meta, "response_sent_to_client_ts")
+                or non_negative_number(meta, "request_finished_ts"))
         received = (sent if sent is not None else now) - (e2e or 0.0)
     return RequestRecord(
         replica=replica,
@@ -138,12 +122,12 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         started_at=received,
         finish_reason=kind,
         status_code=status,
-        prompt_tokens=_tokens(meta, "prompt_tokens"),
+        prompt_tokens=non_negative_int(meta, "prompt_tokens"),
         output_tokens=output,
         max_tokens=_max_new_tokens(doc.get("request_parameters")),
         ttft_seconds=ttft,
         e2e_seconds=e2e,
-        queue_seconds=_number(meta, "queue_time"),
+        queue_seconds=non_negative_number(meta, "queue_time"),
         decode_seconds=decode,
     )
 

@@ -15,8 +15,9 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 
+from kvwatch.buckets import Histogram
 from kvwatch.sim.engine import SimEngine
-from kvwatch.sim.stats import FINISH_REASONS, Histogram
+from kvwatch.sim.stats import FINISH_REASONS
 
 _LABELS = ["engine", "model_name"]
 

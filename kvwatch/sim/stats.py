@@ -7,7 +7,7 @@ batch that shares one inter-token gap is a single weighted observation.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from kvwatch.buckets import Histogram
 
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3,
@@ -122,34 +122,6 @@ def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(value))
         exponent += 1
-
-
-class Histogram:
-    """A cumulative-on-render histogram: per-bucket counts (last bucket is +Inf), sum and count."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, weight: int = 1) -> None:
-        """Record ``weight`` observations of ``value`` (``le`` is inclusive, as in Prometheus)."""
-        self.counts[bisect_left(self.bounds, value)] += weight
-        self.sum += value * weight
-        self.count += weight
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """``(le, cumulative count)`` pairs ending with ``+Inf``, the exposition's bucket form."""
-        out = []
-        running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=False):
-            running += n
-            out.append((repr(float(bound)), float(running)))
-        out.append(("+Inf", float(self.count)))
-        return out
 
 
 class EngineStats:

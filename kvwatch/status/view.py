@@ -31,6 +31,7 @@ from kvwatch.derive.node import DerivedView, UnitSignals
 from kvwatch.derive.pcie import link_bytes_per_second
 from kvwatch.derive.quantiles import histogram_quantile
 from kvwatch.derive.tiers import gpu_link
+from kvwatch.jsonsafe import NON_FINITE, jsonable
 from kvwatch.model import OUTCOMES, ReplicaSample
 from kvwatch.state import Histogram, NodeState
 
@@ -334,23 +335,9 @@ def _gpus(state: NodeState, derived: DerivedView | None) -> tuple[GpuView, ...]:
 # JSON
 # --------------------------------------------------------------------------------------------
 
-_NON_FINITE = {"+Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}
-
-
-def _jsonable(value: Any) -> Any:
-    """Strict JSON: non-finite floats as the strings Prometheus uses (``+Inf``), tuples as lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def view_to_dict(view: StatusView) -> dict[str, Any]:
     """The view as strict JSON data (``json.dumps(..., allow_nan=False)`` accepts it)."""
-    return _jsonable(asdict(view))
+    return jsonable(asdict(view))
 
 
 T = TypeVar("T")
@@ -374,8 +361,8 @@ def _field_value(annotation: Any, value: Any) -> Any:
     for name, cls in _NESTED.items():
         if f"tuple[{name}, ...]" in text:
             return tuple(_build(cls, item) for item in value)
-    if isinstance(value, str) and value in _NON_FINITE and "float" in text:
-        return _NON_FINITE[value]
+    if isinstance(value, str) and value in NON_FINITE and "float" in text:
+        return NON_FINITE[value]
     if isinstance(value, list):
         return tuple(value)
     return value
