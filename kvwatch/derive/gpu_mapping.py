@@ -8,7 +8,7 @@ Order of evidence, first that yields a GPU wins (docs/nvml.md):
    UUIDs, indexes, ``UUID::N`` (time-sliced replicas) or ``nvidiaN`` (GKE), as dcgm-exporter reads them.
 3. ``pid``: NVML lists the engine PID, or any descendant (vLLM TP/DP workers are child processes),
    among a GPU's compute processes. NVML may report host PIDs or namespaced PIDs depending on the call
-   and driver (anchors §2.3), so a process matches by its PID in kvwatch's namespace first and, only if
+   and driver, so a process matches by its PID in kvwatch's namespace first and, only if
    nothing matched that way, by the PIDs of its ``NSpid`` chain inside its container.
 4. ``cuda_visible_devices``: the GPUs the engine's processes may use, from ``CUDA_VISIBLE_DEVICES``
    (indexes or UUID prefixes, interpreted within ``NVIDIA_VISIBLE_DEVICES`` when the container runtime

@@ -1,4 +1,4 @@
-"""NVIDIA Dynamo pages that are not an engine's own (reference/engines.md §3).
+"""NVIDIA Dynamo pages that are not an engine's own.
 
 * **Frontend** (``dynamo_frontend_*``, Rust, HTTP port): one sample per served ``model`` (the label's
   case differs between families, so models are grouped case-insensitively). The frontend sees queues,

@@ -3,9 +3,10 @@
 Why not ``prometheus_client.parser``: it renames what it parses (a Rust counter ``kvbm_offload_blocks_d2h``
 comes back as ``..._total``; llama.cpp's ``n_tokens_max`` typed counter likewise), its errors carry no
 line number, and it is about 4x slower on real engine pages (``bench/exposition_parse.py``). Engine adapters
-must match the names *as exposed* (reference/engines.md §0), so this parser keeps them verbatim.
+must match the names *as exposed* (what the engines' own dashboards
+query), so this parser keeps them verbatim.
 
-Quirks handled (reference/engines.md §0):
+Quirks of real engine pages handled here:
 
 * ``*_created`` samples and families (prometheus_client single-process mode) are dropped.
 * multiprocess mode: ``_sum``/``_count`` before buckets, HELP/TYPE with no samples, extra ``pid`` label.

@@ -1,4 +1,4 @@
-"""LMCache's ``lmcache:*`` families (reference/engines.md §5.1) -> TierTraffic.
+"""LMCache's ``lmcache:*`` families -> TierTraffic.
 
 LMCache runs inside vLLM's or SGLang's worker processes, so its families appear on the engine's own
 page; the vLLM and SGLang adapters call ``tier_traffic``. Tiers in plain words:

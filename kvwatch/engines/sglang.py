@@ -1,4 +1,4 @@
-"""SGLang ``/metrics`` (0.3 -> 0.5.23; reference/engines.md §2) -> ReplicaSample per DP rank.
+"""SGLang ``/metrics`` (0.3 -> 0.5.23) -> ReplicaSample per DP rank.
 
 Replica key = (scrape target, ``model_name``, ``dp_rank``); without ``dp_rank`` the page is one
 replica. Every TP rank may report the same logical counts under its own ``tp_rank`` (with

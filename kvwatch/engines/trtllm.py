@@ -1,4 +1,4 @@
-"""TensorRT-LLM ``trtllm-serve`` Prometheus page (``/prometheus/metrics``; reference/engines.md §4.1).
+"""TensorRT-LLM ``trtllm-serve`` Prometheus page (``/prometheus/metrics``).
 
 Labels ``model_name, engine_type="trtllm"``; one replica per server. The 2025 collector (1.1.0rc5) has
 five request families and no KV at all; the 2026 one adds block gauges

@@ -1,4 +1,4 @@
-"""vLLM ``/metrics`` (V0 and V1, 0.7 -> 0.33; reference/engines.md §1) -> ReplicaSample per DP rank.
+"""vLLM ``/metrics`` (V0 and V1, 0.7 -> 0.33) -> ReplicaSample per DP rank.
 
 Replica key = (scrape target, ``model_name``, ``engine``): ``engine`` is the data-parallel rank
 (since 0.8.3; absent before, then ``dp_rank`` is None). Renames are handled by listing every exposed

@@ -1,6 +1,6 @@
 """Model and GPU presets for the simulator: the shapes that decide KV size, weight bytes and speed.
 
-Shapes are the models' config.json values (reference/workload-and-requests.md §3.2); parameter counts
+Shapes are the models' config.json values (as published on the Hugging Face Hub); parameter counts
 are the published totals. Only what the simulator needs is here: KV geometry, weight bytes, the
 parameters one token touches (for FLOPs), and the native context length.
 """

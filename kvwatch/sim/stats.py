@@ -1,6 +1,6 @@
 """The engine's own counters and histograms, kept in vLLM's shape (names, buckets, semantics).
 
-Bucket lists are vLLM's verbatim (``vllm/v1/metrics/buckets.py``, reference/engines.md §1.4).
+Bucket lists are vLLM's verbatim (``vllm/v1/metrics/buckets.py``).
 Histograms are plain arrays: one ``observe`` is a bisect and three additions, and a whole decode
 batch that shares one inter-token gap is a single weighted observation.
 """

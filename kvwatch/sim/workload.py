@@ -4,7 +4,7 @@ Synthetic: Poisson arrivals (optionally multiplied inside burst windows), prompt
 from per-class distributions. The default ``reasoning`` class is inference-perf's reasoning input
 profile (lognormal mean 1000, sd 800, clipped to [100, 5000]) with exponential outputs of mean 6,300
 capped at 32,000, so about 45% of outputs exceed 5,000 tokens (e^(-5000/6300) = 0.452), the founding
-study's figure (reference/workload-and-requests.md §2.4).
+study's figure.
 
 Traces: Azure LLM inference (``TIMESTAMP,ContextTokens,GeneratedTokens``), BurstGPT (``Timestamp``,
 ``Request tokens``, ``Response tokens``, ...) and Mooncake JSONL (``timestamp`` in ms,

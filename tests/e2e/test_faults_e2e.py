@@ -1,9 +1,9 @@
 """Faults, end to end: an engine dies and comes back, NVML goes away and comes back, the agent itself
 is stopped in the middle of a client's stream, a client hangs up the moment the stream ended.
 
-What "right" means here (DESIGN.md, failure semantics): a source that fails is marked down and its
-last values are not served as if fresh; the failure is counted and logged once, not once per
-attempt; nothing crashes; recovery needs no operator. For the agent's own stop: docs/requests.md,
+What "right" means here (docs/architecture.md, "Failures are values"): a source that fails is
+marked down and its last values are not served as if fresh; the failure is counted and logged once,
+not once per attempt; nothing crashes; recovery needs no operator. For the agent's own stop: docs/requests.md,
 "When the agent stops".
 """
 

@@ -1,4 +1,5 @@
-"""Fixture pages for engine tests: real captures and pages written from reference/engines.md."""
+"""Fixture pages for engine tests: real captures and pages written from the engines' source (one per
+version boundary)."""
 
 from __future__ import annotations
 

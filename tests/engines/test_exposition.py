@@ -1,4 +1,4 @@
-"""The exposition parser: every quirk of reference/engines.md §0, and line-numbered errors."""
+"""The exposition parser: every quirk of real engine pages, and line-numbered errors."""
 
 from __future__ import annotations
 

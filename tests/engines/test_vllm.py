@@ -1,4 +1,4 @@
-"""vLLM adapter: real captures and one page per version boundary of reference/engines.md §1."""
+"""vLLM adapter: real captures and one page per version boundary (written from vLLM's source)."""
 
 from __future__ import annotations
 

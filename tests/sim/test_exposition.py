@@ -117,7 +117,7 @@ def test_histograms_use_vllms_bucket_lists(family, bounds):
 
 
 def test_vllm_bucket_literals_are_verbatim():
-    # vllm/v1/metrics/buckets.py (0.30+), reference/engines.md §1.4
+    # vllm/v1/metrics/buckets.py (0.30+)
     assert stats.TIME_TO_FIRST_TOKEN_BUCKETS[-3:] == (160.0, 640.0, 2560.0)
     assert stats.REQUEST_LATENCY_BUCKETS[-3:] == (960.0, 1920.0, 7680.0)
     assert stats.request_tokens_buckets(131072)[-3:] == (20000.0, 50000.0, 100000.0)

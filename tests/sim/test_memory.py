@@ -13,7 +13,7 @@ H200 = gpu_preset("h200")
 @pytest.mark.parametrize(
     ("model", "bf16_bytes"),
     [
-        # reference/workload-and-requests.md §3.3, "bf16 B/token"
+        # bf16 bytes per token: layers x 2 (K, V) x KV heads x head_dim x 2 bytes
         ("llama-3.1-8b", 131_072),
         ("llama-3.1-70b", 327_680),
         ("llama-3.1-405b", 516_096),
