@@ -86,7 +86,17 @@ class DiscoveryStatus:
 
 
 class NodeState:
-    """Everything the outputs read. Writes are whole-object replacements under a lock."""
+    """Everything the outputs read.
+
+    Concurrency, as it is: the writers run on the agent's event loop (the engine scrape job, the
+    proxy, the receivers) or in its executor threads (NVML poll, PID mapping), and each replaces a
+    whole value: a new samples tuple, a new ``derived`` view. A reader in another thread (the
+    ``/metrics`` render) therefore sees the old value or the new one, never half of one, without a
+    lock. The lock guards only what is mutated in place and read elsewhere: the ``targets`` dict's
+    membership and the self-metric ``counters``. A ``TargetState`` itself is written field by
+    field by its scrape job alone, without the lock; a render in between may pair one scrape's
+    ``up`` with the previous one's duration, never a half-written sample.
+    """
 
     def __init__(self, node: str, bands: LengthBands) -> None:
         self.node = node
