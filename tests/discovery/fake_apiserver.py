@@ -209,6 +209,7 @@ class FakeApiServer:
                                   "metadata": {"resourceVersion": str(self.rv)}, "items": items})
 
     async def _watch(self, request: web.Request, node: str) -> web.StreamResponse:
+        injected = len(self._injected)  # raw lines injected from now on reach this watch
         since = int(request.query.get("resourceVersion") or self.rv)
         timeout = float(request.query.get("timeoutSeconds") or 1800)
         bookmarks = request.query.get("allowWatchBookmarks") == "true"
@@ -226,7 +227,6 @@ class FakeApiServer:
         deadline = loop.time() + timeout
         next_bookmark = loop.time() + self.bookmark_interval_s
         sent = since
-        injected = len(self._injected)
         while loop.time() < deadline and self._runner is not None:
             for rv, _kind, before, after in [h for h in self.history if h[0] > sent]:
                 event = self._filtered(before, after, node)
