@@ -24,6 +24,9 @@ REQUEST = ("replica", "model_name", "length_band", "source")
 #: label values of kvwatch_target_scrape_errors_total{reason}: why a scrape of an engine failed
 SCRAPE_ERROR_REASONS = ("timeout", "connect", "http_status", "too_large", "malformed", "not_metrics",
                         "no_engine_metrics")
+#: label values of kvwatch_target_samples_rejected_total{reason}: engine samples that cannot be true
+#: (dropped), and label values over the per-page cap (folded into "other")
+REJECTED_SAMPLE_REASONS = ("not_finite", "negative_counter", "duplicate", "label_values_cap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Duration of the last scrape of the replica's metrics endpoint.", "self"),
     _m("kvwatch_target_scrape_errors", "counter", ("replica", "reason"),
        f"Failed scrapes of a replica by reason ({', '.join(SCRAPE_ERROR_REASONS)}).", "self"),
+    _m("kvwatch_target_samples_rejected", "counter", ("replica", "reason"),
+       "Engine page samples kvwatch did not take as they were, by reason: dropped because no engine "
+       "quantity can be that (not_finite: NaN or ±Inf; negative_counter; duplicate: a series repeated, "
+       "never summed), or folded into the label value other (label_values_cap: over "
+       "scrape.max_label_values / scrape.max_ranks distinct values).", "self"),
     _m("kvwatch_target_restarts", "counter", ("replica",),
        "Engine restarts detected (engine counters went backwards).", "self"),
     _m("kvwatch_proxy_accounting_errors", "counter", ("replica",),

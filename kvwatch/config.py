@@ -73,6 +73,12 @@ class ScrapeConfig:
     timeout_s: float = 3.0
     max_response_bytes: int = 16 * 1024 * 1024
     backoff_max_s: float = 60.0
+    # an engine page is outsider input: limits on what one page may cost (engines/exposition.py)
+    max_line_length: int = 16 * 1024  # characters; a longer line makes the page malformed
+    max_series: int = 100_000  # series per page (Prometheus' sample_limit); more: the scrape fails
+    max_label_values: int = 256  # distinct values of one label per page; more fold into "other"
+    max_ranks: int = 128  # distinct data-parallel ranks (engine, dp_rank) per page; more fold into "other"
+    parse_budget_s: float = 5.0  # CPU time one page may take to parse (in slices on the event loop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +317,12 @@ def _at_least_one(value: Any) -> int:
     return value
 
 
+def _count_limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a whole number of at least 1, got {value!r}")
+    return value
+
+
 def _positive_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
         raise ValueError(f"expected a positive number, got {value!r}")
@@ -491,6 +503,11 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         "timeout": ("timeout_s", parse_duration),
         "max_response_bytes": ("max_response_bytes", parse_size),
         "backoff_max": ("backoff_max_s", parse_duration),
+        "max_line_length": ("max_line_length", parse_size),
+        "max_series": ("max_series", _count_limit),
+        "max_label_values": ("max_label_values", _count_limit),
+        "max_ranks": ("max_ranks", _count_limit),
+        "parse_budget": ("parse_budget_s", parse_duration),
     })
     nvml = _section(r, top, "nvml", NvmlConfig, {
         "enabled": ("enabled", _bool),

@@ -15,6 +15,7 @@ only loses what that page adds; the target stays up.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -23,10 +24,11 @@ from collections.abc import Callable, Iterable
 import httpx
 
 from kvwatch.config import ReplicaConfig, ScrapeConfig
-from kvwatch.engines.base import ExtraPage
-from kvwatch.engines.exposition import ExpositionError
+from kvwatch.cooperative import BudgetExceededError, run_sliced
+from kvwatch.engines.base import RANK_LABELS, ExtraPage
+from kvwatch.engines.exposition import ExpositionError, Limits, TooManySeriesError, parse_steps
 from kvwatch.engines.fetch import ScrapeError, fetch_body, fetch_metrics
-from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_exposition
+from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState, TargetState
 
@@ -71,18 +73,39 @@ def counters_reset(previous: Iterable[ReplicaSample], current: Iterable[ReplicaS
     return went_back
 
 
-def _parse(text: str, replica_cfg: ReplicaConfig, scraped_at: float) -> ParseResult:
+def page_limits(scrape_cfg: ScrapeConfig) -> Limits:
+    return Limits(max_line_length=scrape_cfg.max_line_length, max_series=scrape_cfg.max_series,
+                  max_label_values=scrape_cfg.max_label_values, max_ranks=scrape_cfg.max_ranks,
+                  rank_labels=RANK_LABELS)
+
+
+async def _parse(text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
+                 scraped_at: float) -> ParseResult:
+    """Parse in slices on the loop (other replicas and proxied streams keep moving), then run the
+    adapter in a worker thread: its work is bounded by the page limits, and off the loop."""
     where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
     try:
-        return parse_exposition(text, replica_cfg.name, replica_cfg.backend, scraped_at)
+        expo = await run_sliced(parse_steps(text, page_limits(scrape_cfg)), scrape_cfg.parse_budget_s)
+        return await asyncio.to_thread(parse_families, expo, replica_cfg.name, replica_cfg.backend,
+                                       scraped_at)
+    except TooManySeriesError as exc:
+        raise ScrapeError("too_large", f"{where}: {exc.message}; stopped reading") from None
     except ExpositionError as exc:
         raise ScrapeError("malformed", f"{where} is not valid Prometheus text: {exc}") from None
+    except BudgetExceededError as exc:
+        raise ScrapeError("too_large", f"{where}: parsing the page {exc} (scrape.parse_budget)") from None
     except NoEngineMetricsError as exc:
         raise ScrapeError("no_engine_metrics", f"{where}: {exc}") from None
     except Exception as exc:  # an adapter bug must not take the agent down; it shows as malformed
-        log.debug("adapter failed on %s", where, exc_info=True)
+        log.debug("adapter failed on %s: %s", where, type(exc).__name__)
         raise ScrapeError("malformed", f"{where} could not be read by the {replica_cfg.backend} adapter: "
-                                       f"{exc!r}") from None
+                                       f"{_brief(exc)}") from None
+
+
+def _brief(exc: Exception) -> str:
+    """An exception as a short line: its text may quote the engine's page."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 160 else text[:160] + "..."
 
 
 def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tuple[ReplicaSample, ...]:
@@ -143,6 +166,7 @@ def _succeeded(target: TargetState, result: ParseResult, samples: tuple[ReplicaS
         log.info("replica %s up%s: %s, %d replica sample(s), %s", target.name, after, result.backend,
                  len(samples), hint)
     target.backend = result.backend
+    target.rejected_samples.update(dict(result.rejected))
     target.samples = samples
     target.previous_samples = samples
     target.up = True
@@ -168,7 +192,7 @@ async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, s
         text = await fetch_metrics(client, replica_cfg.metrics_url, replica=replica_cfg.name,
                                    timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
                                    max_bytes=scrape_cfg.max_response_bytes)
-        result = _parse(text, replica_cfg, started)
+        result = await _parse(text, replica_cfg, scrape_cfg, started)
     except ScrapeError as err:
         target.scrape_duration_s = time.perf_counter() - clock
         _failed(target, err, started, scrape_cfg.backoff_max_s)

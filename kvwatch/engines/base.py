@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import product
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -112,7 +113,7 @@ class RankView:
     (read one rank, never sum them).
     """
 
-    __slots__ = ("expo", "key", "lowest", "ranked")
+    __slots__ = ("_combos", "_names", "expo", "key", "lowest", "ranked")
 
     def __init__(self, expo: Exposition, key: Mapping[str, str | None],
                  lowest: tuple[str, ...] = (), ranked: bool = False) -> None:
@@ -120,6 +121,10 @@ class RankView:
         self.key = dict(key)
         self.lowest = lowest
         self.ranked = ranked  # several ranks on this page: rank-less series are not ours alone
+        self._names = tuple(self.key)
+        # the index groups a series may sit in: each key label equal to ours, or absent
+        choices = [(want,) if want is None else (want, None) for want in self.key.values()]
+        self._combos = tuple(product(*choices))
 
     def matches(self, labels: Labels, shared: bool = False) -> bool:
         """A series is this replica's when its identity labels agree with the key.
@@ -137,10 +142,21 @@ class RankView:
                 return False
         return True
 
+    def _candidates(self, name: str) -> list[tuple[Labels, float]]:
+        """The series of ``name`` that may be ours, in page order, from the index (never a page scan)."""
+        groups = self.expo.grouped(name, self._names)
+        positions: list[int] = []
+        for combo in self._combos:
+            positions.extend(groups.get(combo, ()))
+        if len(self._combos) > 1:
+            positions.sort()
+        every = self.expo.series(name)
+        return [every[pos] for pos in positions]
+
     def series(self, name: str, shared: bool = False, **where: str) -> list[tuple[Labels, float]]:
         """This replica's series of one exposed name, optionally filtered by more labels."""
         out = []
-        for labels, value in self.expo.series(name):
+        for labels, value in self._candidates(name):
             if not self.matches(labels, shared):
                 continue
             if where and any(labels.get(k) != v for k, v in where.items()):
@@ -246,10 +262,16 @@ def rank_keys(expo: Exposition, anchors: Iterable[str], rank_label: str,
 
 
 def rank_sort_key(value: str | None) -> tuple[int, int, str]:
-    """Sort ranks numerically ("2" before "10"), None first."""
+    """Sort ranks numerically ("2" before "10"), None first, anything else as text after numbers.
+
+    Only short ASCII digit strings are numbers: ``"²"`` is a digit to ``str.isdigit`` but not to
+    ``int``, and ``int`` refuses 5,000 digits; an engine's odd label must not fail the scrape.
+    """
     if value is None:
         return (0, 0, "")
-    return (1, int(value), "") if value.isdigit() else (2, 0, value)
+    if value.isascii() and value.isdigit() and len(value) <= 18:
+        return (1, int(value), "")
+    return (2, 0, value)
 
 
 def as_int(value: str | float | None) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from types import ModuleType
 
 from kvwatch.engines import dynamo, llamacpp, sglang, tgi, trtllm, vllm
@@ -39,6 +40,8 @@ class ParseResult:
     backend: str
     samples: tuple[ReplicaSample, ...]
     notes: tuple[str, ...] = field(default=())
+    #: (reason, count) of page samples dropped or folded while parsing (exposition.DROP_REASONS)
+    rejected: tuple[tuple[str, int], ...] = field(default=())
 
 
 def extra_page(backend: str) -> ExtraPage | None:
@@ -55,8 +58,9 @@ def detect_backend(expo: Exposition) -> str | None:
 
 
 def _why_nothing(expo: Exposition, backend: str) -> str:
-    names = sorted(expo.names())
-    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "no samples at all"
+    names = expo.names()
+    first = list(islice(names, 8))  # page order: sorting every name of a huge page would stall
+    shown = ", ".join(first) + (", ..." if len(names) > 8 else "") if names else "no samples at all"
     wanted = "any known engine family" if backend == "auto" else f"{backend} families"
     hint = ""
     if expo.has("http_requests_total") or expo.has_prefix("http_request"):
@@ -78,7 +82,7 @@ def parse_families(expo: Exposition, replica: str, backend: str = "auto",
     if not samples:
         raise NoEngineMetricsError(f"{chosen} families present but no replica could be identified")
     notes = tuple(adapter.notes(expo)) if hasattr(adapter, "notes") else ()
-    return ParseResult(chosen, samples, notes)
+    return ParseResult(chosen, samples, notes, tuple(sorted(expo.dropped.items())))
 
 
 def parse_exposition(text: str, replica: str, backend: str = "auto",

@@ -12,7 +12,7 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import SCRAPE_ERROR_REASONS, spec
+from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, spec
 from kvwatch.config import Config
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
@@ -148,13 +148,16 @@ class ReplicaCollector:
         duration = spec("kvwatch_target_scrape_duration_seconds").gauge()
         errors = spec("kvwatch_target_scrape_errors").counter()
         restarts = spec("kvwatch_target_restarts").counter()
+        rejected = spec("kvwatch_target_samples_rejected").counter()
         for name, target in sorted(dict(self.state.targets).items()):
             up.add_metric([name, self._backend(name, target.backend)], 1.0 if target.up else 0.0)
             duration.add_metric([name], target.scrape_duration_s)
             for reason in SCRAPE_ERROR_REASONS:  # every reason from the start, so rate() sees the first error
                 errors.add_metric([name, reason], float(target.errors.get(reason, 0)))
             restarts.add_metric([name], float(target.restarts))
-        yield from (up, duration, errors, restarts)
+            for reason in REJECTED_SAMPLE_REASONS:
+                rejected.add_metric([name, reason], float(target.rejected_samples.get(reason, 0)))
+        yield from (up, duration, errors, restarts, rejected)
 
     def _backend(self, name: str, scraped: str) -> str:
         """The detected backend; before the first good scrape, the configured one (if not auto)."""

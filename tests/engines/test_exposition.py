@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -52,12 +51,13 @@ def test_pid_label_from_multiprocess_gauges_is_kept():
     assert labels["pid"] == "697544"
 
 
-def test_special_values_timestamps_and_crlf():
-    expo = parse_text('a NaN\r\nb{x="1"} +Inf 1700000000000\r\nc -Inf\nd 1e3\n')
-    assert math.isnan(expo.series("a")[0][1])
-    assert expo.series("b") == [({"x": "1"}, math.inf)]
-    assert expo.series("c")[0][1] == -math.inf
+def test_timestamps_crlf_and_non_finite_values_dropped_and_counted():
+    """NaN and ±Inf parse (they are valid text) but no engine quantity can be one: dropped, counted."""
+    expo = parse_text('a NaN\r\nb{x="1"} +Inf 1700000000000\r\nc -Inf\nd 1e3\ne{x="1"} 2 -5\n')
+    assert expo.series("a") == expo.series("b") == expo.series("c") == []
+    assert expo.dropped["not_finite"] == 3
     assert expo.series("d")[0][1] == 1000.0
+    assert expo.series("e") == [({"x": "1"}, 2.0)]
 
 
 def test_escaped_label_values_and_braces_inside_quotes():
@@ -87,7 +87,11 @@ def test_real_vllm_dynamo_capture_parses_every_family():
 
 
 @pytest.mark.parametrize(("text", "line", "fragment"), [
-    ('ok 1\nbad{a="1" 2\n', 2, "not a sample line"),
+    ('ok 1\nbad{a="1" 2\n', 2, "malformed label set"),
+    ('ok 1\nbad{a="1"} 2 3 4\n', 2, "not a sample line"),
+    ('ok 1\nbad 2 1.5\n', 2, "not a sample line"),
+    ("x 1_000\n", 1, "is not a number"),
+    ("x{a=\"1\",,} 1\n", 1, "malformed label set"),
     ("ok 1\nx notanumber\n", 2, "is not a number"),
     ("x{a=unquoted} 1\n", 1, "malformed label set"),
     ("# TYPE x flobber\nx 1\n", 1, "unknown metric type 'flobber'"),

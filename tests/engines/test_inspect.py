@@ -67,7 +67,7 @@ def test_malformed_file_fails_with_the_line(capsys, tmp_path):
     bad.write_text("vllm:num_requests_running 1\nvllm:kv_cache_usage_perc{ 0.5\n")
     code, _, err = run(capsys, str(bad))
     assert code == 1
-    assert "is not valid Prometheus text: line 2: not a sample line" in err
+    assert "is not valid Prometheus text: line 2: malformed label set" in err
 
 
 def test_missing_file(capsys, tmp_path):
