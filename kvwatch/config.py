@@ -617,15 +617,27 @@ def _socket_path(value: Any) -> str:
 def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """``KVWATCH_LISTEN=:9000``, ``KVWATCH_INTERVALS__ENGINE=2s``: ``__`` separates nesting.
 
-    Values are read as YAML scalars (``true``, ``5``, ``[1000, 5000]``). Replica entries cannot be
-    addressed this way; they live in the file.
+    Values are read as YAML scalars (``true``, ``5``, ``[1000, 5000]``). An empty value means the
+    variable is unset (the file's value stays: ``KVWATCH_LISTEN=`` never means all interfaces).
+    Replica entries cannot be addressed this way; they live in the file. ConfigError names the
+    variable of every problem found here.
     """
     out = dict(data)
-    for name, raw in environ.items():
+    problems: list[tuple[str, str]] = []
+    for name, raw in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or name == "KVWATCH_CONFIG":
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
-        if not parts:
+        if not parts or not raw.strip():
+            continue
+        if parts[0] in ("replicas", "sglang_request_files") and len(parts) > 1:
+            problems.append((name, f"{parts[0]} entries cannot be set from the environment; "
+                                   "list them in the config file"))
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problems.append((name, f"not a valid YAML value: {_brief(str(getattr(exc, 'problem', exc)))}"))
             continue
         node = out
         for part in parts[:-1]:
@@ -633,8 +645,14 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
             child = dict(child) if isinstance(child, Mapping) else {}
             node[part] = child
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, "environment")
     return out
+
+
+def _brief(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def read_yaml_file(path: str | Path) -> Any:

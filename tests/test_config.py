@@ -142,3 +142,21 @@ def test_proxy_limits_have_defaults_and_bad_values_name_their_key():
     text = str(err.value)
     for key in ("proxy.max_connections", "proxy.inject_usage", "proxy.max_buffered_bytes"):
         assert key in text
+
+
+def test_env_empty_listen_is_unset_not_all_interfaces(tmp_path):
+    from kvwatch.config import load_config
+    path = tmp_path / "c.yaml"
+    path.write_text("listen: 127.0.0.1:9477\n")
+    assert load_config(path, {"KVWATCH_LISTEN": ""}).listen.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("name", "value", "fragment"), [
+    ("KVWATCH_LOG_LEVEL", "{a: [", "not a valid YAML value"),
+    ("KVWATCH_REPLICAS__0__NAME", "x", "cannot be set from the environment"),
+])
+def test_env_errors_name_the_variable(name, value, fragment):
+    from kvwatch.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {name: value})
+    assert f"{name}: " in str(err.value) and fragment in str(err.value)
