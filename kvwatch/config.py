@@ -21,6 +21,10 @@ from kvwatch.model import BACKENDS, LengthBands, ReplicaSample
 
 ENV_PREFIX = "KVWATCH_"
 DEFAULT_LISTEN = "0.0.0.0:9477"
+#: Most values a YAML document may stand for once its aliases are expanded (a config has hundreds).
+MAX_YAML_NODES = 100_000
+#: Longest quotation of a given value in an error message, in characters.
+QUOTE_LIMIT = 80
 
 
 class ConfigError(ValueError):
@@ -216,12 +220,12 @@ def parse_host_port(value: str) -> HostPort:
     text = str(value).strip()
     host, sep, port = text.rpartition(":")
     if not sep:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
+        raise ValueError(f"expected HOST:PORT, got {quoted(text)}")
     host = host.strip("[]") or "0.0.0.0"
     try:
         num = int(port)
     except ValueError:
-        raise ValueError(f"port must be a number in {text!r}") from None
+        raise ValueError(f"port must be a number in {quoted(text)}") from None
     if not 0 <= num <= 65535:
         raise ValueError(f"port {num} out of range 0..65535")
     return HostPort(host, num)
@@ -236,10 +240,10 @@ def parse_duration(value: Any) -> float:
     else:
         m = _DURATION.match(str(value))
         if not m:
-            raise ValueError(f"expected a duration such as 5s or 500ms, got {value!r}")
+            raise ValueError(f"expected a duration such as 5s or 500ms, got {quoted(value)}")
         seconds = float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
     if seconds <= 0:
-        raise ValueError(f"duration must be positive, got {value!r}")
+        raise ValueError(f"duration must be positive, got {quoted(value)}")
     return seconds
 
 
@@ -252,10 +256,10 @@ def parse_size(value: Any) -> int:
     else:
         m = _SIZE.match(str(value))
         if not m:
-            raise ValueError(f"expected a size such as 16MiB or 1000000, got {value!r}")
+            raise ValueError(f"expected a size such as 16MiB or 1000000, got {quoted(value)}")
         size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
     if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
+        raise ValueError(f"size must be positive, got {quoted(value)}")
     return size
 
 
@@ -263,7 +267,7 @@ def _http_url(value: Any) -> str:
     text = str(value)
     parsed = urlparse(text)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"expected an http(s) URL, got {text!r}")
+        raise ValueError(f"expected an http(s) URL, got {quoted(text)}")
     return text
 
 
@@ -285,7 +289,7 @@ class KeyPathReader:
         for key in node:
             if key not in allowed:
                 hint = ", ".join(sorted(allowed))
-                self.problem(_join(path, str(key)), f"unknown key (known keys: {hint})")
+                self.problem(_join(path, brief(str(key))), f"unknown key (known keys: {hint})")
         return node
 
     def get(self, node: Mapping[str, Any], key: str, path: str, conv: Callable[[Any], Any],
@@ -307,25 +311,25 @@ def _join(path: str, key: str) -> str:
 
 def _positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
+        raise ValueError(f"expected a non-negative integer, got {quoted(value)}")
     return value
 
 
 def _at_least_one(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected an integer of at least 1, got {value!r}")
+        raise ValueError(f"expected an integer of at least 1, got {quoted(value)}")
     return value
 
 
 def _count_limit(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected a whole number of at least 1, got {value!r}")
+        raise ValueError(f"expected a whole number of at least 1, got {quoted(value)}")
     return value
 
 
 def _positive_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
-        raise ValueError(f"expected a positive number, got {value!r}")
+        raise ValueError(f"expected a positive number, got {quoted(value)}")
     return float(value)
 
 
@@ -336,21 +340,21 @@ def _bool(value: Any) -> bool:
         return True
     if str(value).lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {quoted(value)}")
 
 
 def short_name(value: Any) -> str:
     """A replica, node or SLO name: a label value short and plain enough for any config or query."""
     text = str(value)
     if not _NAME.match(text):
-        raise ValueError(f"expected a short name of letters, digits, '_', '.', '-', got {text!r}")
+        raise ValueError(f"expected a short name of letters, digits, '_', '.', '-', got {quoted(text)}")
     return text
 
 
 def _backend(value: Any) -> str:
     text = str(value).lower()
     if text != "auto" and text not in BACKENDS:
-        raise ValueError(f"unknown backend {text!r} (one of auto, {', '.join(BACKENDS)})")
+        raise ValueError(f"unknown backend {quoted(text)} (one of auto, {', '.join(BACKENDS)})")
     return text
 
 
@@ -366,7 +370,7 @@ def _edges(value: Any) -> LengthBands:
     try:
         edges = tuple(int(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"edges must be integers, got {value!r}") from None
+        raise ValueError(f"edges must be integers, got {quoted(value)}") from None
     return LengthBands(edges)
 
 
@@ -379,7 +383,7 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
 def _log_level(value: Any) -> str:
     text = str(value).lower()
     if text not in ("debug", "info", "warning", "error"):
-        raise ValueError(f"expected debug, info, warning or error, got {value!r}")
+        raise ValueError(f"expected debug, info, warning or error, got {quoted(value)}")
     return text
 
 
@@ -399,6 +403,7 @@ def _replica(r: KeyPathReader, node: Any, path: str) -> ReplicaConfig | None:
         if node is not None and isinstance(node, Mapping):
             r.problem(path, "empty replica: needs at least name and metrics_url")
         return None
+    # Read every key before deciding whether the replica is usable, so one run reports them all.
     name = r.get(m, "name", path, short_name, required=True)
     metrics_url = r.get(m, "metrics_url", path, _http_url, required=True)
     backend = r.get(m, "backend", path, _backend, default="auto")
@@ -406,22 +411,19 @@ def _replica(r: KeyPathReader, node: Any, path: str) -> ReplicaConfig | None:
     proxy_listen = r.get(m, "proxy_listen", path, parse_host_port)
     if proxy_listen is not None and api_url is None:
         r.problem(_join(path, "proxy_listen"), "needs api_url: the engine's OpenAI base URL to forward to")
+    rest = {
+        "slots_url": r.get(m, "slots_url", path, _http_url),
+        "model_name": r.get(m, "model_name", path, str),
+        "gpus": r.get(m, "gpus", path, _gpus, default=()),
+        "pid": r.get(m, "pid", path, _positive_int),
+        "pid_file": r.get(m, "pid_file", path, str),
+        "scrape_timeout_s": r.get(m, "scrape_timeout", path, parse_duration),
+        "kv_bytes_per_token": r.get(m, "kv_bytes_per_token", path, _positive_number),
+    }
     if name is None or metrics_url is None:
         return None
-    return ReplicaConfig(
-        name=name,
-        metrics_url=metrics_url,
-        backend=backend,
-        api_url=api_url.rstrip("/") if api_url else None,
-        proxy_listen=proxy_listen,
-        slots_url=r.get(m, "slots_url", path, _http_url),
-        model_name=r.get(m, "model_name", path, str),
-        gpus=r.get(m, "gpus", path, _gpus, default=()),
-        pid=r.get(m, "pid", path, _positive_int),
-        pid_file=r.get(m, "pid_file", path, str),
-        scrape_timeout_s=r.get(m, "scrape_timeout", path, parse_duration),
-        kv_bytes_per_token=r.get(m, "kv_bytes_per_token", path, _positive_number),
-    )
+    return ReplicaConfig(name=name, metrics_url=metrics_url, backend=backend,
+                         api_url=api_url.rstrip("/") if api_url else None, proxy_listen=proxy_listen, **rest)
 
 
 def _section(r: KeyPathReader, top: Mapping[str, Any], key: str, cls: type, spec: dict[str, tuple[str, Any]],
@@ -608,7 +610,7 @@ def _plugin_sockets(r: KeyPathReader, raw: Any,
 def _socket_path(value: Any) -> str:
     text = str(value)
     if not text.startswith("/"):
-        raise ValueError(f"expected an absolute path for a Unix socket, got {text!r}")
+        raise ValueError(f"expected an absolute path for a Unix socket, got {quoted(text)}")
     if len(text.encode()) > 107:
         raise ValueError("a Unix socket path is at most 107 bytes")
     return text
@@ -635,9 +637,9 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
                                    "list them in the config file"))
             continue
         try:
-            value = yaml.safe_load(raw)
+            value = safe_load(raw)
         except yaml.YAMLError as exc:
-            problems.append((name, f"not a valid YAML value: {_brief(str(getattr(exc, 'problem', exc)))}"))
+            problems.append((name, f"not a valid YAML value: {brief(str(getattr(exc, 'problem', exc)))}"))
             continue
         node = out
         for part in parts[:-1]:
@@ -651,8 +653,66 @@ def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dic
     return out
 
 
-def _brief(text: str, limit: int = 120) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+def brief(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """Cut ``text`` to ``limit`` characters, so no error message grows with the input."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)`` cut to QUOTE_LIMIT characters: how error messages quote what they were given."""
+    return brief(repr(value))
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand past MAX_YAML_NODES nodes.
+
+    Aliases share one node, so a 400-byte "billion laughs" file parses small but expands to ~10^9
+    values the moment anything walks or quotes it. The expanded size is counted on the node graph
+    (each node once, memoised), in time linear in the file, before anything is constructed.
+    """
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node)
+        return node
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Nodes ``root`` stands for once every alias is expanded; YAMLError past MAX_YAML_NODES."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise yaml.YAMLError(f"aliases expand to more than {MAX_YAML_NODES} values; "
+                                     "write the values out or use fewer aliases")
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise yaml.YAMLError("an alias refers to the node that contains it (recursive alias)")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with alias expansion bounded (BoundedSafeLoader)."""
+    return yaml.load(text, Loader=BoundedSafeLoader)
 
 
 def read_yaml_file(path: str | Path) -> Any:
@@ -663,11 +723,14 @@ def read_yaml_file(path: str | Path) -> Any:
     except OSError as exc:
         raise ConfigError([("(file)", f"cannot read: {exc.strerror or exc}")], source) from None
     try:
-        return yaml.safe_load(text)
+        return safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise ConfigError([(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")], source) from None
+        reason = brief(str(getattr(exc, "problem", None) or exc))
+        raise ConfigError([(where, f"not valid YAML: {reason}")], source) from None
+    except RecursionError:
+        raise ConfigError([("(file)", "not valid YAML: nested too deeply")], source) from None
 
 
 def load_config(path: str | Path | None, environ: Mapping[str, str] | None = None) -> Config:

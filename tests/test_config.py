@@ -160,3 +160,57 @@ def test_env_errors_name_the_variable(name, value, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(None, {name: value})
     assert f"{name}: " in str(err.value) and fragment in str(err.value)
+
+
+BILLION_LAUGHS = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n"
+    for p, n in zip("abcdefgh", "bcdefghi", strict=True)) + "listen: *i\n"
+
+
+def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
+    import time
+    assert len(BILLION_LAUGHS) < 400
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BILLION_LAUGHS)
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert time.perf_counter() - started < 0.5
+    assert "aliases expand to more than" in str(err.value) and len(str(err.value)) < 400
+    with pytest.raises(ConfigError) as env_err:  # the same bound holds for an environment value
+        load_config(None, {"KVWATCH_NODE": BILLION_LAUGHS})
+    assert "KVWATCH_NODE" in str(env_err.value) and len(str(env_err.value)) < 400
+
+
+def test_anchors_within_the_bound_still_load_and_recursion_is_refused(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("x-bands: &bands [128, 512]\nlength_bands: *bands\n")
+    with pytest.raises(ConfigError) as err:  # x-bands is not a key, but the alias itself loaded
+        load_config(path, environ={})
+    assert set(dict(err.value.problems)) == {"x-bands"}
+    path.write_text("listen: &r [1, *r]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "recursive alias" in str(err.value)
+
+
+def test_errors_quote_long_values_cut_short():
+    huge = "h" * 1_000_000
+    found = problems({"listen": huge, "intervals": {"engine": [huge] * 50}, huge: 1})
+    assert all(len(path) < 200 and len(reason) < 400 for path, reason in found.items())
+    assert "…" in found["listen"] and "…" in found["intervals.engine"]
+
+
+def test_check_config_reports_every_bad_key_of_every_replica_at_once(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas:\n"
+                   "  - {metrics_url: nope, slots_url: nope, pid: -1, scrape_timeout: soon, gpus: 3}\n"
+                   "  - {name: 'a b', kv_bytes_per_token: 0, model_name: m, pid_file: /p, bogus: 1}\n")
+    fail = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(bad)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert fail.returncode == 1
+    for key in ("replicas[0].name", "replicas[0].metrics_url", "replicas[0].slots_url", "replicas[0].pid",
+                "replicas[0].scrape_timeout", "replicas[0].gpus", "replicas[1].name",
+                "replicas[1].metrics_url", "replicas[1].kv_bytes_per_token", "replicas[1].bogus"):
+        assert f"  {key}: " in fail.stderr, key
+    assert "10 problem(s)" in fail.stderr
