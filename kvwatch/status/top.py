@@ -17,24 +17,43 @@ def kv_bar(allocated: float, live: float, width: int = BAR_WIDTH) -> str:
     return "[" + "#" * live_cells + "-" * (used_cells - live_cells) + "." * (width - used_cells) + "]"
 
 
+def terminal_safe(text: str) -> str:
+    """``text`` with every non-printable character written as an escape (``\\x1b``, ``\\x9b``,
+    ``\\u202e``): engines supply label values, model names and errors, and raw control characters
+    (C0, DEL, C1, ESC sequences, line separators, bidi overrides) could clear the operator's screen
+    or paint a fake alert."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def _table_text(table: Table) -> str:
     rows = []
     for row in table.rows:
-        cells = list(row.cells)
+        cells = [terminal_safe(cell) for cell in row.cells]
         if table.bar_column is not None and row.bar is not None:
             cells[table.bar_column] = f"{kv_bar(*row.bar)} {cells[table.bar_column]}"
         if row.alert:
             cells[0] = f"!{cells[0]}"
         rows.append(cells)
-    body = texttable.render(table.headers, rows, left=table.left) if rows else "  (none)"
-    return f"{table.title}\n{body}"
+    headers = tuple(terminal_safe(header) for header in table.headers)
+    body = texttable.render(headers, rows, left=table.left) if rows else "  (none)"
+    return f"{terminal_safe(table.title)}\n{body}"
 
 
 def render_text(view: StatusView, width: int) -> str:
     """The whole view as plain text, each line cut to ``width`` columns (``!`` marks a row to look at)."""
-    parts = [summary_line(view), *view.notes, *(_table_text(t) for t in tables(view))]
-    text = "\n\n".join(parts)
-    return "\n".join(line[:width] if width > 0 else line for line in text.splitlines()) + "\n"
+    parts = [terminal_safe(summary_line(view)), *map(terminal_safe, view.notes),
+             *(_table_text(t) for t in tables(view))]
+    text = "\n\n".join(parts)  # the only control characters left are these line breaks
+    return "\n".join(line[:width] if width > 0 else line for line in text.split("\n")) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

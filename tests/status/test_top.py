@@ -65,3 +65,20 @@ def test_top_once_names_an_unreachable_agent(capsys: pytest.CaptureFixture[str])
     assert main(["top", "--url", url, "--once", "--timeout", "5"]) == 1
     err = capsys.readouterr().err
     assert f"cannot reach kvwatch at {url}/status.json" in err
+
+
+HOSTILE = "\x1b[2J\x1b[31mALL GPUS DOWN\x07\x0d\x9b0m\u202eevil\x85"
+
+
+async def test_top_escapes_control_characters_an_engine_sent(capsys: pytest.CaptureFixture[str]) -> None:
+    state, cfg = populated_state()
+    state.target("s0").last_error = HOSTILE  # an engine's error text reaches the down replica's row
+    text = render_text(build_view(state, cfg, T0 + 11), 0)
+    assert not any(ch in text for ch in "\x1b\x07\r\x9b\u202e\x85")
+    assert r"\x1b[2J\x1b[31mALL GPUS DOWN\x07\x0d\x9b0m\u202eevil" in text  # visible, not obeyed
+    from kvwatch.status.top import terminal_safe
+    assert terminal_safe("qwen3 – 8B ✓") == "qwen3 – 8B ✓"  # printable text is left alone
+    async with serve(state, cfg) as base:  # the same through /status.json and `kvwatch top`
+        assert await asyncio.to_thread(main, ["top", "--url", base, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert r"\x1b[2J" in out and not any(ch in out for ch in "\x1b\x07\r\x9b\u202e\x85")
