@@ -689,13 +689,12 @@ def _expanded_size(root: yaml.Node) -> int:
             on_path.discard(key)
             sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
             if sizes[key] > MAX_YAML_NODES:
-                raise yaml.YAMLError(f"aliases expand to more than {MAX_YAML_NODES} values; "
-                                     "write the values out or use fewer aliases")
+                raise yaml.YAMLError(f"aliases expand to more than {MAX_YAML_NODES} values")
             continue
         if key in sizes:
             continue
         if key in on_path:
-            raise yaml.YAMLError("an alias refers to the node that contains it (recursive alias)")
+            raise yaml.YAMLError("recursive alias (refers to the node that holds it)")
         on_path.add(key)
         stack.append((node, True))
         stack.extend((child, False) for child in _children(node) if id(child) not in sizes)

@@ -176,7 +176,8 @@ def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     assert time.perf_counter() - started < 0.5
-    assert "aliases expand to more than" in str(err.value) and len(str(err.value)) < 400
+    assert str(err.value).endswith("not valid YAML: aliases expand to more than 100000 values")
+    assert len(str(err.value)) < 400
     with pytest.raises(ConfigError) as env_err:  # the same bound holds for an environment value
         load_config(None, {"KVWATCH_NODE": BILLION_LAUGHS})
     assert "KVWATCH_NODE" in str(env_err.value) and len(str(env_err.value)) < 400
