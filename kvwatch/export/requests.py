@@ -70,6 +70,9 @@ class RequestCollector:
         for files in cfg.sglang_request_files:
             replica = cfg.replica(files.replica)
             out.add((files.replica, (replica.model_name if replica else None) or OTHER_MODEL, "sglang_file"))
+        for plugin in cfg.vllm_plugin_sockets:
+            replica = cfg.replica(plugin.replica)
+            out.add((plugin.replica, (replica.model_name if replica else None) or OTHER_MODEL, "vllm_plugin"))
         if cfg.otlp.listen is not None:
             name = cfg.otlp.replica or (cfg.replicas[0].name if len(cfg.replicas) == 1 else None)
             replica = cfg.replica(name) if name else None

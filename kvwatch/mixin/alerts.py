@@ -113,6 +113,7 @@ def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
             f"KV cache.",
             for_=cfg.for_of("KVWatchRecomputeWaste"),
         ),
+        repeated_preemption_alert(cfg),
         Alert(
             "KVWatchKVHeadroomLow",
             f"kvwatch_kv_headroom_seconds < {cfg.headroom_seconds}",
@@ -122,6 +123,27 @@ def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
             f"growth; after that the engine queues or preempts.",
             for_=cfg.for_of("KVWatchKVHeadroomLow"),
         ),
+    )
+
+
+def repeated_preemption_alert(cfg: AlertConfig) -> Alert:
+    """Requests of a longer band (every band but the shortest, whose name starts at 0) were preempted
+    again and again: vLLM preempts the newest request, so a long answer can be evicted and recomputed
+    many times. Needs the per-request preemption counts of kvwatch's vLLM plugin."""
+    band = 'length_band!~"0-.*|unknown"'
+    count = f"increase(kvwatch_request_preemptions_count{{{band}}}[30m])"
+    return Alert(
+        "KVWatchLongRequestsPreemptedRepeatedly",
+        f"increase(kvwatch_request_preemptions_sum{{{band}}}[30m]) / {count}\n"
+        f"  > {cfg.repeated_preemptions_per_request}\n"
+        f"and\n{count} >= {cfg.repeated_preemptions_min_requests}",
+        WARNING,
+        "Long requests are preempted again and again.",
+        "Requests of length band {{ $labels.length_band }} on replica {{ $labels.replica }} "
+        "(model {{ $labels.model_name }}) on {{ $labels.instance }} were preempted "
+        "{{ printf \"%.1f\" $value }} times each on average over 30 minutes: each preemption throws "
+        "away their KV cache and recomputes it.",
+        for_=cfg.for_of("KVWatchLongRequestsPreemptedRepeatedly"),
     )
 
 

@@ -29,6 +29,7 @@ DEFAULT_FOR: Mapping[str, str | None] = {
     "KVWatchGPUPCIeLinkDegraded": "15m",
     "KVWatchKVCapacityStranded": "15m",
     "KVWatchLongRequestsStarving": "30m",
+    "KVWatchLongRequestsPreemptedRepeatedly": "15m",
     "KVWatchGPULost": "1m",
     "KVWatchGPUCriticalXID": None,
     "KVWatchGPUXIDErrors": None,
@@ -63,6 +64,8 @@ class AlertConfig:
     starving_short_completion: float = 0.97  # ... while short bands complete at least this ...
     starving_aborted_ratio: float = 0.05  # ... and more than this share of long ones aborted ...
     starving_min_requests: int = 20  # ... with at least this many long requests in the hour
+    repeated_preemptions_per_request: float = 2.0  # mean preemptions per finished request of a band
+    repeated_preemptions_min_requests: float = 10  # ... over at least this many requests in 30 minutes
     source_stale_seconds: float = 600  # a polled source without success for this long is stuck
     for_: Mapping[str, str | None] = field(default_factory=lambda: dict(DEFAULT_FOR))
 

@@ -5,11 +5,11 @@ engine step to a Unix datagram socket; the agent binds one socket per replica
 (``vllm_plugin_sockets[]``) and maps the datagram's engine index to the replica's DP rank. Each
 finished request becomes a ``RequestRecord`` (source ``vllm_plugin``) handed to the request sink;
 each step becomes an ``EngineStep`` handed to the step sink with its ``PluginLink`` (sender pid and
-its drop count).
+its drop count). Each socket is read by a thread of its own (the sinks are thread-safe).
 
 Datagrams come from a process we do not control: anything over ``MAX_DATAGRAM_BYTES``, not JSON,
 of the wrong shape or of an unknown version is counted (``kvwatch_vllm_plugin_datagrams_total
-{result}``) and dropped; nothing here raises into the event loop. Parsing is ``json.loads`` of at
+{result}``) and dropped; nothing here raises. Parsing is ``json.loads`` of at
 most 64 KiB, linear in the size.
 """
 
@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ WIRE_VERSIONS = frozenset({1})
 MAX_DATAGRAM_BYTES = 64 * 1024
 MAX_ENGINE_INDEX = 1023
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
+POLL_S = 0.2  # how often the reader thread looks whether it should stop
 DATAGRAMS = "kvwatch_vllm_plugin_datagrams"
 RESULTS = ("accepted", "malformed", "oversized", "unknown_version")
 COLLECTOR = "vllm_plugin"
@@ -61,7 +63,7 @@ class DatagramError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Decoded:
     link: PluginLink
-    step: EngineStep | None
+    steps: tuple[EngineStep, ...]
     records: tuple[RequestRecord, ...]
 
 
@@ -141,10 +143,11 @@ def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions:
                                          "ms]")
     ctx_r, ctx_t, gen_r, gen_t = (_int(v, "a batch count") for v in shape[:4]) if shape else (None,) * 4
     usage = _num(s.get("kv"), "kv")
+    at = _num(s.get("t"), "t")
     return EngineStep(
         replica=replica,
         dp_rank=dp_rank,
-        at=sent_at,
+        at=at if at is not None else sent_at,
         running=_int(s.get("run"), "run"),
         waiting=_int(s.get("wait"), "wait"),
         kv_usage_ratio=usage,
@@ -163,7 +166,7 @@ def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions:
 
 
 def decode(data: bytes, replica: str, model_name: str) -> Decoded:
-    """Pure: one datagram -> its link facts, step and finished requests; raises DatagramError."""
+    """Pure: one datagram -> its link facts, steps and finished requests; raises DatagramError."""
     if len(data) > MAX_DATAGRAM_BYTES:
         raise DatagramError("oversized", f"datagram of {len(data)} bytes (limit {MAX_DATAGRAM_BYTES})")
     try:
@@ -183,26 +186,20 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     dp_rank = str(engine)
     link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
                       _int(body.get("d"), "d"))
-    step = None
-    if body.get("s") is not None:
-        step = engine_step(body["s"], replica, dp_rank, sent_at, body.get("ev"), body.get("evx"))
+    steps = tuple(engine_step(raw, replica, dp_rank, sent_at, body.get("ev") if i == 0 else None,
+                              body.get("evx") if i == 0 else None)
+                  for i, raw in enumerate(_list(body.get("s"), "s")))
     records = tuple(request_record(f, replica, model_name, sent_at) for f in _list(body.get("f"), "f"))
-    return Decoded(link, step, records)
-
-
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, receiver: PluginReceiver) -> None:
-        self.receiver = receiver
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.receiver.handle(data)
-
-    def error_received(self, exc: Exception) -> None:
-        log.debug("vllm plugin socket error: %s", exc)
+    return Decoded(link, steps, records)
 
 
 class PluginReceiver:
-    """One bound socket (one replica). ``await start()``, ``await stop()``."""
+    """One bound socket (one replica), read by its own thread. ``await start()``, ``await stop()``.
+
+    A thread, not the event loop: the kernel queues only ``net.unix.max_dgram_qlen`` datagrams per
+    socket (10 by default) and the plugin drops when the queue is full, so a reader must never wait
+    behind a scrape or a /metrics render. The sinks it calls are thread-safe.
+    """
 
     def __init__(self, replica: str, path: str, model_name: str, records: RecordSink, steps: StepSink,
                  count: Count, report: Report | None = None) -> None:
@@ -213,22 +210,45 @@ class PluginReceiver:
         self.steps = steps
         self.count = count
         self.report = report
-        self._transport: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._warned_at = -60.0
 
     async def start(self) -> None:
         sock = bind_socket(self.path)
-        loop = asyncio.get_running_loop()
-        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        sock.settimeout(POLL_S)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name=f"vllm-plugin:{self.replica}", daemon=True)
+        self._thread.start()
         log.info("vLLM plugin receiver for %s on %s", self.replica, self.path)
 
     async def stop(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5 * POLL_S)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         with contextlib.suppress(OSError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stopping.is_set():
+            try:
+                data = sock.recv(MAX_DATAGRAM_BYTES + 1)  # one byte more: an oversized one shows
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if not self._stopping.is_set():
+                    log.warning("vllm plugin: receiving on %s failed: %s", self.path, exc)
+                    time.sleep(POLL_S)
+                continue
+            self.handle(data)
 
     def handle(self, data: bytes) -> None:
         """Decode, hand on, count; never raises (it runs on the agent's event loop)."""
@@ -245,7 +265,8 @@ class PluginReceiver:
             return
         self._count("accepted")
         try:
-            self.steps(decoded.link, decoded.step)
+            for step in decoded.steps or (None,):
+                self.steps(decoded.link, step)
             for record in decoded.records:
                 self.records(record)
         except Exception:
@@ -280,7 +301,6 @@ def bind_socket(path: str) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
         sock.bind(path)
         os.chmod(path, 0o660)
-        sock.setblocking(False)
     except BaseException:
         sock.close()
         raise

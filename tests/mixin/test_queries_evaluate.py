@@ -32,7 +32,8 @@ EVAL = "30m"
 
 # values of the labels that are not replica or GPU identity
 _LABEL_VALUES: dict[str, tuple[str, ...]] = {
-    "collector": ("nvml", "engine:r0"), "source": ("proxy",), "reason": ("hw_slowdown", "sw_power_cap"),
+    "collector": ("nvml", "engine:r0"), "source": ("proxy", "vllm_plugin"),
+    "reason": ("hw_slowdown", "sw_power_cap"),
     "type": ("uncorrected", "uncorrectable"), "xid": ("13",), "link": ("0",), "sensor": ("gpu",),
     "clock": ("sm",),
     "finished_reason": ("stop", "length"), "length_band": ("0-1k", "20k+"), "outcome": OUTCOMES,

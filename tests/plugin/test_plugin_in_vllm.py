@@ -53,7 +53,7 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     assert all(b"SECRET" not in d for d in datagrams)  # request ids never leave the engine
     full, foreign = (decode(d, "r0", "tiny") for d in datagrams)
     assert full.link.dp_rank == "1" and full.link.seq == 1 and foreign.link.seq == 2
-    s = full.step
+    [s] = full.steps
     assert (s.running, s.waiting, s.kv_usage_ratio, s.preempted) == (3, 2, 0.75, 1)
     assert (s.ctx_requests, s.ctx_tokens, s.gen_requests, s.gen_tokens, s.elapsed_ms) == (1, 444, 2, 2, 12.5)
     assert (s.resumed_requests, s.resumed_queried_tokens, s.resumed_hit_tokens, s.recomputed_tokens) == \
@@ -68,6 +68,6 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     assert (long.prompt_tokens, long.cached_prompt_tokens) == (300, 128)
     assert (short.outcome, short.max_tokens) == (Outcome.COMPLETED, None)  # no limit: unknown, not 0
     # objects without vLLM's fields: every value unknown, nothing invented
-    f = foreign.step
+    [f] = foreign.steps  # it finished no request: buffered until vLLM's periodic log() flushed it
     assert (f.running, f.kv_usage_ratio, f.preempted, f.recomputed_tokens, f.elapsed_ms) == (None,) * 5
     assert foreign.records == ()

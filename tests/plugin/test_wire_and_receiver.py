@@ -35,12 +35,13 @@ FINISHED = {"reason": "length", "e2e": 2.5, "queue": 0.5, "prefill": 0.25, "deco
 def test_a_step_with_requests_round_trips_and_missing_fields_stay_unknown():
     step = {"run": 3, "wait": 2, "kv": 0.75, "pre_req": 1, "pre_q": 700, "pre_h": 256, "preempted": 1,
             "it": [1, 444, 2, 2, 12.5]}
-    bodies = wire.encode(header(), step, [FINISHED, {"reason": "stop", "output": 5}],
+    bodies = wire.encode(header(), [{**step, "t": 999.5}], [FINISHED, {"reason": "stop", "output": 5}],
                          [wire.eviction_sample(3.0, 1.0, (0.5, float("nan"), "x"))], 0)
     assert len(bodies) == 1
     decoded = decode(wire.dumps(bodies[0]), "r0", "tiny")
     assert decoded.link == PluginLink("r0", "0", 4242, 1, 0)
-    s = decoded.step
+    [s] = decoded.steps
+    assert s.at == 999.5  # the step's own time, not the datagram's
     assert (s.running, s.waiting, s.kv_usage_ratio, s.ctx_tokens, s.gen_tokens, s.elapsed_ms) == \
         (3, 2, 0.75, 444, 2, 12.5)
     assert s.recomputed_tokens == 444 and s.batch_tokens == 446
@@ -55,7 +56,7 @@ def test_a_step_with_requests_round_trips_and_missing_fields_stay_unknown():
 
 
 def test_many_finished_requests_are_split_below_the_size_limit():
-    bodies = wire.encode(header(), {"run": 1}, [FINISHED] * 100, [], 0)
+    bodies = wire.encode(header(), [{"run": 1}], [FINISHED] * 100, [], 0)
     assert len(bodies) == 4 and "s" in bodies[0] and all("s" not in b for b in bodies[1:])
     records = [r for b in bodies for r in decode(wire.dumps(b), "r0", "m").records]
     assert len(records) == 100
@@ -72,11 +73,12 @@ def test_many_finished_requests_are_split_below_the_size_limit():
     (json.dumps({k: v for k, v in header().items() if k != "e"}).encode(), "malformed"),
     (json.dumps({**header(), "e": 5000}).encode(), "malformed"),
     (json.dumps({**header(), "t": None}).encode(), "malformed"),
-    (json.dumps({**header(), "s": {"run": -1}}).encode(), "malformed"),
-    (json.dumps({**header(), "s": {"it": [1, 2]}}).encode(), "malformed"),
+    (json.dumps({**header(), "s": [{"run": -1}]}).encode(), "malformed"),
+    (json.dumps({**header(), "s": [{"it": [1, 2]}]}).encode(), "malformed"),
+    (json.dumps({**header(), "s": {"run": 1}}).encode(), "malformed"),
     (json.dumps({**header(), "f": [{"output": "many"}]}).encode(), "malformed"),
     (json.dumps({**header(), "f": [{"reason": 3}]}).encode(), "malformed"),
-    (json.dumps({**header(), "ev": [[1.0]], "s": {}}).encode(), "malformed"),
+    (json.dumps({**header(), "ev": [[1.0]], "s": [{}]}).encode(), "malformed"),
     (b"[" * 100_000, "oversized"),
     (b"[" * 60_000, "malformed"),  # deep nesting: RecursionError is caught
 ])
@@ -137,7 +139,7 @@ async def test_receiver_counts_bad_datagrams_and_keeps_serving(tmp_path):
     try:
         sender = wire.DatagramSender(path)
         for data in (b"garbage", json.dumps({**header(), "v": 9}).encode(), b"y" * (MAX_DATAGRAM_BYTES + 10),
-                     wire.dumps(wire.encode(header(), {"run": 1}, [FINISHED], [], 0)[0])):
+                     wire.dumps(wire.encode(header(), [{"run": 1}], [FINISHED], [], 0)[0])):
             assert sender.send(data)
         deadline = time.monotonic() + 5
         while not records and time.monotonic() < deadline:

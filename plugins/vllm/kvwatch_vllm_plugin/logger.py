@@ -18,7 +18,9 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvwatch_vllm_plugin.wire import (
+    FLUSH_INTERVAL_S,
     MAX_EVICTIONS,
+    MAX_STEPS_PER_DATAGRAM,
     WIRE_VERSION,
     DatagramSender,
     dumps,
@@ -110,6 +112,11 @@ class KvwatchStatLogger(StatLoggerBase):
         self.failures = 0  # record() calls that raised inside (and were swallowed)
         self._warned_at = -WARN_EVERY_S
         self._dropped_warned = 0
+        self._steps: list[dict[str, Any]] = []
+        self._finished: list[dict[str, Any]] = []
+        self._evictions: list[list[Any]] = []
+        self._evictions_left_out = 0
+        self._flushed_at = time.monotonic()
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
@@ -124,19 +131,40 @@ class KvwatchStatLogger(StatLoggerBase):
         if scheduler_stats is None and iteration_stats is None:
             return
         finished = [finished_fields(f) for f in (getattr(iteration_stats, "finished_requests", None) or ())]
-        evictions, left_out = eviction_fields(scheduler_stats) if scheduler_stats is not None else ([], 0)
+        if scheduler_stats is not None:
+            evictions, left_out = eviction_fields(scheduler_stats)
+            room = max(0, MAX_EVICTIONS - len(self._evictions))
+            self._evictions += evictions[:room]
+            self._evictions_left_out += left_out + len(evictions) - len(evictions[:room])
         step = step_fields(scheduler_stats, iteration_stats)
+        step["t"] = time.time()
+        self._steps.append(step)
+        self._finished += finished
+        now = time.monotonic()
+        full = len(self._steps) >= MAX_STEPS_PER_DATAGRAM
+        if finished or full or now - self._flushed_at >= FLUSH_INTERVAL_S:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        """Send what is buffered (a request's last step never waits: it carries the finished request)."""
+        steps, finished, evictions, left_out = (self._steps, self._finished, self._evictions,
+                                                self._evictions_left_out)
+        self._steps, self._finished, self._evictions, self._evictions_left_out = [], [], [], 0
+        self._flushed_at = time.monotonic() if now is None else now
+        if not steps and not finished:
+            return
         header = {"v": WIRE_VERSION, "e": self.engine_index, "p": self.pid, "n": 0, "t": time.time(),
                   "d": self.sender.dropped}
-        for body in encode(header, step, finished, evictions, left_out):
+        for body in encode(header, steps, finished, evictions, left_out):
             self.seq += 1
             body["n"] = self.seq
             body["d"] = self.sender.dropped
             self.sender.send(dumps(body))
 
     def log(self) -> None:
-        """vLLM calls this every stats interval (10 s): say so when datagrams are being dropped."""
+        """vLLM calls this every stats interval (10 s): send what waits, say so when datagrams drop."""
         try:
+            self.flush()
             dropped = self.sender.dropped
             if dropped > self._dropped_warned:
                 self._warn("kvwatch stat logger: %d datagrams dropped so far (no kvwatch agent listening "

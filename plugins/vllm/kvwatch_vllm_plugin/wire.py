@@ -1,14 +1,16 @@
 """The datagram format (version 1) and a sender that never blocks: standard library only.
 
-One engine step becomes one datagram (more when many requests finish in the step), a compact JSON
-object. The kvwatch agent decodes it (``kvwatch/requests/vllm_plugin.py``); the two sides share only
+Engine steps are sent in compact JSON datagrams: a step that finishes a request is sent at once with
+the steps buffered before it; other steps wait at most FLUSH_INTERVAL_S (or MAX_STEPS_PER_DATAGRAM),
+because the kernel queues only ``net.unix.max_dgram_qlen`` (10 by default) datagrams per socket.
+The kvwatch agent decodes them (``kvwatch/requests/vllm_plugin.py``); the two sides share only
 this format, documented in kvwatch's docs/vllm-plugin.md:
 
     {"v": 1, "e": engine index (DP rank), "p": pid, "n": sequence number, "t": unix time,
      "d": datagrams dropped before this one,
-     "s": {step: "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h",
+     "s": [{step: "t" unix time, "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h",
            "preempted", "gen", "pt_comp", "pt_local", "pt_ext",
-           "it": [ctx requests, ctx tokens, generation requests, generation tokens, elapsed ms]},
+           "it": [ctx requests, ctx tokens, generation requests, generation tokens, elapsed ms]}, ...],
      "f": [{finished request: "reason", "e2e", "queue", "prefill", "decode", "inference",
             "prompt", "output", "cached", "max_tokens", "preemptions"}, ...],
      "ev": [[block lifetime s, idle s, [reuse gaps s, ...]], ...], "evx": eviction events left out}
@@ -34,6 +36,9 @@ DEFAULT_SOCKET = "/run/kvwatch/vllm.sock"
 FINISHED_PER_DATAGRAM = 32
 #: eviction samples kept per step (vLLM samples 1% of blocks by default); the rest are counted
 MAX_EVICTIONS = 64
+#: steps that finish no request are batched for at most this long / this many
+FLUSH_INTERVAL_S = 0.05
+MAX_STEPS_PER_DATAGRAM = 64
 MAX_REUSE_GAPS = 16
 
 _SEPARATORS = (",", ":")
@@ -48,14 +53,14 @@ def number(value: Any) -> int | float | None:
     return value
 
 
-def encode(header: Mapping[str, Any], step: Mapping[str, Any] | None,
+def encode(header: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
            finished: Sequence[Mapping[str, Any]], evictions: Sequence[Sequence[Any]],
            evictions_left_out: int) -> list[dict[str, Any]]:
-    """One step's facts as datagram bodies (dicts; ``dumps`` makes the bytes). The first carries the
-    step and the evictions; finished requests go FINISHED_PER_DATAGRAM to a datagram."""
+    """Buffered steps' facts as datagram bodies (dicts; ``dumps`` makes the bytes). The first carries
+    the steps and the evictions; finished requests go FINISHED_PER_DATAGRAM to a datagram."""
     first: dict[str, Any] = dict(header)
-    if step is not None:
-        first["s"] = step
+    if steps:
+        first["s"] = list(steps)
     if evictions:
         first["ev"] = list(evictions)
     if evictions_left_out:

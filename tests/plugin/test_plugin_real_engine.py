@@ -1,0 +1,197 @@
+"""kvwatch's plugin inside the real CPU vLLM, against the engine's own counters and log.
+
+One scenario per session (``observed``): requests while no agent listens; a kvwatch agent starts and a
+preempting load runs (20 KV blocks of 128 tokens, six 300..1300-token answers); the agent stops,
+a request runs unobserved, a new agent starts and one more request runs. The tests then compare
+what kvwatch exported with instruments kvwatch did not write: vLLM's /metrics counters, the
+engine's own per-iteration log lines (``--enable-logging-iteration-details``) and the usage the
+engine returned to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.agent.runtime import Agent
+from kvwatch.config import (
+    Config,
+    HostPort,
+    IntervalsConfig,
+    LedgerConfig,
+    NvmlConfig,
+    ReplicaConfig,
+    VllmPluginSocketConfig,
+)
+from kvwatch.model import DEFAULT_BANDS
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
+
+MAX_TOKENS = (300, 500, 700, 900, 1100, 1300)  # 4 answers in 0-1k, 2 in 1k-5k; ~4800 tokens > 2560 slots
+ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+                       r"(\d+) generation requests, (\d+) generation tokens")
+
+
+@dataclass(frozen=True)
+class Observed:
+    unobserved_usage: list[dict]
+    load_usage: list[dict]
+    engine_delta: dict[str, float]  # vLLM's counters over the load
+    scheduled_tokens: int  # sum of context + generation tokens of the engine's iteration log lines
+    iterations: int  # the engine's iteration log lines during the load
+    agent: dict[str, list]  # the first agent's /metrics after the load
+    ledger: list[dict]
+    restarted_agent: dict[str, list]
+
+
+def families(text: str) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def total(fams: dict[str, list], name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` (a counter's ``name_total``; a histogram's ``name_sum``, ...)."""
+    return sum(s.value for samples in fams.values() for s in samples
+               if s.name in (name, f"{name}_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def engine_counters(text: str) -> dict[str, float]:
+    fams = families(text.replace("vllm:", "vllm_"))
+    return {
+        "preemptions": total(fams, "vllm_num_preemptions"),
+        "local_compute": total(fams, "vllm_prompt_tokens_by_source", source="local_compute"),
+        "generation": total(fams, "vllm_generation_tokens"),
+        "finished": total(fams, "vllm_request_success"),
+    }
+
+
+def agent_config(plugin, ledger: Path | None) -> Config:
+    engine = plugin.engine
+    return Config(
+        replicas=(ReplicaConfig("r0", engine.metrics_url, backend="vllm", model_name="tiny"),),
+        listen=HostPort("127.0.0.1", 0), intervals=IntervalsConfig(engine_s=1.0),
+        nvml=NvmlConfig(enabled=False),
+        vllm_plugin_sockets=(VllmPluginSocketConfig("r0", plugin.socket_path),),
+        ledger=LedgerConfig(path=str(ledger)) if ledger else LedgerConfig())
+
+
+async def complete(client: httpx.AsyncClient, base: str, max_tokens: int, i: int) -> dict:
+    r = await client.post(f"{base}/v1/completions", json={
+        "model": "tiny", "prompt": f"request {i} " * 12, "max_tokens": max_tokens, "ignore_eos": True})
+    r.raise_for_status()
+    return r.json()["usage"]
+
+
+async def agent_metrics(client: httpx.AsyncClient, agent: Agent) -> dict[str, list]:
+    return families((await client.get(f"http://127.0.0.1:{agent.port}/metrics")).text)
+
+
+async def wait_for_requests(client: httpx.AsyncClient, agent: Agent, n: int, timeout_s: float = 30) -> dict:
+    """Until the agent counted ``n`` plugin requests and rendered the exact recompute."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fams = await agent_metrics(client, agent)
+        done = total(fams, "kvwatch_requests", source="vllm_plugin") >= n
+        exact = total(fams, "kvwatch_recomputed_tokens", source="vllm_plugin") > 0 or n < len(MAX_TOKENS)
+        if (done and exact) or time.monotonic() > deadline:
+            return fams
+        await asyncio.sleep(0.5)
+
+
+async def scenario(plugin, ledger: Path) -> Observed:
+    engine = plugin.engine
+    async with httpx.AsyncClient(timeout=180) as client:
+        unobserved = await asyncio.gather(*(complete(client, engine.base_url, 24, i) for i in range(2)))
+
+        agent = Agent(agent_config(plugin, ledger))
+        await agent.start()
+        try:
+            before = engine_counters((await client.get(engine.metrics_url)).text)
+            offset = engine.log.stat().st_size
+            usage = await asyncio.gather(*(complete(client, engine.base_url, m, i)
+                                           for i, m in enumerate(MAX_TOKENS)))
+            fams = await wait_for_requests(client, agent, len(MAX_TOKENS))
+            after = engine_counters((await client.get(engine.metrics_url)).text)
+            with engine.log.open("rb") as f:
+                f.seek(offset)
+                lines = ITERATION.findall(f.read().decode(errors="replace"))
+        finally:
+            await agent.stop()
+        unobserved.append(await complete(client, engine.base_url, 24, 99))
+
+        restarted = Agent(agent_config(plugin, None))
+        await restarted.start()
+        try:
+            await complete(client, engine.base_url, 24, 100)
+            restarted_fams = await wait_for_requests(client, restarted, 1)
+        finally:
+            await restarted.stop()
+    ledger_lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    return Observed(unobserved, usage, {k: after[k] - before[k] for k in after},
+                    sum(int(ctx) + int(gen) for _, ctx, _, gen in lines), len(lines), fams, ledger_lines,
+                    restarted_fams)
+
+
+@pytest.fixture(scope="module")
+def observed(plugin_vllm, tmp_path_factory) -> Observed:
+    return asyncio.run(scenario(plugin_vllm, tmp_path_factory.mktemp("ledger") / "ledger.jsonl"))
+
+
+def test_vllm_keeps_serving_without_an_agent_and_the_drops_are_counted(observed):
+    assert [u["completion_tokens"] for u in observed.unobserved_usage] == [24, 24, 24]
+    first = total(observed.agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0", dp_rank="0")
+    later = total(observed.restarted_agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0",
+                  dp_rank="0")
+    assert first >= 24  # at least one step per token of the two unobserved requests
+    assert later >= first + 24  # the request while no agent listened, then data resumed
+    assert total(observed.restarted_agent, "kvwatch_requests", source="vllm_plugin") == 1
+
+
+def test_per_request_preemptions_add_up_to_the_engines_counter(observed):
+    assert observed.engine_delta["preemptions"] > 0, "the load did not preempt: the test proves nothing"
+    per_request = total(observed.agent, "kvwatch_request_preemptions_sum", source="vllm_plugin")
+    assert per_request == observed.engine_delta["preemptions"]
+
+
+def test_exact_recomputed_tokens_equal_what_the_engine_recomputed(observed):
+    """Every token the engine scheduled is a first prefill, a decode input, or a re-prefill:
+    scheduled = local-compute prompt tokens + (generated - finished) + (re-prefilled - resumes),
+    each resume re-prefilling the one token its decode step would have fed anyway."""
+    d = observed.engine_delta
+    recomputed = total(observed.agent, "kvwatch_recomputed_tokens", source="vllm_plugin")
+    assert recomputed > 0
+    assert not [s for s in observed.agent["kvwatch_recomputed_tokens"] if s.labels["source"] == "estimate"]
+    engine_recomputed = observed.scheduled_tokens - d["local_compute"] - (d["generation"] - d["finished"])
+    assert recomputed - d["preemptions"] == engine_recomputed
+
+
+def test_per_band_counts_and_max_tokens_are_what_was_sent(observed):
+    sent = Counter(DEFAULT_BANDS.band_for(m) for m in MAX_TOKENS)
+    counted = Counter()
+    for s in observed.agent["kvwatch_requests"]:
+        if s.labels["source"] == "vllm_plugin" and s.value:
+            assert s.labels["outcome"] == "truncated"  # ignore_eos: every answer ran to max_tokens
+            counted[s.labels["length_band"]] += s.value
+    assert counted == sent
+    assert [u["completion_tokens"] for u in observed.load_usage] == list(MAX_TOKENS)
+    plugin_lines = [line for line in observed.ledger if line["source"] == "vllm_plugin"]
+    assert sorted(line["max_tokens"] for line in plugin_lines) == sorted(MAX_TOKENS)
+    assert sorted(line["output_tokens"] for line in plugin_lines) == sorted(MAX_TOKENS)
+    assert sum(line["preemptions"] for line in plugin_lines) == observed.engine_delta["preemptions"]
+    ratio = total(observed.agent, "kvwatch_request_output_limit_ratio_sum", source="vllm_plugin")
+    assert ratio == pytest.approx(len(MAX_TOKENS))
+
+
+def test_step_samples_match_the_engines_iteration_log(observed):
+    steps = total(observed.agent, "kvwatch_engine_step_seconds_count", replica="r0")
+    assert steps == observed.iterations > sum(MAX_TOKENS) / 8  # at most 8 sequences per step
+    lifetimes = total(observed.agent, "kvwatch_kv_block_lifetime_seconds_count", replica="r0")
+    assert lifetimes > 0  # preempted and finished requests free blocks that get evicted
