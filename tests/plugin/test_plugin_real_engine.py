@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -141,8 +142,10 @@ async def scenario(plugin, ledger: Path) -> Observed:
 
 
 @pytest.fixture(scope="module")
-def observed(plugin_vllm, tmp_path_factory) -> Observed:
-    return asyncio.run(scenario(plugin_vllm, tmp_path_factory.mktemp("ledger") / "ledger.jsonl"))
+def observed(plugin_vllm) -> Observed:
+    # a directory of our own: parallel pytest runs on this machine prune each other's basetemp
+    with tempfile.TemporaryDirectory(prefix="kvwatch-plugin-ledger-") as tmp:
+        return asyncio.run(scenario(plugin_vllm, Path(tmp) / "ledger.jsonl"))
 
 
 def test_vllm_keeps_serving_without_an_agent_and_the_drops_are_counted(observed):
