@@ -153,8 +153,8 @@ def test_vllm_keeps_serving_without_an_agent_and_the_drops_are_counted(observed)
     first = total(observed.agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0", dp_rank="0")
     later = total(observed.restarted_agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0",
                   dp_rank="0")
-    assert first >= 24  # at least one step per token of the two unobserved requests
-    assert later >= first + 24  # the request while no agent listened, then data resumed
+    assert first > 0  # the steps of the two unobserved requests (batched: a few datagrams)
+    assert later > first  # the request while no agent listened, then data resumed
     assert total(observed.restarted_agent, "kvwatch_requests", source="vllm_plugin") == 1
 
 
