@@ -107,6 +107,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_otlp_spans", "counter", ("result",),
        "OTLP spans received, by result (request, ignored, malformed, unmapped: no configured replica).",
        "self"),
+    _m("kvwatch_otlp_exports_refused", "counter", ("reason",),
+       "OTLP exports refused: body_too_large (otlp.max_body_bytes, 413), inflated_too_large "
+       "(otlp.max_decompressed_bytes, 413), undecodable (400).", "self"),
     _m("kvwatch_request_file_lines", "counter", ("replica", "result"),
        "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
     _m("kvwatch_ledger_write_errors", "counter", (),

@@ -111,7 +111,8 @@ class ProxyConfig:
 class OtlpConfig:
     listen: HostPort | None = None  # e.g. 127.0.0.1:4318; None = off
     replica: str | None = None  # replica the spans belong to (when one engine sends to this agent)
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024  # as sent (compressed)
+    max_decompressed_bytes: int = 64 * 1024 * 1024  # inflated, checked while inflating
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +535,11 @@ def config_from_mapping(data: Any, source: str = "config") -> Config:
         "listen": ("listen", parse_host_port),
         "replica": ("replica", short_name),
         "max_body_bytes": ("max_body_bytes", parse_size),
+        "max_decompressed_bytes": ("max_decompressed_bytes", parse_size),
     })
+    if otlp.max_decompressed_bytes < otlp.max_body_bytes:
+        r.problem("otlp.max_decompressed_bytes", f"must be at least otlp.max_body_bytes "
+                  f"({otlp.max_body_bytes}), or an uncompressed export within that limit would be refused")
     if otlp.replica is not None and otlp.replica not in seen:
         r.problem("otlp.replica", f"no replica named {otlp.replica!r}")
     ledger = _section(r, top, "ledger", LedgerConfig, {

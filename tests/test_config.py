@@ -83,6 +83,16 @@ def test_references_to_unknown_replicas_are_refused():
     assert "no replica named 'ghost'" in found["sglang_request_files[0].replica"]
 
 
+def test_otlp_size_limits_are_validated():
+    replicas = [{"name": "r", "metrics_url": "http://a/metrics"}]
+    found = problems({"replicas": replicas,
+                      "otlp": {"max_body_bytes": "16MiB", "max_decompressed_bytes": "1MiB"}})
+    assert "must be at least otlp.max_body_bytes" in found["otlp.max_decompressed_bytes"]
+    found = problems({"replicas": replicas, "otlp": {"max_decompressed_bytes": "lots"}})
+    assert "expected a size" in found["otlp.max_decompressed_bytes"]
+    assert config_from_mapping({"replicas": replicas}).otlp.max_decompressed_bytes == 64 * 1024 * 1024
+
+
 def test_environment_overrides_nested_keys(tmp_path):
     path = tmp_path / "kvwatch.yaml"
     path.write_text(GOOD)

@@ -17,6 +17,7 @@ _SELF_COUNTERS = (
     ("kvwatch_proxy_accounting_errors", ("replica",)),
     ("kvwatch_proxy_connections_timed_out", ("replica",)),
     ("kvwatch_otlp_spans", ("result",)),
+    ("kvwatch_otlp_exports_refused", ("reason",)),
     ("kvwatch_request_file_lines", ("replica", "result")),
     ("kvwatch_ledger_write_errors", ()),
     ("kvwatch_vllm_plugin_datagrams", ("replica", "result")),

@@ -15,13 +15,22 @@ Which replica a span belongs to, first match wins:
   3. ``otlp.replica`` from the config;
   4. the only configured replica, when there is exactly one.
 Otherwise the span is dropped and counted ``unmapped``: label values stay bounded.
+
+The sender is an outsider: the body is read compressed (``otlp.max_body_bytes``), inflated in
+steps with the output checked against ``otlp.max_decompressed_bytes`` as it grows (a 4 MB gzip of
+zeros would be 4 GiB), and inflate + decode + span mapping run in a worker thread so a 15 MB
+export never stalls the event loop. Refused exports are counted ``kvwatch_otlp_exports_refused``.
+Free text from spans (``finish_reason``) is cut to a short safe token or ``other``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -44,6 +53,14 @@ log = logging.getLogger(__name__)
 
 SPANS = "kvwatch_otlp_spans"
 RESULTS = ("request", "ignored", "malformed", "unmapped")
+REFUSED = "kvwatch_otlp_exports_refused"
+REFUSALS = ("body_too_large", "inflated_too_large", "undecodable")
+ENCODINGS = ("identity", "gzip", "deflate")
+#: a span's free text becomes a ledger field only as a short token of this alphabet, else ``other``
+SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+OTHER = "other"
+INFLATE_STEP = 1024 * 1024  # compressed bytes handed to zlib at a time
+MAX_CONCURRENT_DECODES = 2  # each may hold max_body_bytes + max_decompressed_bytes
 REQUEST_MARKERS = ("gen_ai.usage.completion_tokens", "gen_ai.latency.e2e")
 REPLICA_ATTRIBUTE = "kvwatch.replica"
 
@@ -55,6 +72,52 @@ COLLECTOR = "otlp"
 
 class MalformedSpanError(ValueError):
     """A request span whose attributes do not have the types the gen_ai conventions give them."""
+
+
+class InflatedTooLargeError(ValueError):
+    """A compressed body that inflates past ``otlp.max_decompressed_bytes``."""
+
+
+def safe_token(value: str) -> str:
+    """Outsider text as a ledger/log field: itself if short and plain, else ``other``."""
+    return value if SAFE_TOKEN.fullmatch(value) else OTHER
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """``Content-Encoding`` gzip/deflate -> bytes, never holding more than ``limit + 1`` inflated.
+
+    Raises InflatedTooLargeError past ``limit``, ValueError for a corrupt or truncated stream.
+    """
+    if encoding == "identity":
+        return body
+    out = bytearray()
+    data = memoryview(body)
+    while data:  # one pass per gzip member
+        inflater = zlib.decompressobj(_wbits(encoding, bytes(data[:2])))
+        pending = b""
+        while not inflater.eof:
+            if not pending:
+                if not data:
+                    raise ValueError(f"truncated {encoding} body")
+                pending, data = bytes(data[:INFLATE_STEP]), data[INFLATE_STEP:]
+            try:
+                out += inflater.decompress(pending, limit + 1 - len(out))
+            except zlib.error:
+                raise ValueError(f"corrupt {encoding} body") from None
+            if len(out) > limit:
+                raise InflatedTooLargeError(
+                    f"{encoding} body inflates past otlp.max_decompressed_bytes ({limit})")
+            pending = inflater.unconsumed_tail
+        rest = inflater.unused_data + bytes(data)
+        data = memoryview(rest if encoding == "gzip" and rest[:2] == b"\x1f\x8b" else b"")  # next member
+    return bytes(out)
+
+
+def _wbits(encoding: str, head: bytes) -> int:
+    if encoding == "gzip":
+        return 16 + zlib.MAX_WBITS
+    zlib_header = len(head) == 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
+    return zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS  # some senders send raw deflate
 
 
 def attribute_values(attributes: Iterable[Any]) -> dict[str, Any]:
@@ -90,6 +153,10 @@ def _finish_reasons(value: Any) -> list[str]:
     return []
 
 
+def _finish_reason(reasons: list[str]) -> str | None:
+    return safe_token(reasons[-1]) if reasons else None
+
+
 def span_outcome(span: Span, reasons: list[str]) -> Outcome:
     """The engine's view: it cannot see admission refusals (those never become spans)."""
     if span.status.code == Status.STATUS_CODE_ERROR:
@@ -123,7 +190,7 @@ def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: st
         source="otlp",
         outcome=span_outcome(span, reasons),
         started_at=span.start_time_unix_nano / 1e9,
-        finish_reason=reasons[-1] if reasons else None,
+        finish_reason=_finish_reason(reasons),
         prompt_tokens=non_negative_int(attrs, "gen_ai.usage.prompt_tokens"),
         output_tokens=non_negative_int(attrs, "gen_ai.usage.completion_tokens"),
         max_tokens=non_negative_int(attrs, "gen_ai.request.max_tokens"),
@@ -178,6 +245,14 @@ def records_from_export(export: ExportTraceServiceRequest, resolver: ReplicaReso
     return records, results
 
 
+def decode_body(body: bytes, encoding: str, content_type: str, max_decompressed: int,
+                resolver: ReplicaResolver, labels: dict[str, ModelLabels],
+                ) -> tuple[list[RequestRecord], Counter[str]]:
+    """Inflate, decode and map one export: the CPU-heavy part, run off the event loop."""
+    export = decode_export(inflate(body, encoding, max_decompressed), content_type)
+    return records_from_export(export, resolver, labels)
+
+
 def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
     """Raises ValueError naming what was wrong (never the body's content)."""
     export = ExportTraceServiceRequest()
@@ -208,6 +283,7 @@ class OtlpReceiver:
         self.report = report
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self._decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
 
     @property
     def port(self) -> int:
@@ -217,7 +293,8 @@ class OtlpReceiver:
     async def start(self, host: str, port: int) -> None:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/traces", self.handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # auto_decompress off: aiohttp would inflate before client_max_size is checked; inflate() caps it
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port)
         await self._site.start()
@@ -232,20 +309,30 @@ class OtlpReceiver:
         content_type = request.content_type
         if content_type not in ("application/x-protobuf", "application/json"):
             return web.Response(status=415, text="send application/x-protobuf or application/json\n")
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+        if encoding not in ENCODINGS:
+            return web.Response(status=415, text="Content-Encoding must be gzip, deflate or identity\n")
         try:
-            body = await request.read()  # aiohttp inflates gzip/deflate; client_max_size caps it
+            body = await request.read()  # compressed bytes; client_max_size caps them
         except web.HTTPRequestEntityTooLarge:
-            self._count("malformed")
+            self._refuse("body_too_large")
             log.warning("otlp: export over otlp.max_body_bytes (%d) refused", self.config.max_body_bytes)
             raise
         try:
-            export = decode_export(body, content_type)
+            async with self._decoding:
+                records, results = await asyncio.to_thread(
+                    decode_body, body, encoding, content_type, self.config.max_decompressed_bytes,
+                    self.resolver, self.labels)
+        except InflatedTooLargeError as exc:
+            self._refuse("inflated_too_large")
+            self._report(False, started, str(exc))
+            log.warning("otlp: %s from %s", exc, request.remote)
+            return web.Response(status=413, text=f"{exc}\n")
         except ValueError as exc:
-            self._count("malformed")
+            self._refuse("undecodable")
             self._report(False, started, str(exc))
             log.warning("otlp: %s from %s", exc, request.remote)
             return web.Response(status=400, text=f"{exc}\n")
-        records, results = records_from_export(export, self.resolver, self.labels)
         for result, n in results.items():
             self._count(result, n)
         for record in records:
@@ -267,9 +354,17 @@ class OtlpReceiver:
             except Exception:
                 log.exception("otlp: reporting failed")
 
+    def _refuse(self, reason: str) -> None:
+        """A refused export is one ``malformed`` span result too (as before) and one refusal by reason."""
+        self._count("malformed")
+        self._count_family(REFUSED, reason, 1)
+
     def _count(self, result: str, n: int = 1) -> None:
+        self._count_family(SPANS, result, n)
+
+    def _count_family(self, family: str, label: str, n: int) -> None:
         try:
-            self.count(SPANS, result, amount=n)
+            self.count(family, label, amount=n)
         except Exception:
             log.exception("otlp: counting failed")
 
@@ -287,5 +382,7 @@ async def start_otlp_receiver(config: Config, sink: Sink, count: Count,
     receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report)
     for result in RESULTS:
         receiver._count(result, 0)
+    for reason in REFUSALS:
+        receiver._count_family(REFUSED, reason, 0)
     await receiver.start(otlp.listen.host, otlp.listen.port)
     return receiver

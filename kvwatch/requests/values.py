@@ -12,12 +12,18 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def shown(value: Any) -> str:
+    """A bad value for an error message or log line: ASCII, at most ~40 characters, never the bulk."""
+    text = ascii(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__} of {len(text)} characters"
+
+
 def non_negative_number(fields: Mapping[str, Any], key: str) -> float | None:
     value = fields.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key} must be a non-negative number, got {value!r}")
+        raise ValueError(f"{key} must be a non-negative number, got {shown(value)}")
     return float(value)
 
 
@@ -26,5 +32,5 @@ def non_negative_int(fields: Mapping[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+        raise ValueError(f"{key} must be a non-negative integer, got {shown(value)}")
     return value

@@ -121,6 +121,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_proxy_accounting_errors": lambda s: s.replicas * int(s.proxied),
     "kvwatch_proxy_connections_timed_out": lambda s: s.replicas * int(s.proxied),
     "kvwatch_otlp_spans": lambda s: 4 * int(s.engine_request_sources > 0),
+    "kvwatch_otlp_exports_refused": lambda s: 3 * int(s.engine_request_sources > 0),
     "kvwatch_request_file_lines": lambda s: 2 * s.replicas * int(s.engine_request_sources > 0),
     "kvwatch_ledger_write_errors": lambda s: 1,
     # engine replicas: one series per replica and DP rank, x finish reasons / tier pairs

@@ -7,7 +7,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import io
+import json
+import logging
+import resource
+import time
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -23,11 +29,14 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
+from kvwatch.requests.ledger import ledger_line
 from kvwatch.requests.otlp import (
+    REFUSED,
     SPANS,
     OtlpReceiver,
     ReplicaResolver,
     decode_export,
+    inflate,
     records_from_export,
     start_otlp_receiver,
 )
@@ -168,7 +177,8 @@ class Harness:
 async def otlp() -> AsyncIterator[Harness]:
     harness = Harness()
     config = Config(replicas=tuple(REPLICAS), otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0",
-                                                               max_body_bytes=64 * 1024))
+                                                               max_body_bytes=64 * 1024,
+                                                               max_decompressed_bytes=1024 * 1024))
     harness.receiver = await start_otlp_receiver(config, harness.records.append, harness.count,
                                                  lambda *args: harness.reports.append(args))
     yield harness
@@ -221,8 +231,108 @@ async def test_body_over_the_cap_is_413(otlp: Harness, http: ClientSession) -> N
     async with http.post(otlp.url, data=bomb, headers={**PROTOBUF, "Content-Encoding": "gzip"}) as response:
         assert response.status == 413
     assert otlp.counts[(SPANS, "malformed")] == 2
+    assert (otlp.counts[(REFUSED, "body_too_large")], otlp.counts[(REFUSED, "inflated_too_large")]) == (1, 1)
 
 
 async def test_other_content_types_are_415(otlp: Harness, http: ClientSession) -> None:
     async with http.post(otlp.url, data=REQUESTS, headers={"Content-Type": "text/plain"}) as response:
         assert response.status == 415
+
+
+async def test_unknown_content_encoding_is_415(otlp: Harness, http: ClientSession) -> None:
+    async with http.post(otlp.url, data=REQUESTS, headers={**PROTOBUF, "Content-Encoding": "br"}) as response:
+        assert response.status == 415
+    assert otlp.records == []
+
+
+async def test_corrupt_gzip_is_400(otlp: Harness, http: ClientSession) -> None:
+    body = gzip.compress(REQUESTS)
+    async with http.post(otlp.url, data=body[:-40], headers={**PROTOBUF, "Content-Encoding": "gzip"}) as r:
+        assert r.status == 400
+    assert otlp.counts[(REFUSED, "undecodable")] == 1 and otlp.records == []
+
+
+def test_inflate_raw_deflate_and_gzip_members() -> None:
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert inflate(raw.compress(REQUESTS) + raw.flush(), "deflate", 1 << 20) == REQUESTS
+    assert inflate(gzip.compress(REQUESTS) * 2, "gzip", 1 << 20) == REQUESTS * 2
+
+
+# -- hostile senders at the default limits ------------------------------------------------------------
+
+
+@pytest.fixture
+async def default_otlp() -> AsyncIterator[Harness]:
+    harness = Harness()
+    config = Config(replicas=tuple(REPLICAS), otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0"))
+    harness.receiver = await start_otlp_receiver(config, harness.records.append, harness.count)
+    yield harness
+    await harness.receiver.stop()
+
+
+def _gzip_bomb(compressed_bytes: int) -> bytes:
+    """A gzip of zeros, ~1000:1: each fully flushed 1 MiB block of zeros compresses to the same bytes,
+    so the bomb is built without compressing gigabytes. The trailer's CRC is wrong; a reader that
+    inflates it all would only find out after 4 GiB."""
+    zeros = bytes(1 << 20)
+    deflater = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    head = deflater.compress(zeros) + deflater.flush(zlib.Z_FULL_FLUSH)
+    block = deflater.compress(zeros) + deflater.flush(zlib.Z_FULL_FLUSH)
+    return head + block * (compressed_bytes // len(block)) + deflater.flush()
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+async def test_gzip_bomb_is_refused_promptly_without_inflating_it(default_otlp: Harness,
+                                                                  http: ClientSession) -> None:
+    bomb = _gzip_bomb(4_000_000)
+    assert len(bomb) < 4_100_000
+    rss_before = _peak_rss_bytes()
+    started = time.perf_counter()
+    async with http.post(default_otlp.url, data=io.BytesIO(bomb),
+                         headers={**PROTOBUF, "Content-Encoding": "gzip"}) as response:
+        assert response.status == 413
+    assert time.perf_counter() - started < 5
+    assert default_otlp.counts[(REFUSED, "inflated_too_large")] == 1
+    assert default_otlp.records == []
+    # 64 MiB cap (+ the 4 MB body, aiohttp's buffers); inflating it all would be 4 GiB
+    assert _peak_rss_bytes() - rss_before < 256 * 1024 * 1024
+
+
+async def _max_loop_lag(done: asyncio.Event, period: float = 0.005) -> float:
+    worst = 0.0
+    while not done.is_set():
+        before = time.perf_counter()
+        await asyncio.sleep(period)
+        worst = max(worst, time.perf_counter() - before - period)
+    return worst
+
+
+async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness, http: ClientSession) -> None:
+    copies = 5_000  # repeated fields concatenate: 15,000 request spans, ~10 MiB
+    body = REQUESTS * copies
+    done = asyncio.Event()
+    probe = asyncio.create_task(_max_loop_lag(done))
+    await asyncio.sleep(0.02)
+    async with http.post(default_otlp.url, data=io.BytesIO(body), headers=PROTOBUF) as response:
+        assert response.status == 200
+    done.set()
+    lag = await probe
+    assert len(default_otlp.records) == 3 * copies
+    assert lag < 0.1, f"event loop stalled {lag * 1000:.0f} ms"
+
+
+def test_huge_finish_reason_never_reaches_the_ledger_or_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    huge = "x" * (1 << 20)
+    [record], _ = records_from_export(_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": huge}),
+                                      _one_replica(), _labels())
+    assert record.finish_reason == "other"
+    assert len(json.dumps(ledger_line(record, Config().length_bands))) < 2048
+    assert records_from_export(_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": ["stop:eos/1"]}),
+                               _one_replica(), _labels())[0][0].finish_reason == "stop:eos/1"
+    with caplog.at_level(logging.DEBUG, logger="kvwatch.requests.otlp"):
+        _, results = records_from_export(_export({}, **{TOKENS: huge}), _one_replica(), _labels())
+    assert results == Counter(malformed=1)
+    assert caplog.records and max(len(r.getMessage()) for r in caplog.records) < 512
