@@ -310,7 +310,19 @@ async def _max_loop_lag(done: asyncio.Event, period: float = 0.005) -> float:
     return worst
 
 
-async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness, http: ClientSession) -> None:
+@pytest.mark.parametrize("sink_cost_s", [0.0, 20e-6], ids=["fast_sink", "agent_like_sink"])
+async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness, http: ClientSession,
+                                                         sink_cost_s: float) -> None:
+    """The agent's sink (histograms + ledger queue) costs ~tens of µs a record: 15,000 in one go
+    would be a 300 ms stall, so the receiver yields between batches."""
+    def costly_sink(record: RequestRecord) -> None:
+        until = time.perf_counter() + sink_cost_s
+        while time.perf_counter() < until:
+            pass
+        default_otlp.records.append(record)
+
+    assert default_otlp.receiver is not None
+    default_otlp.receiver.sink = costly_sink
     copies = 5_000  # repeated fields concatenate: 15,000 request spans, ~10 MiB
     body = REQUESTS * copies
     done = asyncio.Event()
