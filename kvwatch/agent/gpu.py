@@ -3,7 +3,7 @@
 Wiring (the agent layer, like ``kvwatch/agent/derived.py``): the one writer of ``NodeState.gpus``,
 ``driver_version``, ``xid_counts``, ``replica_gpus`` and ``pid_replica``. Each function does one
 refresh and stores whole new values (never a partial update). They block on NVML and /proc, so the
-agent runs them in a thread executor every ``intervals.gpu_s`` and ``intervals.process_map_s``.
+agent runs them in a thread executor every ``intervals.gpu`` and ``intervals.process_map``.
 """
 
 from __future__ import annotations
