@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvwatch.config import safe_load
 from kvwatch.mixin.rules import LEVELS
 
 RULES_FILE = "prometheusrule.yaml"
@@ -138,7 +139,7 @@ def rule_manifests(sources: Iterable[tuple[str, str]]) -> list[Manifest]:
     seen_names: dict[str, str] = {}
     for source, text in sources:
         try:
-            document = yaml.safe_load(text)
+            document = safe_load(text)
         except yaml.YAMLError as exc:
             raise ManifestError(f"{source}: not valid YAML: {exc}") from None
         groups = _checked_groups(document, source)

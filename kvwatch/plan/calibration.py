@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from kvwatch.config import safe_load
 from kvwatch.plan.fit import FitQuality, StepFit
 from kvwatch.sim.steptime import StepCost
 
@@ -158,7 +159,7 @@ def load_calibration(path: str | Path) -> Calibration:
     except OSError as exc:
         raise CalibrationError(f"cannot read calibration {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         raise CalibrationError(f"{path}: not YAML: {exc}") from None
     return calibration_from_mapping(data, str(path))

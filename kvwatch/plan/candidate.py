@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvwatch.config import safe_load
 from kvwatch.plan.calibration import Calibration
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.models import ModelSpec, gpu_preset, model_preset
@@ -206,7 +207,7 @@ def candidate_from_mapping(data: Any, source: str = "candidate") -> Candidate:
 
 def load_candidate(path: str | Path) -> Candidate:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise CandidateError(f"cannot read candidate {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
