@@ -33,7 +33,7 @@ from aiohttp import web
 
 from kvwatch import buckets
 from kvwatch.agent import Agent
-from kvwatch.catalog import CATALOG
+from kvwatch.catalog import CATALOG, REJECTED_SAMPLE_REASONS
 from kvwatch.config import config_from_mapping
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.model import OUTCOMES, InFlightRequest, LengthBands, Outcome, RequestRecord
@@ -76,6 +76,14 @@ class NodeShape:
     xid_codes: int = 2  # distinct XID codes seen per GPU since the agent started
     processes_per_gpu: int = 2
     nvml_error_kinds: int = 0  # (call, error) pairs; 0 on a healthy node
+    config_reloads: bool = True  # kvwatch run watches its config file (reload status series)
+    discovery: bool = False  # Kubernetes discovery on (its self series)
+    discovery_event_types: int = 4  # ADDED, MODIFIED, DELETED, BOOKMARK
+    discovery_error_reasons: int = 0  # watch error reasons seen; 0 while the API is healthy
+    annotation_errors: int = 0  # (pod, annotation) pairs with a malformed annotation
+    plugin_units: int = 0  # replica units reporting through the vLLM stat-logger plugin
+    datagram_results: int = 1  # vllm_plugin datagram results seen per plugin replica ("ok")
+    step_batch_buckets: int = 0  # batch-token buckets the plugin's step histogram has filled per unit
 
     @property
     def units(self) -> int:
@@ -95,15 +103,20 @@ class NodeShape:
 
     @property
     def collectors(self) -> int:
-        """engine:<replica>, nvml, gpu_mapping, export_<area> x 4, otlp / SGLang followers."""
-        return self.replicas + 2 + 4 + self.engine_request_sources
+        """engine:<replica>, nvml, gpu_mapping, export_<area> x 5, otlp / SGLang followers."""
+        return self.replicas + 2 + 5 + self.engine_request_sources
+
+
+#: what only an engine-side source (OTLP spans, SGLang files, the vLLM plugin) knows: a proxy never fills these
+ENGINE_SIDE_HISTOGRAMS = frozenset({
+    "kvwatch_request_queue_seconds", "kvwatch_request_prefill_seconds", "kvwatch_request_decode_seconds",
+    "kvwatch_request_preemptions", "kvwatch_request_prefix_reuse_ratio"})
 
 
 def _histogram_series(name: str, shape: NodeShape) -> int:
     bounds = (buckets.output_token_bounds(shape.band_edges) if name == "kvwatch_request_output_tokens"
               else HISTOGRAM_FAMILIES[name])
-    queue = name == "kvwatch_request_queue_seconds"  # engine-side sources only
-    keys = shape.engine_keys if queue else shape.proxy_keys + shape.engine_keys
+    keys = shape.engine_keys if name in ENGINE_SIDE_HISTOGRAMS else shape.proxy_keys + shape.engine_keys
     return keys * shape.bands * (len(bounds) + 3)  # buckets, +Inf, _sum, _count
 
 
@@ -124,6 +137,26 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_otlp_exports_refused": lambda s: 3 * int(s.engine_request_sources > 0),
     "kvwatch_request_file_lines": lambda s: 2 * s.replicas * int(s.engine_request_sources > 0),
     "kvwatch_ledger_write_errors": lambda s: 1,
+    "kvwatch_target_samples_rejected": lambda s: s.replicas * len(REJECTED_SAMPLE_REASONS),  # pre-created
+    "kvwatch_proxy_requests_shed": lambda s: s.replicas * int(s.proxied) * 2,  # buffer, connections
+    "kvwatch_proxy_accept_errors": lambda s: s.replicas * int(s.proxied),
+    "kvwatch_proxy_usage_injection_refused": lambda s: s.replicas * int(s.proxied),
+    "kvwatch_config_last_reload_successful": lambda s: int(s.config_reloads),
+    "kvwatch_config_last_reload_success_timestamp_seconds": lambda s: int(s.config_reloads),
+    "kvwatch_discovery_stale": lambda s: int(s.discovery),
+    "kvwatch_discovery_replicas": lambda s: int(s.discovery),
+    "kvwatch_discovery_pod_annotation_errors": lambda s: s.annotation_errors * int(s.discovery),
+    "kvwatch_discovery_watch_events": lambda s: s.discovery_event_types * int(s.discovery),
+    "kvwatch_discovery_watch_errors": lambda s: s.discovery_error_reasons * int(s.discovery),
+    "kvwatch_discovery_relists": lambda s: int(s.discovery),
+    "kvwatch_vllm_plugin_datagrams": lambda s: s.datagram_results * s.plugin_units,
+    # the vLLM stat-logger plugin (docs/vllm-plugin.md): per reporting unit
+    "kvwatch_vllm_plugin_dropped_datagrams": lambda s: s.plugin_units,
+    "kvwatch_engine_step_seconds": lambda s: (s.plugin_units * s.step_batch_buckets
+                                              * (len(buckets.STEP_SECONDS) + 3)),
+    **{name: (lambda s: s.plugin_units * (len(buckets.KV_BLOCK_SECONDS) + 3)) for name in (
+        "kvwatch_kv_block_lifetime_seconds", "kvwatch_kv_block_idle_seconds",
+        "kvwatch_kv_block_reuse_gap_seconds")},
     # engine replicas: one series per replica and DP rank, x finish reasons / tier pairs
     **{name: (lambda s: s.units) for name in (
         "kvwatch_replica", "kvwatch_kv_capacity_tokens", "kvwatch_kv_capacity_bytes",
@@ -170,10 +203,11 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_request_output_tokens_estimated": lambda s: (s.proxy_keys + s.engine_keys) * s.bands,
     "kvwatch_requests_in_flight": lambda s: s.proxy_keys * s.bands,  # by admission band
     "kvwatch_in_flight_tokens": lambda s: s.proxy_keys * s.bands,
+    "kvwatch_request_unused_max_tokens": lambda s: (s.proxy_keys + s.engine_keys) * s.bands,
 }
 
 GROUPS = {"self": "kvwatch itself", "replica": "engine replicas", "derived": "derived KV signals",
-          "gpu": "GPUs (NVML)", "request": "requests by band"}
+          "gpu": "GPUs (NVML)", "request": "requests by band", "plugin": "vLLM plugin"}
 
 
 def series_budget(shape: NodeShape) -> dict[str, int]:
