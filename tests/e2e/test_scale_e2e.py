@@ -107,7 +107,7 @@ class NodeShape:
         return self.replicas + 2 + 5 + self.engine_request_sources
 
 
-#: what only an engine-side source (OTLP spans, SGLang files, the vLLM plugin) knows: a proxy never fills these
+#: what only an engine-side source (OTLP spans, SGLang files, the vLLM plugin) knows; a proxy never does
 ENGINE_SIDE_HISTOGRAMS = frozenset({
     "kvwatch_request_queue_seconds", "kvwatch_request_prefill_seconds", "kvwatch_request_decode_seconds",
     "kvwatch_request_preemptions", "kvwatch_request_prefix_reuse_ratio"})
