@@ -92,6 +92,10 @@ class _ModelView(RankView):
         model = labels.get("model")
         return model is None or model.lower() == self.key["model"]
 
+    def _candidates(self, name: str) -> list[tuple[Labels, float]]:
+        """Every series of ``name``: the exact-value index cannot match a spelling in another case."""
+        return self.expo.series(name)
+
 
 def _frontend_models(expo: Exposition) -> dict[str, str]:
     """lower-cased model -> the first spelling seen."""

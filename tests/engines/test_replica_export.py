@@ -68,7 +68,7 @@ def test_promtool_check_metrics_passes():
 def test_only_catalog_families_in_area_replica_or_target_health():
     allowed = {s.name for s in BY_NAME.values() if s.area == "replica"} | {
         "kvwatch_target_up", "kvwatch_target_scrape_duration_seconds", "kvwatch_target_scrape_errors",
-        "kvwatch_target_restarts"}
+        "kvwatch_target_restarts", "kvwatch_target_samples_rejected"}
     registry = CollectorRegistry()
     registry.register(ReplicaCollector(node(), Config()))
     assert {m.name for m in registry.collect()} <= allowed
@@ -80,7 +80,7 @@ def test_a_down_target_serves_no_replica_series():
     replica_lines = [line for line in text.splitlines() if 'replica="r3"' in line]
     assert {line.split("{")[0] for line in replica_lines} == {
         "kvwatch_target_up", "kvwatch_target_scrape_duration_seconds", "kvwatch_target_scrape_errors_total",
-        "kvwatch_target_restarts_total"}
+        "kvwatch_target_restarts_total", "kvwatch_target_samples_rejected_total"}
 
 
 def test_every_error_reason_is_exported_from_zero():
