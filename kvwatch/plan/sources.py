@@ -126,28 +126,17 @@ def observations_from_engine_steps(
 
 
 def read_plugin_datagrams(path: str | Path, capacity_tokens: int | None = None) -> list[StepObservation]:
-    """A JSON-lines capture of the plugin's datagrams (wire format v1: one object with ``"s"`` per
-    step), decoded by the agent's own decoder; SourceError names the line that is wrong."""
-    from kvwatch.requests.vllm_plugin import DatagramError, engine_step
+    """A JSON-lines capture of the plugin's datagrams (wire format v1: a list of steps under ``"s"``),
+    decoded by the agent's own decoder; SourceError names the line that is wrong."""
+    from kvwatch.requests.vllm_plugin import DatagramError, decode
 
     steps = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            if isinstance(obj, dict) and "s" in obj:
-                steps.append(
-                    engine_step(
-                        obj["s"],
-                        "calibration",
-                        str(obj.get("e", "0")),
-                        float(obj.get("t") or 0.0),
-                        obj.get("ev"),
-                        obj.get("evx"),
-                    )
-                )
-        except (ValueError, DatagramError) as exc:
+            steps.extend(decode(line.encode("utf-8"), "calibration", "").steps)
+        except DatagramError as exc:
             raise SourceError(f"{path} line {number}: not a plugin datagram ({exc})") from None
     obs = observations_from_engine_steps(steps, capacity_tokens)
     if not obs:

@@ -29,7 +29,7 @@ def test_plugin_datagrams_calibrate_every_term_including_kv(tmp_path, monkeypatc
         step = {"run": gen_r + (1 if ctx_t else 0), "wait": 0, "kv": kv,
                 "it": [1 if ctx_t else 0, ctx_t, gen_r, gen_r, ms]}
         for body in wire.encode({"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": n, "t": 1.7e9 + n, "d": 0},
-                                step, [], [], 0):
+                                [step], [], [], 0):
             lines.append(json.dumps(body))
     path = tmp_path / "datagrams.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -50,7 +50,7 @@ def test_plugin_datagrams_calibrate_every_term_including_kv(tmp_path, monkeypatc
 
 def test_datagrams_without_the_batch_shape_say_which_vllm_flag_is_missing(tmp_path, capsys):
     body = wire.encode({"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": 0, "t": 1.7e9, "d": 0},
-                       {"run": 1, "wait": 0, "kv": 0.1}, [], [], 0)[0]
+                       [{"run": 1, "wait": 0, "kv": 0.1}], [], [], 0)[0]
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(body) + "\n")
     assert main(["plan", "calibrate", "--step-samples", str(path), "-o", str(tmp_path / "c.yaml")]) == 1
