@@ -30,6 +30,11 @@ _LATENCY = (
 
 
 
+def PluginQuery(expr: str, legend: str = "") -> Query:  # noqa: N802 (reads as the Query it makes)
+    """A query of what only the vLLM plugin reports: empty on a node without it (an optional feature)."""
+    return Query(expr, legend, sparse=True)
+
+
 def _engine_side_panels(lay: g.Layout, s: Scope, band: str) -> None:
     """What only kvwatch's vLLM plugin sees per band (source="vllm_plugin"; docs/vllm-plugin.md)."""
     plugin = 'source="vllm_plugin"'
@@ -39,36 +44,38 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str) -> None:
                           ("Decode", "kvwatch_request_decode_seconds"),
                           ("End to end (engine)", "kvwatch_request_duration_seconds")):
         p90 = f"histogram_quantile(0.9, sum by (le, length_band) ({s.rate(family + '_bucket', plugin)}))"
-        lay.add(g.timeseries(f"{title} p90, engine clock", [Query(p90, band)],
+        lay.add(g.timeseries(f"{title} p90, engine clock", [PluginQuery(p90, band)],
                              description=f"{title} p90 per band as vLLM measured it (no proxy needed).",
                              unit="s", min_=0), 6, 8)
     mean_pre = (f"sum by (length_band) ({s.rate('kvwatch_request_preemptions_sum', plugin)})\n/\n"
                 f"(sum by (length_band) ({s.rate('kvwatch_request_preemptions_count', plugin)}) > 0)")
-    lay.add(g.timeseries("Preemptions per request", [Query(mean_pre, band)],
+    lay.add(g.timeseries("Preemptions per request", [PluginQuery(mean_pre, band)],
                          description="Mean times a finished request of the band was preempted (exact). Long "
                                      "bands far above short ones: KVWatchLongRequestsPreemptedRepeatedly.",
                          min_=0), 8, 8)
     lay.add(g.timeseries("Output / max_tokens p50", [
-        Query("histogram_quantile(0.5, sum by (le, length_band) "
+        PluginQuery("histogram_quantile(0.5, sum by (le, length_band) "
               f"({s.rate('kvwatch_request_output_limit_ratio_bucket', plugin)}))", band)],
         description="How much of its max_tokens a request used: low values mean limits far above the "
                     "answers (length prediction error).", unit="percentunit", min_=0, max_=1), 8, 8)
     lay.add(g.timeseries("Prefix reuse per band", [
-        Query(f"sum by (length_band) ({s.rate('kvwatch_request_prefix_reuse_ratio_sum', plugin)})\n/\n"
+        PluginQuery(f"sum by (length_band) ({s.rate('kvwatch_request_prefix_reuse_ratio_sum', plugin)})\n/\n"
               f"(sum by (length_band) ({s.rate('kvwatch_request_prefix_reuse_ratio_count', plugin)}) > 0)",
               band)],
         description="Mean share of a request's prompt served from the prefix cache.", unit="percentunit",
         min_=0, max_=1), 8, 8)
     lay.add(g.timeseries("Unused max_tokens", [
-        Query(f"sum by (length_band) ({s.rate('kvwatch_request_unused_max_tokens_total', plugin)})", band)],
+        PluginQuery(f"sum by (length_band) ({s.rate('kvwatch_request_unused_max_tokens_total', plugin)})",
+                    band)],
         description="Tokens per second of max_tokens that requests stopping early never generated: KV a "
                     "worst-case reservation would have held for nothing.", min_=0), 8, 8)
     lay.add(g.timeseries("Exact recomputed tokens", [
-        Query(f"sum by (replica) ({s.rate('kvwatch_recomputed_tokens_total', plugin)})", "{{replica}}")],
+        PluginQuery(f"sum by (replica) ({s.rate('kvwatch_recomputed_tokens_total', plugin)})",
+                    "{{replica}}")],
         description="Tokens re-prefilled per second after preemption, from vLLM's prefix-cache stats "
                     "(replaces the estimate where the plugin runs).", min_=0), 8, 8)
     lay.add(g.timeseries("Step time p90 by batch tokens", [
-        Query(f"histogram_quantile(0.9, sum by (le, batch_tokens) "
+        PluginQuery(f"histogram_quantile(0.9, sum by (le, batch_tokens) "
               f"({s.rate('kvwatch_engine_step_seconds_bucket')}))", "{{batch_tokens}}")],
         description="Engine step time by tokens scheduled in the step (needs vLLM's "
                     "--enable-logging-iteration-details).", unit="s", min_=0), 8, 8)
