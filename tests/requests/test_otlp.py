@@ -333,7 +333,9 @@ async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness,
     done.set()
     lag = await probe
     assert len(default_otlp.records) == 3 * copies
-    assert lag < 0.1, f"event loop stalled {lag * 1000:.0f} ms"
+    # decoded on the loop (before #11) this stalled 602 ms with the fast sink; off the loop it measured
+    # under 100 ms alone and 216 ms inside the whole suite on 2 shared cores, hence the bound
+    assert lag < 0.3, f"event loop stalled {lag * 1000:.0f} ms"
 
 
 def test_huge_finish_reason_never_reaches_the_ledger_or_the_log(caplog: pytest.LogCaptureFixture) -> None:
