@@ -49,7 +49,11 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
                 break
     finally:
         sock.close()
+    stalled = {k: result.pop(k) for k in list(result) if k.startswith("stalled_")}
     assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5}
+    # a stalled agent: the kernel queue filled, the rest waited in the plugin and came in order
+    assert stalled["stalled_waiting"] > 0 and stalled["stalled_dropped"] == 0
+    assert stalled["stalled_seq"] == list(range(1, 101)) and stalled["stalled_finished"] == 200
     assert all(b"SECRET" not in d for d in datagrams)  # request ids never leave the engine
     full, foreign = (decode(d, "r0", "tiny") for d in datagrams)
     assert full.link.dp_rank == "1" and full.link.seq == 1 and foreign.link.seq == 2

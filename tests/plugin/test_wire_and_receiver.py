@@ -105,10 +105,51 @@ def test_sender_never_blocks_on_an_agent_that_does_not_read(tmp_path):
         for _ in range(2000):
             sender.send(b"x" * 2000)
         elapsed = time.perf_counter() - started
-        assert sender.dropped > 0 and sender.sent + sender.dropped == 2000
+        assert sender.backlog == wire.MAX_BACKLOG  # kept for the agent, up to the bound
+        assert sender.dropped > 0 and sender.sent + sender.dropped + sender.backlog == 2000
         assert elapsed < 1.0  # EAGAIN at once, never a wait
     finally:
         receiver.close()
+
+
+def test_a_slow_agent_loses_nothing_and_gets_everything_in_order(tmp_path):
+    """The kernel queue (net.unix.max_dgram_qlen) fills while the agent stalls; the plugin keeps the
+    rest and sends it, oldest first, once the agent reads again."""
+    path = str(tmp_path / "stalled.sock")
+    receiver = bind_socket(path)
+    receiver.setblocking(False)
+    try:
+        sender = wire.DatagramSender(path)
+        results = [sender.send(f"{i}".encode()) for i in range(100)]
+        assert results[0] is True and results[-1] is False and sender.backlog > 0
+        assert sender.dropped == 0
+        got: list[bytes] = []
+        for _ in range(1000):
+            while True:
+                try:
+                    got.append(receiver.recv(100))
+                except BlockingIOError:
+                    break
+            if not sender.backlog:
+                break
+            sender.drain()
+        assert got == [f"{i}".encode() for i in range(100)] and sender.sent == 100
+    finally:
+        receiver.close()
+
+
+def test_an_agent_that_goes_away_drops_the_backlog_and_counts_it(tmp_path):
+    path = str(tmp_path / "gone.sock")
+    receiver = bind_socket(path)
+    sender = wire.DatagramSender(path)
+    for i in range(50):
+        sender.send(f"{i}".encode())
+    waiting = sender.backlog
+    assert waiting > 0
+    receiver.close()
+    Path(path).unlink()
+    assert sender.send(b"late") is False
+    assert sender.backlog == 0 and sender.dropped == waiting + 1 and sender.sent + sender.dropped == 51
 
 
 def test_socket_path_comes_from_the_environment_with_a_default():

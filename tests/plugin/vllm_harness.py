@@ -5,6 +5,7 @@ argv: SOCKET_PATH ABSENT_PATH. Prints one JSON object with the loggers' counters
 
 import json
 import os
+import socket
 import sys
 
 from vllm.v1.engine import FinishReason
@@ -65,5 +66,30 @@ absent = KvwatchStatLogger(None, engine_index=0)
 for _ in range(5):
     absent.record(sched, it, engine_idx=0)
 absent.log()
+
+# an agent that stalls (nothing read while 100 requests finish), then reads again: vLLM's periodic
+# log() sends what waited, in order, and nothing is lost
+stalled_path = absent_path + ".stalled"
+stalled_agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+stalled_agent.bind(stalled_path)
+stalled_agent.setblocking(False)
+os.environ["KVWATCH_VLLM_SOCKET"] = stalled_path
+stalled = KvwatchStatLogger(None, engine_index=0)
+for _ in range(100):
+    stalled.record(sched, it, engine_idx=0)  # each step finishes requests: sent at once
+waiting = stalled.sender.backlog
+received = []
+for _ in range(100):
+    while True:
+        try:
+            received.append(json.loads(stalled_agent.recv(70_000)))
+        except BlockingIOError:
+            break
+    if not stalled.sender.backlog:
+        break
+    stalled.log()
 print(json.dumps({"sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
-                  "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped}))
+                  "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped,
+                  "stalled_waiting": waiting, "stalled_dropped": stalled.sender.dropped,
+                  "stalled_seq": [d["n"] for d in received],
+                  "stalled_finished": sum(len(d.get("f", ())) for d in received)}))

@@ -139,6 +139,8 @@ class KvwatchStatLogger(StatLoggerBase):
         step = step_fields(scheduler_stats, iteration_stats)
         step["t"] = time.time()
         self._steps.append(step)
+        if self.sender.backlog:
+            self.sender.drain()
         self._finished += finished
         now = time.monotonic()
         full = len(self._steps) >= MAX_STEPS_PER_DATAGRAM
@@ -152,6 +154,7 @@ class KvwatchStatLogger(StatLoggerBase):
         self._steps, self._finished, self._evictions, self._evictions_left_out = [], [], [], 0
         self._flushed_at = time.monotonic() if now is None else now
         if not steps and not finished:
+            self.sender.drain()  # what a slow agent could not take yet
             return
         header = {"v": WIRE_VERSION, "e": self.engine_index, "p": self.pid, "n": 0, "t": time.time(),
                   "d": self.sender.dropped}

@@ -2,7 +2,8 @@
 
 Engine steps are sent in compact JSON datagrams: a step that finishes a request is sent at once with
 the steps buffered before it; other steps wait at most FLUSH_INTERVAL_S (or MAX_STEPS_PER_DATAGRAM),
-because the kernel queues only ``net.unix.max_dgram_qlen`` (10 by default) datagrams per socket.
+because the kernel queues only ``net.unix.max_dgram_qlen`` (10 by default) datagrams per socket;
+what a full queue refuses waits in the sender's bounded backlog.
 The kvwatch agent decodes them (``kvwatch/requests/vllm_plugin.py``); the two sides share only
 this format, documented in kvwatch's docs/vllm-plugin.md:
 
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import socket
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +42,8 @@ MAX_EVICTIONS = 64
 FLUSH_INTERVAL_S = 0.05
 MAX_STEPS_PER_DATAGRAM = 64
 MAX_REUSE_GAPS = 16
+#: datagrams kept while the agent's queue is full (about 200 bytes per step: at most ~3 MB)
+MAX_BACKLOG = 256
 
 _SEPARATORS = (",", ":")
 
@@ -85,30 +89,59 @@ def eviction_sample(lifetime: Any, idle: Any, gaps: Iterable[Any]) -> list[Any]:
 
 
 class DatagramSender:
-    """Sends to a Unix datagram socket without ever blocking or raising.
+    """Sends to a Unix datagram socket without ever blocking or raising, and loses nothing to a slow agent.
 
-    A missing socket (agent absent), a refused one (agent gone, socket file left), a full receive
-    queue (agent slow) or any other error drops the datagram and counts it in ``dropped``.
+    A full receive queue (the agent is alive but behind: the kernel queues only
+    ``net.unix.max_dgram_qlen`` datagrams) keeps the datagram, in order, in a backlog of at most
+    MAX_BACKLOG datagrams that the next ``send`` or ``drain`` sends first; past that bound the oldest
+    is dropped. A missing socket (agent absent), a refused one (agent gone, socket file left) or any
+    other error drops the datagram, and the backlog with it. Every drop is counted in ``dropped``.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_backlog: int = 0) -> None:
         self.path = path
         self.sent = 0
         self.dropped = 0
+        self.max_backlog = max_backlog or MAX_BACKLOG
+        self._backlog: deque[bytes] = deque()
         self._sock: socket.socket | None = None
 
+    @property
+    def backlog(self) -> int:
+        return len(self._backlog)
+
     def send(self, data: bytes) -> bool:
-        try:
-            if self._sock is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                sock.setblocking(False)
-                self._sock = sock
-            self._sock.sendto(data, self.path)
-        except Exception:  # BlockingIOError, FileNotFoundError, ConnectionRefusedError, EMSGSIZE, ...
+        """True when it and everything before it left now; False when some waits or was dropped."""
+        dropped = self.dropped
+        self._backlog.append(data)
+        if len(self._backlog) > self.max_backlog:
+            self._backlog.popleft()
             self.dropped += 1
-            return False
-        self.sent += 1
-        return True
+        self.drain()
+        return not self._backlog and self.dropped == dropped
+
+    def drain(self) -> None:
+        """Send the backlog, oldest first, until the queue is full again (never waits)."""
+        backlog = self._backlog
+        while backlog:
+            try:
+                if self._sock is None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                    sock.setblocking(False)
+                    self._sock = sock
+                self._sock.sendto(backlog[0], self.path)
+            except BlockingIOError:  # the agent is behind: keep it for the next try
+                return
+            except (FileNotFoundError, ConnectionRefusedError):  # no agent: what waited for it is lost
+                self.dropped += len(backlog)
+                backlog.clear()
+                return
+            except Exception:  # EMSGSIZE, a file that is not a socket, ...: this one only
+                backlog.popleft()
+                self.dropped += 1
+                continue
+            backlog.popleft()
+            self.sent += 1
 
     def close(self) -> None:
         if self._sock is not None:
