@@ -4,7 +4,7 @@ For each real capture (and a synthetic 8-rank vLLM page, the size of a DP=8 node
 the median time of:
 
 - ``prometheus_client.parser.text_string_to_metric_families`` (the peer),
-- ``kvwatch.engines.exposition.parse_text`` (ratio = peer / kvwatch: >1 means kvwatch is faster),
+- ``kvwatch.engines.exposition_parser.parse_text`` (ratio = peer / kvwatch: >1 means kvwatch is faster),
 - ``kvwatch.engines.registry.parse_exposition`` (text -> ReplicaSamples, adapter included).
 
   .venv/bin/python bench/exposition_parse.py
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.engines.exposition import parse_text
+from kvwatch.engines.exposition_parser import parse_text
 from kvwatch.engines.registry import parse_exposition
 
 ROOT = Path(__file__).resolve().parents[1]

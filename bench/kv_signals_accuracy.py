@@ -37,7 +37,7 @@ from derive.test_against_simulator import (
 from kvwatch.derive.node import NodeInputs, derive_node
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.sim.engine import SimEngine
-from kvwatch.sim.exposition import render_vllm_metrics
+from kvwatch.sim.exposition_writer import render_vllm_metrics
 
 SCENARIOS = {
     "balanced": lambda: sim.balanced(400.0),

@@ -1,4 +1,4 @@
-"""Fuzz target for the engine-page parser (``kvwatch/engines/exposition.py``).
+"""Fuzz target for the engine-page parser (``kvwatch/engines/exposition_parser.py``).
 
 Invariants, for any bytes an engine could serve:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 from kvwatch.cooperative import run_now
-from kvwatch.engines.exposition import ExpositionError, Limits, parse_steps, parse_text
+from kvwatch.engines.exposition_parser import ExpositionError, Limits, parse_steps, parse_text
 
 SMALL = Limits(max_line_length=512, max_series=200, max_label_values=4, max_ranks=3)
 

@@ -77,7 +77,7 @@ class ScrapeConfig:
     timeout_s: float = 3.0
     max_response_bytes: int = 16 * 1024 * 1024
     backoff_max_s: float = 60.0
-    # an engine page is outsider input: limits on what one page may cost (engines/exposition.py)
+    # an engine page is outsider input: limits on what one page may cost (engines/exposition_parser.py)
     max_line_length: int = 16 * 1024  # characters; a longer line makes the page malformed
     max_series: int = 100_000  # series per page (Prometheus' sample_limit); more: the scrape fails
     max_label_values: int = 256  # distinct values of one label per page; more fold into "other"

@@ -26,7 +26,7 @@ import httpx
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.cooperative import BudgetExceededError, run_sliced
 from kvwatch.engines.base import RANK_LABELS, ExtraPage
-from kvwatch.engines.exposition import ExpositionError, Limits, TooManySeriesError, parse_steps
+from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
 from kvwatch.engines.fetch import ScrapeError, fetch_body, fetch_metrics
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import ReplicaSample

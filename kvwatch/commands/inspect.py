@@ -135,7 +135,7 @@ def _print_text(source: str, result: Any, slots: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kvwatch.engines import llamacpp
-    from kvwatch.engines.exposition import ExpositionError
+    from kvwatch.engines.exposition_parser import ExpositionError
     from kvwatch.engines.fetch import ScrapeError
     from kvwatch.engines.registry import NoEngineMetricsError, parse_exposition
     from kvwatch.jsonsafe import jsonable

@@ -22,7 +22,7 @@ from itertools import product
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from kvwatch.engines.exposition import Exposition, Labels
+from kvwatch.engines.exposition_parser import Exposition, Labels
 from kvwatch.model import HistogramSnapshot, ReplicaSample, TierTraffic
 
 

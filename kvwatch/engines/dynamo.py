@@ -30,7 +30,7 @@ from kvwatch.engines.base import (
     traffic,
     version_hint,
 )
-from kvwatch.engines.exposition import Exposition, Labels
+from kvwatch.engines.exposition_parser import Exposition, Labels
 from kvwatch.model import ReplicaSample
 
 BACKEND = "dynamo"

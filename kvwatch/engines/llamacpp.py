@@ -37,7 +37,7 @@ from kvwatch.engines.base import (
     sample,
     version_hint,
 )
-from kvwatch.engines.exposition import Exposition
+from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.engines.fetch import ACCEPT_JSON
 from kvwatch.model import ReplicaSample, SlotSample
 

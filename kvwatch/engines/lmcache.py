@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from kvwatch.engines.base import rank_sort_key
-from kvwatch.engines.exposition import Exposition, Labels
+from kvwatch.engines.exposition_parser import Exposition, Labels
 from kvwatch.model import TierTraffic
 
 FAMILY = "lmcache"

@@ -17,7 +17,7 @@ from types import ModuleType
 
 from kvwatch.engines import dynamo, llamacpp, sglang, tgi, trtllm, vllm
 from kvwatch.engines.base import ExtraPage
-from kvwatch.engines.exposition import Exposition, parse_text
+from kvwatch.engines.exposition_parser import Exposition, parse_text
 from kvwatch.model import ReplicaSample
 
 #: backend -> adapter module, in detection order

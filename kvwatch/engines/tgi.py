@@ -12,7 +12,7 @@ requests.
 from __future__ import annotations
 
 from kvwatch.engines.base import Field, RankView, read_fields, read_histograms, sample
-from kvwatch.engines.exposition import Exposition
+from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.model import ReplicaSample
 
 BACKEND = "tgi"

@@ -24,7 +24,7 @@ from kvwatch.engines.base import (
     traffic,
     version_hint,
 )
-from kvwatch.engines.exposition import Exposition
+from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.model import ReplicaSample
 
 BACKEND = "trtllm"

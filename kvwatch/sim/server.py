@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from kvwatch.sim.engine import SimEngine, TokenEvent
-from kvwatch.sim.exposition import render_vllm_metrics
+from kvwatch.sim.exposition_writer import render_vllm_metrics
 
 FILLER = " tok"
 VLLM_VERSION = "0.33.0"

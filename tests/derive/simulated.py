@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.model import InFlightRequest, ReplicaSample
 from kvwatch.sim.engine import EngineConfig, SimEngine
-from kvwatch.sim.exposition import render_vllm_metrics
+from kvwatch.sim.exposition_writer import render_vllm_metrics
 from kvwatch.sim.models import MODELS
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvwatch.engines import dynamo
-from kvwatch.engines.exposition import parse_text
+from kvwatch.engines.exposition_parser import parse_text
 
 from .helpers import SCRAPED_AT, only, parse, samples, tiers
 

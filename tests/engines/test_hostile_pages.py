@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvwatch.engines.base import rank_sort_key
-from kvwatch.engines.exposition import ExpositionError, Limits, parse_text
+from kvwatch.engines.exposition_parser import ExpositionError, Limits, parse_text
 from kvwatch.engines.registry import parse_exposition, parse_families
 from tests.engines import hostile
 

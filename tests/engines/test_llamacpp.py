@@ -87,5 +87,5 @@ def test_apply_no_slots_changes_nothing():
 
 
 def test_detect_needs_llamacpp_families():
-    from kvwatch.engines.exposition import parse_text
+    from kvwatch.engines.exposition_parser import parse_text
     assert not llamacpp.detect(parse_text("process_cpu_seconds_total 1\n"))

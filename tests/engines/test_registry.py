@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.engines.exposition import ExpositionError, parse_text
+from kvwatch.engines.exposition_parser import ExpositionError, parse_text
 from kvwatch.engines.registry import ADAPTERS, NoEngineMetricsError, detect_backend, parse_exposition
 from kvwatch.model import BACKENDS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.engines import sglang
-from kvwatch.engines.exposition import parse_text
+from kvwatch.engines.exposition_parser import parse_text
 
 from .helpers import SCRAPED_AT, SGLANG_DYNAMO, only, page, parse, samples, tiers
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvwatch.engines import vllm
 from kvwatch.engines.base import missing_fields
-from kvwatch.engines.exposition import parse_text
+from kvwatch.engines.exposition_parser import parse_text
 
 from .helpers import SCRAPED_AT, VLLM_DYNAMO_LMCACHE, only, page, parse, samples, tiers
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvwatch.sim.engine import SimEngine
-from kvwatch.sim.exposition import render_vllm_metrics
+from kvwatch.sim.exposition_writer import render_vllm_metrics
 from kvwatch.sim.node import SimNode, h200_node, run_headless
 from kvwatch.sim.routing import RouterSpec
 from kvwatch.sim.workload import Patience, WorkloadSpec, generate

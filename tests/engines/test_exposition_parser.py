@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwatch.engines.exposition import ExpositionError, parse_text
+from kvwatch.engines.exposition_parser import ExpositionError, parse_text
 
 from .helpers import SGLANG_DYNAMO, VLLM_DYNAMO_LMCACHE, page
 

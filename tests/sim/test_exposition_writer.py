@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.sim import stats
 from kvwatch.sim.engine import SimEngine
-from kvwatch.sim.exposition import render_vllm_metrics
+from kvwatch.sim.exposition_writer import render_vllm_metrics
 
 from .helpers import small_config
 
