@@ -82,7 +82,7 @@ def agent_config(settings: DemoSettings, node: SimNode) -> Config:
         replicas=replicas,
         listen=settings.listen,
         node="demo-h200-node",
-        intervals=IntervalsConfig(engine_s=interval, gpu_s=interval, slots_s=interval, process_map_s=5.0),
+        intervals=IntervalsConfig(engine_s=interval, gpu_s=interval, process_map_s=5.0),
         nvml=NvmlConfig(enabled=True, fake_gpus=0, events=True),
         ledger=dataclasses.replace(Config().ledger, path=settings.ledger),
     )

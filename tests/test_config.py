@@ -105,7 +105,7 @@ def test_environment_overrides_nested_keys(tmp_path):
 def test_a_bad_environment_override_names_the_key():
     with pytest.raises(ConfigError) as err:
         load_config(None, environ={"KVWATCH_INTERVALS__ENGINE": "soon"})
-    assert dict(err.value.problems).keys() == {"intervals.engine"}
+    assert dict(err.value.problems).keys() == {"KVWATCH_INTERVALS__ENGINE (intervals.engine)"}
 
 
 def test_yaml_syntax_errors_name_the_line(tmp_path):

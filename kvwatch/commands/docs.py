@@ -1,19 +1,22 @@
-"""``kvwatch docs [--check]``: the metric reference in docs/metrics.md, generated from the catalog."""
+"""``kvwatch docs [--check]``: docs/metrics.md from the metric catalog, docs/config.md from the schema."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-HELP = "regenerate the metric reference in docs/metrics.md from kvwatch's metric catalog"
+HELP = "regenerate docs/metrics.md (metric catalog) and docs/config.md (config schema)"
 DESCRIPTION = """\
 Rewrite the generated part of docs/metrics.md (between its BEGIN/END GENERATED markers): one row per
 metric family kvwatch exports (name on the wire, type, labels, meaning), and the bucket boundaries
-of the request histograms (SLO thresholds must be one of them). The prose around it is kept.
+of the request histograms (SLO thresholds must be one of them). Rewrite the generated part of
+docs/config.md the same way: one row per config key (type, default, bounds, environment variable,
+meaning), from the schema in kvwatch/config/schema.py. The prose around each is kept.
 
---check exits 1 and prints a diff when the file is stale (CI runs it)."""
+--check exits 1 and prints a diff when either file is stale (CI runs it)."""
 
 BEGIN = "<!-- BEGIN GENERATED: kvwatch docs (do not edit by hand) -->"
 END = "<!-- END GENERATED -->"
@@ -28,8 +31,9 @@ AREAS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--file", default="docs/metrics.md", help="the Markdown file to update")
-    parser.add_argument("--check", action="store_true", help="fail (exit 1) if the file is stale")
+    parser.add_argument("--file", default="docs/metrics.md", help="the metric reference to update")
+    parser.add_argument("--config-file", default="docs/config.md", help="the config reference to update")
+    parser.add_argument("--check", action="store_true", help="fail (exit 1) if a file is stale")
 
 
 def reference() -> str:
@@ -87,17 +91,25 @@ def render(current: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    current = path.read_text(encoding="utf-8") if path.exists() else "# kvwatch metrics\n"
-    wanted = render(current)
-    if args.check:
-        if wanted != current:
-            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
-                                                       str(path), "generated"))
-            print(f"{path} is stale: run `kvwatch docs`", file=sys.stderr)
-            return 1
-        return 0
-    if wanted != current:
-        path.write_text(wanted, encoding="utf-8")
-        print(f"wrote {path}")
-    return 0
+    from kvwatch.config import reference as config_reference
+
+    stale = [_update(Path(args.file), "# kvwatch metrics\n", render, args.check),
+             _update(Path(args.config_file), "# kvwatch configuration\n", config_reference.render,
+                     args.check)]
+    return 1 if any(stale) else 0
+
+
+def _update(path: Path, empty: str, rendered: Callable[[str], str], check: bool) -> bool:
+    """Write (or with ``check``, compare) ``path``'s generated region; True when it was stale."""
+    current = path.read_text(encoding="utf-8") if path.exists() else empty
+    wanted = rendered(current)
+    if wanted == current:
+        return False
+    if check:
+        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
+                                                   str(path), "generated"))
+        print(f"{path} is stale: run `kvwatch docs`", file=sys.stderr)
+        return True
+    path.write_text(wanted, encoding="utf-8")
+    print(f"wrote {path}")
+    return False

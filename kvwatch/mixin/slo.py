@@ -14,7 +14,10 @@ requests must be good over the SLO period. Two kinds of SLI (docs/alerting.md):
   clients cancel and misbehave for reasons of their own. Add ``aborted`` to ``bad_outcomes`` to
   spend budget on abandonment.
 
-Errors reuse ``kvwatch.config.ConfigError`` so ``kvwatch rules`` reports every problem at once.
+Keys, kinds and bounds are declared in the fields' metadata and read by the config's generic
+validator (``kvwatch.config.validate``); only the rules that depend on other keys (bands, thresholds,
+matchers, outcomes) are read here. Errors reuse ``ConfigError`` so ``kvwatch rules`` reports every
+problem at once.
 """
 
 from __future__ import annotations
@@ -28,7 +31,17 @@ from typing import Any
 
 from kvwatch import buckets
 from kvwatch.catalog import spec
-from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file, short_name
+from kvwatch.config import ConfigError, KeyPathReader, parse_duration, read_yaml_file
+from kvwatch.config.validate import (
+    EDGES,
+    INTEGER,
+    NAME,
+    STRING,
+    WORD,
+    Kind,
+    caller_reads,
+    setting,
+)
 from kvwatch.mixin.thresholds import AlertConfig, alert_config_from_mapping
 from kvwatch.model import OUTCOMES, LengthBands
 
@@ -59,50 +72,6 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RESERVED_LABELS = frozenset({"__name__", "le", "model_name", "length_band", "outcome"})
 
 
-@dataclass(frozen=True, slots=True)
-class Objective:
-    """One SLO: ``objective`` of the requests of ``model`` in each of ``bands`` are good."""
-
-    name: str  # the `slo` label value
-    sli: str  # ttft | tpot | e2e | completion
-    objective: float  # 0 < objective < 1
-    bands: tuple[str, ...]
-    model: str = ANY_MODEL  # "*" = every model, one series per model_name
-    threshold: float | None = None  # seconds; latency SLIs only; an exact bucket boundary
-    good_outcomes: tuple[str, ...] = DEFAULT_GOOD_OUTCOMES  # completion only
-    bad_outcomes: tuple[str, ...] = DEFAULT_BAD_OUTCOMES  # completion only
-    min_requests: int = 20  # requests a band needs in an alert's long window before it may alert
-    matchers: tuple[tuple[str, str], ...] = ()  # extra exact label matchers, e.g. source=proxy
-    description: str = ""
-
-    @property
-    def error_budget(self) -> float:
-        """Allowed error ratio, ``1 - objective``, rounded so 1 - 0.99 prints as 0.01."""
-        return round(1.0 - self.objective, 12)
-
-    @property
-    def is_latency(self) -> bool:
-        return self.sli in LATENCY_SLIS
-
-    @property
-    def family(self) -> str:
-        return LATENCY_SLIS[self.sli][0] if self.is_latency else OUTCOMES_FAMILY
-
-
-@dataclass(frozen=True, slots=True)
-class SloFile:
-    period: str  # Prometheus duration of the error-budget window, e.g. "28d"
-    bands: LengthBands
-    long_bands: tuple[str, ...]  # watched by KVWatchLongRequestsStarving
-    short_bands: tuple[str, ...]  # the comparison: these must still be fine
-    objectives: tuple[Objective, ...]
-    alerts: AlertConfig = field(default_factory=AlertConfig)  # the operational alerts' knobs
-
-    @property
-    def period_seconds(self) -> int:
-        return prom_duration_seconds(self.period)
-
-
 # --------------------------------------------------------------------------------------------
 # value readers (each raises ValueError with the message the user sees)
 # --------------------------------------------------------------------------------------------
@@ -120,13 +89,6 @@ def _period(value: Any) -> str:
     seconds = prom_duration_seconds(text)
     if seconds < LONGEST_ALERT_WINDOW_S:
         raise ValueError(f"the period must be at least 3d (the longest alert window), got {text!r}")
-    return text
-
-
-def _sli(value: Any) -> str:
-    text = str(value).lower()
-    if text not in SLIS:
-        raise ValueError(f"unknown sli {value!r} (one of {', '.join(SLIS)})")
     return text
 
 
@@ -149,12 +111,6 @@ def _objective(value: Any) -> float:
             f"need an error ratio of {FASTEST_BURN * (1 - ratio):.2f} (> 1) and could never fire; "
             f"use an objective above {floor:.4f}")
     return ratio
-
-
-def _min_requests(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected a whole number of requests >= 1, got {value!r}")
-    return value
 
 
 def _seconds(value: Any) -> float:
@@ -193,18 +149,6 @@ def _bands(value: Any, bands: LengthBands) -> tuple[str, ...]:
     return names
 
 
-def _outcomes(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list | tuple) or not value:
-        raise ValueError(f"expected a list of outcomes (from {', '.join(OUTCOMES)})")
-    names = tuple(str(v) for v in value)
-    unknown = [n for n in names if n not in OUTCOMES]
-    if unknown:
-        raise ValueError(f"unknown outcome(s) {', '.join(map(repr, unknown))} (valid: {', '.join(OUTCOMES)})")
-    return names
-
-
 def _matchers(value: Any, family: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, Mapping):
         raise ValueError("expected a mapping of label: value, e.g. {source: proxy}")
@@ -218,72 +162,137 @@ def _matchers(value: Any, family: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _edges(value: Any) -> LengthBands:
-    if not isinstance(value, list | tuple):
-        raise ValueError("expected ascending token counts, e.g. [1000, 5000, 10000, 20000]")
-    try:
-        return LengthBands(tuple(int(v) for v in value))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(str(exc)) from None
+def _outcome_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"expected a list of outcomes (from {', '.join(OUTCOMES)})")
+    return tuple(str(v) for v in value)
+
+
+RATIO = Kind("ratio (`0.99` or `99%`)", _objective)
+PERIOD = Kind("Prometheus duration (at least 3d)", _period)
+OUTCOME_LIST = Kind("list of outcomes", _outcome_list)
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """One SLO: ``objective`` of the requests of ``model`` in each of ``bands`` are good."""
+
+    name: str = field(metadata=setting("name", NAME, "the `slo` label value"))
+    sli: str = field(metadata=setting("sli", WORD, "what is measured", choices=SLIS))
+    objective: float = field(metadata=setting("objective", RATIO, "share of good requests, 0 to 1"))
+    bands: tuple[str, ...] = field(metadata=caller_reads("bands", "length bands, or `*` for all"))
+    model: str = field(default=ANY_MODEL, metadata=setting(
+        "model", STRING, "`*` = every model, one series per model_name"))
+    threshold: float | None = field(default=None, metadata=caller_reads(
+        "threshold", "seconds; latency SLIs only; an exact bucket boundary"))
+    good_outcomes: tuple[str, ...] = field(default=DEFAULT_GOOD_OUTCOMES, metadata=setting(
+        "good_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"))
+    bad_outcomes: tuple[str, ...] = field(default=DEFAULT_BAD_OUTCOMES, metadata=setting(
+        "bad_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"))
+    min_requests: int = field(default=20, metadata=setting(
+        "min_requests", INTEGER, "requests a band needs in an alert's long window before it may alert",
+        minimum=1))
+    matchers: tuple[tuple[str, str], ...] = field(default=(), metadata=caller_reads(
+        "matchers", "extra exact label matchers, e.g. {source: proxy}"))
+    description: str = field(default="", metadata=setting("description", STRING, "shown in the alert"))
+
+    @property
+    def error_budget(self) -> float:
+        """Allowed error ratio, ``1 - objective``, rounded so 1 - 0.99 prints as 0.01."""
+        return round(1.0 - self.objective, 12)
+
+    @property
+    def is_latency(self) -> bool:
+        return self.sli in LATENCY_SLIS
+
+    @property
+    def family(self) -> str:
+        return LATENCY_SLIS[self.sli][0] if self.is_latency else OUTCOMES_FAMILY
+
+
+@dataclass(frozen=True, slots=True)
+class SloDefaults:
+    """``defaults:``: what every objective takes unless it says otherwise."""
+
+    model: str | None = field(default=None, metadata=setting("model", STRING, "as objectives[].model"))
+    min_requests: int | None = field(default=None, metadata=setting(
+        "min_requests", INTEGER, "as objectives[].min_requests", minimum=1))
+    matchers: Any = field(default=None, metadata=caller_reads("matchers", "as objectives[].matchers"))
+
+
+@dataclass(frozen=True, slots=True)
+class SloFile:
+    long_bands: tuple[str, ...] = field(metadata=caller_reads(
+        "long_bands", "watched by KVWatchLongRequestsStarving"))
+    short_bands: tuple[str, ...] = field(metadata=caller_reads(
+        "short_bands", "the comparison: these must still be fine"))
+    objectives: tuple[Objective, ...] = field(metadata=caller_reads("objectives", "the objectives"))
+    period: str = field(default="28d", metadata=setting(
+        "period", PERIOD, "Prometheus duration of the error-budget window, e.g. 28d"))
+    bands: LengthBands = field(default_factory=LengthBands, metadata=setting(
+        "length_bands", EDGES, "output-length band edges in tokens"))
+    alerts: AlertConfig = field(default_factory=AlertConfig, metadata=caller_reads(
+        "alerts", "the operational alerts' thresholds and for: durations (mixin/thresholds.py)"))
+
+    @property
+    def period_seconds(self) -> int:
+        return prom_duration_seconds(self.period)
 
 
 # --------------------------------------------------------------------------------------------
 # the file
 # --------------------------------------------------------------------------------------------
 
-_TOP_KEYS = {"version", "period", "length_bands", "long_bands", "short_bands", "defaults", "objectives",
-             "alerts"}
-_DEFAULT_KEYS = {"model", "min_requests", "matchers"}
-_OBJECTIVE_KEYS = {
-    "name", "description", "sli", "threshold", "objective", "bands", "model", "min_requests", "matchers",
-    "good_outcomes", "bad_outcomes",
-}
+#: keys of the file beyond SloFile's fields: its format version and the objectives' defaults
+_FILE_ONLY_KEYS = frozenset({"version", "defaults"})
 
 
 def _objective_entry(r: KeyPathReader, node: Any, path: str, bands: LengthBands,
-                     defaults: Mapping[str, Any]) -> Objective | None:
-    m = r.mapping(node, path, _OBJECTIVE_KEYS)
-    if not m:
+                     defaults: SloDefaults) -> Objective | None:
+    if not isinstance(node, Mapping) or not node:
+        r.mapping(node, path, set())
         r.problem(path, "expected an objective with at least name, sli, objective and bands")
         return None
-    name = r.get(m, "name", path, short_name, required=True)
-    sli = r.get(m, "sli", path, _sli, required=True)
-    objective = r.get(m, "objective", path, _objective, required=True)
+    before = len(r.problems)
+    values = r.values(node, path, Objective)
+    bad_keys = {where for where, _ in r.problems[before:]}
+    m: Mapping[str, Any] = node
+    for key, fallback in (("model", defaults.model), ("min_requests", defaults.min_requests)):
+        if m.get(key) is None and fallback is not None:
+            values[key] = fallback
+    for key in ("name", "sli", "objective"):
+        if values[key] is None and m.get(key) is None:
+            r.problem(f"{path}.{key}", "required")
+    sli = values["sli"]
     band_names = r.get(m, "bands", path, lambda v: _bands(v, bands), required=True)
-    model = r.get(m, "model", path, str, default=defaults.get("model", ANY_MODEL))
-    min_requests = r.get(m, "min_requests", path, _min_requests, default=defaults.get("min_requests", 20))
-    description = r.get(m, "description", path, str, default="")
     threshold = None
-    good, bad = DEFAULT_GOOD_OUTCOMES, DEFAULT_BAD_OUTCOMES
     if sli in LATENCY_SLIS:
         threshold = r.get(m, "threshold", path, lambda v: boundary_for(sli, _seconds(v)), required=True)
         for key in ("good_outcomes", "bad_outcomes"):
             if key in m:
                 r.problem(f"{path}.{key}", f"only completion objectives count outcomes (this one is {sli})")
+        values["good_outcomes"], values["bad_outcomes"] = DEFAULT_GOOD_OUTCOMES, DEFAULT_BAD_OUTCOMES
     elif sli == COMPLETION:
         if "threshold" in m:
             r.problem(f"{path}.threshold", "a completion objective has no latency threshold")
-        good = r.get(m, "good_outcomes", path, _outcomes)
-        bad = r.get(m, "bad_outcomes", path, _outcomes)
-        both = sorted(set(good or ()) & set(bad or ()))
-        if both:
+        both = sorted(set(values["good_outcomes"]) & set(values["bad_outcomes"]))
+        if both and not bad_keys & {f"{path}.good_outcomes", f"{path}.bad_outcomes"}:
             r.problem(f"{path}.bad_outcomes", f"{', '.join(both)} cannot be both good and bad")
-        good = good or DEFAULT_GOOD_OUTCOMES
-        bad = bad or DEFAULT_BAD_OUTCOMES
     family = LATENCY_SLIS[sli][0] if sli in LATENCY_SLIS else OUTCOMES_FAMILY
-    matchers = ()
+    matchers: tuple[tuple[str, str], ...] = ()
     if sli is not None:
-        raw = m.get("matchers", defaults.get("matchers"))
+        raw = m.get("matchers", defaults.matchers)
         if raw is not None:
             try:
                 matchers = _matchers(raw, family)
             except ValueError as exc:
                 r.problem(f"{path}.matchers", str(exc))
-    if None in (name, sli, objective, band_names) or (sli in LATENCY_SLIS and threshold is None):
+    if None in (values["name"], sli, values["objective"], band_names) or (
+            sli in LATENCY_SLIS and threshold is None):
         return None
-    return Objective(name=name, sli=sli, objective=objective, bands=band_names, model=model,
-                     threshold=threshold, good_outcomes=good, bad_outcomes=bad, min_requests=min_requests,
-                     matchers=matchers, description=description)
+    return Objective(**values, bands=band_names, threshold=threshold, matchers=matchers)
 
 
 def _edge_bands(bands: LengthBands) -> int:
@@ -302,20 +311,20 @@ def _default_short(bands: LengthBands) -> tuple[str, ...]:
 def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
     """Validate a parsed SLO document; raise ConfigError listing every problem with its key path."""
     r = KeyPathReader()
-    top = r.mapping(data, "", _TOP_KEYS)
+    top = data if isinstance(data, Mapping) else {}
     version = top.get("version", 1)
     if version != 1:
         r.problem("version", f"unsupported version {version!r} (this kvwatch reads version 1)")
-    period = r.get(top, "period", "", _period, default="28d")
-    bands = r.get(top, "length_bands", "", _edges, default=LengthBands())
+    read = r.values(data, "", SloFile, also=_FILE_ONLY_KEYS)
+    period, bands = read["period"], read["bands"]
     long_bands = r.get(top, "long_bands", "", lambda v: _bands(v, bands), default=_default_long(bands))
     short_bands = r.get(top, "short_bands", "", lambda v: _bands(v, bands), default=_default_short(bands))
     overlap = sorted(set(long_bands) & set(short_bands))
     if overlap:
         r.problem("short_bands", f"{', '.join(overlap)} cannot be both a long and a short band")
-    defaults = r.mapping(top.get("defaults"), "defaults", _DEFAULT_KEYS)
-    if "min_requests" in defaults:
-        r.get(defaults, "min_requests", "defaults", _min_requests)
+    defaults = SloDefaults(**r.values(top.get("defaults"), "defaults", SloDefaults),
+                           matchers=(top.get("defaults") or {}).get("matchers")
+                           if isinstance(top.get("defaults"), Mapping) else None)
 
     objectives: list[Objective] = []
     raw = top.get("objectives")
