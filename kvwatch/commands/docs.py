@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 HELP = "regenerate docs/metrics.md (metric catalog) and docs/config.md (config schema)"
@@ -40,7 +39,7 @@ def reference() -> str:
     from kvwatch import buckets
     from kvwatch.catalog import CATALOG
 
-    lines = [BEGIN, ""]
+    lines: list[str] = []
     for area, title in AREAS:
         lines += [f"### {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
         for spec in (s for s in CATALOG if s.area == area):
@@ -70,7 +69,7 @@ def reference() -> str:
     lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a "
               "boundary.", "",
               "`kvwatch_engine_step_seconds` is labelled `batch_tokens` by the step's scheduled tokens "
-              "(context + generation): " + ", ".join(f"`{n}`" for n in _batch_bands()) + ".", "", END]
+              "(context + generation): " + ", ".join(f"`{n}`" for n in _batch_bands()) + "."]
     return "\n".join(lines)
 
 
@@ -80,9 +79,9 @@ def _batch_bands() -> tuple[str, ...]:
     return BATCH_TOKEN_BANDS.names
 
 
-def render(current: str) -> str:
-    """``current`` with its generated region replaced (appended when the markers are missing)."""
-    generated = reference()
+def render(current: str, generated: str) -> str:
+    """``current`` with its generated region replaced by ``generated`` (appended without markers)."""
+    generated = f"{BEGIN}\n\n{generated}\n\n{END}"
     if BEGIN in current and END in current:
         head, _, rest = current.partition(BEGIN)
         _, _, tail = rest.partition(END)
@@ -93,16 +92,16 @@ def render(current: str) -> str:
 def main(args: argparse.Namespace) -> int:
     from kvwatch.config import reference as config_reference
 
-    stale = [_update(Path(args.file), "# kvwatch metrics\n", render, args.check),
-             _update(Path(args.config_file), "# kvwatch configuration\n", config_reference.render,
+    stale = [_update(Path(args.file), "# kvwatch metrics\n", reference(), args.check),
+             _update(Path(args.config_file), "# kvwatch configuration\n", config_reference.reference(),
                      args.check)]
     return 1 if any(stale) else 0
 
 
-def _update(path: Path, empty: str, rendered: Callable[[str], str], check: bool) -> bool:
+def _update(path: Path, empty: str, generated: str, check: bool) -> bool:
     """Write (or with ``check``, compare) ``path``'s generated region; True when it was stale."""
     current = path.read_text(encoding="utf-8") if path.exists() else empty
-    wanted = rendered(current)
+    wanted = render(current, generated)
     if wanted == current:
         return False
     if check:

@@ -1,6 +1,6 @@
 """docs/config.md's reference, rendered from the schema: every key, kind, default, bounds, doc, variable.
 
-Pure: schema in, Markdown out (``kvwatch docs`` writes it, ``kvwatch docs --check`` compares it).
+Pure: schema in, Markdown out (``kvwatch docs`` puts it in the file, ``--check`` compares).
 """
 
 from __future__ import annotations
@@ -13,18 +13,15 @@ from kvwatch.config.schema import Config
 from kvwatch.config.validate import DURATION, SIZE, HostPort, default_of, is_required, schema_fields
 from kvwatch.model import LengthBands
 
-BEGIN = "<!-- BEGIN GENERATED: kvwatch docs (do not edit by hand) -->"
-END = "<!-- END GENERATED -->"
 _HEADER = ["| key | type | default | bounds | environment | meaning |", "|---|---|---|---|---|---|"]
 
 
 def reference() -> str:
     """The generated region of docs/config.md: one table per section, top level first."""
-    lines = [BEGIN, ""]
+    lines: list[str] = []
     for title, rows in _tables(Config, (), env=True):
         lines += [f"### {title}", "", *_HEADER, *rows, ""]
-    lines.append(END)
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def _tables(cls: type, path: tuple[str, ...], env: bool) -> list[tuple[str, list[str]]]:
@@ -92,13 +89,3 @@ def _bounds(meta: Any) -> str:
     if "choices" in meta:
         parts.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
     return "; ".join(parts) or "-"
-
-
-def render(current: str) -> str:
-    """``current`` with its generated region replaced (appended when the markers are missing)."""
-    generated = reference()
-    if BEGIN in current and END in current:
-        head, _, rest = current.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        return head + generated + tail
-    return current.rstrip("\n") + "\n\n## Reference\n\n" + generated + "\n"
