@@ -1,9 +1,10 @@
 """Property (issue #11): whatever an engine streams, and whatever kvwatch's accounting does with it,
 the client receives the engine's bytes, in order, less only the usage chunk kvwatch asked for.
 
-The relay is driven through its upstream callbacks (``on_head``, ``on_body`` per read, ``on_end``),
-as ``_UpstreamConnection`` drives it, with the stream cut into random reads; the client side is a
-transport that records what was written. Accounting is made to fail at random points too.
+Checked twice: on the pure usage relay (``proxy/relay.py``), fed the stream cut into random reads;
+and through an exchange, driven by its upstream callbacks (``on_head``, ``on_body`` per read,
+``on_end``) as ``EngineConnection`` drives it, with a transport that records what the client was
+written and accounting made to fail at random points.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from kvwatch.model import DEFAULT_BANDS
 from kvwatch.requests import sse
 from kvwatch.requests.accounting import ModelLabels, RequestMeter
 from kvwatch.requests.http1 import ChunkedDecoder, parse_request_head, parse_response_head
-from kvwatch.requests.proxy import ACCOUNTING_ERRORS, ProxyServer, _ClientConnection, _Exchange, _separator
+from kvwatch.requests.proxy import ACCOUNTING_ERRORS, ProxyServer
+from kvwatch.requests.proxy.client import ClientConnection
+from kvwatch.requests.proxy.exchange import Exchange
+from kvwatch.requests.proxy.relay import UsageRelay, separator
 from kvwatch.state import InFlightTracker
 
 from .scripted import chat_chunk, usage_chunk
@@ -77,12 +81,12 @@ async def relay(stream: bytes, cuts: list[int], client_body: bytes,
                             proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
     proxy = ProxyServer(replica, ProxyConfig(), ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
                         lambda record: None, count, meter_factory=meter)
-    conn = _ClientConnection(proxy)
+    conn = ClientConnection(proxy)
     down = RecordingTransport()
     conn.transport = down
     head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
                               % len(client_body))
-    exchange = _Exchange(conn, head, client_body, 0.0, 0.0)
+    exchange = Exchange(conn, head, client_body, 0.0, 0.0)
     conn.exchange = exchange
     exchange._send = lambda: None  # type: ignore[method-assign]  # no engine connection: driven below
     exchange.start()
@@ -110,7 +114,7 @@ async def relay(stream: bytes, cuts: list[int], client_body: bytes,
 def expected(stream: bytes, injected: bool) -> bytes:
     """The engine's bytes less the first usage-only event and its separator, when kvwatch asked for
     it (blank lines before the event are not part of it)."""
-    sep = _separator(stream)
+    sep = separator(stream)
     if not injected or sep is None:
         return stream
     events = stream.split(sep)
@@ -155,6 +159,26 @@ async def test_client_gets_the_engines_bytes_less_only_the_usage_chunk_kvwatch_a
     assert received == expected(stream, injected)
 
 
+def pure_relay(stream: bytes, cuts: list[int], strip: bool) -> tuple[bytes, int]:
+    """What the usage relay lets through for ``stream`` read in pieces at ``cuts``, to the end (the
+    exchange stops at ``[DONE]``; the relay itself does not), and the accounting errors it noted."""
+    usage_relay = UsageRelay(strip, unasked=not strip)
+    bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(stream)), len(stream)]
+    out = [usage_relay.feed(stream[start:end]) for start, end in itertools.pairwise(bounds)]
+    held, carry = usage_relay.finish()
+    return b"".join([*out, held, carry]), len(usage_relay.errors)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=streams, cuts=cut_lists, strip=st.booleans())
+@example(stream=chat_chunk({"content": ""}, "stop") + b"\n", cuts=[], strip=True)
+@example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[3], strip=True)
+def test_usage_relay_passes_the_engines_bytes_less_only_the_usage_chunk_kvwatch_asked_for(
+        stream: bytes, cuts: list[int], strip: bool) -> None:
+    received, _ = pure_relay(stream, cuts, strip)
+    assert received == expected(stream, strip)
+
+
 def deep_usage(depth: int) -> bytes:
     return b'data: {"choices":[],"usage":{"prompt_tokens":1,"x":' + b"[" * depth + b"]" * depth + b"}}\n\n"
 
@@ -195,16 +219,17 @@ async def test_events_after_the_final_chunk_are_held_within_a_cap() -> None:
                             proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
     proxy = ProxyServer(replica, ProxyConfig(), ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
                         lambda record: None, lambda *a, **k: None)
-    conn = _ClientConnection(proxy)
+    conn = ClientConnection(proxy)
     conn.transport = down = RecordingTransport()
     head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
                               % len(STREAMING))
-    exchange = _Exchange(conn, head, STREAMING, 0.0, 0.0)
+    exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
     exchange._send = lambda: None  # type: ignore[method-assign]
     exchange.start()
     exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream"), None, True)
     exchange.on_body(stream)
     exchange.flush()
-    assert exchange.held is None and down.written.count(b'"content":"z"') == 100  # not held to the end
+    assert exchange.relay is not None and exchange.relay.held is None  # not held to the end
+    assert down.written.count(b'"content":"z"') == 100
     exchange.abandon()
     conn._cancel_timer()

@@ -110,7 +110,7 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
 
 async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientSession,
                                                                    monkeypatch) -> None:
-    monkeypatch.setattr("kvwatch.requests.proxy.DRAIN_S", 0.2)
+    monkeypatch.setattr("kvwatch.requests.proxy.pool.DRAIN_S", 0.2)
     closed = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,0 +1,55 @@
+"""Streaming reverse proxy in front of one OpenAI-compatible engine (vLLM, SGLang, TRT-LLM, ...).
+
+One listener per replica. Every request is relayed; ``POST /v1/chat/completions`` and
+``POST /v1/completions`` are also measured (``requests/accounting.py``) and end as one
+``RequestRecord`` handed to ``sink``. Everything else (``/v1/models``, ``/health``, ``/metrics``, ...)
+passes through untouched: status, headers (minus hop-by-hop) and body bytes as the engine sent them.
+
+The package, by concern:
+
+- ``server.py``: the listener, accepting, the connection cap and descriptor limit, and what every
+  connection of a replica shares (engine pool, buffer budget, counters); ``start_proxy``.
+- ``client.py``: one client connection, the HTTP/1.1 protocol per client (keep-alive, pipelining,
+  the slow-client timer).
+- ``exchange.py``: one request and its response, with its accounting.
+- ``pool.py``: keep-alive engine connections, and one engine connection reading a response.
+- ``relay.py``: the usage-chunk relay, pure bytes in and out (no I/O, no clock).
+- ``answers.py``: kvwatch's own error answers; ``seams.py``: the typed interfaces to the agent.
+
+Built on raw asyncio protocols, not aiohttp: measured in ``bench/proxy_bench.py`` (docs/performance.md
+"Streaming proxy"), an aiohttp server+client relay cost 2.3x nginx's CPU per chunk with uvloop and
+added 15-25 ms TTFT under a burst; a protocol relay costs about what nginx does. It also sees the
+first byte of a request (TTFT starts there, not when a framework's handler runs) and owns the
+slow-client timer. Runs on whatever loop the agent runs; uvloop makes it about 20% cheaper.
+
+Per upstream read the hot path is: de-chunk, find the last event boundary, one ``in`` test for
+``"usage"``, write to the client, one regex search per event (``sse.CONTENT``), a bisect for the
+gap. No JSON is parsed per chunk; the usage chunk is parsed once.
+
+Per request the work is callback-driven: the request is written to a pooled keep-alive upstream
+connection inside the callback that read its last byte (no task, no connect, no extra loop turn),
+so a request arriving among many busy streams reaches the engine at once. Only when no idle
+connection is pooled does a task connect one. A request whose reused connection turns out closed
+before answering anything is sent again on a fresh one.
+
+Failure semantics: the proxy never makes a request worse. Accounting errors are counted
+(``kvwatch_proxy_accounting_errors_total``) and the bytes keep flowing; a client that disconnects
+closes the upstream connection at once (the engine aborts the request and frees its KV); an
+upstream that refuses, times out or breaks shows the client the same kind of failure (502/504
+before the response head, a cut stream after it).
+"""
+
+from kvwatch.requests.proxy.seams import (
+    ACCEPT_ERRORS,
+    ACCOUNTING_ERRORS,
+    SHED,
+    TIMED_OUT,
+    USAGE_REFUSED,
+    Count,
+    MeterFactory,
+    Sink,
+)
+from kvwatch.requests.proxy.server import ProxyServer, UpstreamAddress, start_proxy
+
+__all__ = ["ACCEPT_ERRORS", "ACCOUNTING_ERRORS", "SHED", "TIMED_OUT", "USAGE_REFUSED", "Count",
+           "MeterFactory", "ProxyServer", "Sink", "UpstreamAddress", "start_proxy"]

@@ -1,0 +1,266 @@
+"""Keep-alive connections to the engine: the pool of idle ones, and one connection reading one
+response at a time for the exchange attached to it.
+
+Idle connections are dropped after ``UPSTREAM_IDLE_S`` (engines close theirs after 5 s: uvicorn's
+default). A response whose client already has everything (``[DONE]`` relayed) is read to its end
+here, on the connection's own (``release_tail``), then the connection goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, cast
+
+from kvwatch.requests.http1 import HEAD_END, MAX_HEAD_BYTES, ChunkedDecoder, HttpError, parse_response_head
+
+if TYPE_CHECKING:
+    from kvwatch.requests.proxy.exchange import Exchange
+    from kvwatch.requests.proxy.server import ProxyServer
+
+UPSTREAM_IDLE_S = 4.0  # an idle pooled upstream connection older than this is not reused
+DRAIN_S = 5.0  # how long an engine may take to end a stream after [DONE] before its connection is closed
+MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
+
+_HEAD, _CHUNKED, _LENGTH, _UNTIL_CLOSE, _ENDED = range(5)
+
+
+class EnginePool:
+    """Idle keep-alive connections to the engine, most recently used first."""
+
+    def __init__(self, max_idle: int = MAX_IDLE_UPSTREAM, idle_s: float = UPSTREAM_IDLE_S) -> None:
+        self.max_idle = max_idle
+        self.idle_s = idle_s
+        self.idle: list[EngineConnection] = []
+
+    def take(self) -> EngineConnection | None:
+        now = time.monotonic()
+        while self.idle:
+            protocol = self.idle.pop()
+            if not protocol.closed and now - protocol.idle_since < self.idle_s:
+                return protocol
+            protocol.abort()
+        return None
+
+    def give(self, protocol: EngineConnection) -> None:
+        if protocol.closed or len(self.idle) >= self.max_idle:
+            protocol.abort()
+            return
+        protocol.idle_since = time.monotonic()
+        self.idle.append(protocol)
+
+    def discard(self, protocol: EngineConnection) -> None:
+        with contextlib.suppress(ValueError):
+            self.idle.remove(protocol)
+
+    def close(self) -> None:
+        for protocol in self.idle:
+            protocol.abort()
+        self.idle.clear()
+
+
+class EngineConnection(asyncio.Protocol):
+    """One connection to the engine; reads one response at a time for the exchange attached."""
+
+    def __init__(self, proxy: ProxyServer) -> None:
+        self.proxy = proxy
+        self.ex: Exchange | None = None
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+        self.mode = _ENDED
+        self.buf = b""
+        self.decoder = ChunkedDecoder()
+        self.remaining = 0
+        self.reads = 0
+        self.reusable = False  # the response allows this connection to carry another request
+        self.tail_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport (also uvloop's)
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None  # attached connections are connected
+        self.transport.write(data)
+
+    def attach(self, exchange: Exchange, reused: bool) -> None:
+        self.ex = exchange
+        self.reused = reused
+        self.mode = _HEAD
+        self.buf = b""
+        self.decoder = ChunkedDecoder()
+        self.remaining = 0
+        self.reads = 0
+        self.reusable = False
+
+    def pause_reading(self, paused: bool) -> None:
+        if self.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                if paused:
+                    self.transport.pause_reading()
+                else:
+                    self.transport.resume_reading()
+
+    def release_tail(self) -> None:
+        """The exchange is done with this response (``[DONE]`` relayed): read what the engine still
+        sends of it on our own, then back to the pool; closed if it takes over ``DRAIN_S``."""
+        self.ex = None
+        if self.mode == _ENDED or self.closed:
+            return
+        if self.mode == _UNTIL_CLOSE or not self.reusable:
+            self.abort()  # nothing to keep this connection for
+            return
+        self.pause_reading(False)  # the slow client it was paused for is gone
+        loop = asyncio.get_running_loop()
+        self.tail_timer = loop.call_later(DRAIN_S, self._tail_too_slow)
+        self.proxy.tails += 1
+        loop.call_soon(self._spare_if_draining)  # after this read: its last-chunk marker may be in it
+
+    def _spare_if_draining(self) -> None:
+        if self.tail_timer is not None:
+            self.proxy.warm_spare()
+
+    def _tail_done(self) -> None:
+        if self.tail_timer is not None:
+            self.tail_timer.cancel()
+            self.tail_timer = None
+            self.proxy.tails -= 1
+
+    def _tail_too_slow(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Close now and forget the exchange (which is told by whoever called this)."""
+        self._tail_done()
+        self.ex = None
+        self.mode = _ENDED
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.ex
+        self._received(data)
+        if ex is not None:
+            ex.flush()
+
+    def _received(self, data: bytes) -> None:
+        self.reads += 1
+        mode = self.mode
+        if mode == _CHUNKED:
+            try:
+                payload = self.decoder.feed(data)
+            except HttpError as exc:
+                self._broken(exc.reason)
+                return
+            if payload and self.ex is not None:  # None: a tail after [DONE], read and dropped
+                self.ex.on_body(payload)
+            if self.decoder.done:
+                self.reusable = self.reusable and not self.decoder.rest
+                self._end()
+        elif mode == _HEAD:
+            self._read_head(data)
+        elif mode == _LENGTH:
+            if len(data) >= self.remaining:
+                self.reusable = self.reusable and len(data) == self.remaining
+                data = data[:self.remaining]
+                self.remaining = 0
+                if self.ex is not None:
+                    self.ex.on_body(data)
+                self._end()
+            else:
+                self.remaining -= len(data)
+                if self.ex is not None:
+                    self.ex.on_body(data)
+        elif mode == _UNTIL_CLOSE:
+            if self.ex is not None:
+                self.ex.on_body(data)
+        else:  # bytes on an idle connection: nothing asked for them
+            self.proxy.pool.discard(self)
+            self.abort()
+
+    def _read_head(self, data: bytes) -> None:
+        ex = self.ex
+        assert ex is not None
+        buf = self.buf + data
+        while True:
+            end = buf.find(HEAD_END, 0, MAX_HEAD_BYTES + len(HEAD_END))
+            if end < 0:
+                if len(buf) >= MAX_HEAD_BYTES + len(HEAD_END):
+                    self._broken("the engine's response head is larger than 64 KiB")
+                else:
+                    self.buf = buf
+                return
+            try:
+                head = parse_response_head(buf[:end])
+            except HttpError as exc:
+                self._broken(exc.reason)
+                return
+            buf = buf[end + 4:]
+            if not 100 <= head.status < 200:
+                break  # interim responses (100, 103) are read and dropped
+        self.buf = b""
+        try:
+            chunked = head.chunked()
+            length = None if chunked else head.content_length()
+        except HttpError as exc:
+            self._broken(f"the engine sent bad framing ({exc.reason})")
+            return
+        has_body = ex.head.method != b"HEAD" and head.status not in (204, 304)
+        self.reusable = head.version == b"HTTP/1.1" and not head.closes and (
+            chunked or length is not None or not has_body)
+        if not ex.on_head(head, length, has_body):
+            self.abort()
+            ex.retry_without_usage()
+            return
+        if not has_body or length == 0:
+            self.reusable = self.reusable and not buf
+            self._end()
+            return
+        if chunked:
+            self.mode = _CHUNKED
+        elif length is not None:
+            self.mode, self.remaining = _LENGTH, length
+        else:
+            self.mode = _UNTIL_CLOSE
+        if buf:
+            self._received(buf)
+
+    def _end(self) -> None:
+        """The response is complete: back to the pool (or closed) first, then the exchange is told,
+        so a pipelined next request can already use this connection."""
+        ex, self.ex, self.mode = self.ex, None, _ENDED
+        self._tail_done()
+        if self.reusable and not self.closed:
+            self.proxy.pool.give(self)
+        else:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+        if ex is not None:
+            ex.on_end()
+
+    def _broken(self, reason: str) -> None:
+        ex = self.ex
+        self.abort()
+        if ex is not None:
+            ex.on_broken(reason)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._tail_done()
+        ex = self.ex
+        if ex is None:
+            self.proxy.pool.discard(self)
+            return
+        if self.mode == _UNTIL_CLOSE:
+            self._end()
+            return
+        self.ex, self.mode = None, _ENDED
+        if self.reused and self.reads == 0:  # a pooled connection the engine had closed
+            ex.retry_fresh()
+            return
+        what = "before responding" if ex.status is None else "mid-response"
+        ex.on_broken(f"the engine closed the connection {what}" + (f" ({exc})" if exc else ""))

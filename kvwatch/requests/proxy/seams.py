@@ -1,0 +1,35 @@
+"""What the proxy's pieces need of the rest of the agent, typed: counters, meters, sinks.
+
+The agent passes ``NodeState.count`` and ``RequestMeter``; tests pass their own. These Protocols say
+exactly which calls the proxy makes, so either is checked against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvwatch.model import RequestRecord
+from kvwatch.requests.accounting import InFlight, RequestInfo, RequestMeter
+
+Sink = Callable[[RequestRecord], None]  # gets every finished metered request
+Clock = Callable[[], float]
+
+ACCOUNTING_ERRORS = "kvwatch_proxy_accounting_errors"
+TIMED_OUT = "kvwatch_proxy_connections_timed_out"
+USAGE_REFUSED = "kvwatch_proxy_usage_injection_refused"
+SHED = "kvwatch_proxy_requests_shed"  # reason: buffer (proxy.max_buffered_bytes) | connections
+ACCEPT_ERRORS = "kvwatch_proxy_accept_errors"
+
+
+class Count(Protocol):
+    """``NodeState.count``: add ``amount`` to the self-metric ``family`` with these label values."""
+
+    def __call__(self, family: str, *labels: str, amount: float = 1) -> None: ...
+
+
+class MeterFactory(Protocol):
+    """``RequestMeter`` or a subclass: one request's meter, made when its body has been read."""
+
+    def __call__(self, replica: str, model_name: str, info: RequestInfo, started_at: float, t0: float,
+                 in_flight: InFlight | None = None, handle: int | None = None, /) -> RequestMeter: ...
