@@ -353,6 +353,8 @@ class InFlightTracker:
 # --------------------------------------------------------------------------------------------
 
 STEP_RING_SIZE = 4096
+#: sender processes whose drop counts are kept apart per DP rank (API servers, plus restarts)
+MAX_SENDER_PIDS = 64
 BATCH_TOKEN_BANDS = LengthBands(buckets.BATCH_TOKEN_EDGES)
 
 
@@ -361,10 +363,12 @@ class PluginUnit:
     """Cumulative facts of one DP rank of one replica, as its plugin reported them."""
 
     datagrams: int = 0
-    pid: int | None = None
-    #: drops reported by engine processes that have since been replaced (pid changed)
-    dropped_before: int = 0
-    dropped_now: int = 0
+    #: the highest drop count each sender process (pid) reported: vLLM runs one plugin per API
+    #: server (``--api-server-count``, by default the DP size) and each sends for every engine index,
+    #: so several live pids report one rank; a restarted engine is a new pid that counts from 0
+    dropped_by_pid: dict[int | None, int] = field(default_factory=dict)
+    #: drops of the senders folded out of ``dropped_by_pid`` (more than MAX_SENDER_PIDS seen)
+    dropped_folded: int = 0
     #: tokens re-prefilled for resumed requests; None until a step said it (unknown, not 0)
     recomputed_tokens: int | None = None
     resumed_requests: int = 0
@@ -378,10 +382,18 @@ class PluginUnit:
 
     @property
     def dropped(self) -> int:
-        return self.dropped_before + self.dropped_now
+        return self.dropped_folded + sum(self.dropped_by_pid.values())
+
+    def note_dropped(self, pid: int | None, dropped: int) -> None:
+        """A sender's cumulative drop count (datagrams may arrive reordered: it never goes back)."""
+        by_pid = self.dropped_by_pid
+        if pid not in by_pid and len(by_pid) >= MAX_SENDER_PIDS:
+            oldest = next(iter(by_pid))  # insertion order: the longest-known sender, likely gone
+            self.dropped_folded += by_pid.pop(oldest)
+        by_pid[pid] = max(by_pid.get(pid, 0), dropped)
 
     def copy(self) -> PluginUnit:
-        out = PluginUnit(self.datagrams, self.pid, self.dropped_before, self.dropped_now,
+        out = PluginUnit(self.datagrams, dict(self.dropped_by_pid), self.dropped_folded,
                          self.recomputed_tokens, self.resumed_requests, self.preemptions,
                          self.eviction_samples_left_out, self.last_at)
         out.step_seconds = {k: _copy_histogram(h) for k, h in self.step_seconds.items()}
@@ -413,13 +425,8 @@ class PluginStats:
             if unit is None:
                 unit = self.units[key] = PluginUnit()
             unit.datagrams += 1
-            if link.pid is not None and unit.pid is not None and link.pid != unit.pid:
-                unit.dropped_before += unit.dropped_now  # a new engine process counts from 0
-                unit.dropped_now = 0
-            if link.pid is not None:
-                unit.pid = link.pid
             if link.dropped is not None:
-                unit.dropped_now = max(unit.dropped_now, link.dropped)
+                unit.note_dropped(link.pid, link.dropped)
             if step is not None:
                 self._observe_step(unit, step)
 

@@ -53,6 +53,24 @@ def test_drops_add_up_across_engine_restarts_and_recompute_is_unknown_until_said
     assert (unit.dropped, unit.recomputed_tokens, unit.datagrams) == (10, 382, 4)
 
 
+def test_api_servers_sending_for_one_rank_do_not_inflate_the_drops():
+    """DP=2 runs two API servers by default, each with a plugin for engines 0 and 1: their datagrams
+    for one rank interleave. Each pid's count is its own; alternating pids are not restarts."""
+    stats = PluginStats()
+    for _ in range(5):
+        stats.observe(link(pid=11, dropped=4), None)
+        stats.observe(link(pid=12, dropped=1), None)
+    assert stats.snapshot()[("r0", "0")].dropped == 5
+
+
+def test_sender_pids_are_bounded_and_folded_drops_are_kept():
+    stats = PluginStats()
+    for pid in range(1, 201):  # 200 engine restarts, 2 drops each
+        stats.observe(link(pid=pid, dropped=2), None)
+    unit = stats.snapshot()[("r0", "0")]
+    assert unit.dropped == 400 and len(unit.dropped_by_pid) <= 64
+
+
 def test_step_ring_is_bounded_and_keeps_only_timed_steps():
     stats = PluginStats(ring_size=3)
     stats.observe(link(), step())  # no batch shape: not a sample for calibration
