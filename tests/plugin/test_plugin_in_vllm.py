@@ -50,12 +50,15 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     finally:
         sock.close()
     stalled = {k: result.pop(k) for k in list(result) if k.startswith("stalled_")}
+    assert (result.pop("older_sent"), result.pop("older_failures")) == (2, 0)
     assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5}
     # a stalled agent: the kernel queue filled, the rest waited in the plugin and came in order
     assert stalled["stalled_waiting"] > 0 and stalled["stalled_dropped"] == 0
     assert stalled["stalled_seq"] == list(range(1, 101)) and stalled["stalled_finished"] == 200
     assert all(b"SECRET" not in d for d in datagrams)  # request ids never leave the engine
-    full, foreign = (decode(d, "r0", "tiny") for d in datagrams)
+    decoded = [decode(d, "r0", "tiny") for d in datagrams]
+    v012, v026 = (d for d in decoded if d.link.dp_rank == "2")
+    full, foreign = (d for d in decoded if d.link.dp_rank == "1")
     assert full.link.dp_rank == "1" and full.link.seq == 1 and foreign.link.seq == 2
     [s] = full.steps
     assert (s.running, s.waiting, s.kv_usage_ratio, s.preempted) == (3, 2, 0.75, 1)
@@ -75,3 +78,12 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     [f] = foreign.steps  # it finished no request: buffered until vLLM's periodic log() flushed it
     assert (f.running, f.kv_usage_ratio, f.preempted, f.recomputed_tokens, f.elapsed_ms) == (None,) * 5
     assert foreign.records == ()
+    # vLLM 0.12.0's fields: what it has arrives, what it lacks is unknown (None), never 0
+    [s012], [r012] = v012.steps, v012.records
+    assert (s012.running, s012.kv_usage_ratio, s012.recomputed_tokens, s012.elapsed_ms) == (1, 0.5, 200, None)
+    assert (r012.output_tokens, r012.max_tokens, r012.prompt_tokens, r012.queue_seconds) == (8, 8, 40, 0.25)
+    assert (r012.preemptions, r012.cached_prompt_tokens) == (None, None)
+    # 0.26.0: the batch shape and cached tokens arrive; per-request preemptions are still unknown
+    [s026], [r026] = v026.steps, v026.records
+    assert (s026.gen_tokens, s026.elapsed_ms) == (1, 3.0)
+    assert (r026.cached_prompt_tokens, r026.preemptions) == (16, None)

