@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from kvwatch.config.validate import INTEGER, Kind, quoted, read_value, schema_fields, setting
 
 #: alert -> its default ``for:`` (None: fires at the first evaluation that sees the event)
 DEFAULT_FOR: Mapping[str, str | None] = {
@@ -48,43 +50,73 @@ DEFAULT_FOR: Mapping[str, str | None] = {
 _PROM_DURATION = re.compile(r"^(?:\d+[smhdwy])+$")
 
 
+def _non_negative(value: Any) -> float:
+    """A number at least 0, kept as written (``300`` stays an int, so rules print it so)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a non-negative number, got {quoted(value)}")
+    return value
+
+
+def _share(value: Any) -> float:
+    if _non_negative(value) > 1:
+        raise ValueError(f"expected a share from 0 to 1, got {quoted(value)}")
+    return value
+
+
+NON_NEGATIVE = Kind("number ≥ 0", _non_negative)
+SHARE = Kind("share, 0 to 1", _share)
+
+
 @dataclass(frozen=True, slots=True)
 class AlertConfig:
-    """Thresholds (``ratio`` fields are shares, 0 to 1) and ``for:`` durations of the alerts."""
+    """Thresholds (``ratio`` fields are shares, 0 to 1) and ``for:`` durations of the alerts.
 
-    kv_pressure_usage: float = 0.95  # KV usage ratio above which preemptions mean pressure
-    storm_preemptions_per_finished: float = 0.5  # preemptions per finished request: a storm
-    storm_min_preemptions_per_s: float = 0.05  # and at least this many per second (3 a minute)
-    recompute_waste_ratio: float = 0.2  # recomputed tokens / tokens processed
-    headroom_seconds: float = 300  # seconds until the KV pool is full at its current growth
-    stranded_ratio: float = 0.2  # stranded KV tokens / the model's KV capacity
-    tier_pcie_ratio: float = 0.8  # KV tier traffic / one-direction PCIe bandwidth
-    link_busy_utilization: float = 0.1  # GPUs lower the PCIe generation when idle to save power
-    starving_long_completion: float = 0.9  # long bands completing less than this ...
-    starving_short_completion: float = 0.97  # ... while short bands complete at least this ...
-    starving_aborted_ratio: float = 0.05  # ... and more than this share of long ones aborted ...
-    starving_min_requests: int = 20  # ... with at least this many long requests in the hour
-    repeated_preemptions_per_request: float = 2.0  # mean preemptions per finished request of a band
-    repeated_preemptions_min_requests: float = 10  # ... over at least this many requests in 30 minutes
-    source_stale_seconds: float = 600  # a polled source without success for this long is stuck
+    Each threshold's key (``alerts.thresholds.<key>``), kind and bounds are in its field's metadata,
+    read by the config's generic validator.
+    """
+
+    kv_pressure_usage: float = field(default=0.95, metadata=setting(
+        "kv_pressure_usage", SHARE, "KV usage ratio above which preemptions mean pressure"))
+    storm_preemptions_per_finished: float = field(default=0.5, metadata=setting(
+        "storm_preemptions_per_finished", NON_NEGATIVE, "preemptions per finished request: a storm"))
+    storm_min_preemptions_per_s: float = field(default=0.05, metadata=setting(
+        "storm_min_preemptions_per_s", NON_NEGATIVE, "and at least this many per second (3 a minute)"))
+    recompute_waste_ratio: float = field(default=0.2, metadata=setting(
+        "recompute_waste_ratio", SHARE, "recomputed tokens / tokens processed"))
+    headroom_seconds: float = field(default=300, metadata=setting(
+        "headroom_seconds", NON_NEGATIVE, "seconds until the KV pool is full at its current growth"))
+    stranded_ratio: float = field(default=0.2, metadata=setting(
+        "stranded_ratio", SHARE, "stranded KV tokens / the model's KV capacity"))
+    tier_pcie_ratio: float = field(default=0.8, metadata=setting(
+        "tier_pcie_ratio", SHARE, "KV tier traffic / one-direction PCIe bandwidth"))
+    link_busy_utilization: float = field(default=0.1, metadata=setting(
+        "link_busy_utilization", SHARE, "GPUs lower the PCIe generation when idle to save power"))
+    starving_long_completion: float = field(default=0.9, metadata=setting(
+        "starving_long_completion", SHARE, "long bands completing less than this ..."))
+    starving_short_completion: float = field(default=0.97, metadata=setting(
+        "starving_short_completion", SHARE, "... while short bands complete at least this ..."))
+    starving_aborted_ratio: float = field(default=0.05, metadata=setting(
+        "starving_aborted_ratio", SHARE, "... and more than this share of long ones aborted ..."))
+    starving_min_requests: int = field(default=20, metadata=setting(
+        "starving_min_requests", INTEGER, "... with at least this many long requests in the hour", minimum=0))
+    repeated_preemptions_per_request: float = field(default=2.0, metadata=setting(
+        "repeated_preemptions_per_request", NON_NEGATIVE, "mean preemptions per finished request of a band"))
+    repeated_preemptions_min_requests: float = field(default=10, metadata=setting(
+        "repeated_preemptions_min_requests", NON_NEGATIVE, "... over at least this many requests in 30 min"))
+    source_stale_seconds: float = field(default=600, metadata=setting(
+        "source_stale_seconds", NON_NEGATIVE, "a polled source without success for this long is stuck"))
     for_: Mapping[str, str | None] = field(default_factory=lambda: dict(DEFAULT_FOR))
 
     def for_of(self, alert: str) -> str | None:
         return self.for_[alert]
 
 
-THRESHOLDS = tuple(f.name for f in fields(AlertConfig) if f.name != "for_")
+_THRESHOLD_FIELDS = schema_fields(AlertConfig)
+THRESHOLDS = tuple(_THRESHOLD_FIELDS)
 
 
 def _threshold(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"expected a non-negative number, got {value!r}")
-    is_share = "ratio" in name or name.endswith(("_usage", "_completion", "_utilization"))
-    if is_share and value > 1:
-        raise ValueError(f"a share from 0 to 1, got {value!r}")
-    if name == "starving_min_requests" and not isinstance(value, int):
-        raise ValueError(f"expected a whole number of requests, got {value!r}")
-    return value
+    return read_value(_THRESHOLD_FIELDS[name].metadata, value)
 
 
 def _for(value: Any) -> str | None:
