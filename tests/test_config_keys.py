@@ -147,3 +147,10 @@ def test_every_config_key_the_docs_mention_exists():
             if mention not in known and mention.rpartition(".")[2] not in _FILE_SUFFIXES:
                 wrong.append(f"{page.relative_to(ROOT)}: {mention}")
     assert not wrong, wrong
+
+
+def test_an_entry_or_section_that_is_not_a_mapping_is_one_problem_not_one_per_key():
+    data = {"replicas": [5, {"name": "r", "metrics_url": "nope"}], "proxy": 3}
+    found = _problems(config_from_mapping, data)
+    assert found == {"replicas[0]": "expected a mapping, got int", "proxy": "expected a mapping, got int",
+                     "replicas[1].metrics_url": "expected an http(s) URL, got 'nope'"}

@@ -362,6 +362,9 @@ class KeyPathReader:
 
     def section(self, node: Any, path: str, cls: type) -> Any:
         """``node`` read into ``cls``; None when a required key is missing or bad (it was reported)."""
+        if node is not None and not isinstance(node, Mapping):
+            self.mapping(node, path, set())  # one problem: not a mapping (not one per required key)
+            return None
         values = self.values(node, path, cls)
         if any(is_required(f) and values.get(f.name) is None for f in dataclasses.fields(cls)):
             return None
