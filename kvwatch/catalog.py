@@ -3,6 +3,9 @@
 Collectors build their families from these specs (``spec.gauge()``, ``spec.counter()``, ...), the
 rule and dashboard generators refuse queries on names that are not here, and docs/metrics.md is
 generated from this table (``kvwatch docs --check``). Add a family here before exporting it.
+The ``process_*`` and ``python_info`` families are prometheus_client's own (its ProcessCollector and
+PlatformCollector on the agent's registry): listed here with their standard names and help so that
+the same checks, budgets and docs cover them.
 """
 
 from __future__ import annotations
@@ -114,6 +117,17 @@ CATALOG: tuple[MetricSpec, ...] = (
        "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
     _m("kvwatch_ledger_write_errors", "counter", (),
        "Request ledger lines that could not be written.", "self"),
+    # ---- the agent process, by prometheus_client's own ProcessCollector and PlatformCollector -----
+    # (standard names and help, as every client_python process exports them; Linux only, from /proc)
+    _m("process_resident_memory_bytes", "gauge", (), "Resident memory size in bytes.", "self"),
+    _m("process_virtual_memory_bytes", "gauge", (), "Virtual memory size in bytes.", "self"),
+    _m("process_cpu_seconds", "counter", (), "Total user and system CPU time spent in seconds.", "self"),
+    _m("process_open_fds", "gauge", (), "Number of open file descriptors.", "self"),
+    _m("process_max_fds", "gauge", (), "Maximum number of open file descriptors.", "self"),
+    _m("process_start_time_seconds", "gauge", (), "Start time of the process since unix epoch in seconds.",
+       "self"),
+    _m("python_info", "gauge", ("implementation", "major", "minor", "patchlevel", "version"),
+       "Python platform information", "self"),
     _m("kvwatch_config_last_reload_successful", "gauge", (),
        "1 if the last config reload (SIGHUP or a changed file) was valid and applied, 0 if it was refused "
        "and the running config kept.", "self"),

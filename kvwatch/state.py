@@ -1,8 +1,8 @@
 """The agent's current view of the node: what sources wrote last, and cumulative request stats.
 
 Sources write here (whole immutable samples replace old ones, so a reader never sees half an
-update); exporters and the status page only read. A target that fails keeps ``up = False`` and its
-samples are dropped rather than served as if fresh.
+update; ``NodeState`` says how each part is written); exporters and the status page only read. A
+target that fails keeps ``up = False`` and its samples are dropped rather than served as if fresh.
 """
 
 from __future__ import annotations
@@ -90,14 +90,22 @@ class DiscoveryStatus:
 class NodeState:
     """Everything the outputs read.
 
-    Concurrency, as it is: the writers run on the agent's event loop (the engine scrape job, the
-    proxy, the receivers) or in its executor threads (NVML poll, PID mapping), and each replaces a
-    whole value: a new samples tuple, a new ``derived`` view. A reader in another thread (the
-    ``/metrics`` render) therefore sees the old value or the new one, never half of one, without a
-    lock. The lock guards only what is mutated in place and read elsewhere: the ``targets`` dict's
-    membership and the self-metric ``counters``. A ``TargetState`` itself is written field by
-    field by its scrape job alone, without the lock; a render in between may pair one scrape's
-    ``up`` with the previous one's duration, never a half-written sample.
+    Writers run on the agent's event loop (the engine scrape job, the proxy, the receivers, discovery,
+    config reload) or in its threads (NVML poll and PID mapping in the executor, the NVML XID event
+    thread). Renders (``/metrics``, the status page) only read; nothing here is written during one.
+
+    How each part is written, as it is:
+
+    - Replaced whole, no lock: ``gpus``, ``driver_version``, ``replica_gpus``, ``pid_replica``,
+      ``derived``, ``discovery``, ``gpu_grants``, ``gpu_owners``, a target's ``samples`` tuple. A
+      reader in another thread sees the old value or the new one, never half of one.
+    - Under ``_lock``: the ``targets`` dict's membership and the self-metric ``counters``.
+    - Own locks: ``requests``, ``in_flight`` and ``plugin`` (each class locks its own updates).
+    - In place, no lock: a ``TargetState`` is written field by field by its scrape job alone; a
+      ``CollectorStatus`` field by field by ``report`` (each source reports its own collector); the
+      ``xid_counts`` counter one key at a time by the XID thread; ``config_reload`` by the reload job.
+      A render in between may pair one run's ``success`` or ``up`` with the previous run's duration
+      or error, never see a half-written sample.
     """
 
     def __init__(self, node: str, bands: LengthBands) -> None:

@@ -2,7 +2,8 @@
 
 Wiring (the agent layer, like ``kvwatch/agent/derived.py``): the one writer of ``NodeState.gpus``,
 ``driver_version``, ``xid_counts``, ``replica_gpus`` and ``pid_replica``. Each function does one
-refresh and stores whole new values (never a partial update). They block on NVML and /proc, so the
+refresh and stores whole new values (never a partial update), except ``xid_counts``: the XID
+thread adds one count at a time. They block on NVML and /proc, so the
 agent runs them in a thread executor every ``intervals.gpu`` and ``intervals.process_map``.
 """
 

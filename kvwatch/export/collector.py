@@ -1,10 +1,12 @@
 """The node's /metrics: one custom Collector composed of small per-area collectors.
 
 Each area collector is a class ``XCollector(state, config)`` with ``collect() -> Iterator[Metric]``
-that only reads ``NodeState``. The node collector times each one and reports
-``kvwatch_collector_success{collector="export_<area>"}`` and ``kvwatch_collector_duration_seconds``;
-an area that raises is logged and reported as failed, the rest of the scrape still renders
-(dcgm-exporter answers 500 for the whole scrape instead).
+that only reads ``NodeState``. The node collector times each one and yields
+``kvwatch_collector_success{collector="export_<area>"}`` and ``kvwatch_collector_duration_seconds``
+as const metrics of the same scrape, as node_exporter does with its ``node_scrape_collector_*``:
+a render writes nothing into ``NodeState``. An area that raises is logged and shown as failed
+(success 0), the rest of the scrape still renders (dcgm-exporter answers 500 for the whole scrape
+instead).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvwatch.config import Config
+from kvwatch.export.self_metrics import AreaRun, SelfCollector
 from kvwatch.state import NodeState
 
 log = logging.getLogger(__name__)
@@ -39,16 +42,15 @@ class NodeCollector(Collector):
         return []  # no collect at registration time
 
     def collect(self) -> Iterator[Metric]:
-        from kvwatch.export.self_metrics import SelfCollector
-
+        runs = []
         for name, area in self.areas.items():
             started = time.perf_counter()
             try:
                 families = list(area.collect())
-            except Exception as exc:  # one area must never fail the scrape
+            except Exception:  # one area must never fail the scrape
                 log.exception("export area %s failed", name)
-                self.state.report(f"export_{name}", False, time.perf_counter() - started, repr(exc))
+                runs.append(AreaRun(f"export_{name}", False, time.perf_counter() - started))
                 continue
-            self.state.report(f"export_{name}", True, time.perf_counter() - started)
+            runs.append(AreaRun(f"export_{name}", True, time.perf_counter() - started))
             yield from families
-        yield from SelfCollector(self.state, self.config).collect()
+        yield from SelfCollector(self.state, self.config, tuple(runs)).collect()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
@@ -36,12 +37,23 @@ def _nvml_bindings_version() -> str:
         return "none"
 
 
-class SelfCollector:
-    """Reads collector statuses; the sources write them via ``NodeState.report``."""
+@dataclass(frozen=True, slots=True)
+class AreaRun:
+    """How one export area went in this very scrape (never stored: a render writes nothing)."""
 
-    def __init__(self, state: NodeState, config: Config) -> None:
+    collector: str  # export_<area>
+    success: bool
+    duration_s: float
+
+
+class SelfCollector:
+    """Reads the sources' collector statuses (they write them via ``NodeState.report`` on their own
+    schedule) and adds this scrape's export-area runs, which have no last-success time to go stale."""
+
+    def __init__(self, state: NodeState, config: Config, area_runs: tuple[AreaRun, ...] = ()) -> None:
         self.state = state
         self.config = config
+        self.area_runs = area_runs
 
     def collect(self) -> Iterator[Metric]:
         info = spec("kvwatch_build").info()
@@ -56,11 +68,14 @@ class SelfCollector:
         success = spec("kvwatch_collector_success").gauge()
         duration = spec("kvwatch_collector_duration_seconds").gauge()
         last = spec("kvwatch_source_last_success_timestamp_seconds").gauge()
-        for name, status in sorted(self.state.collectors.items()):
+        for name, status in sorted(list(self.state.collectors.items())):
             success.add_metric([name], 1.0 if status.success else 0.0)
             duration.add_metric([name], status.duration_s)
             if status.last_success_ts is not None:
                 last.add_metric([name], status.last_success_ts)
+        for run in self.area_runs:
+            success.add_metric([run.collector], 1.0 if run.success else 0.0)
+            duration.add_metric([run.collector], run.duration_s)
         yield success
         yield duration
         yield last

@@ -11,15 +11,19 @@ import gzip
 from collections.abc import Callable, Iterable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.registry import Collector
 
 from kvwatch.export.encode import TextEncoder
 
 
 def make_registry(collector: Collector) -> CollectorRegistry:
+    """The agent's registry: the node collector, and prometheus_client's process (RSS, CPU, open fds,
+    start time; read from /proc at scrape time) and platform (``python_info``) collectors."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     return registry
 
 

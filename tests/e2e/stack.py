@@ -30,6 +30,8 @@ import yaml
 from local import free_port, require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwatch.catalog import BY_NAME
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
 
@@ -84,7 +86,10 @@ def one(samples: Iterable[Sample], name: str, **labels: str) -> float:
 
 
 def family_of(name: str) -> str:
-    """The family a wire name belongs to (``x_bucket`` -> ``x``, ``x_total`` -> ``x``)."""
+    """The family a wire name belongs to (``x_bucket`` -> ``x``, ``x_total`` -> ``x``; a gauge named
+    ``x_info``, as prometheus_client's ``python_info``, is its own family)."""
+    if name in BY_NAME:
+        return name
     for suffix in ("_bucket", "_count", "_sum", "_total", "_info", "_created"):
         if name.endswith(suffix):
             return name[: -len(suffix)]

@@ -104,7 +104,12 @@ class NodeShape:
     @property
     def collectors(self) -> int:
         """engine:<replica>, nvml, gpu_mapping, export_<area> x 5, otlp / SGLang followers."""
-        return self.replicas + 2 + 5 + self.engine_request_sources
+        return self.sources + 5
+
+    @property
+    def sources(self) -> int:
+        """Collectors with a last success time: all but the export areas (they run in the scrape)."""
+        return self.replicas + 2 + self.engine_request_sources
 
 
 #: what only an engine-side source (OTLP spans, SGLang files, the vLLM plugin) knows; a proxy never does
@@ -124,9 +129,13 @@ def _histogram_series(name: str, shape: NodeShape) -> int:
 RULES: dict[str, Callable[[NodeShape], int]] = {
     # kvwatch itself
     "kvwatch_build": lambda s: 1,
+    # the agent process (prometheus_client's process and platform collectors): one series each
+    **{name: (lambda s: 1) for name in (
+        "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds",
+        "process_open_fds", "process_max_fds", "process_start_time_seconds", "python_info")},
     "kvwatch_collector_success": lambda s: s.collectors,
     "kvwatch_collector_duration_seconds": lambda s: s.collectors,
-    "kvwatch_source_last_success_timestamp_seconds": lambda s: s.collectors,
+    "kvwatch_source_last_success_timestamp_seconds": lambda s: s.sources,
     "kvwatch_target_up": lambda s: s.replicas,
     "kvwatch_target_scrape_duration_seconds": lambda s: s.replicas,
     "kvwatch_target_scrape_errors": lambda s: s.replicas * 7,  # reasons, all pre-created
