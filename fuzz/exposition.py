@@ -19,8 +19,6 @@ The normal test suite runs the same ``one_input`` under hypothesis for a few sec
 
 from __future__ import annotations
 
-import sys
-
 from kvwatch.cooperative import run_now
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, parse_steps, parse_text
 
@@ -43,13 +41,7 @@ def one_input(data: bytes) -> None:
     assert _outcome(text, None) == _outcome(text, 64)
 
 
-def main() -> None:
-    import atheris
-
-    atheris.instrument_all()
-    atheris.Setup(sys.argv, one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main()
+    from atheris_main import fuzz  # fuzz/ is the script's folder, so it is on sys.path
+
+    fuzz(one_input)

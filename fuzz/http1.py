@@ -22,7 +22,6 @@ The normal test suite runs the same ``one_input`` under hypothesis for a few sec
 from __future__ import annotations
 
 import contextlib
-import sys
 
 from kvwatch.requests import http1
 from kvwatch.requests.http1 import ChunkedDecoder, HttpError
@@ -98,13 +97,7 @@ def one_input(data: bytes) -> None:
     check_chunked(data)
 
 
-def main() -> None:
-    import atheris
-
-    atheris.instrument_all()
-    atheris.Setup(sys.argv, one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main()
+    from atheris_main import fuzz  # fuzz/ is the script's folder, so it is on sys.path
+
+    fuzz(one_input)

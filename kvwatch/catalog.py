@@ -172,7 +172,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_kv_evictable_tokens", "gauge", REPLICA,
        "KV token slots held only by the prefix/radix cache (free on demand).", "replica"),
     _m("kvwatch_kv_free_tokens", "gauge", REPLICA,
-       "KV token slots not held by live requests (capacity - used).", "replica"),
+       "KV token slots a request could still be given: the usable pool (vLLM never hands out its "
+       "null block) minus the slots requests hold; evictable prefix-cache slots count as free.", "replica"),
     _m("kvwatch_requests_running", "gauge", REPLICA, "Requests in the engine's running batch.",
        "replica"),
     _m("kvwatch_requests_waiting", "gauge", REPLICA, "Requests waiting in the engine's queue.",

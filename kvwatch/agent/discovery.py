@@ -10,7 +10,6 @@ out, and its series with it. While the API is unreachable the last replicas stay
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,6 +18,7 @@ from kvwatch.config import Config, ReplicaConfig
 from kvwatch.discovery.kube_api import ApiError, Pods, PodWatch
 from kvwatch.discovery.pods import PodEngine, PodVerdict, judge_pod, pod_key
 from kvwatch.state import DiscoveryStatus, NodeState
+from kvwatch.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,8 @@ class PodDiscovery:
             self.state.report("kubernetes", False, 0.0, "discovery stopped (see log)")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     def on_stale(self, stale: bool) -> None:
         self._stale = stale

@@ -71,6 +71,10 @@ class UnitSignals:
     preemptions_per_second: float | None
     recomputed_tokens: float | None
     recomputed_source: str
+    #: the KV pool in tokens (``derive.pool``): slots requests can hold, slots held, slots free
+    usable_tokens: float | None = None
+    allocated_tokens: float | None = None
+    free_tokens: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,8 @@ class DerivedView:
     overcommit: tuple[ReplicaOvercommit, ...] = ()
     stranded: tuple[Stranded, ...] = ()
     tier_links: tuple[TierLink, ...] = ()
+    #: every polled GPU's PCIe rates over the rate window and link state (needs ``link_bandwidth``)
+    gpu_links: tuple[GpuLink, ...] = ()
     # memory for the next call
     history: Mapping[UnitKey, tuple[ReplicaSample, ...]] = field(default_factory=dict)
     gpu_history: Mapping[str, tuple[GpuSample, ...]] = field(default_factory=dict)
@@ -174,15 +180,19 @@ def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
             _tokens_per_running(sample, fragmentation))
         value, source = recomputed_tokens(sample, estimate)
         units.append(UnitSignals(sample, headroom(sample, baseline, settings.include_admissions),
-                                 preemption_rate(sample, baseline), value, source))
+                                 preemption_rate(sample, baseline), value, source,
+                                 pool.usable_tokens(sample), pool.allocated_tokens(sample),
+                                 pool.free_tokens(sample)))
     baselines = {s.key: b for s in inputs.samples if (b := view.baseline(s.key)) is not None}
     stranded = stranded_capacity(inputs.samples, baselines)
     overcommit = [o for name, samples in by_replica.items() if name in inputs.proxied
                   if (o := _replica_overcommit(samples, in_flight.get(name, ()))) is not None]
+    gpu_links = _gpu_links(view, inputs, settings)
     links = [link for name, samples in by_replica.items()
-             for link in _replica_links(name, samples, view, inputs, settings)]
+             for link in _replica_links(name, samples, view, inputs, gpu_links, settings)]
     return DerivedView(now, tuple(fragmentation), tuple(units), tuple(overcommit),
-                       tuple(stranded.values()), tuple(links), history, gpu_history, recompute, preemptions)
+                       tuple(stranded.values()), tuple(links), tuple(gpu_links.values()), history,
+                       gpu_history, recompute, preemptions)
 
 
 def _preemptions(prev: DerivedView, samples: Sequence[ReplicaSample], now: float,
@@ -225,19 +235,25 @@ def _replica_overcommit(samples: Sequence[ReplicaSample],
     return ReplicaOvercommit(first.replica, first.model_name, first.backend, rank, result)
 
 
+def _gpu_links(view: DerivedView, inputs: NodeInputs, settings: DerivedSettings) -> dict[str, GpuLink]:
+    """uuid -> PCIe rates and link state of every GPU polled now (none without ``link_bandwidth``)."""
+    if inputs.link_bandwidth is None:
+        return {}
+    return {g.uuid: gpu_link(g, view.gpu_baseline(g.uuid), inputs.link_bandwidth, settings.bus)
+            for g in sorted(inputs.gpus, key=lambda g: g.index) if not g.lost}
+
+
 def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedView, inputs: NodeInputs,
-                   settings: DerivedSettings) -> list[TierLink]:
+                   gpu_links: Mapping[str, GpuLink], settings: DerivedSettings) -> list[TierLink]:
     mapped = inputs.replica_gpus.get(name, ())
-    if not mapped or inputs.link_bandwidth is None:
+    if not mapped or not gpu_links:
         return []
-    bandwidth = inputs.link_bandwidth
-    current = {g.uuid: g for g in inputs.gpus if not g.lost}
     gpus: list[GpuLink] = []
     for _index, uuid, _mapped_by in mapped:
-        gpu = current.get(uuid)
-        if gpu is None:
+        link = gpu_links.get(uuid)
+        if link is None:
             return []  # a mapped GPU is lost or unpolled: the sum over the replica's links is unknown
-        gpus.append(gpu_link(gpu, view.gpu_baseline(uuid), bandwidth, settings.bus))
+        gpus.append(link)
     kv_bytes = inputs.kv_bytes_per_token.get(name)
     if kv_bytes is not None:
         # per GPU -> per DP rank: every GPU of a rank (TP/PP) holds and moves its share of each token

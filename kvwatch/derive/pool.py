@@ -4,7 +4,7 @@ Engines count the pool in different units (vLLM blocks and a usage ratio, SGLang
 TRT-LLM blocks); these functions turn a ``ReplicaSample`` into token counts, once, for every derived
 signal. ``None`` means the engine did not give enough to say.
 
-vLLM detail (engines.md §1.3): the block pool keeps block 0 as a *null block* that is never free,
+vLLM detail (its v1 BlockPool): the block pool keeps block 0 as a *null block* that is never free,
 and ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. So blocks in use are
 ``usage x (num_gpu_blocks - 1)`` and the pool a request can use is ``num_gpu_blocks - 1`` blocks.
 Blocks the prefix cache holds but no request references count as free (evictable on demand).

@@ -1,4 +1,4 @@
-"""Hugging Face TGI router ``/metrics`` (``tgi_*``, Rust ``metrics-exporter-prometheus``; §6).
+"""Hugging Face TGI router ``/metrics`` (``tgi_*``, Rust ``metrics-exporter-prometheus``).
 
 One model per server, no labels identifying it. What exists: queue size (waiting), current batch size
 (running), ``tgi_batch_max_total_tokens`` (the KV token budget TGI sized at warm-up from free memory:

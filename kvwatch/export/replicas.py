@@ -14,6 +14,7 @@ from prometheus_client.core import Metric
 
 from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, spec
 from kvwatch.config import Config
+from kvwatch.derive import pool
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
 
@@ -65,25 +66,6 @@ def capacity_bytes(s: ReplicaSample, kv_bytes_per_token: float | None) -> float 
     return s.kv_capacity_tokens * kv_bytes_per_token
 
 
-def free_tokens(s: ReplicaSample) -> float | None:
-    """KV token slots not held by live requests: capacity minus what the engine counts as used.
-
-    Used is the engine's token count where it has one (SGLang, llama.cpp /slots), else used blocks x
-    block size (vLLM, TRT-LLM), else usage x capacity.
-    """
-    if s.kv_capacity_tokens is None:
-        return None
-    if s.kv_used_tokens is not None:
-        used = s.kv_used_tokens
-    elif s.kv_used_blocks is not None and s.block_size:
-        used = s.kv_used_blocks * s.block_size
-    elif s.kv_usage_ratio is not None:
-        used = s.kv_usage_ratio * s.kv_capacity_tokens
-    else:
-        return None
-    return max(s.kv_capacity_tokens - used, 0.0)
-
-
 def per_sample(family: str, samples: list[ReplicaSample],
                value: Callable[[ReplicaSample], float | None]) -> Metric:
     """A gauge or counter family (as the catalog says) with one series per sample that has a value."""
@@ -120,7 +102,7 @@ class ReplicaCollector:
     def _gauges(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in GAUGES:
             yield per_sample(family, samples, attrgetter(attr))
-        yield per_sample("kvwatch_kv_free_tokens", samples, free_tokens)
+        yield per_sample("kvwatch_kv_free_tokens", samples, pool.free_tokens)
         yield per_sample("kvwatch_kv_capacity_bytes", samples,
                          lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)))
 

@@ -35,6 +35,7 @@ from kvwatch.config import Config, SglangFilesConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -260,11 +261,8 @@ class SglangFileFollower:
         self._task = asyncio.get_running_loop().create_task(self.run(sink))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
 
 async def start_follower(files: SglangFilesConfig, config: Config, sink: Sink, count: Count,

@@ -11,7 +11,7 @@ The capacity formula (the one the simulator and its tests use)::
 Equivalently ``(gpu_memory x util x tp - tp x reserve - weights) / kv_bytes_per_token_per_replica``
 with ``kv_bytes_per_token_per_replica = tp x kv_bytes_per_gpu``: TP divides the weights and (GQA
 only) the KV heads; an MLA latent has no head axis, so every rank holds the whole cache and capacity
-does not grow with TP (reference §3.3 "Sharding rules").
+does not grow with TP.
 
 ``runtime_reserve`` stands for what vLLM's profiling run subtracts besides weights: peak activations,
 CUDA graphs, NCCL buffers. It is an assumption (6 GB by default), chosen so the reference's two
@@ -40,7 +40,7 @@ def kv_dtype_bytes(kv_cache_dtype: str) -> int:
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_cache_dtype: str = "auto") -> int:
-    """KV bytes per token of the whole model, one unsharded copy (reference §3.3 table)."""
+    """KV bytes per token of the whole model, one unsharded copy."""
     return model.kv_elements_per_token() * kv_dtype_bytes(kv_cache_dtype)
 
 

@@ -63,7 +63,7 @@ MODELS: dict[str, ModelSpec] = {
         _dense("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", 80, 8, 70.55e9, 131072),
         _dense("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", 126, 8, 405.85e9, 131072),
         _dense("qwen3-32b", "Qwen/Qwen3-32B", 64, 8, 32.8e9, 40960),
-        # 671B main + 14B MTP ~ 685 GB in FP8 (reference §3.3); 37B activated per token; the MLA
+        # 671B main + 14B MTP ~ 685 GB in FP8 (the published FP8 checkpoint); 37B activated per token; the MLA
         # latent is 512 + 64 rope elements per layer, 61 layers (the MTP layer is not counted).
         ModelSpec(
             key="deepseek-r1",
@@ -105,7 +105,7 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     g.key: g
     for g in (
-        # H200 SXM: 141 GB HBM3e at 4.8 TB/s (reference §3.3), 989 TFLOPS dense bf16, 1979 fp8,
+        # H200 SXM: 141 GB HBM3e at 4.8 TB/s (NVIDIA's H200 SXM datasheet), 989 TFLOPS dense bf16, 1979 fp8,
         # PCIe Gen5 x16 = 64 GB/s per direction before protocol overhead.
         GpuSpec("h200", "NVIDIA H200", 141 * GB, 4.8e12, 989e12, 1979e12, 64 * GB),
         # H100 SXM (NVIDIA H100 datasheet): 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense bf16 (1,979 with

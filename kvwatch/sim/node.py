@@ -19,7 +19,6 @@ the lead what to push into the fake NVML (replica ``r`` owns GPUs ``r*tp .. r*tp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import time
@@ -31,6 +30,7 @@ from kvwatch.sim.models import gpu_preset, model_preset
 from kvwatch.sim.routing import Router, RouterSpec
 from kvwatch.sim.server import SimServer
 from kvwatch.sim.workload import REASONING, RequestClass, WorkloadRequest, output_sampler
+from kvwatch.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -273,10 +273,7 @@ class SimNode:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for server in self.servers:
             await server.stop()
         self.servers = []

@@ -5,13 +5,14 @@
 formatting. The page renders it as HTML and ``/status.json``; ``kvwatch top`` and ``kvwatch demo``
 render it as text. ``view_to_dict`` / ``view_from_dict`` carry it over JSON.
 
-Values are never recomputed here: KV pool sizes come from ``derive.pool``, live tokens and
-fragmentation, headroom, preemption rates and stranded capacity from the derived view, PCIe rates
-from ``derive.tiers.gpu_link`` over the derived view's GPU history, band outcome ratios from
-``derive.band_health``, and latency quantiles from the request histograms with Prometheus' rule
-(``derive.quantiles``). Latency and outcomes are cumulative since the agent started. Per replica
-they come from the proxy where one fronts it (client-side latency), else from the engine-side
-sources (OTLP spans, SGLang request files); the ``(all)`` rows add the replicas up.
+Values are never recomputed here: KV pool sizes, live tokens and fragmentation, headroom,
+preemption rates, stranded capacity and each GPU's PCIe rates and link state are read from the
+derived view (``NodeState.derived``, which the agent computes once after each scrape and /metrics
+renders too); band outcome ratios come from ``derive.band_health`` and latency quantiles from the
+request histograms with Prometheus' rule (``derive.quantiles``). Latency and outcomes are
+cumulative since the agent started. Per replica they come from the proxy where one fronts it
+(client-side latency), else from the engine-side sources (OTLP spans, SGLang request files); the
+``(all)`` rows add the replicas up.
 
 No prompt or completion text exists in the state, so none can reach a view.
 """
@@ -23,17 +24,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from kvwatch.buckets import Histogram
 from kvwatch.config import Config
-from kvwatch.derive import pool
 from kvwatch.derive.band_health import band_health
 from kvwatch.derive.fragmentation import Fragmentation
 from kvwatch.derive.node import DerivedView, UnitSignals
-from kvwatch.derive.pcie import link_bytes_per_second
 from kvwatch.derive.quantiles import histogram_quantile
-from kvwatch.derive.tiers import gpu_link
 from kvwatch.jsonsafe import NON_FINITE, jsonable
 from kvwatch.model import OUTCOMES, ReplicaSample
-from kvwatch.state import Histogram, NodeState
+from kvwatch.state import NodeState
 
 ALL = "(all)"
 PROXY_SOURCE = "proxy"
@@ -212,9 +211,9 @@ def _unit(sample: ReplicaSample, frag: Fragmentation | None, signals: UnitSignal
         dp_rank=sample.dp_rank,
         model_name=sample.model_name,
         kv_usage_ratio=sample.kv_usage_ratio,
-        kv_capacity_tokens=pool.usable_tokens(sample),
-        kv_allocated_tokens=pool.allocated_tokens(sample),
-        kv_free_tokens=pool.free_tokens(sample),
+        kv_capacity_tokens=signals.usable_tokens if signals else None,
+        kv_allocated_tokens=signals.allocated_tokens if signals else None,
+        kv_free_tokens=signals.free_tokens if signals else None,
         live_tokens=frag.live_tokens if frag else None,
         live_source=frag.source if frag else None,
         fragmentation_ratio=frag.ratio if frag else None,
@@ -312,10 +311,10 @@ def _gpus(state: NodeState, derived: DerivedView | None) -> tuple[GpuView, ...]:
     for replica, mapped in state.replica_gpus.items():
         for _index, uuid, _by in mapped:
             owners.setdefault(uuid, []).append(replica)
+    links = {link.uuid: link for link in (derived.gpu_links if derived is not None else ())}
     out = []
     for gpu in sorted(state.gpus, key=lambda g: g.index):
-        baseline = derived.gpu_baseline(gpu.uuid) if derived is not None else None
-        link = None if gpu.lost else gpu_link(gpu, baseline, link_bytes_per_second)
+        link = None if gpu.lost else links.get(gpu.uuid)
         out.append(GpuView(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, lost=gpu.lost, sampled_at=gpu.sampled_at,
             memory_used_bytes=gpu.memory_used_bytes, memory_total_bytes=gpu.memory_total_bytes,

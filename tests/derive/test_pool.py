@@ -1,4 +1,4 @@
-"""KV pool in tokens from what each engine reports (engines.md §1.3 for the vLLM null block)."""
+"""KV pool in tokens from what each engine reports (vLLM keeps block 0 as a null block no request gets)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Dynamo frontend, worker KV stats and KVBM pages (reference §3)."""
+"""Dynamo frontend, worker KV stats and KVBM pages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""llama.cpp: /metrics of old and new builds, and /slots as the KV source (reference §7)."""
+"""llama.cpp: /metrics of old and new builds, and /slots as the KV source."""
 
 from __future__ import annotations
 

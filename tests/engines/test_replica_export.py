@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvwatch.catalog import BY_NAME
 from kvwatch.config import Config, ReplicaConfig
+from kvwatch.derive.pool import free_tokens
 from kvwatch.engines.llamacpp import apply_slots, parse_slots
-from kvwatch.export.replicas import ReplicaCollector, free_tokens
+from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
@@ -104,7 +105,9 @@ def test_target_backend_before_the_first_good_scrape_comes_from_config():
 
 
 @pytest.mark.parametrize(("name", "expected"), [
-    ("sglang_0_5_20_two_dp_ranks_hicache.prom", 500000.0 - 485000.0),  # token-exact used
+    # token-exact used, of whole pages: 7812 pages x 64 tokens (the 32 tokens past the last page of
+    # max_total_num_tokens = 500000 can never be allocated)
+    ("sglang_0_5_20_two_dp_ranks_hicache.prom", 7812 * 64 - 485000.0),
     ("trtllm_2026_kv_blocks.prom", 128000.0 - 3000 * 32),  # used blocks x block size
     ("tgi_3_3_router.prom", None),  # capacity without any usage figure
 ])

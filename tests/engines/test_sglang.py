@@ -1,4 +1,4 @@
-"""SGLang adapter: the real Dynamo capture and pages for 0.4.10, 0.5.8 and 0.5.20 (reference §2)."""
+"""SGLang adapter: the real Dynamo capture and pages for 0.4.10, 0.5.8 and 0.5.20."""
 
 from __future__ import annotations
 

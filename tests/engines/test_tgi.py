@@ -1,4 +1,4 @@
-"""TGI router: queue and batch gauges, capacity budget, no KV occupancy (reference §6)."""
+"""TGI router: queue and batch gauges, capacity budget, no KV occupancy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TensorRT-LLM adapter: the 2025 five-family collector and the 2026 one with KV blocks (§4.1)."""
+"""TensorRT-LLM adapter: the 2025 five-family collector and the 2026 one with KV blocks."""
 
 from __future__ import annotations
 

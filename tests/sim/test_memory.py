@@ -48,7 +48,7 @@ def test_capacity_formula_is_the_documented_arithmetic():
 
 
 def test_llama_8b_on_one_h200_is_within_10_percent_of_reference_760k_tokens():
-    # reference §3.3: "about 100 GB of KV per GPU after 16 GB of weights, about 760k tokens per GPU";
+    # the published sizing: "about 100 GB of KV per GPU after 16 GB of weights, about 760k tokens per GPU";
     # ours: 104.8 GB -> ~800k (+5%): the runtime reserve is an assumption, hence the tolerance.
     plan = plan_replica(model_preset("llama-3.1-8b"), H200, tp=1, gpu_memory_utilization=0.9)
     assert plan.capacity_tokens == pytest.approx(760_000, rel=0.10)
@@ -56,7 +56,7 @@ def test_llama_8b_on_one_h200_is_within_10_percent_of_reference_760k_tokens():
 
 
 def test_deepseek_r1_fp8_at_tp8_lands_in_reference_450k_to_500k_range():
-    # reference §3.3: ~86 GB weights per GPU, "roughly 30-35 GB per GPU for KV ... 450-500k tokens"
+    # the published sizing: ~86 GB weights per GPU, "roughly 30-35 GB per GPU for KV ... 450-500k tokens"
     plan = plan_replica(model_preset("deepseek-r1"), H200, tp=8, gpu_memory_utilization=0.9)
     assert plan.weight_bytes_per_gpu == pytest.approx(85.6e9, rel=0.01)
     assert 450_000 * 0.9 <= plan.capacity_tokens <= 500_000 * 1.1

@@ -97,7 +97,9 @@ def populated_state(step: int = 0) -> tuple[NodeState, Config]:
     return state, cfg
 
 
-def with_r0_usage(state: NodeState, usage: float) -> None:
-    """Replace r0's sample with one at a new KV usage (what the next scrape would do)."""
-    target = state.target("r0")
+def with_usage(state: NodeState, cfg: Config, replica: str, usage: float) -> None:
+    """Replace a replica's sample with one at a new KV usage and derive again (what the next scrape
+    job does: it writes the samples, then ``update_derived``)."""
+    target = state.target(replica)
     target.samples = (replace(target.samples[0], kv_usage_ratio=usage),)
+    update_derived(state, cfg, target.samples[0].scraped_at)

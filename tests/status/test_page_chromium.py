@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 from local import require_tool
 
-from .node import populated_state
+from .node import populated_state, with_usage
 from .server import serve
 
 pytestmark = [pytest.mark.chromium]
@@ -67,8 +66,7 @@ async def test_script_updates_values_in_place(tmp_path: Path) -> None:
         response = await handler(request)
         served.append(request.path)
         if request.path == "/":  # the next poll must see a new KV usage and a stalled GPU
-            target = state.target("r1")
-            target.samples = (replace(target.samples[0], kv_usage_ratio=0.55),)
+            with_usage(state, cfg, "r1", 0.55)
         return response
 
     async with serve(state, cfg, middleware=change_after_page) as base:
