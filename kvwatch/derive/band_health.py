@@ -9,7 +9,7 @@ or ``outcome_increase(now, earlier)`` for a window. Prometheus computes the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwatch.derive import counters
@@ -18,6 +18,7 @@ from kvwatch.model import Outcome
 #: key of RequestStats outcome counts
 OUTCOME_KEY_LABELS = ("replica", "model_name", "length_band", "source", "outcome")
 OutcomeKey = tuple[str, str, str, str, str]
+PROXY_SOURCE = "proxy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +59,35 @@ def outcome_increase(current: Mapping[OutcomeKey, float],
                      earlier: Mapping[OutcomeKey, float]) -> dict[OutcomeKey, float]:
     """Counts added since ``earlier`` (a key that went down was reset: its current count)."""
     return {key: counters.increase(earlier.get(key, 0.0), count) or 0.0 for key, count in current.items()}
+
+
+def chosen_sources(keys: Iterable[Sequence[str]]) -> dict[str, set[str]]:
+    """Per replica, the sources that describe it: the proxy's view where a proxy saw it (client-side
+    latency), else every engine-side source. ``keys`` are (replica, model, band, source, ...)."""
+    seen: dict[str, set[str]] = {}
+    for key in keys:
+        seen.setdefault(key[0], set()).add(key[3])
+    return {replica: ({PROXY_SOURCE} if PROXY_SOURCE in sources else sources)
+            for replica, sources in seen.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class BandOutcomes:
+    """Finished requests of one length band, one replica or all of them, by outcome, and the ratios."""
+
+    counts: Mapping[str, float]
+    health: BandHealth
+
+
+def band_outcomes(outcome_counts: Mapping[OutcomeKey, float]) -> dict[tuple[str | None, str], BandOutcomes]:
+    """(replica, band) and (None: every replica, band) -> outcomes, over each replica's chosen sources."""
+    chosen = chosen_sources(outcome_counts)
+    groups: dict[tuple[str | None, str], dict[str, float]] = {}
+    for key, count in outcome_counts.items():
+        replica, _model, band, source, outcome = key
+        if source not in chosen.get(replica, ()):
+            continue
+        for group in ((replica, band), (None, band)):
+            by_outcome = groups.setdefault(group, {})
+            by_outcome[outcome] = by_outcome.get(outcome, 0.0) + count
+    return {group: BandOutcomes(by_outcome, _health(by_outcome)) for group, by_outcome in groups.items()}

@@ -6,13 +6,13 @@ formatting. The page renders it as HTML and ``/status.json``; ``kvwatch top`` an
 render it as text. ``view_to_dict`` / ``view_from_dict`` carry it over JSON.
 
 Values are never recomputed here: KV pool sizes, live tokens and fragmentation, headroom,
-preemption rates, stranded capacity and each GPU's PCIe rates and link state are read from the
-derived view (``NodeState.derived``, which the agent computes once after each scrape and /metrics
-renders too); band outcome ratios come from ``derive.band_health`` and latency quantiles from the
-request histograms with Prometheus' rule (``derive.quantiles``). Latency and outcomes are
-cumulative since the agent started. Per replica they come from the proxy where one fronts it
-(client-side latency), else from the engine-side sources (OTLP spans, SGLang request files); the
-``(all)`` rows add the replicas up.
+preemption rates, stranded capacity, each GPU's PCIe rates and link state, and the finished
+requests of each band by outcome with their ratios are read from the derived view
+(``NodeState.derived``, which the agent computes once after each scrape and /metrics renders too);
+latency quantiles come from the request histograms with Prometheus' rule (``derive.quantiles``).
+Latency and outcomes are cumulative since the agent started. Per replica they come from the proxy
+where one fronts it (client-side latency), else from the engine-side sources (OTLP spans, SGLang
+request files: ``derive.band_health.chosen_sources``); the ``(all)`` rows add the replicas up.
 
 No prompt or completion text exists in the state, so none can reach a view.
 """
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from kvwatch.buckets import Histogram
 from kvwatch.config import Config
-from kvwatch.derive.band_health import band_health
+from kvwatch.derive.band_health import BandOutcomes, chosen_sources
 from kvwatch.derive.fragmentation import Fragmentation
 from kvwatch.derive.node import DerivedView, UnitSignals
 from kvwatch.derive.quantiles import histogram_quantile
@@ -35,7 +35,6 @@ from kvwatch.model import OUTCOMES, ReplicaSample
 from kvwatch.state import NodeState
 
 ALL = "(all)"
-PROXY_SOURCE = "proxy"
 TTFT = "kvwatch_request_ttft_seconds"
 TPOT = "kvwatch_request_tpot_seconds"
 E2E = "kvwatch_request_duration_seconds"
@@ -166,7 +165,7 @@ def build_view(state: NodeState, config: Config, now: float) -> StatusView:
         bands=state.bands.all_names,
         replicas=replicas,
         stranded=_stranded(derived, replicas),
-        band_rows=_band_rows(state),
+        band_rows=_band_rows(state, derived),
         gpus=_gpus(state, derived),
         requests_observed=state.requests.observed,
         derived_at=derived.computed_at if derived is not None else None,
@@ -237,9 +236,10 @@ def _stranded(derived: DerivedView | None, replicas: tuple[ReplicaView, ...]) ->
                  for s in sorted(derived.stranded, key=lambda s: s.model_name) if s.model_name in served)
 
 
-def _band_rows(state: NodeState) -> tuple[BandView, ...]:
+def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView, ...]:
+    """Outcomes and their ratios from the derived view; latency quantiles from the histograms now."""
     hists, outcomes, _estimated = state.requests.snapshot()
-    chosen = _chosen_sources(hists, outcomes)
+    chosen = chosen_sources((*hists, *outcomes))
     merged: dict[tuple[str, str], dict[str, Histogram]] = {}
     for (replica, _model, band, source), families in hists.items():
         if source not in chosen.get(replica, ()):
@@ -248,30 +248,18 @@ def _band_rows(state: NodeState) -> tuple[BandView, ...]:
             target = merged.setdefault(group, {})
             for name in (TTFT, TPOT, E2E):
                 _add(target, name, families[name])
-    counts = {key: float(n) for key, n in outcomes.items() if key[3] in chosen.get(key[0], ())}
-    per_replica = band_health(counts, ("replica", "length_band"))
-    per_band = band_health(counts, ("length_band",))
+    bands = derived.bands if derived is not None else {}
     replicas = sorted({replica for replica, _band in merged if replica != ALL}
-                      | {key[0] for key in counts})
+                      | {replica for replica, _band in bands if replica is not None})
     rows = []
     for replica in (ALL, *replicas):
         for band in state.bands.all_names:
-            health = per_band.get((band,)) if replica == ALL else per_replica.get((replica, band))
+            finished = bands.get((None if replica == ALL else replica, band))
             families = merged.get((replica, band))
-            if health is None and families is None:
+            if finished is None and families is None:
                 continue
-            rows.append(_band_view(replica, band, families or {}, health, counts))
+            rows.append(_band_view(replica, band, families or {}, finished))
     return tuple(rows)
-
-
-def _chosen_sources(hists: Mapping[tuple[str, str, str, str], Any],
-                    outcomes: Mapping[tuple[str, str, str, str, str], int]) -> dict[str, set[str]]:
-    """Per replica: the proxy's view where a proxy saw it, else every engine-side source."""
-    seen: dict[str, set[str]] = {}
-    for key in (*hists, *outcomes):
-        seen.setdefault(key[0], set()).add(key[3])
-    return {replica: ({PROXY_SOURCE} if PROXY_SOURCE in sources else sources)
-            for replica, sources in seen.items()}
 
 
 def _add(target: dict[str, Histogram], name: str, hist: Histogram) -> None:
@@ -289,12 +277,12 @@ def _quantile(families: Mapping[str, Histogram], name: str, q: float) -> float |
     return None if math.isnan(value) else value
 
 
-def _band_view(replica: str, band: str, families: Mapping[str, Histogram], health: Any,
-               counts: Mapping[tuple[str, str, str, str, str], float]) -> BandView:
+def _band_view(replica: str, band: str, families: Mapping[str, Histogram],
+               finished: BandOutcomes | None) -> BandView:
     by_outcome = dict.fromkeys(OUTCOMES, 0)
-    for (r, _model, b, _source, outcome), n in counts.items():
-        if b == band and replica in (ALL, r):
-            by_outcome[outcome] = by_outcome.get(outcome, 0) + int(n)
+    for outcome, n in (finished.counts.items() if finished else ()):
+        by_outcome[outcome] = int(n)
+    health = finished.health if finished else None
     return BandView(
         replica=replica, band=band, requests=sum(by_outcome.values()), outcomes=by_outcome,
         completed_ratio=health.completed_ratio if health else None,

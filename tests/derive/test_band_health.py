@@ -46,3 +46,18 @@ def test_window_counts_are_increases_with_resets_handled():
     earlier = {key("0-1k", "completed"): 4, key("0-1k", "aborted"): 3}
     assert outcome_increase(now, earlier) == {key("0-1k", "completed"): 6, key("0-1k", "aborted"): 1,
                                               key("1k-5k", "completed"): 2}
+
+
+def test_band_outcomes_take_the_proxy_view_where_a_proxy_saw_the_replica():
+    from kvwatch.derive.band_health import band_outcomes
+
+    counts = {key("0-1k", "completed"): 3, key("0-1k", "aborted"): 1,
+              key("0-1k", "completed", source="otlp"): 4,  # the same requests seen engine-side
+              key("0-1k", "completed", replica="r1", source="otlp"): 2,
+              key("0-1k", "error", replica="r1", source="sglang_files"): 2}
+    bands = band_outcomes(counts)
+    assert bands[("r0", "0-1k")].counts == {"completed": 3, "aborted": 1}
+    assert bands[("r1", "0-1k")].counts == {"completed": 2, "error": 2}  # no proxy: every engine source
+    every = bands[(None, "0-1k")]
+    assert every.counts == {"completed": 5, "aborted": 1, "error": 2}
+    assert (every.health.completed_ratio, every.health.aborted_ratio) == (5 / 8, 1 / 8)
