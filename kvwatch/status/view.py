@@ -255,10 +255,10 @@ def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView,
     for replica in (ALL, *replicas):
         for band in state.bands.all_names:
             finished = bands.get((None if replica == ALL else replica, band))
-            families = merged.get((replica, band))
-            if finished is None and families is None:
+            latency = merged.get((replica, band))
+            if finished is None and latency is None:
                 continue
-            rows.append(_band_view(replica, band, families or {}, finished))
+            rows.append(_band_view(replica, band, latency or {}, finished))
     return tuple(rows)
 
 
