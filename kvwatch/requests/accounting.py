@@ -68,6 +68,7 @@ class RequestInfo:
     wants_usage: bool  # the client itself set stream_options.include_usage
     stream_options_present: bool
     choices: int = 1  # n
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 #: strings pydantic (lax mode, which vLLM's request models use) reads as ``True`` for a bool field,
@@ -95,6 +96,7 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
         wants_usage=isinstance(options, dict) and _lax_true(options.get("include_usage")),
         stream_options_present="stream_options" in doc,
         choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
+        continuous_usage=isinstance(options, dict) and _lax_true(options.get("continuous_usage_stats")),
     )
 
 

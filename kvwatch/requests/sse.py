@@ -123,8 +123,10 @@ def is_usage_only(event: bytes) -> bool:
 
 
 def find_usage(events: bytes, separator: bytes) -> Usage | None:
-    """The usage object among complete events (usage-only chunk or riding on a content chunk)."""
-    for event in events.split(separator):
+    """The last usage object among complete events (usage-only chunk or riding on a content chunk):
+    counts are cumulative, and an engine that sends usage on every chunk (vLLM 0.32
+    ``--enable-force-include-usage``) has the final count last."""
+    for event in reversed(events.split(separator)):
         if USAGE_MARK in event:
             usage = parse_usage(event)
             if usage is not None:

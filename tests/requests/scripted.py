@@ -70,7 +70,9 @@ class Script:
     prompt_tokens: int = 11
     completion_tokens: int | None = None  # usage value; None = number of content events
     send_usage: bool = True  # answer include_usage
-    force_usage: bool = False  # vLLM --enable-force-include-usage: a usage chunk whether asked or not
+    #: vLLM 0.32 --enable-force-include-usage: usage whether asked or not, on the usage chunk and on
+    #: every other chunk too (its should_include_usage returns (True, True) when forced)
+    force_usage: bool = False
     reasoning: bool = False  # put the text in delta.reasoning instead of delta.content
     status: int = 200
     error_body: bytes = b'{"error":{"message":"bad request","type":"BadRequestError","code":400}}'
@@ -156,27 +158,39 @@ class ScriptedEngine:
         completion = script.completion_tokens if script.completion_tokens is not None else len(texts)
         if not doc.get("stream"):
             return self._whole(chat, texts, script, completion)
-        include_usage = (doc.get("stream_options") or {}).get("include_usage") in (True, "true") \
-            or script.force_usage
+        options = doc.get("stream_options") or {}
+        include_usage = options.get("include_usage") in (True, "true") or script.force_usage
+        continuous = script.force_usage or (include_usage and options.get("continuous_usage_stats") is True)
+        running = 0
+
+        def on_chunk(event: bytes) -> bytes:
+            """Continuous usage stats: the counts so far on a chunk with choices, as vLLM writes them."""
+            if not continuous:
+                return event
+            usage = b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}}' % (
+                script.prompt_tokens, script.prompt_tokens + running, running)
+            end = event.rindex(b"}")
+            return event[:end] + usage + event[end + 1:]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         try:
             await asyncio.sleep(script.first_delay)
             if chat:
-                await response.write(chat_chunk({"role": "assistant", "content": ""}))
+                await response.write(on_chunk(chat_chunk({"role": "assistant", "content": ""})))
             for delay, text in script.contents:
                 await asyncio.sleep(delay)
+                running += 1
                 if chat:
                     key = "reasoning" if script.reasoning else "content"
                     event = chat_chunk({key: text})
                 else:
                     event = text_chunk(text)
-                await response.write(event)
+                await response.write(on_chunk(event))
                 seen.writes.append(time.perf_counter())
             usage = include_usage and script.send_usage
             on_finish = {} if usage else FINGERPRINT
-            tail = (chat_chunk({"content": ""}, script.finish, extra=on_finish) if chat
-                    else text_chunk("", script.finish, extra=on_finish))
+            tail = on_chunk(chat_chunk({"content": ""}, script.finish, extra=on_finish) if chat
+                            else text_chunk("", script.finish, extra=on_finish))
             if usage and script.usage_delay:
                 await response.write(tail)
                 await asyncio.sleep(script.usage_delay)

@@ -12,6 +12,7 @@ import pytest
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
+from kvwatch.requests.http1 import ChunkedDecoder
 from kvwatch.requests.proxy import ACCEPT_ERRORS, SHED
 
 from .h11_engine import h11_engine
@@ -351,6 +352,35 @@ async def test_a_failing_accept_is_logged_and_counted(proxy: ProxyHarness, caplo
                                  "exception": OSError(errno.EMFILE, "Too many open files")})
     assert proxy.count(ACCEPT_ERRORS, "r0") == 1
     assert any("cannot accept a connection (Too many open files)" in r.getMessage() for r in caplog.records)
+
+
+def events_of(response: bytes) -> bytes:
+    """The body of a response, de-chunked if it came chunked."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    decoder = ChunkedDecoder()
+    events = decoder.feed(body)
+    assert decoder.done
+    return events
+
+
+async def test_an_engine_that_forces_usage_keeps_its_chunk_from_the_first_stream_and_loses_no_count(
+        engine: ScriptedEngine, proxy: ProxyHarness) -> None:
+    """vLLM 0.32 with --enable-force-include-usage sends usage on every chunk and a usage chunk, asked or
+    not. kvwatch still asks (it cannot know beforehand), sees usage on a chunk it did not ask it on,
+    and removes nothing: every client, from the first stream on, gets what a direct one gets, and every
+    stream is counted exactly."""
+    engine.script = Script(force_usage=True)
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(CHAT_BODY), CHAT_BODY))
+    direct = events_of(await send_raw(engine.url, request))
+    assert direct.count(b'"usage":{') == 5 and b'"choices":[],"usage"' in direct  # 4 chunks + usage chunk
+    for _ in range(3):
+        assert events_of(await send_raw(proxy.url, request)) == direct
+        assert b"include_usage" in engine.seen[-1].body  # still asked: nothing decided for the replica
+    await wait_for(lambda: len(proxy.records) == 3)
+    assert [(r.output_tokens, r.output_tokens_estimated) for r in proxy.records] == [(2, False)] * 3
 
 
 async def test_an_engine_that_forces_usage_keeps_its_chunk_once_kvwatch_has_seen_it(

@@ -26,6 +26,16 @@ DEEP_USAGE = (b'data: {"choices":[],"usage":{"prompt_tokens":1,"x":' + b"[" * 10
               + b"}}\n\n")
 
 
+def with_usage(event: bytes, completion: int) -> bytes:
+    """``event`` as vLLM writes it with continuous usage stats: the counts so far on every chunk."""
+    counts = (7 + completion, completion)
+    usage = b'"usage":{"prompt_tokens":7,"total_tokens":%d,"completion_tokens":%d}' % counts
+    return event.replace(b"]}\n\n", b"]," + usage + b"}\n\n")
+
+
+FORCED = with_usage(ROLE, 0) + with_usage(HI, 1) + with_usage(STOP, 2)
+
+
 def crlf(events: bytes) -> bytes:
     return events.replace(b"\n\n", b"\r\n\r\n")
 
@@ -48,6 +58,7 @@ class Row:
     forced: bool = False  # the engine sends usage a client did not ask for, and kvwatch did not either
     done: bool = True  # [DONE] went out with nothing pending
     unasked: bool = True
+    asked_continuous: bool = False  # the request asked for usage on every chunk itself
 
 
 ROWS = [
@@ -77,6 +88,11 @@ ROWS = [
                 + DONE, b""]),
     Row("usage nobody asked for: the engine forces it, relayed as sent",
         [STREAM], strip=False, forced=True, client=[STREAM, b""]),
+    Row("the engine forces usage (vLLM --enable-force-include-usage: on every chunk too): nothing removed",
+        [FORCED[:300], FORCED[300:] + USAGE, DONE], strip=True,
+        client=[with_usage(ROLE, 0), with_usage(HI, 1) + with_usage(STOP, 2) + USAGE, DONE, b""]),
+    Row("usage on every chunk the request asked for itself: kvwatch's usage chunk still removed",
+        [FORCED + USAGE + DONE], strip=True, asked_continuous=True, client=[FORCED + DONE, b""]),
     Row("a usage chunk nested 100,000 deep: removed, counted as an error, the stream whole",
         at(ROLE + STOP + DEEP_USAGE + DONE, STOP, 5000), strip=True, usage=None, errors=1,
         client=[ROLE, b"", STOP + DONE, b""]),
@@ -94,7 +110,7 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.name for row in ROWS])
 def test_usage_relay_table(row: Row) -> None:
-    relay = UsageRelay(row.strip, row.unasked)
+    relay = UsageRelay(row.strip, row.unasked, row.asked_continuous)
     got, usage = [], None
     for read in row.reads:
         got.append(relay.feed(read))

@@ -27,7 +27,7 @@ from kvwatch.requests.proxy.exchange import Exchange
 from kvwatch.requests.proxy.relay import UsageRelay, separator
 from kvwatch.state import InFlightTracker
 
-from .scripted import chat_chunk, usage_chunk
+from .scripted import DONE, chat_chunk, usage_chunk
 
 
 class RecordingTransport(asyncio.Transport):
@@ -113,7 +113,9 @@ async def relay(stream: bytes, cuts: list[int], client_body: bytes,
 
 def expected(stream: bytes, injected: bool) -> bytes:
     """The engine's bytes less the first usage-only event and its separator, when kvwatch asked for
-    it (blank lines before the event are not part of it)."""
+    it (blank lines before the event are not part of it); nothing removed when usage came on an
+    event with choices before it (the engine sends usage on its own: vLLM
+    --enable-force-include-usage)."""
     sep = separator(stream)
     if not injected or sep is None:
         return stream
@@ -122,6 +124,8 @@ def expected(stream: bytes, injected: bool) -> bytes:
         if sse.USAGE_MARK in event and sse.is_usage_only(event):
             blank = event[:len(event) - len(event.lstrip(b"\r\n"))]
             return b"".join(e + sep for e in events[:i]) + blank + sep.join(events[i + 1:])
+        if sse.USAGE_OBJECT.search(event):
+            return stream
     return stream
 
 
@@ -233,3 +237,41 @@ async def test_events_after_the_final_chunk_are_held_within_a_cap() -> None:
     assert down.written.count(b'"content":"z"') == 100
     exchange.abandon()
     conn._cancel_timer()
+
+
+async def test_what_the_relay_holds_back_counts_in_the_buffer_budget() -> None:
+    """The incomplete event (carry) and the events held after the final chunk count in
+    proxy.max_buffered_bytes; over it the relay holds nothing more: what it kept reaches the client
+    at once, in order, and the rest passes as it comes (the budget is never exceeded for a hold)."""
+    replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
+                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
+    config = ProxyConfig(max_body_bytes=64 << 10, max_buffered_bytes=256 << 10)
+    proxy = ProxyServer(replica, config, ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
+                        lambda record: None, lambda *a, **k: None)
+    conn = ClientConnection(proxy)
+    conn.transport = down = RecordingTransport()
+    head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                              % len(STREAMING))
+    exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
+    exchange._send = lambda: None  # type: ignore[method-assign]
+    exchange.start()
+    assert exchange.strip
+    exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                         b"transfer-encoding: chunked"), None, True)
+    final = chat_chunk({"content": "a"}) + chat_chunk({"content": ""}, "stop")
+    reads = [final + b"data: " + b"x" * (100 << 10), b"x" * (200 << 10), b"\n\n" + usage_chunk(3, 2) + DONE]
+    exchange.on_body(reads[0])
+    exchange.flush()
+    assert exchange.relay is not None and proxy.buffered == exchange.relay.holding > 100 << 10
+    assert b'"finish_reason":"stop"' not in down.written  # held for the usage chunk, within the budget
+    exchange.on_body(reads[1])  # 300 KiB would be held: over the budget
+    exchange.flush()
+    assert proxy.buffered == 0 and exchange.relay.holding == 0
+    assert down.written.endswith(b"x" * (200 << 10) + b"\r\n")  # everything kept went out, in order
+    exchange.on_body(reads[2])
+    exchange.on_end()
+    conn._cancel_timer()
+    _, _, body = bytes(down.written).partition(b"\r\n\r\n")
+    decoder = ChunkedDecoder()
+    assert decoder.feed(body) == b"".join(reads) and decoder.done  # the engine's bytes, all of them
+    assert proxy.buffered == 0

@@ -65,6 +65,7 @@ class Exchange:
         self.strip = False  # kvwatch asked for usage: its usage chunk is removed
         self.retried = False  # the engine refused include_usage once; the client's own body was sent
         self.unasked = False  # a metered stream whose body asks no usage (as the client wrote it)
+        self.continuous = False  # the body asks usage on every chunk (stream_options.continuous_usage_stats)
         self.capture: bytearray | None = None
         self.gone = False
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -199,6 +200,7 @@ class Exchange:
             self.meter = proxy.meter_factory(proxy.replica, model, info, self.wall, self.t0,
                                              proxy.in_flight, self.handle)
             self.unasked = info.streaming and not info.wants_usage
+            self.continuous = info.continuous_usage
             if proxy.inject_usage and not proxy.engine_forces_usage:
                 return body_requesting_usage(self.body, info)
         except Exception as exc:
@@ -278,7 +280,7 @@ class Exchange:
         encoded = (head.get(b"content-encoding") or b"identity").lower() != b"identity"
         if (metered or self.strip) and head.status == 200 and not encoded and \
                 content_type.startswith(b"text/event-stream"):
-            self.relay = UsageRelay(self.strip, self.unasked)
+            self.relay = UsageRelay(self.strip, self.unasked, self.continuous)
         elif metered and head.status == 200 and not encoded and content_type.startswith(b"application/json"):
             self.capture = bytearray()
         headers = end_to_end(head)

@@ -14,6 +14,14 @@ usage chunk when usage is requested, and they are put back (``sse.MOVED_FIELDS``
 single-choice streams get here, and the hold lasts as long as the engine takes to write its next
 chunk (the usage chunk follows the final chunk in the same step).
 
+Only the chunk kvwatch caused is removed. vLLM 0.32 started with ``--enable-force-include-usage``
+sends usage whether asked or not, and then on every chunk too (its ``should_include_usage``
+returns ``(True, True)``: final and continuous usage). kvwatch asks for the final chunk only, so
+a usage object on a chunk with choices, in a stream whose request did not ask for
+``continuous_usage_stats``, is the engine's own doing: from there on nothing is removed or held,
+and the final usage chunk reaches the client as a direct connection shows it (its counts are
+still read: accounting loses nothing).
+
 Whatever accounting does, the client's bytes are the engine's, in order, less only that chunk:
 usage that cannot be read is an error in ``errors``, never an exception out of ``feed``.
 """
@@ -42,12 +50,16 @@ def separator(data: bytes) -> bytes | None:
 class UsageRelay:
     """One response's event stream; ``feed`` per upstream read, ``finish`` at its end."""
 
-    __slots__ = ("carry", "done", "errors", "events", "forced_usage", "held", "held_bytes", "hold_final",
-                 "noted", "plain", "sep", "strip", "unasked", "usage")
+    __slots__ = ("asked", "carry", "chunk_usage_is_engines", "done", "engine_usage", "errors", "events",
+                 "forced_usage", "held", "held_bytes", "hold_final", "noted", "plain", "sep", "strip",
+                 "unasked", "usage")
 
-    def __init__(self, strip: bool, unasked: bool) -> None:
+    def __init__(self, strip: bool, unasked: bool, asked_continuous: bool = False) -> None:
         self.strip = strip  # kvwatch asked for usage: the first usage-only chunk is its own, removed
+        self.asked = strip  # kvwatch asked for usage in this stream's request
         self.unasked = unasked  # the client's body asked no usage (so an unremoved one is the engine's)
+        self.chunk_usage_is_engines = not asked_continuous  # usage on a content chunk: nobody asked
+        self.engine_usage = False  # the engine sends usage on its own in this stream: nothing removed
         self.sep: bytes | None = None
         self.carry = b""  # bytes after the last complete event
         self.held: list[bytes] | None = None  # final chunk and after, waiting for the usage chunk
@@ -143,7 +155,7 @@ class UsageRelay:
         """Usage nobody here removes (the client asked, or the engine sends it anyway): read it."""
         try:
             usage = sse.find_usage(data, sep)
-            if self.unasked and not self.forced_usage and \
+            if self.unasked and not self.asked and not self.forced_usage and \
                     any(sse.is_usage_only(e) for e in data.split(sep) if sse.USAGE_MARK in e):
                 self.forced_usage = self.noted = True
         except Exception as exc:
@@ -158,6 +170,15 @@ class UsageRelay:
         except Exception as exc:
             self._note_error(exc)
             return None, []
+
+    def _engine_sends_usage(self, out: list[bytes], sep: bytes) -> None:
+        """Usage on a chunk kvwatch did not ask it on: the engine forces usage, so the usage chunk
+        to come is its own too; nothing more is removed, and what was held goes now, in order."""
+        self.strip = False
+        self.engine_usage = True
+        if self.held:
+            out += [held + sep for held in self.held]
+        self.held, self.held_bytes = None, 0
 
     def _without_usage(self, data: bytes, sep: bytes) -> bytes:
         """Remove the usage chunk kvwatch asked for; returns the events to send now."""
@@ -179,6 +200,10 @@ class UsageRelay:
                 if blank:
                     out.append(event[:blank])
                 continue
+            if sse.USAGE_MARK in event:  # usage riding on a chunk with choices: read, keep
+                self._note_usage(self._read_usage_event(event)[0])
+                if self.strip and self.chunk_usage_is_engines and sse.USAGE_OBJECT.search(event):
+                    self._engine_sends_usage(out, sep)
             if self.held is not None:
                 self.held.append(event)
                 self.held_bytes += len(event)
@@ -189,8 +214,6 @@ class UsageRelay:
                     self.held, self.held_bytes = None, 0
                     self.hold_final = event == DONE_EVENT
                 continue
-            if sse.USAGE_MARK in event:  # usage riding on a content chunk: read, keep
-                self._note_usage(self._read_usage_event(event)[0])
             if self.hold_final and self.strip and sse.FINISH.search(event):
                 self.held, self.held_bytes = [event], len(event)
                 continue
