@@ -307,9 +307,13 @@ class Exchange:
             out = relay.feed(data)
             if out:
                 self._emit(b"%x\r\n%b\r\n" % (len(out), out) if self.down_chunked else out)
-            events, sep = relay.events, relay.sep
-            if events and sep is not None:
-                self._meter_events(events, sep)
+            events, sep, meter = relay.events, relay.sep, self.meter
+            if events and sep is not None and meter is not None:
+                try:
+                    meter.on_events(events, sep, self.proxy.clock())
+                except Exception as exc:
+                    self.meter = None
+                    self.proxy.accounting_failed("stream", exc)
             if relay.noted:
                 self._take_notes(relay)
             held = len(relay.carry) + relay.held_bytes

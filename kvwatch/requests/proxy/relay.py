@@ -50,9 +50,9 @@ def separator(data: bytes) -> bytes | None:
 class UsageRelay:
     """One response's event stream; ``feed`` per upstream read, ``finish`` at its end."""
 
-    __slots__ = ("asked", "carry", "chunk_usage_is_engines", "done", "engine_usage", "errors", "events",
-                 "forced_usage", "held", "held_bytes", "hold_final", "noted", "plain", "sep", "strip",
-                 "unasked", "usage")
+    __slots__ = ("asked", "carry", "chunk_usage_is_engines", "done", "done_mark", "engine_usage", "errors",
+                 "events", "forced_usage", "held", "held_bytes", "hold_final", "noted", "plain", "sep",
+                 "strip", "unasked", "usage")
 
     def __init__(self, strip: bool, unasked: bool, asked_continuous: bool = False) -> None:
         self.strip = strip  # kvwatch asked for usage: the first usage-only chunk is its own, removed
@@ -61,6 +61,7 @@ class UsageRelay:
         self.chunk_usage_is_engines = not asked_continuous  # usage on a content chunk: nobody asked
         self.engine_usage = False  # the engine sends usage on its own in this stream: nothing removed
         self.sep: bytes | None = None
+        self.done_mark = b""  # [DONE] and the separator: the bytes a finished stream ends with
         self.carry = b""  # bytes after the last complete event
         self.held: list[bytes] | None = None  # final chunk and after, waiting for the usage chunk
         self.held_bytes = 0
@@ -91,6 +92,7 @@ class UsageRelay:
             sep = self.sep = separator(data)
             if sep is None:
                 return self._keep(data)
+            self.done_mark = DONE_EVENT + sep
         cut = data.rfind(sep)
         if cut < 0:
             return self._keep(data)
@@ -104,7 +106,7 @@ class UsageRelay:
         elif sse.USAGE_MARK in data:
             self._read_usage(data, sep)
         self.events = data
-        if not self.carry and self.held is None and data.endswith(DONE_EVENT + sep):
+        if not self.carry and self.held is None and data.endswith(self.done_mark):
             self.done = True
         return data
 
