@@ -214,14 +214,13 @@ async def test_two_megabyte_line_after_the_final_chunk_keeps_the_order() -> None
     assert injected and received == stream
 
 
-async def test_events_after_the_final_chunk_are_held_within_a_cap() -> None:
-    """An engine that never sends the usage chunk: the events after the final chunk are relayed once
-    MAX_HELD_EVENTS are held, not kept until the stream ends."""
-    tail = chat_chunk({"content": "z"}) * 100
-    stream = chat_chunk({"content": ""}, "stop") + tail
+def streaming_exchange(config: ProxyConfig, framing: bytes) -> tuple[ProxyServer, ClientConnection,
+                                                                     Exchange, RecordingTransport]:
+    """An exchange of a streaming chat request kvwatch asked usage for, its event-stream response head
+    read (``framing``: the engine's), driven by hand from here on."""
     replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
                             proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
-    proxy = ProxyServer(replica, ProxyConfig(), ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
+    proxy = ProxyServer(replica, config, ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
                         lambda record: None, lambda *a, **k: None)
     conn = ClientConnection(proxy)
     conn.transport = down = RecordingTransport()
@@ -230,7 +229,17 @@ async def test_events_after_the_final_chunk_are_held_within_a_cap() -> None:
     exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
     exchange._send = lambda: None  # type: ignore[method-assign]
     exchange.start()
-    exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream"), None, True)
+    exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream"
+                                         + (b"\r\n" + framing if framing else b"")), None, True)
+    return proxy, conn, exchange, down
+
+
+async def test_events_after_the_final_chunk_are_held_within_a_cap() -> None:
+    """An engine that never sends the usage chunk: the events after the final chunk are relayed once
+    MAX_HELD_EVENTS are held, not kept until the stream ends."""
+    tail = chat_chunk({"content": "z"}) * 100
+    stream = chat_chunk({"content": ""}, "stop") + tail
+    _, conn, exchange, down = streaming_exchange(ProxyConfig(), b"")
     exchange.on_body(stream)
     exchange.flush()
     assert exchange.relay is not None and exchange.relay.held is None  # not held to the end
@@ -243,21 +252,9 @@ async def test_what_the_relay_holds_back_counts_in_the_buffer_budget() -> None:
     """The incomplete event (carry) and the events held after the final chunk count in
     proxy.max_buffered_bytes; over it the relay holds nothing more: what it kept reaches the client
     at once, in order, and the rest passes as it comes (the budget is never exceeded for a hold)."""
-    replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
     config = ProxyConfig(max_body_bytes=64 << 10, max_buffered_bytes=256 << 10)
-    proxy = ProxyServer(replica, config, ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
-                        lambda record: None, lambda *a, **k: None)
-    conn = ClientConnection(proxy)
-    conn.transport = down = RecordingTransport()
-    head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                              % len(STREAMING))
-    exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
-    exchange._send = lambda: None  # type: ignore[method-assign]
-    exchange.start()
+    proxy, conn, exchange, down = streaming_exchange(config, b"transfer-encoding: chunked")
     assert exchange.strip
-    exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                         b"transfer-encoding: chunked"), None, True)
     final = chat_chunk({"content": "a"}) + chat_chunk({"content": ""}, "stop")
     reads = [final + b"data: " + b"x" * (100 << 10), b"x" * (200 << 10), b"\n\n" + usage_chunk(3, 2) + DONE]
     exchange.on_body(reads[0])
