@@ -35,6 +35,21 @@ def run_now(steps: Generator[None, None, T]) -> T:
             return done.value
 
 
+def run_budgeted(steps: Generator[None, None, T], budget_s: float) -> T:
+    """Run a sliced computation to the end at once, abandoning it past ``budget_s`` of CPU time
+    (``BudgetExceededError``): for a worker process, where no loop waits between slices."""
+    started = time.thread_time()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        spent = time.thread_time() - started
+        if spent > budget_s:
+            steps.close()
+            raise BudgetExceededError(spent, budget_s)
+
+
 async def run_sliced(steps: Generator[None, None, T], budget_s: float) -> T:
     """Drive ``steps`` to its return value, yielding to the loop after each slice.
 

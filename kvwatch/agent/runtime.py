@@ -20,6 +20,7 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.config import Config, ReplicaConfig
 from kvwatch.derive.recompute import request_stalled
+from kvwatch.engines.page_worker import PageWorker
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector
@@ -78,6 +79,7 @@ class Agent:
         self._proc = proc
         self._route_factories = tuple(route_factories)
         self._client: httpx.AsyncClient | None = None
+        self._page_worker = PageWorker()  # large engine pages are parsed in this process, started lazily
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._site_port: int | None = None
@@ -197,6 +199,7 @@ class Agent:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        await self._page_worker.close()
         if self._ledger is not None:
             await asyncio.to_thread(self._ledger.stop)
             self._ledger = None
@@ -226,7 +229,8 @@ class Agent:
     @_ends_quietly_on_shutdown
     async def _scrape(self, replica: ReplicaConfig) -> None:
         assert self._client is not None
-        await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock)
+        await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock,
+                            worker=self._page_worker)
         if self._jobs.get(replica.name, (None,))[0] != replica:  # dropped or replaced meanwhile
             if replica.name not in self._jobs:
                 self.state.drop_target(replica.name)

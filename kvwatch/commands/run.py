@@ -109,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def _serve(config, path: str | None = None, adjust=lambda c: c) -> int:
     from kvwatch.agent import Agent
+    from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.agent.reload import ConfigReloader
     from kvwatch.status.page import make_status_routes
 
@@ -129,6 +130,7 @@ async def _serve(config, path: str | None = None, adjust=lambda c: c) -> int:
         log.error("cannot start: %s", exc)
         await agent.stop()
         return 1
+    freeze_start_up_heap()
     if reloader is not None:
         loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
         reloader.start()
