@@ -27,7 +27,7 @@ from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.cooperative import BudgetExceededError, run_sliced
 from kvwatch.engines.base import RANK_LABELS, ExtraPage
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
-from kvwatch.engines.fetch import ScrapeError, fetch_body, fetch_metrics
+from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
 from kvwatch.engines.page_worker import PageWorker, WorkerFailedError
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import ReplicaSample
@@ -36,10 +36,10 @@ from kvwatch.state import NodeState, TargetState
 log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 1.0
-#: pages of more characters than this are parsed in the worker process (``PageWorker``): a real
-#: vLLM page of one rank is ~50 KB; a page this size parsed in the agent adds at most ~15,000
+#: pages of more bytes than this are parsed in the worker process (``PageWorker``): a real vLLM
+#: page of one rank is ~50 KB; a page this size parsed in the agent adds at most ~15,000
 #: containers to its heap, which a full garbage collection walks in a few ms
-WORKER_PARSE_CHARS = 256 * 1024
+WORKER_PARSE_BYTES = 256 * 1024
 
 #: cumulative ReplicaSample fields: one going backwards means the engine restarted
 COUNTER_FIELDS = (
@@ -92,16 +92,20 @@ async def _parse_here(text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeC
     return await asyncio.to_thread(parse_families, expo, replica_cfg.name, replica_cfg.backend, scraped_at)
 
 
-async def _parse(text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig, scraped_at: float,
-                 worker: PageWorker | None) -> ParseResult:
+async def _parse(body: bytes, content_type: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
+                 scraped_at: float, worker: PageWorker | None) -> ParseResult:
     """A large page goes to the worker process (its objects would make the agent's garbage
     collections pause the loop for tenths of a second), a small one is parsed here."""
     where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
     try:
-        if worker is not None and len(text) > WORKER_PARSE_CHARS:
-            return await worker.parse(text, replica_cfg.name, replica_cfg.backend, scraped_at,
-                                      page_limits(scrape_cfg), scrape_cfg.parse_budget_s)
+        if worker is not None and len(body) > WORKER_PARSE_BYTES:
+            return await worker.parse(body, content_type, replica_cfg.name, replica_cfg.metrics_url,
+                                      replica_cfg.backend, scraped_at, page_limits(scrape_cfg),
+                                      scrape_cfg.parse_budget_s)
+        text = metrics_text(body, content_type, replica=replica_cfg.name, url=replica_cfg.metrics_url)
         return await _parse_here(text, replica_cfg, scrape_cfg, scraped_at)
+    except ScrapeError:
+        raise  # not_metrics, from the page's checks
     except WorkerFailedError as exc:
         raise ScrapeError("timeout", f"{where}: {exc}") from None
     except TooManySeriesError as exc:
@@ -197,7 +201,7 @@ async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, s
                         worker: PageWorker | None = None) -> None:
     """Scrape one replica and update ``state.target(name)`` and ``state.report("engine:<name>")``.
 
-    ``worker`` parses pages over ``WORKER_PARSE_CHARS`` (without one, every page is parsed here).
+    ``worker`` parses pages over ``WORKER_PARSE_BYTES`` (without one, every page is parsed here).
 
     Never raises: every failure becomes a counted, logged ``ScrapeError`` and ``up = False``.
     Skips the scrape (returns at once) while the target is in backoff.
@@ -208,10 +212,10 @@ async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, s
         return
     clock = time.perf_counter()
     try:
-        text = await fetch_metrics(client, replica_cfg.metrics_url, replica=replica_cfg.name,
-                                   timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
-                                   max_bytes=scrape_cfg.max_response_bytes)
-        result = await _parse(text, replica_cfg, scrape_cfg, started, worker)
+        body, content_type = await fetch_body(client, replica_cfg.metrics_url, replica=replica_cfg.name,
+                                              timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
+                                              max_bytes=scrape_cfg.max_response_bytes)
+        result = await _parse(body, content_type, replica_cfg, scrape_cfg, started, worker)
     except ScrapeError as err:
         target.scrape_duration_s = time.perf_counter() - clock
         _failed(target, err, started, scrape_cfg.backoff_max_s)

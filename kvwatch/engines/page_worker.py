@@ -8,9 +8,14 @@ heap, same collector, and it holds the GIL). The worker process parses, runs the
 sends back only the ``ParseResult`` (a few hundred samples at most, by the page limits); its
 own collections pause only itself.
 
-Protocol on the worker's stdin/stdout: an 8-byte big-endian length, then a pickle; one request
-(page text, replica, backend, scraped_at, ``Limits``, CPU budget) and one reply at a time. Both
-ends are this code, so the pickles are trusted; the page itself is only ever parsed as text.
+The page goes as the bytes received: decoding, checking (``metrics_text``) and parsing all happen
+in the worker, and the agent writes the body to the pipe in 1 MiB pieces, so even a 16 MB page
+costs the loop only steps of a millisecond or so.
+
+Protocol on the worker's stdin/stdout: an 8-byte big-endian length, then a pickle (replica, URL,
+backend, scraped_at, ``Limits``, CPU budget), then the length and bytes of the body; one reply
+(length, pickle) per request. Both ends are this code, so the pickles are trusted; the page itself
+is only ever parsed as text.
 The worker enforces the CPU budget itself; the agent gives up on it past a wall-clock deadline
 (a starved or wedged worker), kills it and starts a new one for the next page.
 """
@@ -25,12 +30,15 @@ from typing import Any, BinaryIO
 
 from kvwatch.cooperative import BudgetExceededError, run_budgeted
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
+from kvwatch.engines.fetch import ScrapeError, metrics_text
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, parse_families
 
 _LENGTH = 8
+_PIECE = 1024 * 1024
 _ERRORS: dict[str, type[Exception]] = {
     "TooManySeriesError": TooManySeriesError, "ExpositionError": ExpositionError,
     "BudgetExceededError": BudgetExceededError, "NoEngineMetricsError": NoEngineMetricsError,
+    "ScrapeError": ScrapeError,
 }
 
 
@@ -42,14 +50,17 @@ class WorkerFailedError(Exception):
     """The worker died or did not answer within its deadline; it has been killed."""
 
 
-def parse_page(text: str, replica: str, backend: str, scraped_at: float, limits: Limits,
-               budget_s: float) -> ParseResult:
-    """Parse and adapt one page within ``budget_s`` of CPU (what the worker runs for each request)."""
+def parse_page(body: bytes, content_type: str, replica: str, url: str, backend: str, scraped_at: float,
+               limits: Limits, budget_s: float) -> ParseResult:
+    """Check, parse and adapt one page within ``budget_s`` of CPU (what the worker runs per request)."""
+    text = metrics_text(body, content_type, replica=replica, url=url)
     expo = run_budgeted(parse_steps(text, limits), budget_s)
     return parse_families(expo, replica, backend, scraped_at)
 
 
 def _error_reply(exc: Exception) -> tuple[Any, ...]:
+    if isinstance(exc, ScrapeError):
+        return ("error", "ScrapeError", (exc.reason, exc.message))
     if isinstance(exc, ExpositionError):
         return ("error", type(exc).__name__, (exc.line, exc.message))
     if isinstance(exc, BudgetExceededError):
@@ -60,10 +71,9 @@ def _error_reply(exc: Exception) -> tuple[Any, ...]:
     return ("error", "AdapterError", (text if len(text) <= 160 else text[:160] + "...",))
 
 
-def _answer(request: bytes) -> bytes:
-    text, replica, backend, scraped_at, limits, budget_s = pickle.loads(request)
+def _answer(request: bytes, body: bytes) -> bytes:
     try:
-        result = parse_page(text, replica, backend, scraped_at, limits, budget_s)
+        result = parse_page(body, *pickle.loads(request))
         reply: tuple[Any, ...] = ("ok", result)
     except Exception as exc:  # every failure goes back as a value; the worker keeps serving
         reply = _error_reply(exc)
@@ -76,7 +86,8 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
         head = stdin.read(_LENGTH)
         if len(head) < _LENGTH:
             return
-        reply = _answer(stdin.read(int.from_bytes(head, "big")))
+        request = stdin.read(int.from_bytes(head, "big"))
+        reply = _answer(request, stdin.read(int.from_bytes(stdin.read(_LENGTH), "big")))
         stdout.write(len(reply).to_bytes(_LENGTH, "big") + reply)
         stdout.flush()
 
@@ -96,10 +107,10 @@ class PageWorker:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
-    async def parse(self, text: str, replica: str, backend: str, scraped_at: float, limits: Limits,
-                    budget_s: float) -> ParseResult:
+    async def parse(self, body: bytes, content_type: str, replica: str, url: str, backend: str,
+                    scraped_at: float, limits: Limits, budget_s: float) -> ParseResult:
         """``parse_page`` in the worker; raises what it raises, or ``WorkerFailedError``."""
-        request = pickle.dumps((text, replica, backend, scraped_at, limits, budget_s),
+        request = pickle.dumps((content_type, replica, url, backend, scraped_at, limits, budget_s),
                                protocol=pickle.HIGHEST_PROTOCOL)
         async with self._lock:  # one page at a time: the worker's memory holds one page
             proc = await self._started()
@@ -108,6 +119,11 @@ class PageWorker:
                 async with asyncio.timeout(self.deadline_s):
                     proc.stdin.write(len(request).to_bytes(_LENGTH, "big"))
                     proc.stdin.write(request)
+                    proc.stdin.write(len(body).to_bytes(_LENGTH, "big"))
+                    view = memoryview(body)
+                    for start in range(0, len(body), _PIECE):
+                        proc.stdin.write(view[start:start + _PIECE])
+                        await proc.stdin.drain()
                     await proc.stdin.drain()
                     size = int.from_bytes(await proc.stdout.readexactly(_LENGTH), "big")
                     reply = pickle.loads(await proc.stdout.readexactly(size))
