@@ -38,8 +38,8 @@ from kvwatch.gpu.fake import FakeNvml
 ROOT = Path(__file__).resolve().parents[1]
 REAL_EXPORT = ROOT / "tests" / "requests" / "fixtures" / "vllm-0.32-otlp-llm-request-spans.bin"
 KEPT = ("gen_ai.latency.time_to_first_token", "gen_ai.latency.e2e", "gen_ai.latency.time_in_queue",
-        "gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens", "gen_ai.request.max_tokens",
-        "gen_ai.latency.time_in_model_decode")
+        "gen_ai.usage.prompt_tokens",
+        "gen_ai.usage.completion_tokens", "gen_ai.request.max_tokens")
 
 SENDER = textwrap.dedent("""
     import json, sys, threading, time, urllib.request

@@ -60,6 +60,7 @@ ENCODINGS = ("identity", "gzip", "deflate")
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 OTHER = "other"
 INFLATE_STEP = 1024 * 1024  # compressed bytes handed to zlib at a time
+INFLATE_OUTPUT_STEP = 1024 * 1024  # inflated bytes taken from zlib at a time (it drops the GIL for each)
 SINK_BATCH = 256  # records handed to the sink between yields to the event loop
 MAX_CONCURRENT_DECODES = 2  # each may hold max_body_bytes + max_decompressed_bytes
 REQUEST_MARKERS = ("gen_ai.usage.completion_tokens", "gen_ai.latency.e2e")
@@ -102,7 +103,7 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
                     raise ValueError(f"truncated {encoding} body")
                 pending, data = bytes(data[:INFLATE_STEP]), data[INFLATE_STEP:]
             try:
-                out += inflater.decompress(pending, limit + 1 - len(out))
+                out += inflater.decompress(pending, min(INFLATE_OUTPUT_STEP, limit + 1 - len(out)))
             except zlib.error:
                 raise ValueError(f"corrupt {encoding} body") from None
             if len(out) > limit:

@@ -301,13 +301,19 @@ async def test_gzip_bomb_is_refused_promptly_without_inflating_it(default_otlp: 
     assert _peak_rss_bytes() - rss_before < 256 * 1024 * 1024
 
 
-async def _max_loop_lag(done: asyncio.Event, period: float = 0.005) -> float:
-    worst = 0.0
+async def _max_loop_lag(done: asyncio.Event, period: float = 0.005) -> tuple[float, float]:
+    """The worst tick: (CPU seconds this process spent while it waited, wall seconds late).
+
+    The CPU is what bounds a stall this process causes itself (the GIL serialises its threads);
+    the wall-clock lateness on a shared 2-core machine is mostly the scheduler's.
+    """
+    worst_cpu = worst_late = 0.0
     while not done.is_set():
-        before = time.perf_counter()
+        before, cpu = time.perf_counter(), time.process_time()
         await asyncio.sleep(period)
-        worst = max(worst, time.perf_counter() - before - period)
-    return worst
+        worst_cpu = max(worst_cpu, time.process_time() - cpu)
+        worst_late = max(worst_late, time.perf_counter() - before - period)
+    return worst_cpu, worst_late
 
 
 @pytest.mark.parametrize("sink_cost_s", [0.0, 20e-6], ids=["fast_sink", "agent_like_sink"])
@@ -331,11 +337,13 @@ async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness,
     async with http.post(default_otlp.url, data=io.BytesIO(body), headers=PROTOBUF) as response:
         assert response.status == 200
     done.set()
-    lag = await probe
+    cpu, late = await probe
     assert len(default_otlp.records) == 3 * copies
-    # decoded on the loop (before #11) this stalled 602 ms with the fast sink; off the loop it measured
-    # under 100 ms alone and 216 ms inside the whole suite on 2 shared cores, hence the bound
-    assert lag < 0.3, f"event loop stalled {lag * 1000:.0f} ms"
+    # decoded on the loop (before #11) this stalled 602 ms with the fast sink; off the loop the wall
+    # lateness measured under 100 ms alone and 216 ms inside the whole suite on 2 shared cores, so
+    # the bound is on the CPU a tick waits for (upb's ParseFromString of 10 MB is one ~25 ms call)
+    print(f"worst tick {cpu * 1000:.0f} ms CPU, {late * 1000:.0f} ms late")
+    assert cpu < 0.15, f"event loop stalled: {cpu * 1000:.0f} ms CPU in one tick ({late * 1000:.0f} ms late)"
 
 
 def test_huge_finish_reason_never_reaches_the_ledger_or_the_log(caplog: pytest.LogCaptureFixture) -> None:
