@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,18 +54,12 @@ def ascii_word_tokens() -> list[int]:
 
 
 async def run(argv: list[str], env: dict[str, str], timeout_s: float) -> str:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **env})
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    text = out.decode(errors="replace")
+    """A child process, off the event loop (the OTLP receiver keeps serving meanwhile)."""
+    proc = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True,
+                                   env={**os.environ, **env}, timeout=timeout_s, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} exited with {proc.returncode}:\n{text[-3000:]}")
-    return text
+        raise RuntimeError(f"{argv[0]} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout
 
 
 def pair(rows: list[dict], spans: list[RequestRecord]) -> list[tuple[dict, RequestRecord]]:
