@@ -18,9 +18,11 @@ Otherwise the span is dropped and counted ``unmapped``: label values stay bounde
 
 The sender is an outsider: the body is read compressed (``otlp.max_body_bytes``), inflated in
 steps with the output checked against ``otlp.max_decompressed_bytes`` as it grows (a 4 MB gzip of
-zeros would be 4 GiB), and inflate + decode + span mapping run in a worker thread so a 15 MB
-export never stalls the event loop. Refused exports are counted ``kvwatch_otlp_exports_refused``.
-Free text from spans (``finish_reason``) is cut to a short safe token or ``other``.
+zeros would be 4 GiB), and inflate + decode + span mapping run in a worker thread, off the event
+loop; a thread still shares the GIL and the heap, so a 55,000-span export costs the loop ticks of
+60-90 ms of CPU (``bench/otlp_loop_lag.py``, docs/performance.md). Refused exports are counted
+``kvwatch_otlp_exports_refused``. Free text from spans (``finish_reason``) is cut to a short safe
+token or ``other``.
 """
 
 from __future__ import annotations
