@@ -149,6 +149,10 @@ methods = st.frozensets(st.sampled_from(["on_events", "on_usage", "on_end"]))
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+#: a read that ends with a line ending in "data: [DONE]" that is not the [DONE] event (found by hypothesis)
+NOT_DONE = usage_chunk(3, 2) + b'"finish_reason":"stop"[[\x00data: [DONE]\n\n'
+
+
 @PROPERTY
 @given(stream=streams, cuts=cut_lists, asking=st.booleans(), failing=methods)
 # found by this test: separators overlapping at the end of a read lost the last "\n" of a held stream
@@ -156,6 +160,9 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 # and blank lines before the usage chunk went with it or not, depending on where a read ended
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[3], asking=False, failing=frozenset())
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[], asking=False, failing=frozenset())
+# and a line that only ended with "data: [DONE]" was taken for the stream's end: what followed was lost
+@example(stream=NOT_DONE + chat_chunk({"content": ""}), cuts=[len(NOT_DONE)], asking=False,
+         failing=frozenset())
 async def test_client_gets_the_engines_bytes_less_only_the_usage_chunk_kvwatch_asked_for(
         stream: bytes, cuts: list[int], asking: bool, failing: frozenset[str]) -> None:
     received, injected, _ = await relay(stream, cuts, ASKING if asking else STREAMING, failing)
@@ -177,6 +184,7 @@ def pure_relay(stream: bytes, cuts: list[int], strip: bool) -> tuple[bytes, int]
 @given(stream=streams, cuts=cut_lists, strip=st.booleans())
 @example(stream=chat_chunk({"content": ""}, "stop") + b"\n", cuts=[], strip=True)
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[3], strip=True)
+@example(stream=NOT_DONE + chat_chunk({"content": ""}), cuts=[len(NOT_DONE)], strip=True)
 def test_usage_relay_passes_the_engines_bytes_less_only_the_usage_chunk_kvwatch_asked_for(
         stream: bytes, cuts: list[int], strip: bool) -> None:
     received, _ = pure_relay(stream, cuts, strip)

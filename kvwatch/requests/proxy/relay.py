@@ -106,9 +106,13 @@ class UsageRelay:
         elif sse.USAGE_MARK in data:
             self._read_usage(data, sep)
         self.events = data
-        if not self.carry and self.held is None and data.endswith(self.done_mark):
+        if not self.carry and self.held is None and self._ends_with_done(data, sep):
             self.done = True
         return data
+
+    def _ends_with_done(self, data: bytes, sep: bytes) -> bool:
+        """The last event is ``[DONE]`` itself, not a line that merely ends with its text."""
+        return data == self.done_mark or data.endswith(sep + self.done_mark)
 
     def finish(self) -> tuple[bytes, bytes]:
         """The response ended: (events held back, for the meter too; the incomplete rest, as it came)."""
