@@ -36,7 +36,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvwatch.sim.memory import DEFAULT_RUNTIME_RESERVE_BYTES, ReplicaMemory, plan_replica
 from kvwatch.sim.models import GpuSpec, ModelSpec, gpu_preset
@@ -239,6 +238,16 @@ class _Req:
         "target",
         "token_times",
     )
+    # set by submit(); the rest by __init__
+    rid: str
+    arrival: float
+    prompt: int
+    max_tokens: int  # the budget: the max_tokens parameter, or up to max_model_len
+    max_tokens_param: int | None  # as the client sent it
+    target: int
+    stop_reason: str  # stop | length: what ends the request if nobody aborts it
+    prefix_id: str | None  # set exactly when the request shares prefix blocks (prefix_blocks > 0)
+    prefix_blocks: int
 
     def __init__(self) -> None:
         self.state = WAITING
@@ -252,16 +261,27 @@ class _Req:
         self.high_water = 0  # most KV tokens ever held: recompute below it is re-work
         self.host_tokens = 0  # tokens kept in the CPU tier while preempted
         self.finish_step = -1
-        self.t_scheduled = None
-        self.t_first_token = None
-        self.t_last_token = None
-        self.t_finished = None
-        self.finish_reason = None
+        self.t_scheduled: float | None = None
+        self.t_first_token: float | None = None
+        self.t_last_token: float | None = None
+        self.t_finished: float | None = None
+        self.finish_reason: str | None = None
         self.preemptions = 0
         self.recomputed = 0
         self.reserved = 0  # tokens promised by admission control while admitted
         self.cached = 0
-        self.token_times = None
+        self.token_times: list[float] | None = None
+
+
+class _Subscription:
+    """Who to tell about a request's new tokens, and how many it had at the last notice."""
+
+    __slots__ = ("callback", "last_generated", "req")
+
+    def __init__(self, callback: Callable[[TokenEvent], None], req: _Req) -> None:
+        self.callback = callback
+        self.req = req
+        self.last_generated = 0
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -328,10 +348,10 @@ class SimEngine:
         self._prefill_kv = 0  # KV tokens held by requests in PREFILL
         self._phase = [0] * self._B
         self._finishing: dict[int, list[_Req]] = {}
-        self._prefixes: dict[Any, list[int]] = {}  # prefix id -> [refcount, blocks]
-        self._lru: OrderedDict[Any, int] = OrderedDict()  # evictable prefixes
-        self._traced: dict[str, _Req] = {}
-        self._subs: dict[str, list] = {}  # rid -> [callback, req, last_generated]
+        self._prefixes: dict[str, list[int]] = {}  # prefix id -> [refcount, blocks]
+        self._lru: OrderedDict[str, int] = OrderedDict()  # evictable prefixes
+        self._traced: dict[str, list[float]] = {}  # rid -> token times of a traced decoding request
+        self._subs: dict[str, _Subscription] = {}
         self._finished: OrderedDict[str, RequestView] = OrderedDict()
         self.arrived = 0
         self.completed = 0  # finish_reason stop
@@ -349,7 +369,7 @@ class SimEngine:
         *,
         arrival: float | None = None,
         ignore_eos: bool = False,
-        prefix_id: Any = None,
+        prefix_id: str | None = None,
         prefix_tokens: int = 0,
         trace: bool = False,
     ) -> None:
@@ -386,8 +406,8 @@ class SimEngine:
             r.target, r.stop_reason = budget, "length"
         else:
             r.target, r.stop_reason = output_tokens, "stop"
-        r.prefix_id = prefix_id
         r.prefix_blocks = prefix_tokens // self._B if (self._prefix_caching and prefix_id is not None) else 0
+        r.prefix_id = prefix_id if r.prefix_blocks else None
         r.goal = prompt_tokens
         if trace:
             r.token_times = []
@@ -431,7 +451,7 @@ class SimEngine:
         r = self._reqs.get(request_id)
         if r is None:
             raise KeyError(f"request id {request_id!r} is not in this engine")
-        self._subs[request_id] = [callback, r, 0]
+        self._subs[request_id] = _Subscription(callback, r)
 
     def unsubscribe(self, request_id: str) -> None:
         self._subs.pop(request_id, None)
@@ -585,10 +605,12 @@ class SimEngine:
             if steady:
                 st.h_itl.observe(d, steady)
             for r in onloaded:
+                # loaded back from the CPU tier whole: it was preempted while decoding, so it has a last token
+                assert r.t_last_token is not None
                 st.h_itl.observe(t - r.t_last_token)
         if self._traced:
-            for r in self._traced.values():
-                r.token_times.append(t)
+            for times in self._traced.values():
+                times.append(t)
 
         done = self._finishing.pop(si, None)
         if done:
@@ -629,35 +651,35 @@ class SimEngine:
             self._evictable -= n
             blocks -= n
 
-    def _acquire_prefix(self, r: _Req) -> int:
-        """Reference the request's shared prefix; return the cache-hit blocks."""
-        entry = self._prefixes.get(r.prefix_id)
-        n = r.prefix_blocks
+    def _acquire_prefix(self, pid: str, n: int) -> int:
+        """Reference the shared prefix ``pid`` of ``n`` blocks; return the cache-hit blocks."""
+        entry = self._prefixes.get(pid)
         if entry is None:
-            self._prefixes[r.prefix_id] = [1, n]
+            self._prefixes[pid] = [1, n]
             self._take(n)
             return 0
         if entry[0] == 0:
-            del self._lru[r.prefix_id]
+            del self._lru[pid]
             self._evictable -= n
             self._used += n
         entry[0] += 1
         return n
 
     def _release_prefix(self, r: _Req) -> None:
-        if not r.prefix_blocks:
+        pid = r.prefix_id
+        if pid is None:
             return
-        entry = self._prefixes[r.prefix_id]
+        entry = self._prefixes[pid]
         entry[0] -= 1
         if entry[0] == 0:
             n = entry[1]
             self._used -= n
             self._evictable += n
-            self._lru[r.prefix_id] = n
+            self._lru[pid] = n
 
     def _prefix_cost(self, r: _Req) -> int:
         """Blocks the prefix takes out of the allocatable pool if admitted now."""
-        if not r.prefix_blocks:
+        if r.prefix_id is None:
             return 0
         entry = self._prefixes.get(r.prefix_id)
         return r.prefix_blocks if entry is None or entry[0] == 0 else 0
@@ -668,9 +690,9 @@ class SimEngine:
         """Try to start (or resume) the waiting request at the queue head. Returns the token
         budget it uses, or -1 if it does not fit (blocks, or budget without chunked prefill)."""
         bs = self._B
-        pb = r.prefix_blocks
+        pb, pid = r.prefix_blocks, r.prefix_id
         hit = 0
-        if pb and r.prefix_id in self._prefixes:
+        if pid is not None and pid in self._prefixes:
             hit = pb * bs
         if r.host_tokens == r.goal:  # the CPU tier holds the whole sequence: load it, decode now
             start = r.goal
@@ -698,8 +720,8 @@ class SimEngine:
             self._reserved += want
 
         first = r.t_scheduled is None
-        if pb:
-            self._acquire_prefix(r)
+        if pid is not None:
+            self._acquire_prefix(pid, pb)
         self._take(blocks_after)
         r.own_blocks = blocks_after
         self._n_waiting -= 1
@@ -744,12 +766,13 @@ class SimEngine:
         self._prefill_kv -= r.computed
         r.generated += 1
         st = self.stats
-        if r.t_first_token is None:
+        last = r.t_last_token  # None until the first token (set together with t_first_token)
+        if last is None:
             r.t_first_token = t
             st.prompt_tokens += r.prompt
             st.prompt_tokens_cached += r.cached
         else:
-            st.h_itl.observe(t - r.t_last_token)
+            st.h_itl.observe(t - last)
         r.t_last_token = t
         if r.token_times is not None:
             r.token_times.append(t)
@@ -777,7 +800,7 @@ class SimEngine:
         else:
             lst.append(r)
         if r.token_times is not None:
-            self._traced[r.rid] = r
+            self._traced[r.rid] = r.token_times
 
     def _leave_decode(self, r: _Req, si: int) -> int:
         """Take a sequence out of the decode batch; return its generated count before step si."""
@@ -864,7 +887,10 @@ class SimEngine:
 
     def _record_finished(self, r: _Req) -> None:
         st = self.stats
-        st.success[r.finish_reason] += 1
+        first, last, scheduled, finished = r.t_first_token, r.t_last_token, r.t_scheduled, r.t_finished
+        # a request that ended by stop or length was scheduled and sampled at least one token
+        assert first is not None and last is not None and scheduled is not None and finished is not None
+        st.success[r.stop_reason] += 1
         st.h_prompt_tokens.observe(r.prompt)
         st.h_generation_tokens.observe(r.generated)
         st.h_max_num_generation_tokens.observe(r.max_tokens)
@@ -873,13 +899,13 @@ class SimEngine:
         st.h_params_n.observe(1)
         st.h_prefill_kv_computed.observe(r.prompt - r.cached)
         st.h_num_preemptions.observe(r.preemptions)
-        st.h_ttft.observe(r.t_first_token - r.arrival)
-        st.h_e2e.observe(r.t_finished - r.arrival)
-        st.h_queue.observe(r.t_scheduled - r.arrival)
-        st.h_prefill.observe(r.t_first_token - r.t_scheduled)
-        decode = r.t_last_token - r.t_first_token
+        st.h_ttft.observe(first - r.arrival)
+        st.h_e2e.observe(finished - r.arrival)
+        st.h_queue.observe(scheduled - r.arrival)
+        st.h_prefill.observe(first - scheduled)
+        decode = last - first
         st.h_decode.observe(decode)
-        st.h_inference.observe(r.t_last_token - r.t_scheduled)
+        st.h_inference.observe(last - scheduled)
         st.h_tpot.observe(decode / (r.generated - 1) if r.generated > 1 else 0.0)
 
     def _retire(self, r: _Req) -> None:
@@ -895,13 +921,13 @@ class SimEngine:
     def _notify(self) -> None:
         ended = []
         for rid, sub in self._subs.items():
-            callback, r, last = sub
+            r, last = sub.req, sub.last_generated
             gen = self._gen(r)
             if gen != last or r.state >= FINISHED:
-                sub[2] = gen
+                sub.last_generated = gen
                 last_t = self.now if r.state == DECODE else r.t_last_token
                 reason = r.finish_reason if r.state >= FINISHED else None
-                callback(TokenEvent(rid, gen, gen - last, last_t, reason))
+                sub.callback(TokenEvent(rid, gen, gen - last, last_t, reason))
                 if reason is not None:
                     ended.append(rid)
         for rid in ended:

@@ -9,7 +9,7 @@ Latencies are simulated seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -82,20 +82,29 @@ class _Families:
         engines, model, created = self.engines, self.model_name, self.created
         per = [([e.name, model], e) for e in engines]
 
-        def gauge(name: str, doc: str, value_of) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, value_of: Callable[[SimEngine], float]) -> GaugeMetricFamily:
             fam = GaugeMetricFamily(name, doc, labels=_LABELS)
             for labels, e in per:
                 fam.add_metric(labels, float(value_of(e)))
             return fam
 
-        def counter(name: str, doc: str, value_of, extra: tuple[str, Sequence[str]] | None = None):
-            fam = CounterMetricFamily(name, doc, labels=_LABELS + ([extra[0]] if extra else []))
+        def counter(name: str, doc: str, value_of: Callable[[SimEngine], float]) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, doc, labels=_LABELS)
             for labels, e in per:
-                if extra is None:
-                    fam.add_metric(labels, float(value_of(e)), created=created)
-                else:
-                    for v in extra[1]:
-                        fam.add_metric([*labels, v], float(value_of(e, v)), created=created)
+                fam.add_metric(labels, float(value_of(e)), created=created)
+            return fam
+
+        def counter_by(
+            name: str,
+            doc: str,
+            value_of: Callable[[SimEngine, str], float],
+            label: str,
+            values: Sequence[str],
+        ) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, doc, labels=[*_LABELS, label])
+            for labels, e in per:
+                for v in values:
+                    fam.add_metric([*labels, v], float(value_of(e, v)), created=created)
             return fam
 
         yield gauge(
@@ -171,48 +180,51 @@ class _Families:
         yield counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", lambda e: e.stats.prompt_tokens
         )
-        yield counter(
+        yield counter_by(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             lambda e, src: {
                 "local_compute": e.stats.prompt_tokens - e.stats.prompt_tokens_cached,
                 "local_cache_hit": e.stats.prompt_tokens_cached,
             }.get(src, 0),
-            ("source", ("local_compute", "local_cache_hit", "external_kv_transfer")),
+            "source",
+            ("local_compute", "local_cache_hit", "external_kv_transfer"),
         )
         yield counter(
             "vllm:prompt_tokens_cached",
             "Number of cached prompt tokens (local + external).",
             lambda e: e.stats.prompt_tokens_cached,
         )
-        yield counter(
+        yield counter_by(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host "
             "(offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
             "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
             "vllm:external_prefix_cache_hits.",
             lambda e, src: {"device": e.stats.prefix_hits, "host": e.stats.external_hits}.get(src, 0),
-            ("source", ("device", "host", "disk", "p2p", "external_unspecified")),
+            "source",
+            ("device", "host", "disk", "p2p", "external_unspecified"),
         )
         yield counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
             lambda e: e.stats.generation_tokens,
         )
-        yield counter(
+        yield counter_by(
             "vllm:request_success",
             "Count of successfully processed requests.",
             lambda e, reason: e.stats.success[reason],
-            ("finished_reason", FINISH_REASONS),
+            "finished_reason",
+            FINISH_REASONS,
         )
-        fam = CounterMetricFamily(
+        rejections = CounterMetricFamily(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
             labels=["model_name", "reason"],
         )
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
-            fam.add_metric([model, reason], 0.0, created=created)
-        yield fam
+            rejections.add_metric([model, reason], 0.0, created=created)
+        yield rejections
 
         for name, doc, attr in _HISTOGRAMS:
             yield _histogram(name, doc, [(labels, getattr(e.stats, attr)) for labels, e in per], created)
@@ -274,7 +286,7 @@ def _cache_config_info(engines: Sequence[SimEngine]) -> GaugeMetricFamily:
     return fam
 
 
-def _offload_families(per, created: float) -> Iterator[Metric]:
+def _offload_families(per: list[tuple[list[str], SimEngine]], created: float) -> Iterator[Metric]:
     """Native CPU offloading (``OffloadingConnector``): flat 0.24+ names plus the legacy
     ``transfer_type`` form vLLM 0.33 still emits for the CPU spec."""
     pairs = (

@@ -128,7 +128,7 @@ class LoadGenerator:
     async def __aenter__(self) -> LoadGenerator:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -189,7 +189,10 @@ class LoadGenerator:
         if wr.stream and include_usage:
             body["stream_options"] = {"include_usage": True}
         if self.config.send_hints:
-            hint = {"output_tokens": wr.output_tokens, "prompt_tokens": wr.prompt_tokens}
+            hint: dict[str, int | str] = {
+                "output_tokens": wr.output_tokens,
+                "prompt_tokens": wr.prompt_tokens,
+            }
             if wr.prefix_id is not None:
                 hint["prefix_id"] = wr.prefix_id
                 hint["prefix_tokens"] = wr.prefix_tokens
@@ -255,7 +258,9 @@ class LoadGenerator:
         return result
 
     @staticmethod
-    async def _read_stream(resp: aiohttp.ClientResponse, limit, t0: float, total_deadline: float | None):
+    async def _read_stream(
+        resp: aiohttp.ClientResponse, limit: asyncio.Timeout, t0: float, total_deadline: float | None
+    ) -> tuple[str | None, int, float | None]:
         """Scan SSE bytes as they come (no JSON per chunk): the first content, the finish reason and
         the usage count. A marker may straddle two reads, so each scan includes the previous tail."""
         loop = asyncio.get_running_loop()

@@ -7,7 +7,9 @@ parameters one token touches (for FLOPs), and the native context length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 GB = 1e9
 
@@ -119,10 +121,13 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
-def _lookup(table: dict, name: str, what: str, extra_names=None):
+_Spec = TypeVar("_Spec")
+
+
+def _lookup(table: dict[str, _Spec], name: str, what: str, extra_names: Callable[[_Spec], str]) -> _Spec:
     wanted = name.strip().lower()
     for key, spec in table.items():
-        if wanted == key or (extra_names and wanted == extra_names(spec).lower()):
+        if wanted == key or wanted == extra_names(spec).lower():
             return spec
     known = ", ".join(sorted(table))
     raise ValueError(f"unknown {what} {name!r}; known presets: {known}")

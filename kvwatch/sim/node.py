@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvwatch.sim.engine import EngineConfig, SimEngine
 from kvwatch.sim.models import gpu_preset, model_preset
@@ -77,7 +78,12 @@ class NodeConfig:
 
 
 def h200_node(
-    model: str = "llama-3.1-8b", *, tp: int = 1, gpus: int = 8, speed: float = 1.0, **engine_options
+    model: str = "llama-3.1-8b",
+    *,
+    tp: int = 1,
+    gpus: int = 8,
+    speed: float = 1.0,
+    **engine_options: Any,  # EngineConfig fields, each checked by its constructor and validate()
 ) -> NodeConfig:
     """An 8x H200 node (by default) split into ``gpus // tp`` replicas of ``model``.
     ``engine_options`` are ``EngineConfig`` fields (``enable_prefix_caching=True``, ...)."""
@@ -344,7 +350,13 @@ class SimNode:
     def replica_urls(self) -> list[str]:
         """Base URL serving each replica (servers repeat when they hold several ranks)."""
         k = self.config.ranks_per_server
-        return [self.servers[i // k].url for i in range(self.config.replicas)]
+        urls = []
+        for i in range(self.config.replicas):
+            url = self.servers[i // k].url
+            if url is None:
+                raise RuntimeError("the node's servers are not started: no URL yet")
+            urls.append(url)
+        return urls
 
     # ------------------------------------------------------------------ headless
 

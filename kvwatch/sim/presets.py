@@ -14,6 +14,8 @@ band stays fast on the other replicas.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvwatch.sim.node import NodeConfig, h200_node
 from kvwatch.sim.routing import RouterSpec
 from kvwatch.sim.workload import Burst, Patience, WorkloadSpec
@@ -22,7 +24,7 @@ DEMO_MODEL = "qwen3-32b"
 DEMO_RATE = 1.0  # requests per simulated second, whole node
 
 
-def demo_node(speed: float = 20.0, **engine_options) -> NodeConfig:
+def demo_node(speed: float = 20.0, **engine_options: Any) -> NodeConfig:  # EngineConfig fields
     """8x H200, Qwen3-32B DP=8, one server per replica (so stranded capacity is per target)."""
     options = {"enable_prefix_caching": True, **engine_options}
     return h200_node(DEMO_MODEL, tp=1, gpus=8, speed=speed, **options)

@@ -186,11 +186,11 @@ class SimServer:
         if len(engines) == 1:
             return engines[0]
         n = len(engines)
-        best, best_score = None, math.inf
+        best, best_score = engines[self._next % n], math.inf
         for k in range(n):
             e = engines[(self._next + k) % n]
             waiting = e.num_waiting
-            score = waiting + e.num_running
+            score: float = waiting + e.num_running
             if waiting:
                 score += waiting * 6.0 * max(0.0, e.kv_usage - 0.5)
             if score < best_score:
@@ -240,13 +240,16 @@ class SimServer:
             raise BadRequestError(
                 f"kvwatch_sim.prefix_tokens must be an integer within the prompt, got {prefix_tokens!r}"
             )
+        prefix_id = hint.get("prefix_id")
+        if prefix_id is not None and not isinstance(prefix_id, str):
+            raise BadRequestError(f"kvwatch_sim.prefix_id must be a string, got {prefix_id!r}")
         options = body.get("stream_options") or {}
         return {
             "prompt": prompt,
             "max_tokens": max_tokens,
             "output": output,
             "ignore_eos": bool(body.get("ignore_eos", False)),
-            "prefix_id": hint.get("prefix_id") if prefix_tokens else None,
+            "prefix_id": prefix_id if prefix_tokens else None,
             "prefix_tokens": prefix_tokens,
             "stream": bool(body.get("stream", False)),
             "include_usage": bool(options.get("include_usage", False)),

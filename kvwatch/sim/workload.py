@@ -20,7 +20,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,7 +71,7 @@ class LengthDist:
         sd = mean * math.sqrt(math.exp(sigma * sigma) - 1)
         return cls("lognormal", mean, sd, low, high)
 
-    def sampler(self, rng: random.Random):
+    def sampler(self, rng: random.Random) -> Callable[[], int]:
         """A zero-argument function drawing one clipped integer length."""
         low, high = self.low, self.high
         if self.kind == "fixed":
@@ -156,12 +156,20 @@ class WorkloadSpec:
     seed: int = 0
 
     @classmethod
-    def profile(cls, name: str, **kwargs) -> WorkloadSpec:
+    def profile(
+        cls,
+        name: str,
+        *,
+        rate: float = 1.0,
+        bursts: tuple[Burst, ...] = (),
+        patience: Patience = Patience(),
+        seed: int = 0,
+    ) -> WorkloadSpec:
         try:
             classes = PROFILES[name]
         except KeyError:
             raise ValueError(f"unknown workload profile {name!r}; known: {', '.join(PROFILES)}") from None
-        return cls(classes=classes, **kwargs)
+        return cls(rate=rate, classes=classes, bursts=bursts, patience=patience, seed=seed)
 
 
 def _rate_multiplier(bursts: tuple[Burst, ...], t: float) -> tuple[float, float | None]:
@@ -237,7 +245,9 @@ def generate(
         )
 
 
-def _patience_sampler(p: Patience, rng: random.Random):
+def _patience_sampler(p: Patience, rng: random.Random) -> Callable[[], tuple[float | None, float | None]]:
+    """Draws (first-token patience, total patience) per request; None: waits forever."""
+
     def draw(mean: float | None) -> float | None:
         if mean is None:
             return None
@@ -246,7 +256,7 @@ def _patience_sampler(p: Patience, rng: random.Random):
     return lambda: (draw(p.first_token_s), draw(p.total_s))
 
 
-def output_sampler(klass: RequestClass = REASONING, seed: int = 0):
+def output_sampler(klass: RequestClass = REASONING, seed: int = 0) -> Callable[[], int]:
     """Output lengths of one class, for servers that get no ``output_tokens`` hint."""
     return klass.output.sampler(random.Random(seed))
 
@@ -300,7 +310,7 @@ def load_trace(
     rows.sort(key=lambda r: r[0])
     rng = random.Random(seed)
     draw = _patience_sampler(patience or Patience(first_token_s=None), rng)
-    out = []
+    out: list[WorkloadRequest] = []
     skipped = 0
     t0 = rows[0][0] if rows else 0.0
     for ts, prompt, output in rows:
@@ -325,11 +335,13 @@ def load_trace(
     return Trace(fmt, tuple(out), skipped)
 
 
-def _int(path: Path, line: int, column: str, value) -> int:
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        raise TraceError(f"{path} line {line}: {column!r} is not a number: {value!r}") from None
+def _int(path: Path, line: int, column: str, value: object) -> int:
+    if isinstance(value, str | int | float):
+        try:
+            return int(float(value))
+        except (ValueError, OverflowError):  # not a number, or inf
+            pass
+    raise TraceError(f"{path} line {line}: {column!r} is not a number: {value!r}")
 
 
 def _csv_rows(path: Path, text: str) -> tuple[str, list[tuple[float, int, int]]]:

@@ -190,6 +190,25 @@ async def test_bad_requests_get_openai_style_errors(node):
     assert node.engines[0].arrived == 0
 
 
+async def test_a_prefix_id_that_is_not_a_string_is_a_400_and_the_engine_keeps_serving():
+    engine = small_config(num_gpu_blocks_override=2000, max_model_len=4000, enable_prefix_caching=True)
+    n = SimNode(NodeConfig(engine=engine, replicas=1, speed=5.0, tick_s=0.01))
+    await n.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            bad = {"prompt_tokens": 64, "output_tokens": 3, "prefix_id": ["system"], "prefix_tokens": 32}
+            body = {"model": MODEL, "prompt": "a", "kvwatch_sim": bad}
+            async with s.post(n.urls[0] + "/v1/completions", json=body) as r:
+                assert r.status == 400
+                assert "kvwatch_sim.prefix_id must be a string" in (await r.json())["error"]["message"]
+            body["kvwatch_sim"] = {**bad, "prefix_id": "system"}
+            async with s.post(n.urls[0] + "/v1/completions", json=body) as r:
+                assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
+        assert n.engines[0].arrived == 1 and n.engines[0].completed == 1
+    finally:
+        await n.stop()
+
+
 async def test_one_api_server_can_front_several_dp_ranks():
     n = SimNode(node_config(replicas=2, ranks_per_server=2))
     await n.start()

@@ -160,6 +160,16 @@ def test_bad_row_names_the_file_line_and_column(tmp_path):
         load_trace(path)
 
 
+def test_infinite_length_is_a_bad_row_not_a_crash(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 5}\n'
+        '{"timestamp": 1, "input_length": 1e999, "output_length": 5}\n'
+    )
+    with pytest.raises(TraceError, match=r"t.jsonl line 2: 'input_length' is not a number: inf"):
+        load_trace(path)
+
+
 def test_bad_jsonl_line_is_reported(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(
