@@ -300,5 +300,5 @@ def missing_fields(sample: ReplicaSample) -> list[str]:
 
 def sample(replica: str, backend: str, scraped_at: float, **values: Any) -> ReplicaSample:
     """Build a ReplicaSample; NaN values become None (not measured)."""
-    clean = {k: (_clean(v) if isinstance(v, float) else v) for k, v in values.items()}
+    clean: dict[str, Any] = {k: (_clean(v) if isinstance(v, float) else v) for k, v in values.items()}
     return ReplicaSample(replica=replica, backend=backend, scraped_at=scraped_at, **clean)

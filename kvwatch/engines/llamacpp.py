@@ -103,8 +103,9 @@ def _slot(raw: Any, index: int) -> SlotSample:
     processing = raw.get("is_processing")
     if processing is None and "state" in raw:  # 2024 builds: state 0 = idle
         processing = raw.get("state") != 0
+    slot_id = _int(raw.get("id"))
     return SlotSample(
-        slot_id=_int(raw.get("id")) if _int(raw.get("id")) is not None else index,
+        slot_id=slot_id if slot_id is not None else index,
         n_ctx=_int(raw.get("n_ctx")),
         tokens_in_use=max(candidates) if candidates else None,
         is_processing=bool(processing),

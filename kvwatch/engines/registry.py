@@ -76,7 +76,7 @@ def parse_families(expo: Exposition, replica: str, backend: str = "auto",
     adapter = ADAPTERS.get(chosen) if chosen else None
     if backend != "auto" and adapter is None:
         raise ValueError(f"unknown backend {backend!r} (one of auto, {', '.join(ADAPTERS)})")
-    if adapter is None or not adapter.detect(expo):
+    if chosen is None or adapter is None or not adapter.detect(expo):
         raise NoEngineMetricsError(_why_nothing(expo, backend))
     samples = tuple(adapter.parse(expo, replica, when))
     if not samples:

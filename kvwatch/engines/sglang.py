@@ -143,8 +143,8 @@ def _tier_traffic(view: RankView) -> list[TierTraffic | None]:
         for backend in backends:
             tier = STORAGE_TIERS.get(backend.lower(), "remote")
             src, dst = (tier, "host") if direction == "load" else ("host", tier)
-            where = {"storage_backend": backend} if backend else {}
-            out.append(traffic("sglang_storage", src, dst, tokens_total=view.value(name, **where)))
+            tokens = view.value(name, storage_backend=backend) if backend else view.value(name)
+            out.append(traffic("sglang_storage", src, dst, tokens_total=tokens))
     return out
 
 

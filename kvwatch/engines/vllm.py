@@ -18,6 +18,8 @@ block; ``kv_cache_usage_perc`` is relative to the other ``num_gpu_blocks - 1`` b
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from kvwatch.engines import lmcache
 from kvwatch.engines.base import (
     Field,
@@ -147,7 +149,17 @@ def _offload_traffic(view: RankView) -> list[TierTraffic | None]:
     return out
 
 
-def _capacity(view: RankView) -> dict[str, float | int | str | None]:
+class _Capacity(TypedDict):
+    """The pool as ``vllm:cache_config_info`` labels describe it (ReplicaSample fields)."""
+
+    block_size: int | None
+    num_gpu_blocks: int | None
+    kv_capacity_tokens: float | None
+    cache_dtype: str | None
+    kv_bytes_per_token: float | None
+
+
+def _capacity(view: RankView) -> _Capacity:
     labels = view.labels_of(CACHE_CONFIG) or {}
     block_size = as_int(labels.get("block_size"))
     num_blocks = as_int(labels.get("num_gpu_blocks"))
@@ -189,8 +201,8 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
     for model, engine in keys:
         view = RankView(expo, {"model_name": model, "engine": engine}, ranked=ranked)
         values = read_fields(view, FIELDS)
-        values.update(_capacity(view))
-        usage, blocks = values["kv_usage_ratio"], values["num_gpu_blocks"]
+        capacity = _capacity(view)
+        usage, blocks = values["kv_usage_ratio"], capacity["num_gpu_blocks"]
         used_blocks = round(usage * (blocks - 1)) if usage is not None and blocks else None
         tiers = [t for t in _offload_traffic(view) if t is not None]
         if with_lmcache:
@@ -205,6 +217,7 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
             tier_traffic=tuple(tiers),
             histograms=read_histograms(view, HISTOGRAMS),
             **values,
+            **capacity,
         ))
     return out
 

@@ -60,7 +60,9 @@ class XidWatcher:
                  on_event: Callable[[int, str, str, int], None] | None = None,
                  wait_timeout_ms: int = WAIT_TIMEOUT_MS) -> None:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml  # nvidia-ml-py's module
+
+            nvml = pynvml
         self.nvml = nvml
         self.on_xid = on_xid
         self.on_event = on_event

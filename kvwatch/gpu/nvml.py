@@ -122,7 +122,9 @@ class NvmlCollector:
     def __init__(self, nvml: ModuleType | Any = None, now: Callable[[], float] = time.time,
                  retry_initial_s: float = RETRY_INITIAL_S, retry_max_s: float = RETRY_MAX_S) -> None:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml  # nvidia-ml-py's module
+
+            nvml = pynvml
         self.nvml = nvml
         self._now = now
         self._lock = threading.Lock()
@@ -252,12 +254,12 @@ class NvmlCollector:
         """(sample, answered, errors). No sample for a GPU whose identity NVML never gave."""
         reader = _DeviceReader(self, dev)
         try:
-            if not reader.identify():
+            ident = reader.identify()
+            if ident is None:
                 return None, False, reader.errors
             values = reader.readings()
         except _GpuLostError:
             return self._blank(dev, lost=True), True, reader.errors
-        ident = dev.identity
         sample = GpuSample(index=dev.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
                            sampled_at=self._now(), **values)
         return sample, reader.answered > 0, reader.errors
@@ -280,13 +282,14 @@ class NvmlCollector:
             for dev in self._devices:
                 reader = _DeviceReader(self, dev)
                 try:
-                    if not reader.identify():
+                    ident = reader.identify()
+                    if ident is None:
                         continue
                     procs = reader.processes()
                 except _GpuLostError:
                     continue
                 for proc in procs:
-                    out.setdefault(proc.pid, []).append(dev.identity.uuid)
+                    out.setdefault(proc.pid, []).append(ident.uuid)
             return out
 
     # ---------------------------------------------------------------------------------------------
@@ -372,14 +375,16 @@ class _DeviceReader:
         return result
 
     # -- identity ------------------------------------------------------------------------------
-    def identify(self) -> bool:
-        """Handle and identity, asked once and remembered; False while NVML does not give them."""
+    def identify(self) -> _Identity | None:
+        """Handle and identity, asked once and remembered; None while NVML does not give them."""
         dev = self.dev
         if dev.handle is None:
             dev.handle = self.call("nvmlDeviceGetHandleByIndex", dev.index, handle=False)
-        if dev.handle is not None and dev.identity is None:
+        if dev.handle is None:
+            return None
+        if dev.identity is None:
             dev.identity = self.identity()
-        return dev.handle is not None and dev.identity is not None
+        return dev.identity
 
     def identity(self) -> _Identity | None:
         uuid = self.call("nvmlDeviceGetUUID")

@@ -186,13 +186,13 @@ def _engine_admission(admission: str) -> str:
 _FIELDS = {f.name: f for f in dataclasses.fields(Candidate)}
 
 
-def candidate_from_mapping(data: Any, source: str = "candidate") -> Candidate:
+def candidate_from_mapping(data: object, source: str = "candidate") -> Candidate:
     if not isinstance(data, dict):
         raise CandidateError(f"{source}: expected a mapping of candidate keys ({', '.join(_FIELDS)})")
-    unknown = sorted(set(data) - set(_FIELDS))
+    unknown = sorted(str(key) for key in data if key not in _FIELDS)  # YAML keys may be numbers
     if unknown:
         raise CandidateError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(_FIELDS)})")
-    values = {}
+    values: dict[str, Any] = {}  # each value checked against its field's type below
     for key, raw in data.items():
         default = _FIELDS[key].default
         kind = type(default) if default is not None else int

@@ -103,16 +103,17 @@ def hardware_grid(max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES) 
 
 
 def knob_variants(base: Candidate) -> list[Candidate]:
+    replace = dataclasses.replace
     variants = [
-        ("seqs256", {"max_num_seqs": 256}),
-        ("block32", {"block_size": 32}),
-        ("offload200", {"cpu_offload_gb": 200.0}),
-        ("reserve", {"admission": "reserve_max_tokens"}),
-        ("quantile", {"admission": "quantile_budget"}),
+        ("seqs256", replace(base, max_num_seqs=256)),
+        ("block32", replace(base, block_size=32)),
+        ("offload200", replace(base, cpu_offload_gb=200.0)),
+        ("reserve", replace(base, admission="reserve_max_tokens")),
+        ("quantile", replace(base, admission="quantile_budget")),
     ]
     if base.dp >= 2:
-        variants.append(("longpool", {"admission": "long_pool"}))
-    return [dataclasses.replace(base, name=f"{base.name}-{suffix}", **change) for suffix, change in variants]
+        variants.append(("longpool", replace(base, admission="long_pool")))
+    return [replace(variant, name=f"{base.name}-{suffix}") for suffix, variant in variants]
 
 
 def attainment(result: ReplayResult, objectives: Sequence, bands: LengthBands) -> tuple[BandAttainment, ...]:

@@ -130,7 +130,7 @@ def read_plugin_datagrams(path: str | Path, capacity_tokens: int | None = None) 
     decoded by the agent's own decoder; SourceError names the line that is wrong."""
     from kvwatch.requests.vllm_plugin import DatagramError, decode
 
-    steps = []
+    steps: list[EngineStep] = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue

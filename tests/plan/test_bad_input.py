@@ -108,6 +108,8 @@ def test_a_candidate_file_with_an_unknown_or_mistyped_key_names_it():
         candidate_from_mapping({"tp": "two"})
     with pytest.raises(CandidateError, match="admission 'fifo' is not one of"):
         candidate_from_mapping({"admission": "fifo"})
+    with pytest.raises(CandidateError, match=r"unknown key\(s\) 1, False"):  # YAML `1:` and `false:` keys
+        candidate_from_mapping(yaml.safe_load("1: 2\nfalse: 3\ntp: 1\n"))
 
 
 def test_a_calibration_file_with_a_missing_key_names_it(tmp_path):
