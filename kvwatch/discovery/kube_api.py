@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from kvwatch.config import KubernetesDiscoveryConfig
+from kvwatch.selfmetrics import Count, Report
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,8 @@ class PodWatch:
     """
 
     def __init__(self, config: KubernetesDiscoveryConfig, node: str,
-                 on_change: Callable[[Pods], None], count: Callable[..., None],
-                 report: Callable[..., None], environ: Mapping[str, str] | None = None,
+                 on_change: Callable[[Pods], None], count: Count,
+                 report: Report, environ: Mapping[str, str] | None = None,
                  sleep: Callable[[float], Any] = asyncio.sleep,
                  on_stale: Callable[[bool], None] = lambda stale: None) -> None:
         self.config = config

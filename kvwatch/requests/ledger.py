@@ -19,9 +19,10 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from typing import BinaryIO
 
 from kvwatch.model import LEDGER_VERSION, LengthBands, RequestRecord
+from kvwatch.selfmetrics import Count
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class RequestLedger:
     """``write(record)`` from any thread or the loop; never blocks, never raises."""
 
     def __init__(self, path: str, bands: LengthBands, max_bytes: int = 64 * 1024 * 1024,
-                 backups: int = 4, counter: Callable[..., None] | None = None,
+                 backups: int = 4, counter: Count | None = None,
                  queue_size: int = 10_000) -> None:
         self.path = path
         self.bands = bands
@@ -58,7 +59,7 @@ class RequestLedger:
         self.counter = counter
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
-        self._file = None
+        self._file: BinaryIO | None = None
         self._size = 0
 
     def start(self) -> None:
@@ -111,24 +112,26 @@ class RequestLedger:
             self._failed(len(records), f"cannot encode: {exc}")
             return
         try:
-            if self._file is None:
-                self._open()
+            file = self._file
+            if file is None:
+                file = self._open()
             elif self._size + len(data) > self.max_bytes and self._size > 0:
-                self._rotate()
-            self._file.write(data)  # type: ignore[union-attr]
-            self._file.flush()  # type: ignore[union-attr]
+                file = self._rotate()
+            file.write(data)
+            file.flush()
             self._size += len(data)
         except OSError as exc:
             self._close()
             self._failed(len(records), f"{self.path}: {exc.strerror or exc}")
 
-    def _open(self) -> None:
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held open across batches
-        self._size = self._file.tell()
+    def _open(self) -> BinaryIO:
+        file = self._file = open(self.path, "ab")  # noqa: SIM115 - held open across batches
+        self._size = file.tell()
         if self._size >= self.max_bytes:
-            self._rotate()
+            return self._rotate()
+        return file
 
-    def _rotate(self) -> None:
+    def _rotate(self) -> BinaryIO:
         self._close()
         if self.backups > 0:
             for i in range(self.backups - 1, 0, -1):
@@ -138,8 +141,9 @@ class RequestLedger:
             os.replace(self.path, f"{self.path}.1")
         else:
             os.truncate(self.path, 0)
-        self._file = open(self.path, "ab")  # noqa: SIM115
+        file = self._file = open(self.path, "ab")  # noqa: SIM115
         self._size = 0
+        return file
 
     def _close(self) -> None:
         if self._file is not None:

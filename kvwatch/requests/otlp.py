@@ -50,6 +50,7 @@ from kvwatch.config import Config, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.selfmetrics import Count, Report
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ REQUEST_MARKERS = ("gen_ai.usage.completion_tokens", "gen_ai.latency.e2e")
 REPLICA_ATTRIBUTE = "kvwatch.replica"
 
 Sink = Callable[[RequestRecord], None]
-Count = Callable[..., None]
-Report = Callable[..., None]  # NodeState.report(collector, success, duration_s, error=None)
 COLLECTOR = "otlp"
 
 
@@ -291,8 +290,8 @@ class OtlpReceiver:
 
     @property
     def port(self) -> int:
-        assert self._site is not None and self._site._server is not None
-        return self._site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        assert self._runner is not None, "start() first"
+        return int(self._runner.addresses[0][1])  # (host, port) of the bound socket
 
     async def start(self, host: str, port: int) -> None:
         app = web.Application(client_max_size=self.config.max_body_bytes)

@@ -35,6 +35,7 @@ from kvwatch.config import Config, SglangFilesConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.selfmetrics import Count, Report
 from kvwatch.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ MAX_READ_BYTES = 16 * 1024 * 1024
 ACTIVE_FILES = 2  # the current hour's file and the one before (a request finishing at :59:59)
 
 Sink = Callable[[RequestRecord], None]
-Count = Callable[..., None]
-Report = Callable[..., None]  # NodeState.report(collector, success, duration_s, error=None)
 
 
 class MalformedLineError(ValueError):

@@ -25,11 +25,12 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvwatch.model import EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
+from kvwatch.selfmetrics import Count, Report
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ OUTCOMES = {"length": Outcome.TRUNCATED, "abort": Outcome.ABORTED, "error": Outc
 
 RecordSink = Callable[[RequestRecord], None]
 StepSink = Callable[[PluginLink, EngineStep | None], None]
-Count = Callable[..., None]
-Report = Callable[..., None]
 
 
 class DatagramError(ValueError):
@@ -307,8 +306,23 @@ def bind_socket(path: str) -> socket.socket:
     return sock
 
 
-async def start_receivers(sockets: Any, replicas: Mapping[str, str], records: RecordSink, steps: StepSink,
-                          count: Count, report: Report | None = None) -> list[PluginReceiver]:
+class PluginSocket(Protocol):
+    """One configured socket (``vllm_plugin_sockets`` entry): whose datagrams arrive where."""
+
+    @property
+    def replica(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+
+
+async def start_receivers(
+    sockets: Iterable[PluginSocket],
+    replicas: Mapping[str, str],
+    records: RecordSink,
+    steps: StepSink,
+    count: Count,
+    report: Report | None = None,
+) -> list[PluginReceiver]:
     """Start one receiver per configured socket (the agent's wiring entry point).
 
     ``replicas`` maps replica name -> model_name label; every result series starts at zero.

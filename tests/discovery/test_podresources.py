@@ -36,7 +36,7 @@ def test_committed_stubs_are_what_the_kubelets_proto_generates(tmp_path):
     pytest.importorskip("grpc_tools")
     subprocess.run(["sh", str(ROOT / "scripts" / "gen-podresources.sh"), str(tmp_path)], check=True,
                    env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, cwd=ROOT)
-    for name in ("api_pb2.py", "api_pb2_grpc.py"):
+    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / name, STUBS / name, shallow=False), f"{name} is stale: run the script"
 
 
