@@ -137,7 +137,7 @@ class DemoNode:
         horizon = sim_duration if sim_duration is not None else 24 * 3600.0
         requests = generate(spec, duration=horizon)
         load = asyncio.create_task(self.loadgen.run(requests, duration=sim_duration, drain=False))
-        waiters = [load]
+        waiters: list[asyncio.Task[LoadReport] | asyncio.Task[bool]] = [load]
         if stop is not None:
             waiters.append(asyncio.create_task(stop.wait()))
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

@@ -125,7 +125,7 @@ class NodeState:
         self.requests = RequestStats(bands)
         self.plugin = PluginStats()
         self.in_flight = InFlightTracker()
-        self.counters: Counter[tuple[str, ...]] = Counter()  # self-metrics: (family, *label values)
+        self.counters: dict[tuple[str, ...], float] = {}  # self-metrics: (family, *label values)
         #: derived KV signals, replaced whole by kvwatch.agent.derived.update_derived after each scrape
         self.derived: DerivedView | None = None
         self.config_reload = ConfigReloadStatus()
@@ -169,7 +169,8 @@ class NodeState:
     def count(self, family: str, *labels: str, amount: float = 1) -> None:
         """Increment a self-metric counter (``count("kvwatch_otlp_spans", "malformed")``)."""
         with self._lock:
-            self.counters[(family, *labels)] += amount
+            key = (family, *labels)
+            self.counters[key] = self.counters.get(key, 0) + amount
 
     def counters_for(self, family: str) -> list[tuple[tuple[str, ...], float]]:
         with self._lock:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvwatch.config import Config, ConfigError, load_config
+from kvwatch.state import ConfigReloadStatus
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class ConfigReloader:
     """
 
     def __init__(self, path: str, running: Callable[[], Config], apply: Callable[[Config], None],
-                 status, adjust: Callable[[Config], Config] = lambda c: c, poll_s: float = 2.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 status: ConfigReloadStatus, adjust: Callable[[Config], Config] = lambda c: c,
+                 poll_s: float = 2.0, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self._running = running
         self._apply = apply

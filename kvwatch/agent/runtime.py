@@ -7,13 +7,14 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from prometheus_client.core import Metric
 
 from kvwatch.agent.derived import update_derived
 from kvwatch.agent.engines import scrape_target
@@ -52,6 +53,17 @@ def _ends_quietly_on_shutdown(job: Callable[..., Awaitable[None]]) -> Callable[.
     return run
 
 
+class _Area(Protocol):
+    """An export collector: renders from its ``config``, which reload and discovery replace."""
+
+    @property
+    def config(self) -> Config | None: ...  # the GPU collector reads none
+    @config.setter
+    def config(self, config: Config) -> None: ...
+
+    def collect(self) -> Iterator[Metric]: ...
+
+
 class Agent:
     """One node's agent. ``await start()``, then ``await stop()`` (SIGTERM handling is the caller's).
 
@@ -70,7 +82,7 @@ class Agent:
         self._base_config = config
         self._discovered: tuple[ReplicaConfig, ...] = ()
         self._jobs: dict[str, tuple[ReplicaConfig, float]] = {}  # replica -> (config, interval) scheduled
-        self._areas: dict[str, Any] = {}
+        self._areas: dict[str, _Area] = {}
         self._discovery: Any = None  # PodDiscovery
         self.clock = clock
         self.proxy_clock = proxy_clock
@@ -366,7 +378,7 @@ class Agent:
     # -- HTTP --------------------------------------------------------------------------------------
     async def _start_http(self) -> None:
         cfg = self.config
-        areas = {
+        areas: dict[str, _Area] = {
             "replicas": ReplicaCollector(self.state, cfg),
             "derived": DerivedCollector(self.state, cfg),
             "gpus": GpuCollector(self.state, cfg),

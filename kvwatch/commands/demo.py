@@ -10,6 +10,13 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: `kvwatch --help` stays fast
+    from kvwatch.config import HostPort
+    from kvwatch.demo import DemoNode
+    from kvwatch.sim.loadgen import LoadReport
+    from kvwatch.status.view import StatusView
 
 HELP = "run a simulated 8x H200 node (no GPU, no engine needed) watched by the real agent"
 DESCRIPTION = """\
@@ -64,7 +71,7 @@ class StoryTracker:
     peak_stranded: float = 0.0
     first_preemption_at: float | None = None
 
-    def observe(self, view, elapsed_s: float) -> None:
+    def observe(self, view: StatusView, elapsed_s: float) -> None:
         for replica in view.replicas:
             for unit in replica.units:
                 if unit.kv_usage_ratio is not None:
@@ -96,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_demo(args, listen))
 
 
-async def _demo(args: argparse.Namespace, listen) -> int:
+async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
     from kvwatch.demo import DemoNode, DemoSettings
     from kvwatch.status.top import render_text
     from kvwatch.status.view import build_view
@@ -158,13 +165,13 @@ async def _demo(args: argparse.Namespace, listen) -> int:
     return 0
 
 
-def _header(demo, elapsed_s: float, url: str) -> str:
+def _header(demo: DemoNode, elapsed_s: float, url: str) -> str:
     sim_min = demo.node.sim_time / 60
     return (f"kvwatch demo  wall {elapsed_s:5.0f} s  simulated {sim_min:6.1f} min  "
             f"speed {demo.node.achieved_speed:4.1f}x  {url}/")
 
 
-def _one_line(view) -> str:
+def _one_line(view: StatusView) -> str:
     parts = []
     for replica in view.replicas:
         for unit in replica.units:
@@ -180,7 +187,8 @@ def _fmt_s(value: float | None) -> str:
     return f"{value:.2f}s" if value < 100 else f"{value:.0f}s"
 
 
-def _summary(demo, view, story: StoryTracker, report, elapsed_s: float, speed: float) -> str:
+def _summary(demo: DemoNode, view: StatusView, story: StoryTracker, report: LoadReport, elapsed_s: float,
+             speed: float) -> str:
     from kvwatch import texttable
 
     lines = [f"kvwatch demo summary: {elapsed_s:.0f} s wall = {demo.node.sim_time / 60:.1f} simulated minutes"

@@ -6,6 +6,12 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the subcommands import lazily: `kvwatch --help` stays fast
+    from kvwatch.model import LengthBands
+    from kvwatch.plan.replay import ReplayResult
+    from kvwatch.report.summary import Report
 
 HELP = "capacity planning: calibrate the simulator on a node, replay its ledger on candidate configs"
 DESCRIPTION = """\
@@ -207,7 +213,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bands(args: argparse.Namespace, recorded):
+def _bands(args: argparse.Namespace, recorded: Report | None) -> LengthBands | None:
     from kvwatch.report.summary import parse_band_edges
 
     if args.bands:
@@ -215,7 +221,7 @@ def _bands(args: argparse.Namespace, recorded):
     return recorded.bands if recorded is not None else None
 
 
-def _recorded(paths: list[str], kind: str):
+def _recorded(paths: list[str], kind: str) -> Report:
     from kvwatch.report import build_report
 
     return build_report(paths, trace_format=kind)
@@ -254,7 +260,7 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_note(result, note: str):
+def _with_note(result: ReplayResult, note: str) -> ReplayResult:
     import dataclasses
 
     return dataclasses.replace(result, notes=(note, *result.notes))

@@ -8,6 +8,11 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: `kvwatch --help` stays fast
+    from kvwatch.config import Config
 
 HELP = "run the node agent: scrape engines, poll NVML, serve /metrics (and optional proxies)"
 DESCRIPTION = """\
@@ -92,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
 
     path = args.config or os.environ.get("KVWATCH_CONFIG")
 
-    def adjust(config):
+    def adjust(config: Config) -> Config:
         return dataclasses.replace(config, listen=parse_host_port(args.listen)) if args.listen else config
 
     try:
@@ -107,7 +112,8 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, path, adjust))
 
 
-async def _serve(config, path: str | None = None, adjust=lambda c: c) -> int:
+async def _serve(config: Config, path: str | None = None,
+                 adjust: Callable[[Config], Config] = lambda c: c) -> int:
     from kvwatch.agent import Agent
     from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.agent.reload import ConfigReloader

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client.core import Metric
@@ -33,7 +33,7 @@ class AreaCollector(Protocol):
 class NodeCollector(Collector):
     """Renders the current state at scrape time; nothing is mutated while rendering."""
 
-    def __init__(self, state: NodeState, config: Config, areas: dict[str, AreaCollector]) -> None:
+    def __init__(self, state: NodeState, config: Config, areas: Mapping[str, AreaCollector]) -> None:
         self.state = state
         self.config = config
         self.areas = areas

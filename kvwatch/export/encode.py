@@ -9,6 +9,8 @@ encoder to byte equality with ``generate_latest`` on a full node; docs/performan
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -56,7 +58,7 @@ class HistogramRows(Metric):
 
     @property
     def samples(self) -> list[Sample]:  # type: ignore[override]
-        out = []
+        out: list[Sample] = []
         for values, les, counts, total in self.rows:
             labels = dict(zip(self.labelnames, values, strict=True))
             out.extend(Sample(f"{self.name}_bucket", {**labels, "le": le}, float(c))
@@ -119,7 +121,7 @@ class TextEncoder:
                 out.extend(lines)
         return "".join(out).encode("utf-8")
 
-    def _histogram_rows(self, metric: HistogramRows, append) -> None:
+    def _histogram_rows(self, metric: HistogramRows, append: Callable[[str], None]) -> None:
         for values, les, counts, total in metric.rows:
             buckets, count_prefix, sum_prefix = self._row_prefixes(metric, values, les)
             for prefix, c in zip(buckets, counts, strict=True):
@@ -143,7 +145,7 @@ class TextEncoder:
         return cached
 
     @staticmethod
-    def _sample(sample, label_block) -> str:
+    def _sample(sample: Sample, label_block: Callable[[dict[str, str]], str]) -> str:
         stamp = "" if sample.timestamp is None else f" {int(float(sample.timestamp) * 1000):d}"
         return f"{sample.name}{label_block(sample.labels)} {floatToGoString(sample.value)}{stamp}\n"
 

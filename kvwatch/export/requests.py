@@ -68,16 +68,16 @@ class RequestCollector:
             if replica.proxy_listen is not None and replica.api_url is not None:
                 out.add((replica.name, model, "proxy"))
         for files in cfg.sglang_request_files:
-            replica = cfg.replica(files.replica)
-            out.add((files.replica, (replica.model_name if replica else None) or OTHER_MODEL, "sglang_file"))
+            known = cfg.replica(files.replica)
+            out.add((files.replica, (known.model_name if known else None) or OTHER_MODEL, "sglang_file"))
         for plugin in cfg.vllm_plugin_sockets:
-            replica = cfg.replica(plugin.replica)
-            out.add((plugin.replica, (replica.model_name if replica else None) or OTHER_MODEL, "vllm_plugin"))
+            known = cfg.replica(plugin.replica)
+            out.add((plugin.replica, (known.model_name if known else None) or OTHER_MODEL, "vllm_plugin"))
         if cfg.otlp.listen is not None:
             name = cfg.otlp.replica or (cfg.replicas[0].name if len(cfg.replicas) == 1 else None)
-            replica = cfg.replica(name) if name else None
-            if replica is not None:
-                out.add((replica.name, replica.model_name or OTHER_MODEL, "otlp"))
+            known = cfg.replica(name) if name else None
+            if known is not None:
+                out.add((known.name, known.model_name or OTHER_MODEL, "otlp"))
         return out
 
     def collect(self) -> Iterator[Metric]:

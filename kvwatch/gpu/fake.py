@@ -202,8 +202,13 @@ class _Failure:
     times: int | None  # None = until cleared
 
 
+#: names of the FakeNvml methods marked with @_api (the NVML functions it answers)
+_API_NAMES: set[str] = set()
+
+
 def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark an NVML function of the fake: lock, init check, injected failures."""
+    _API_NAMES.add(fn.__name__)
 
     @functools.wraps(fn)
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
@@ -214,7 +219,6 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
             self._maybe_fail(fn.__name__, args[0] if args else None)
             return fn(self, *args, **kwargs)
 
-    call.nvml_api = True  # type: ignore[attr-defined]
     return call
 
 
@@ -247,7 +251,7 @@ class FakeNvml:
     @classmethod
     def api_names(cls) -> tuple[str, ...]:
         """The NVML function names this fake answers (each exists in pynvml: a test checks)."""
-        return tuple(sorted(n for n, v in vars(cls).items() if getattr(v, "nvml_api", False)))
+        return tuple(sorted(_API_NAMES))
 
     @property
     def initialized(self) -> bool:

@@ -126,12 +126,19 @@ def eligible_rate(obj: Objective, window: str) -> str:
     return _sum_rate("kvwatch_requests_total", [*_scope(obj), outcomes], window)
 
 
+def _threshold(obj: Objective) -> float:
+    """A latency objective's bucket boundary (the SLO file's validation requires one)."""
+    if obj.threshold is None:
+        raise ValueError(f"latency SLO {obj.name!r} has no threshold")
+    return obj.threshold
+
+
 def error_rate(obj: Objective, window: str) -> str:
     """Bad requests per second. Latency: count minus the ``le=threshold`` bucket (exact, the
     threshold is a boundary; ``le`` as kvwatch exports it, which is Prometheus 3's normal form).
     Completion: bad outcomes, or 0 where the band had eligible requests but no bad outcome yet."""
     if obj.is_latency:
-        good = _sum_rate(f"{obj.family}_bucket", [*_scope(obj), eq("le", le_label(obj.threshold))], window)
+        good = _sum_rate(f"{obj.family}_bucket", [*_scope(obj), eq("le", le_label(_threshold(obj)))], window)
         return f"{eligible_rate(obj, window)}\n-\n{good}"
     bad = _sum_rate("kvwatch_requests_total", [*_scope(obj), one_of("outcome", obj.bad_outcomes)], window)
     return f"{bad}\nor\n0 * {eligible_rate(obj, window)}"
@@ -202,8 +209,8 @@ def burn_alert(obj: Objective, sev: Severity, period: str) -> Alert:
         name = LATENCY_ALERT
         summary = ("Requests in an output-length band are slower than their SLO allows; "
                    f"the budget burns {sev.pace}.")
-        bad = f"had {_SLI_TITLE[obj.sli]} above {seconds_text(obj.threshold)}"
-        target = f"{percent(obj.objective)} within {seconds_text(obj.threshold)}"
+        bad = f"had {_SLI_TITLE[obj.sli]} above {seconds_text(_threshold(obj))}"
+        target = f"{percent(obj.objective)} within {seconds_text(_threshold(obj))}"
     else:
         name = COMPLETION_ALERT
         summary = ("Requests in an output-length band fail more often than their SLO allows; "

@@ -100,7 +100,9 @@ def observations_from_prometheus(
     rng = f"[{int(w)}s]"
     sel = f"{{{selector}}}"
     shape = _shape(url, selector, end, shape)
-    capacity = shape.num_gpu_blocks * shape.block_size  # type: ignore[operator]
+    blocks, block_size = shape.num_gpu_blocks, shape.block_size
+    assert blocks is not None and block_size is not None  # _shape read both or raised SourceError
+    capacity = blocks * block_size
 
     def q(expr: str) -> dict[tuple, dict[float, float]]:
         return _query_range(url, f"sum by (instance, engine) ({expr})", start + w, end, w)

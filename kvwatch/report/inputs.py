@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import io
 import json
 import os
 import re
@@ -86,7 +87,7 @@ def expand(patterns: list[str]) -> list[InputFile]:
     return files
 
 
-def open_binary(item: InputFile) -> tuple[BinaryIO, BinaryIO]:
+def open_binary(item: InputFile) -> tuple[io.BufferedIOBase, BinaryIO]:
     """(reader of the decompressed bytes, raw file whose ``tell()`` measures progress)."""
     raw = item.path.open("rb")
     if item.gzipped:
@@ -97,7 +98,8 @@ def open_binary(item: InputFile) -> tuple[BinaryIO, BinaryIO]:
 def read_all(item: InputFile, progress: Progress) -> bytes:
     """Whole decompressed content (trace CSVs are parsed in one go by pandas)."""
     reader, raw = open_binary(item)
-    blocks, seen = [], 0
+    blocks: list[bytes] = []
+    seen = 0
     try:
         while True:
             try:

@@ -11,12 +11,13 @@ ways run the same ``read_piece``, so the result does not depend on the way.
 from __future__ import annotations
 
 import gzip
+import io
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 from kvwatch.report.inputs import CHUNK_BYTES, InputFile, ReportError
 from kvwatch.report.jsonlines import Field, JsonLinesColumns, Problems, concat_frames
@@ -61,7 +62,7 @@ def plan(files: Sequence[InputFile], piece_bytes: int = PIECE_BYTES) -> list[Pie
     return pieces
 
 
-def _chunks(fh: BinaryIO, limit: int | None) -> Iterator[bytes]:
+def _chunks(fh: io.BufferedIOBase, limit: int | None) -> Iterator[bytes]:
     """Newline-terminated chunks of ``fh`` from its position, up to the line crossing ``limit``."""
     tail = b""
     remaining = limit
@@ -83,10 +84,10 @@ def _chunks(fh: BinaryIO, limit: int | None) -> Iterator[bytes]:
         yield tail if tail.endswith(b"\n") else tail + b"\n"
 
 
-def _open_piece(piece: Piece) -> tuple[BinaryIO, int | None]:
+def _open_piece(piece: Piece) -> tuple[io.BufferedIOBase, int | None]:
     raw = open(piece.path, "rb")  # noqa: SIM115 - closed by the caller
     if piece.gzipped:
-        return gzip.GzipFile(fileobj=raw, mode="rb"), None  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=raw, mode="rb"), None
     if piece.start > 0:
         raw.seek(piece.start - 1)
         if raw.read(1) != b"\n":

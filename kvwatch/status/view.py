@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvwatch.buckets import Histogram
 from kvwatch.config import Config
@@ -327,12 +327,15 @@ def view_to_dict(view: StatusView) -> dict[str, Any]:
     return jsonable(asdict(view))
 
 
-T = TypeVar("T")
+if TYPE_CHECKING:  # the type dataclasses.fields() takes
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _build(cls: type[T], data: Mapping[str, Any]) -> T:
     kwargs = {}
-    for f in fields(cls):  # type: ignore[arg-type]
+    for f in fields(cls):
         if f.name not in data:
             continue
         kwargs[f.name] = _field_value(f.type, data[f.name])
