@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from aiohttp import web
@@ -33,6 +33,13 @@ from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import RequestRecord
 from kvwatch.state import NodeState
+
+if TYPE_CHECKING:  # each is imported when the config asks for it
+    from kvwatch.agent.discovery import PodDiscovery
+    from kvwatch.requests.ledger import RequestLedger
+    from kvwatch.requests.otlp import OtlpReceiver
+    from kvwatch.requests.sglang_files import SglangFileFollower
+    from kvwatch.requests.vllm_plugin import PluginReceiver
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +90,7 @@ class Agent:
         self._discovered: tuple[ReplicaConfig, ...] = ()
         self._jobs: dict[str, tuple[ReplicaConfig, float]] = {}  # replica -> (config, interval) scheduled
         self._areas: dict[str, _Area] = {}
-        self._discovery: Any = None  # PodDiscovery
+        self._discovery: PodDiscovery | None = None
         self.clock = clock
         self.proxy_clock = proxy_clock
         self.state = NodeState(config.node, config.length_bands)
@@ -95,13 +102,13 @@ class Agent:
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._site_port: int | None = None
-        self._gpu: Any = None  # NvmlCollector
-        self._xid: Any = None  # XidWatcher
+        self._gpu: NvmlCollector | None = None
+        self._xid: XidWatcher | None = None
         self._proxies: list[Any] = []
-        self._otlp: Any = None
-        self._followers: list[Any] = []
-        self._plugin_receivers: list[Any] = []
-        self._ledger: Any = None
+        self._otlp: OtlpReceiver | None = None
+        self._followers: list[SglangFileFollower] = []
+        self._plugin_receivers: list[PluginReceiver] = []
+        self._ledger: RequestLedger | None = None
         self._first_round: set[str] = set()
         self._mapping_notes: set[str] = set()
         self._started = False
@@ -308,7 +315,10 @@ class Agent:
 
     @_ends_quietly_on_shutdown
     async def _poll_gpus(self) -> None:
-        await asyncio.to_thread(refresh_gpu_state, self._gpu, self.state, self.clock())
+        gpu = self._gpu
+        if gpu is None:  # not scheduled before _start_gpu made one
+            return
+        await asyncio.to_thread(refresh_gpu_state, gpu, self.state, self.clock())
         self._update_derived()
 
     @_ends_quietly_on_shutdown

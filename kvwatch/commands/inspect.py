@@ -8,7 +8,14 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: `kvwatch --help` stays fast
+    from kvwatch.engines.registry import ParseResult
+    from kvwatch.model import ReplicaSample, SlotSample
+
+    #: llama.cpp's /slots: the slots, why they could not be read, or None (no llama.cpp page)
+    Slots = tuple[SlotSample, ...] | str | None
 
 HELP = "show what kvwatch reads from an engine's /metrics (URL, file or -)"
 DESCRIPTION = """\
@@ -46,7 +53,7 @@ def _is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-async def _fetch(url: str, timeout_s: float, slots_url: str | None, backend: str) -> tuple[Any, Any]:
+async def _fetch(url: str, timeout_s: float, slots_url: str | None, backend: str) -> tuple[str, Slots]:
     import httpx
 
     from kvwatch.config import ScrapeConfig
@@ -73,7 +80,7 @@ def _read(source: str) -> str:
     return Path(source).read_text(encoding="utf-8")
 
 
-def _replica_doc(sample: Any) -> dict[str, Any]:
+def _replica_doc(sample: ReplicaSample) -> dict[str, object]:
     from kvwatch.engines.base import missing_fields
 
     doc = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)
@@ -93,7 +100,7 @@ def _num(value: float | None, fmt: str = "{:g}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _print_text(source: str, result: Any, slots: Any) -> None:
+def _print_text(source: str, result: ParseResult, slots: Slots) -> None:
     from kvwatch.engines.base import missing_fields
 
     print(f"source   {source}")
@@ -140,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.engines.registry import NoEngineMetricsError, parse_exposition
     from kvwatch.jsonsafe import jsonable
 
-    slots: Any = None
+    slots: Slots = None
     try:
         if _is_url(args.source):
             text, slots = asyncio.run(_fetch(args.source, args.timeout, args.slots_url, args.backend))

@@ -13,15 +13,27 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import islice
-from types import ModuleType
+from typing import Protocol
 
 from kvwatch.engines import dynamo, llamacpp, sglang, tgi, trtllm, vllm
 from kvwatch.engines.base import ExtraPage
 from kvwatch.engines.exposition_parser import Exposition, parse_text
 from kvwatch.model import ReplicaSample
 
+
+class EngineAdapter(Protocol):
+    """What every adapter module provides. Optional: ``notes(expo) -> list[str]`` (what ``inspect``
+    says about a page) and ``EXTRA_PAGE`` (a page read besides ``/metrics``)."""
+
+    BACKEND: str
+
+    def detect(self, expo: Exposition) -> bool: ...
+
+    def parse(self, expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]: ...
+
+
 #: backend -> adapter module, in detection order
-ADAPTERS: dict[str, ModuleType] = {
+ADAPTERS: dict[str, EngineAdapter] = {
     vllm.BACKEND: vllm,
     sglang.BACKEND: sglang,
     trtllm.BACKEND: trtllm,
