@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol
 
 import httpx
 from aiohttp import web
@@ -43,17 +43,19 @@ if TYPE_CHECKING:  # each is imported when the config asks for it
 
 log = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+
 RouteFactory = Callable[[NodeState, Config], Iterable[web.RouteDef]]
 
 
-def _ends_quietly_on_shutdown(job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+def _ends_quietly_on_shutdown(job: Callable[_P, Awaitable[None]]) -> Callable[_P, Awaitable[None]]:
     """A scheduled job cancelled because the agent stops just ends (APScheduler would log the
     cancellation as a failed job with a traceback)."""
 
     @functools.wraps(job)
-    async def run(*args: Any) -> None:
+    async def run(*args: _P.args, **kwargs: _P.kwargs) -> None:
         try:
-            await job(*args)
+            await job(*args, **kwargs)
         except asyncio.CancelledError:
             log.debug("%s cancelled: the agent is stopping", job.__name__)
 
