@@ -56,6 +56,7 @@ class HistogramRows(Metric):
         """One series: ``le`` strings (``+Inf`` last) with their cumulative counts, and the sum."""
         self.rows.append((label_values, le_labels, cumulative, total))
 
+    # prometheus_client declares Metric.samples a plain attribute; a read-only property overrides it
     @property
     def samples(self) -> list[Sample]:  # type: ignore[override]
         out: list[Sample] = []
