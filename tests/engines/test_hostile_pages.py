@@ -11,6 +11,7 @@ import contextlib
 import time
 
 import pytest
+from timing import fastest
 
 from kvwatch.engines.base import rank_sort_key
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, parse_text
@@ -24,10 +25,12 @@ UNCAPPED = Limits(max_line_length=10**9)
 def test_a_long_hostile_line_takes_linear_time(shape):
     """200,000 characters: linear is milliseconds; the old regex needed hours on some of these."""
     line = hostile.LONG_LINES[shape](200_000) + "\n"
-    started = time.perf_counter()
-    with contextlib.suppress(ExpositionError):
-        parse_text(line, UNCAPPED)
-    assert time.perf_counter() - started < 0.5
+
+    def parse() -> None:
+        with contextlib.suppress(ExpositionError):
+            parse_text(line, UNCAPPED)
+
+    assert fastest(parse, under_s=0.5) < 0.5  # fastest of up to 3 tries (tests/timing.py)
 
 
 def test_a_line_over_the_cap_is_malformed_and_names_the_limit():
@@ -40,18 +43,21 @@ def test_a_line_over_the_cap_is_malformed_and_names_the_limit():
 
 
 def test_the_default_cap_refuses_the_40000_character_line_at_once():
-    started = time.perf_counter()
-    with pytest.raises(ExpositionError, match="max_line_length"):
-        parse_text(hostile.vllm_page() + hostile.LONG_LINES["name then junk"](40_000) + "\n")
-    assert time.perf_counter() - started < 0.5
+    page = hostile.vllm_page() + hostile.LONG_LINES["name then junk"](40_000) + "\n"
+
+    def refuse() -> None:
+        with pytest.raises(ExpositionError, match="max_line_length"):
+            parse_text(page)
+
+    assert fastest(refuse, under_s=0.5) < 0.5
 
 
 def test_3200_ranks_fold_into_the_rank_cap_and_read_fast():
     text = hostile.many_ranks(3200)
     assert 0.8e6 < len(text) < 2e6  # the ~1 MB page that once took 11.6 s
-    started = time.perf_counter()
-    result = parse_exposition(text, "r0", "vllm")
-    assert time.perf_counter() - started < 3.0
+    results = []
+    assert fastest(lambda: results.append(parse_exposition(text, "r0", "vllm")), under_s=3.0) < 3.0
+    result = results[-1]
     ranks = [s.dp_rank for s in result.samples]
     assert len(ranks) == 129 and ranks[-1] == "other"  # 128 ranks kept, the rest folded
     assert dict(result.rejected)["label_values_cap"] > 0
@@ -61,9 +67,9 @@ def test_vllm_parse_is_linear_in_the_ranks_when_every_rank_is_kept():
     """No cap in the way: each rank's view reads its own series, not every series on the page."""
     text = hostile.many_ranks(3200)
     expo = parse_text(text, Limits(max_ranks=10**6))
-    started = time.perf_counter()
-    samples = parse_families(expo, "r0", "vllm").samples
-    assert time.perf_counter() - started < 3.0
+    results = []
+    assert fastest(lambda: results.append(parse_families(expo, "r0", "vllm")), under_s=3.0) < 3.0
+    samples = results[-1].samples
     assert len(samples) == 3200
     assert {s.requests_running for s in samples} == {parse_families(parse_text(hostile.vllm_page()), "r0",
                                                                     "vllm").samples[0].requests_running}
