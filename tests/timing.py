@@ -8,7 +8,7 @@ first try under the bound ends the measurement (a healthy run costs one try).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 TRIES = 3
 
@@ -24,13 +24,3 @@ def fastest(run: Callable[[], object], under_s: float, tries: int = TRIES) -> fl
             break
     return best
 
-
-async def smallest(measure: Callable[[], Awaitable[float]], under: float, tries: int = TRIES) -> float:
-    """The smallest of up to ``tries`` awaited measurements (a lag, a duration), stopping at the first
-    under ``under``."""
-    best = float("inf")
-    for _ in range(tries):
-        best = min(best, await measure())
-        if best < under:
-            break
-    return best
