@@ -28,15 +28,16 @@ from kvwatch.cooperative import BudgetExceededError, run_sliced
 from kvwatch.engines.base import RANK_LABELS, ExtraPage
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
 from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
-from kvwatch.engines.page_worker import PageWorker, WorkerFailedError
+from kvwatch.engines.page_worker import parse_in_worker
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState, TargetState
+from kvwatch.workers import WorkerFailedError, WorkerProcess, brief_error
 
 log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 1.0
-#: pages of more bytes than this are parsed in the worker process (``PageWorker``): a real vLLM
+#: pages of more bytes than this are parsed in the worker process (``kvwatch.workers``): a real vLLM
 #: page of one rank is ~50 KB; a page this size parsed in the agent adds at most ~15,000
 #: containers to its heap, which a full garbage collection walks in a few ms
 WORKER_PARSE_BYTES = 256 * 1024
@@ -93,15 +94,15 @@ async def _parse_here(text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeC
 
 
 async def _parse(body: bytes, content_type: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
-                 scraped_at: float, worker: PageWorker | None) -> ParseResult:
+                 scraped_at: float, worker: WorkerProcess | None) -> ParseResult:
     """A large page goes to the worker process (its objects would make the agent's garbage
     collections pause the loop for tenths of a second), a small one is parsed here."""
     where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
     try:
         if worker is not None and len(body) > WORKER_PARSE_BYTES:
-            return await worker.parse(body, content_type, replica_cfg.name, replica_cfg.metrics_url,
-                                      replica_cfg.backend, scraped_at, page_limits(scrape_cfg),
-                                      scrape_cfg.parse_budget_s)
+            return await parse_in_worker(worker, body, content_type, replica_cfg.name,
+                                         replica_cfg.metrics_url, replica_cfg.backend, scraped_at,
+                                         page_limits(scrape_cfg), scrape_cfg.parse_budget_s)
         text = metrics_text(body, content_type, replica=replica_cfg.name, url=replica_cfg.metrics_url)
         return await _parse_here(text, replica_cfg, scrape_cfg, scraped_at)
     except ScrapeError:
@@ -119,13 +120,7 @@ async def _parse(body: bytes, content_type: str, replica_cfg: ReplicaConfig, scr
     except Exception as exc:  # an adapter bug must not take the agent down; it shows as malformed
         log.debug("adapter failed on %s: %s", where, type(exc).__name__)
         raise ScrapeError("malformed", f"{where} could not be read by the {replica_cfg.backend} adapter: "
-                                       f"{_brief(exc)}") from None
-
-
-def _brief(exc: Exception) -> str:
-    """An exception as a short line: its text may quote the engine's page."""
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= 160 else text[:160] + "..."
+                                       f"{brief_error(exc)}") from None
 
 
 def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tuple[ReplicaSample, ...]:
@@ -198,7 +193,7 @@ def _succeeded(target: TargetState, result: ParseResult, samples: tuple[ReplicaS
 
 async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
                         state: NodeState, now: Callable[[], float] = time.time,
-                        worker: PageWorker | None = None) -> None:
+                        worker: WorkerProcess | None = None) -> None:
     """Scrape one replica and update ``state.target(name)`` and ``state.report("engine:<name>")``.
 
     ``worker`` parses pages over ``WORKER_PARSE_BYTES`` (without one, every page is parsed here).

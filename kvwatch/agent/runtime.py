@@ -21,7 +21,6 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
 from kvwatch.config import Config, ReplicaConfig
 from kvwatch.derive.recompute import request_stalled
-from kvwatch.engines.page_worker import PageWorker
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector
@@ -33,6 +32,7 @@ from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import RequestRecord
 from kvwatch.state import NodeState
+from kvwatch.workers import WorkerProcess
 
 if TYPE_CHECKING:  # each is imported when the config asks for it
     from kvwatch.agent.discovery import PodDiscovery
@@ -100,7 +100,7 @@ class Agent:
         self._proc = proc
         self._route_factories = tuple(route_factories)
         self._client: httpx.AsyncClient | None = None
-        self._page_worker = PageWorker()  # large engine pages are parsed in this process, started lazily
+        self._worker = WorkerProcess()  # large engine pages and OTLP exports are parsed there, started lazily
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._site_port: int | None = None
@@ -220,7 +220,7 @@ class Agent:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        await self._page_worker.close()
+        await self._worker.close()
         if self._ledger is not None:
             await asyncio.to_thread(self._ledger.stop)
             self._ledger = None
@@ -251,7 +251,7 @@ class Agent:
     async def _scrape(self, replica: ReplicaConfig) -> None:
         assert self._client is not None
         await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock,
-                            worker=self._page_worker)
+                            worker=self._worker)
         if self._jobs.get(replica.name, (None,))[0] != replica:  # dropped or replaced meanwhile
             if replica.name not in self._jobs:
                 self.state.drop_target(replica.name)
@@ -373,7 +373,8 @@ class Agent:
         if cfg.otlp.listen is not None:
             from kvwatch.requests.otlp import start_otlp_receiver
 
-            self._otlp = await start_otlp_receiver(cfg, self.record, self.state.count, self.state.report)
+            self._otlp = await start_otlp_receiver(cfg, self.record, self.state.count, self.state.report,
+                                                   worker=self._worker)
         for files in cfg.sglang_request_files:
             from kvwatch.requests.sglang_files import start_follower
 

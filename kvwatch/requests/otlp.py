@@ -18,9 +18,10 @@ Otherwise the span is dropped and counted ``unmapped``: label values stay bounde
 
 The sender is an outsider: the body is read compressed (``otlp.max_body_bytes``), inflated in
 steps with the output checked against ``otlp.max_decompressed_bytes`` as it grows (a 4 MB gzip of
-zeros would be 4 GiB), and inflate + decode + span mapping run in a worker thread, off the event
-loop; a thread still shares the GIL and the heap, so a 55,000-span export costs the loop ticks of
-60-90 ms of CPU (``bench/otlp_loop_lag.py``, docs/performance.md). Refused exports are counted
+zeros would be 4 GiB), and inflate + decode + span mapping run off the event loop: a compressed
+export or one over WORKER_DECODE_BYTES in kvwatch's worker process (``kvwatch.workers``: a thread
+would share the GIL and the heap, and a 55,000-span export is ~0.9 s of pure Python), whose
+records come back in batches; a small one in a thread. Refused exports are counted
 ``kvwatch_otlp_exports_refused``. Free text from spans (``finish_reason``) is cut to a short safe
 token or ``other``.
 """
@@ -34,7 +35,7 @@ import re
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -51,6 +52,7 @@ from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import non_negative_int, non_negative_number
 from kvwatch.selfmetrics import Count, Report
+from kvwatch.workers import WorkerFailedError, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ OTHER = "other"
 INFLATE_STEP = 1024 * 1024  # compressed bytes handed to zlib at a time
 INFLATE_OUTPUT_STEP = 1024 * 1024  # inflated bytes taken from zlib at a time (it drops the GIL for each)
 SINK_BATCH = 256  # records handed to the sink between yields to the event loop
+#: exports of more bytes than this, and every compressed one, are decoded in kvwatch's worker process
+#: (``kvwatch.workers``): in a thread, 55,000 spans are ~0.9 s of pure Python holding the GIL in 5 ms
+#: turns against the loop, and their records lengthen the agent's garbage collections
+WORKER_DECODE_BYTES = 256 * 1024
 MAX_CONCURRENT_DECODES = 2  # each may hold max_body_bytes + max_decompressed_bytes
 REQUEST_MARKERS = ("gen_ai.usage.completion_tokens", "gen_ai.latency.e2e")
 REPLICA_ATTRIBUTE = "kvwatch.replica"
@@ -256,6 +262,39 @@ def decode_body(body: bytes, encoding: str, content_type: str, max_decompressed:
     return records_from_export(export, resolver, labels)
 
 
+def answer_in_worker(args: tuple[Any, ...], body: bytes) -> Iterator[tuple[Any, ...]]:
+    """The worker's handler (``kvwatch.workers``): the counts, then the records SINK_BATCH at a time,
+    so the agent unpickles a big export in short steps; a refusal is one frame."""
+    try:
+        records, results = decode_body(body, *args)
+    except InflatedTooLargeError as exc:
+        yield ("inflated_too_large", str(exc))
+        return
+    except ValueError as exc:
+        yield ("undecodable", str(exc))
+        return
+    yield ("results", results)
+    for start in range(0, len(records), SINK_BATCH):
+        yield ("records", records[start:start + SINK_BATCH])
+
+
+async def decode_in_worker(worker: WorkerProcess, body: bytes, encoding: str, content_type: str,
+                           max_decompressed: int, resolver: ReplicaResolver, labels: dict[str, ModelLabels],
+                           ) -> tuple[list[RequestRecord], Counter[str]]:
+    """``decode_body`` in the worker process: raises what it raises, or ``WorkerFailedError``."""
+    frames = await worker.call("otlp_export", (encoding, content_type, max_decompressed, resolver, labels),
+                               body)
+    kind, value = frames[0]
+    if kind == "inflated_too_large":
+        raise InflatedTooLargeError(value)
+    if kind in ("undecodable", "crashed"):
+        raise ValueError(value)
+    records: list[RequestRecord] = []
+    for _, batch in frames[1:]:
+        records += batch
+    return records, value
+
+
 def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
     """Raises ValueError naming what was wrong (never the body's content)."""
     export = ExportTraceServiceRequest()
@@ -276,8 +315,10 @@ class OtlpReceiver:
     """The HTTP endpoint; ``await stop()`` closes it."""
 
     def __init__(self, config: OtlpConfig, replicas: Sequence[ReplicaConfig], known_models: Iterable[str],
-                 sink: Sink, count: Count, report: Report | None = None) -> None:
+                 sink: Sink, count: Count, report: Report | None = None,
+                 worker: WorkerProcess | None = None) -> None:
         self.config = config
+        self.worker = worker
         known = frozenset(known_models)
         self.resolver = ReplicaResolver([r.name for r in replicas], config.replica)
         self.labels = {r.name: ModelLabels(known, r.model_name) for r in replicas}
@@ -323,14 +364,16 @@ class OtlpReceiver:
             raise
         try:
             async with self._decoding:
-                records, results = await asyncio.to_thread(
-                    decode_body, body, encoding, content_type, self.config.max_decompressed_bytes,
-                    self.resolver, self.labels)
+                records, results = await self._decode(body, encoding, content_type)
         except InflatedTooLargeError as exc:
             self._refuse("inflated_too_large")
             self._report(False, started, str(exc))
             log.warning("otlp: %s from %s", exc, request.remote)
             return web.Response(status=413, text=f"{exc}\n")
+        except WorkerFailedError as exc:  # the worker was killed and is replaced at the next export
+            self._report(False, started, str(exc))
+            log.warning("otlp: %s; export from %s dropped", exc, request.remote)
+            return web.Response(status=503, text="try again\n")
         except ValueError as exc:
             self._refuse("undecodable")
             self._report(False, started, str(exc))
@@ -344,6 +387,17 @@ class OtlpReceiver:
             return web.Response(body=b"{}", content_type="application/json")
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
                             content_type="application/x-protobuf")
+
+    async def _decode(self, body: bytes, encoding: str, content_type: str,
+                      ) -> tuple[list[RequestRecord], Counter[str]]:
+        """The CPU-heavy part, off the loop: a large or compressed export in the worker process,
+        a small one in a thread."""
+        limit = self.config.max_decompressed_bytes
+        if self.worker is not None and (len(body) > WORKER_DECODE_BYTES or encoding != "identity"):
+            return await decode_in_worker(self.worker, body, encoding, content_type, limit, self.resolver,
+                                          self.labels)
+        return await asyncio.to_thread(decode_body, body, encoding, content_type, limit, self.resolver,
+                                       self.labels)
 
     async def _sink_all(self, records: list[RequestRecord]) -> None:
         """The sink (histograms, ledger) runs on the loop: yield between batches of a big export."""
@@ -379,8 +433,8 @@ class OtlpReceiver:
             log.exception("otlp: counting failed")
 
 
-async def start_otlp_receiver(config: Config, sink: Sink, count: Count,
-                              report: Report | None = None) -> OtlpReceiver:
+async def start_otlp_receiver(config: Config, sink: Sink, count: Count, report: Report | None = None,
+                              worker: WorkerProcess | None = None) -> OtlpReceiver:
     """Start the receiver on ``config.otlp.listen`` (the agent's wiring entry point).
 
     ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the
@@ -389,7 +443,7 @@ async def start_otlp_receiver(config: Config, sink: Sink, count: Count,
     otlp = config.otlp
     if otlp.listen is None:
         raise ValueError("otlp.listen is not set")
-    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report)
+    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report, worker)
     for result in RESULTS:
         receiver._count(result, 0)
     for reason in REFUSALS:

@@ -1,4 +1,4 @@
-"""The page-parsing worker process gives exactly what parsing in the agent gives, errors included."""
+"""kvwatch's worker process parses a page exactly as the agent would, errors included."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 from kvwatch.cooperative import BudgetExceededError
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError
 from kvwatch.engines.fetch import ScrapeError
-from kvwatch.engines.page_worker import PageWorker, WorkerFailedError, parse_page
+from kvwatch.engines.page_worker import parse_in_worker, parse_page
 from kvwatch.engines.registry import NoEngineMetricsError
+from kvwatch.workers import WorkerFailedError, WorkerProcess
 from tests.engines import hostile
 
 LIMITS = Limits()
@@ -20,10 +21,10 @@ def _args(page: str, budget_s: float = 5.0, limits: Limits = LIMITS) -> tuple:
 
 
 async def test_worker_results_and_errors_equal_parsing_here() -> None:
-    worker = PageWorker()
+    worker = WorkerProcess()
     try:
         for page in (hostile.vllm_page(), hostile.many_ranks(300)):
-            assert await worker.parse(*_args(page)) == parse_page(*_args(page))
+            assert await parse_in_worker(worker, *_args(page)) == parse_page(*_args(page))
         cases = [
             (hostile.vllm_page() + "a" * 20_000 + " 1\n", ExpositionError, "scrape.max_line_length"),
             (hostile.unrelated_series(200_000), TooManySeriesError, "more than 100 series"),
@@ -33,24 +34,24 @@ async def test_worker_results_and_errors_equal_parsing_here() -> None:
         for page, error, words in cases:
             limits = Limits(max_series=100) if error is TooManySeriesError else LIMITS
             with pytest.raises(error, match=words) as raised:
-                await worker.parse(*_args(page, limits=limits))
+                await parse_in_worker(worker, *_args(page, limits=limits))
             if isinstance(raised.value, ExpositionError):
                 assert raised.value.line > 1
         with pytest.raises(BudgetExceededError):
-            await worker.parse(*_args(hostile.many_ranks(3200), budget_s=0.001))
-        assert await worker.parse(*_args(hostile.vllm_page()))  # still serving
+            await parse_in_worker(worker, *_args(hostile.many_ranks(3200), budget_s=0.001))
+        assert await parse_in_worker(worker, *_args(hostile.vllm_page()))  # still serving
     finally:
         await worker.close()
     assert worker._proc is None
 
 
 async def test_a_worker_past_its_deadline_is_killed_and_replaced() -> None:
-    worker = PageWorker(deadline_s=0.001)
+    worker = WorkerProcess(deadline_s=0.001)
     try:
         with pytest.raises(WorkerFailedError, match="did not answer"):
-            await worker.parse(*_args(hostile.many_ranks(3200)))
+            await parse_in_worker(worker, *_args(hostile.many_ranks(3200)))
         assert worker._proc is None
         worker.deadline_s = 60.0
-        assert (await worker.parse(*_args(hostile.vllm_page()))).backend == "vllm"
+        assert (await parse_in_worker(worker, *_args(hostile.vllm_page()))).backend == "vllm"
     finally:
         await worker.close()
