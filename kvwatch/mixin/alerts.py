@@ -359,6 +359,17 @@ def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
             for_=cfg.for_of("KVWatchConfigReloadFailed"),
         ),
         Alert(
+            "KVWatchNearFileDescriptorLimit",
+            f'{selector("process_open_fds", eq("job", job))} / {selector("process_max_fds", eq("job", job))}'
+            f" > {cfg.open_fds_ratio}",
+            WARNING,
+            "kvwatch is close to its open-files limit: new proxy clients may be dropped.",
+            "kvwatch on {{ $labels.instance }} has used {{ $value | humanizePercentage }} of its open-files "
+            f"limit for {_lasting(cfg, 'KVWatchNearFileDescriptorLimit')}; at the limit accept() fails, and "
+            "under uvloop the clients waiting are closed without a log line.",
+            for_=cfg.for_of("KVWatchNearFileDescriptorLimit"),
+        ),
+        Alert(
             "KVWatchSourceStale",
             f"(time() - {stale} > {cfg.source_stale_seconds})\n"
             f"unless on (instance, job, source)\n"

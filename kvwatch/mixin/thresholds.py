@@ -45,6 +45,7 @@ DEFAULT_FOR: Mapping[str, str | None] = {
     "KVWatchCollectorFailing": "15m",
     "KVWatchSourceStale": "5m",
     "KVWatchConfigReloadFailed": "10m",
+    "KVWatchNearFileDescriptorLimit": "5m",
 }
 
 _PROM_DURATION = re.compile(r"^(?:\d+[smhdwy])+$")
@@ -105,6 +106,8 @@ class AlertConfig:
         "repeated_preemptions_min_requests", NON_NEGATIVE, "... over at least this many requests in 30 min"))
     source_stale_seconds: float = field(default=600, metadata=setting(
         "source_stale_seconds", NON_NEGATIVE, "a polled source without success for this long is stuck"))
+    open_fds_ratio: float = field(default=0.9, metadata=setting(
+        "open_fds_ratio", SHARE, "kvwatch's open descriptors over its limit: past it, accepts fail"))
     for_: Mapping[str, str | None] = field(default_factory=lambda: dict(DEFAULT_FOR))
 
     def for_of(self, alert: str) -> str | None:

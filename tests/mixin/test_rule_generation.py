@@ -316,4 +316,4 @@ def test_alert_names_are_listed_once_in_file_order() -> None:
     names = alert_names(_default_files())
     assert names[0] == "KVWatchKVCachePressure"  # node file first, SLO file last
     assert names[-2:] == ["KVWatchLatencyBudgetBurn", "KVWatchCompletionBudgetBurn"]
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 25
