@@ -250,7 +250,7 @@ class PluginReceiver:
             self.handle(data)
 
     def handle(self, data: bytes) -> None:
-        """Decode, hand on, count; never raises (it runs on the agent's event loop)."""
+        """Decode, hand on, count; never raises (it runs on the receiver's thread, which must not die)."""
         started = time.perf_counter()
         try:
             decoded = decode(data, self.replica, self.model_name)

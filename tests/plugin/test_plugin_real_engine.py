@@ -99,7 +99,7 @@ async def agent_metrics(client: httpx.AsyncClient, agent: Agent) -> dict[str, li
     return families((await client.get(f"http://127.0.0.1:{agent.port}/metrics")).text)
 
 
-async def wait_for_requests(client: httpx.AsyncClient, agent: Agent, n: int, timeout_s: float = 30) -> dict:
+async def wait_for_requests(client: httpx.AsyncClient, agent: Agent, n: int, timeout_s: float = 60) -> dict:
     """Until the agent counted ``n`` plugin requests and rendered the exact recompute."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -138,6 +138,49 @@ def test_a_slow_agent_loses_nothing_and_gets_everything_in_order(tmp_path):
         receiver.close()
 
 
+def test_the_drain_thread_sends_the_backlog_once_the_agent_reads_with_no_further_step(tmp_path):
+    """An engine that goes idle right after its last step calls neither ``send`` nor ``log`` for 10 s:
+    the drainer's own thread sends what waited as soon as the agent reads again, oldest first."""
+    path = str(tmp_path / "idle.sock")
+    receiver = bind_socket(path)
+    receiver.setblocking(False)
+    try:
+        sender = wire.DatagramSender(path)
+        drainer = wire.BacklogDrainer(sender)
+        for i in range(60):
+            sender.send(f"{i}".encode())
+        assert sender.backlog > 0
+        drainer.wake()
+        time.sleep(0.2)  # the agent still stalls: the thread retries, nothing is lost or reordered
+        assert sender.dropped == 0 and sender.backlog > 0
+        got: list[bytes] = []
+        deadline = time.monotonic() + 5
+        while len(got) < 60 and time.monotonic() < deadline:
+            try:
+                got.append(receiver.recv(100))
+            except BlockingIOError:
+                time.sleep(0.001)
+        drainer.stop()
+        assert got == [f"{i}".encode() for i in range(60)] and sender.backlog == 0 and sender.sent == 60
+    finally:
+        receiver.close()
+
+
+def test_a_send_that_finds_another_thread_draining_leaves_its_datagram_for_it(tmp_path):
+    path = str(tmp_path / "busy.sock")
+    receiver = bind_socket(path)
+    try:
+        sender = wire.DatagramSender(path)
+        with sender._lock:  # another thread is draining
+            started = time.perf_counter()
+            assert sender.send(b"later") is False
+            assert time.perf_counter() - started < 0.1 and sender.backlog == 1
+        sender.drain()
+        assert receiver.recv(100) == b"later" and sender.sent == 1 and sender.backlog == 0
+    finally:
+        receiver.close()
+
+
 def test_an_agent_that_goes_away_drops_the_backlog_and_counts_it(tmp_path):
     path = str(tmp_path / "gone.sock")
     receiver = bind_socket(path)

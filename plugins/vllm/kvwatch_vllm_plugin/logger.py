@@ -22,6 +22,7 @@ from kvwatch_vllm_plugin.wire import (
     MAX_EVICTIONS,
     MAX_STEPS_PER_DATAGRAM,
     WIRE_VERSION,
+    BacklogDrainer,
     DatagramSender,
     dumps,
     encode,
@@ -107,6 +108,7 @@ class KvwatchStatLogger(StatLoggerBase):
         self.engine_index = engine_index
         self.path = socket_path()
         self.sender = DatagramSender(self.path)
+        self.drainer = BacklogDrainer(self.sender)
         self.pid = os.getpid()
         self.seq = 0
         self.failures = 0  # record() calls that raised inside (and were swallowed)
@@ -155,7 +157,13 @@ class KvwatchStatLogger(StatLoggerBase):
         self._flushed_at = time.monotonic() if now is None else now
         if not steps and not finished:
             self.sender.drain()  # what a slow agent could not take yet
-            return
+        else:
+            self._send(steps, finished, evictions, left_out)
+        if self.sender.backlog:
+            self.drainer.wake()
+
+    def _send(self, steps: list[dict[str, Any]], finished: list[dict[str, Any]],
+              evictions: list[list[Any]], left_out: int) -> None:
         header = {"v": WIRE_VERSION, "e": self.engine_index, "p": self.pid, "n": 0, "t": time.time(),
                   "d": self.sender.dropped}
         for body in encode(header, steps, finished, evictions, left_out):

@@ -3,7 +3,8 @@
 Engine steps are sent in compact JSON datagrams: a step that finishes a request is sent at once with
 the steps buffered before it; other steps wait at most FLUSH_INTERVAL_S (or MAX_STEPS_PER_DATAGRAM),
 because the kernel queues only ``net.unix.max_dgram_qlen`` (10 by default) datagrams per socket;
-what a full queue refuses waits in the sender's bounded backlog.
+what a full queue refuses waits in the sender's bounded backlog, which a thread of the plugin's own
+sends as soon as the agent reads again.
 The kvwatch agent decodes them (``kvwatch/requests/vllm_plugin.py``); the two sides share only
 this format, documented in kvwatch's docs/vllm-plugin.md:
 
@@ -27,6 +28,8 @@ import json
 import math
 import os
 import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -44,6 +47,9 @@ MAX_STEPS_PER_DATAGRAM = 64
 MAX_REUSE_GAPS = 16
 #: datagrams kept while the agent's queue is full (about 200 bytes per step: at most ~3 MB)
 MAX_BACKLOG = 256
+#: how soon the drain thread retries a backlog the agent's queue refused (doubling up to the max)
+RETRY_S = 0.002
+MAX_RETRY_S = 0.05
 
 _SEPARATORS = (",", ":")
 
@@ -96,6 +102,9 @@ class DatagramSender:
     MAX_BACKLOG datagrams that the next ``send`` or ``drain`` sends first; past that bound the oldest
     is dropped. A missing socket (agent absent), a refused one (agent gone, socket file left) or any
     other error drops the datagram, and the backlog with it. Every drop is counted in ``dropped``.
+
+    Thread-safe without waiting: one thread at a time drains (a non-blocking lock); another that
+    finds it busy leaves its datagram in the backlog for that one, or for ``BacklogDrainer``.
     """
 
     def __init__(self, path: str, max_backlog: int = 0) -> None:
@@ -105,6 +114,7 @@ class DatagramSender:
         self.max_backlog = max_backlog or MAX_BACKLOG
         self._backlog: deque[bytes] = deque()
         self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
 
     @property
     def backlog(self) -> int:
@@ -113,41 +123,87 @@ class DatagramSender:
     def send(self, data: bytes) -> bool:
         """True when it and everything before it left now; False when some waits or was dropped."""
         dropped = self.dropped
-        self._backlog.append(data)
-        if len(self._backlog) > self.max_backlog:
-            self._backlog.popleft()
-            self.dropped += 1
+        self._backlog.append(data)  # deque.append is atomic: safe beside a draining thread
         self.drain()
         return not self._backlog and self.dropped == dropped
 
     def drain(self) -> None:
-        """Send the backlog, oldest first, until the queue is full again (never waits)."""
-        backlog = self._backlog
-        while backlog:
-            try:
-                if self._sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                    sock.setblocking(False)
-                    self._sock = sock
-                self._sock.sendto(backlog[0], self.path)
-            except BlockingIOError:  # the agent is behind: keep it for the next try
-                return
-            except (FileNotFoundError, ConnectionRefusedError):  # no agent: what waited for it is lost
-                self.dropped += len(backlog)
-                backlog.clear()
-                return
-            except Exception:  # EMSGSIZE, a file that is not a socket, ...: this one only
+        """Send the backlog, oldest first, until the queue is full again (never waits, not even for
+        another thread that is draining: that one sends what is queued)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            backlog = self._backlog
+            while len(backlog) > self.max_backlog:
                 backlog.popleft()
                 self.dropped += 1
-                continue
-            backlog.popleft()
-            self.sent += 1
+            while backlog:
+                try:
+                    if self._sock is None:
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                        sock.setblocking(False)
+                        self._sock = sock
+                    self._sock.sendto(backlog[0], self.path)
+                except BlockingIOError:  # the agent is behind: keep it for the next try
+                    return
+                except (FileNotFoundError, ConnectionRefusedError):  # no agent: what waited is lost
+                    self.dropped += len(backlog)
+                    backlog.clear()
+                    return
+                except Exception:  # EMSGSIZE, a file that is not a socket, ...: this one only
+                    backlog.popleft()
+                    self.dropped += 1
+                    continue
+                backlog.popleft()
+                self.sent += 1
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self._sock.close()
-            self._sock = None
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(Exception):
+                    self._sock.close()
+                self._sock = None
+
+
+class BacklogDrainer:
+    """Sends what a busy agent refused from a daemon thread, as soon as the agent reads again.
+
+    Without it the backlog waits for vLLM's next step or its 10 s ``log()`` call, and an engine that
+    goes idle right after its last step keeps that step (and the requests it finished) from the
+    agent. ``wake()`` never blocks; the thread starts at the first wake (after any fork) and retries
+    every RETRY_S, doubling up to MAX_RETRY_S while the agent stays behind.
+    """
+
+    def __init__(self, sender: DatagramSender) -> None:
+        self.sender = sender
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def wake(self) -> None:
+        if self._thread is None:
+            thread = threading.Thread(target=self._run, name="kvwatch-plugin-drain", daemon=True)
+            self._thread = thread
+            thread.start()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            delay = RETRY_S
+            while self.sender.backlog and not self._stopped:
+                time.sleep(delay)
+                sent = self.sender.sent
+                with contextlib.suppress(Exception):
+                    self.sender.drain()
+                delay = RETRY_S if self.sender.sent > sent else min(2 * delay, MAX_RETRY_S)
 
 
 def socket_path(environ: Mapping[str, str] | None = None) -> str:
