@@ -38,9 +38,14 @@ class TraceRequest:
     max_tokens: int  # sent with ignore_eos: the output is exactly this long
 
 
-def make_trace(seed: int, count: int, rate: float) -> list[TraceRequest]:
+def make_trace(seed: int, count: int, rate: float, burst: int = 0) -> list[TraceRequest]:
+    """``burst`` requests at t=0 (prompts of 60-90 numbers, 300-400 tokens out), then ``count`` Poisson
+    arrivals at ``rate``. The burst preempts on any machine: all of it is admitted onto the idle
+    engine (each prompt needs 3-4 of the 19 usable 128-token blocks) and would then need ~6 blocks
+    each, while the Poisson part alone preempts only when the engine is slow enough to fall behind."""
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t = 0.0
+    out = [TraceRequest(0.0, rng.randint(60, 90), rng.randint(300, 400)) for _ in range(burst)]
     for _ in range(count):
         t += rng.expovariate(rate)
         out.append(
