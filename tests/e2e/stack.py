@@ -320,7 +320,7 @@ class RecordingRelay:
         if self.proc is not None:
             stop_group(self.proc)
 
-    def pages_from(self, started: float, count: int = 2) -> list[str]:
-        """The first ``count`` pages served to requests that arrived at or after ``started``."""
+    def pages_between(self, started: float, ended: float) -> list[str]:
+        """The pages served to requests that arrived from ``started`` to ``ended``, in order."""
         pages = (json.loads(line) for line in self.pages_path.read_text().splitlines())
-        return [page["text"] for page in pages if page["arrived"] >= started][:count]
+        return [page["text"] for page in pages if started <= page["arrived"] <= ended]
