@@ -27,7 +27,7 @@ file lines, ledger errors) are rendered by ``export/self_metrics.py``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import Metric
 
@@ -92,10 +92,7 @@ class RequestCollector:
                     family.add_row(key, buckets.le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
         yield self._outcomes(outcomes)
-        counter = spec("kvwatch_request_output_tokens_estimated").counter()
-        for key in sorted(estimated):
-            counter.add_metric(list(key), float(estimated[key]))
-        yield counter
+        yield self._per_proxy_band("kvwatch_request_output_tokens_estimated", estimated)
         unused = spec("kvwatch_request_unused_max_tokens").counter()
         for key, n in sorted(self.state.requests.unused_limit_counts().items()):
             unused.add_metric(list(key), float(n))
@@ -119,13 +116,17 @@ class RequestCollector:
         return family
 
     def _stalls(self) -> Metric:
-        """Preemption stalls, from zero for every band of each configured proxy replica."""
+        return self._per_proxy_band("kvwatch_request_preemption_stalls", self.state.requests.stall_counts())
+
+    def _per_proxy_band(self, name: str, counts: Mapping[tuple[str, str, str, str], int]) -> Metric:
+        """A counter only the proxy observes, from zero for every band of each configured proxy
+        replica: a rate() over it is 0, not "no data", before the first such request."""
         values = {(replica, model, band, source): 0.0
                   for replica, model, source in self.configured_sources() if source == "proxy"
                   for band in self.state.bands.all_names}
-        for key, n in self.state.requests.stall_counts().items():
+        for key, n in counts.items():
             values[key] = float(n)
-        family = spec("kvwatch_request_preemption_stalls").counter()
+        family = spec(name).counter()
         for key in sorted(values):
             family.add_metric(list(key), values[key])
         return family

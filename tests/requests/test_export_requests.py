@@ -80,6 +80,16 @@ def test_estimated_outputs_are_counted() -> None:
     assert value(samples, "kvwatch_request_output_tokens_estimated_total", length_band="0-1k") == 1
 
 
+def test_proxy_only_counters_start_at_zero_for_every_band_of_a_proxy_replica() -> None:
+    """Before the first estimated output or stall, a dashboard's rate() over them reads 0, not "no
+    data" (the demo's latency dashboard once showed no data for a whole CI run)."""
+    samples = scrape(NodeState("n", DEFAULT_BANDS))
+    for name in ("kvwatch_request_output_tokens_estimated", "kvwatch_request_preemption_stalls"):
+        series = {(s.labels["replica"], s.labels["source"], s.labels["length_band"]): s.value
+                  for s in samples[name] if s.name.endswith("_total")}
+        assert series == {("r0", "proxy", band): 0.0 for band in DEFAULT_BANDS.all_names}, name
+
+
 def test_in_flight_by_admission_band() -> None:
     state = NodeState("n", DEFAULT_BANDS)
     handle = state.in_flight.start(InFlightRequest("r0", "tiny", "1k-5k", 100, 0, 0.0, 4096))

@@ -172,7 +172,7 @@ class BacklogDrainer:
 
     Without it the backlog waits for vLLM's next step or its 10 s ``log()`` call, and an engine that
     goes idle right after its last step keeps that step (and the requests it finished) from the
-    agent. ``wake()`` never blocks; the thread starts at the first wake (after any fork) and retries
+    agent. ``wake()`` never blocks; the thread starts at the first wake (again after a fork) and retries
     every RETRY_S, doubling up to MAX_RETRY_S while the agent stays behind.
     """
 
@@ -183,7 +183,7 @@ class BacklogDrainer:
         self._stopped = False
 
     def wake(self) -> None:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():  # a forked child has no thread
             thread = threading.Thread(target=self._run, name="kvwatch-plugin-drain", daemon=True)
             self._thread = thread
             thread.start()
