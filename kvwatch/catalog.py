@@ -153,6 +153,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_vllm_plugin_dropped_datagrams", "counter", ("replica", "dp_rank"),
        "Datagrams the vLLM plugin could not send (no agent listening, or its queue full), as the "
        "engine reports it in the next datagram that gets through.", "plugin"),
+    _m("kvwatch_vllm_plugin_dropped_steps", "counter", ("replica", "dp_rank"),
+       "Timed engine steps (vLLM's --enable-logging-iteration-details) in the datagrams the vLLM plugin "
+       "could not send: what kvwatch_engine_step_seconds misses of the engine's iterations since it "
+       "started, as the next datagram that gets through says.",
+       "plugin"),
     # ---- engine replicas (as the engine reports them) -----------------------------------------
     _m("kvwatch_replica", "info", (*REPLICA, "version_hint", "cache_dtype"),
        "Replica identity: one series per replica and data-parallel rank.", "replica"),

@@ -441,3 +441,4 @@ class PluginLink:
     pid: int | None
     seq: int | None
     dropped: int | None  # datagrams this engine process could not send so far
+    dropped_steps: int | None = None  # the engine steps in them (None: a plugin that does not say)

@@ -372,17 +372,44 @@ MAX_SENDER_PIDS = 64
 BATCH_TOKEN_BANDS = LengthBands(buckets.BATCH_TOKEN_EDGES)
 
 
+class SenderCounts:
+    """One cumulative counter that several sender processes report (the highest value of each pid).
+
+    vLLM runs one plugin per API server (``--api-server-count``, by default the DP size) and each
+    sends for every engine index, so several live pids report one rank; a restarted engine is a new
+    pid that counts from 0. Datagrams may arrive reordered: a pid's value never goes back.
+    """
+
+    __slots__ = ("by_pid", "folded")
+
+    def __init__(self, by_pid: dict[int | None, int] | None = None, folded: int = 0) -> None:
+        self.by_pid: dict[int | None, int] = dict(by_pid or {})
+        #: counts of the senders folded out of ``by_pid`` (more than MAX_SENDER_PIDS seen)
+        self.folded = folded
+
+    @property
+    def total(self) -> int:
+        return self.folded + sum(self.by_pid.values())
+
+    def note(self, pid: int | None, value: int) -> None:
+        by_pid = self.by_pid
+        if pid not in by_pid and len(by_pid) >= MAX_SENDER_PIDS:
+            oldest = next(iter(by_pid))  # insertion order: the longest-known sender, likely gone
+            self.folded += by_pid.pop(oldest)
+        by_pid[pid] = max(by_pid.get(pid, 0), value)
+
+    def copy(self) -> SenderCounts:
+        return SenderCounts(self.by_pid, self.folded)
+
+
 @dataclass(slots=True)
 class PluginUnit:
     """Cumulative facts of one DP rank of one replica, as its plugin reported them."""
 
     datagrams: int = 0
-    #: the highest drop count each sender process (pid) reported: vLLM runs one plugin per API
-    #: server (``--api-server-count``, by default the DP size) and each sends for every engine index,
-    #: so several live pids report one rank; a restarted engine is a new pid that counts from 0
-    dropped_by_pid: dict[int | None, int] = field(default_factory=dict)
-    #: drops of the senders folded out of ``dropped_by_pid`` (more than MAX_SENDER_PIDS seen)
-    dropped_folded: int = 0
+    #: datagrams, and the engine steps in them, that the plugin could not send
+    dropped_datagrams: SenderCounts = field(default_factory=SenderCounts)
+    dropped_steps: SenderCounts = field(default_factory=SenderCounts)
     #: tokens re-prefilled for resumed requests; None until a step said it (unknown, not 0)
     recomputed_tokens: int | None = None
     resumed_requests: int = 0
@@ -396,18 +423,10 @@ class PluginUnit:
 
     @property
     def dropped(self) -> int:
-        return self.dropped_folded + sum(self.dropped_by_pid.values())
-
-    def note_dropped(self, pid: int | None, dropped: int) -> None:
-        """A sender's cumulative drop count (datagrams may arrive reordered: it never goes back)."""
-        by_pid = self.dropped_by_pid
-        if pid not in by_pid and len(by_pid) >= MAX_SENDER_PIDS:
-            oldest = next(iter(by_pid))  # insertion order: the longest-known sender, likely gone
-            self.dropped_folded += by_pid.pop(oldest)
-        by_pid[pid] = max(by_pid.get(pid, 0), dropped)
+        return self.dropped_datagrams.total
 
     def copy(self) -> PluginUnit:
-        out = PluginUnit(self.datagrams, dict(self.dropped_by_pid), self.dropped_folded,
+        out = PluginUnit(self.datagrams, self.dropped_datagrams.copy(), self.dropped_steps.copy(),
                          self.recomputed_tokens, self.resumed_requests, self.preemptions,
                          self.eviction_samples_left_out, self.last_at)
         out.step_seconds = {k: _copy_histogram(h) for k, h in self.step_seconds.items()}
@@ -440,7 +459,9 @@ class PluginStats:
                 unit = self.units[key] = PluginUnit()
             unit.datagrams += 1
             if link.dropped is not None:
-                unit.note_dropped(link.pid, link.dropped)
+                unit.dropped_datagrams.note(link.pid, link.dropped)
+            if link.dropped_steps is not None:
+                unit.dropped_steps.note(link.pid, link.dropped_steps)
             if step is not None:
                 self._observe_step(unit, step)
 

@@ -2,8 +2,9 @@
 
 Read from ``NodeState.plugin`` (``PluginStats``), written by the plugin receiver. Histograms appear
 once they have an observation (step times need vLLM's ``--enable-logging-iteration-details``, block
-lifetimes ``--kv-cache-metrics``); the drop counter appears with the first datagram of a rank. The
-exact recompute counter is rendered with the estimate it replaces (``export/derived.py``).
+lifetimes ``--kv-cache-metrics``); the drop counters (datagrams, and the steps in them) appear with
+the first datagram of a rank. The exact recompute counter is rendered with the estimate it replaces
+(``export/derived.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class PluginCollector:
                     family.add_row(key, le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
         dropped = spec("kvwatch_vllm_plugin_dropped_datagrams").counter()
+        dropped_steps = spec("kvwatch_vllm_plugin_dropped_steps").counter()
         for key, unit in units:
-            dropped.add_metric(list(key), float(unit.dropped))
+            dropped.add_metric(list(key), float(unit.dropped_datagrams.total))
+            dropped_steps.add_metric(list(key), float(unit.dropped_steps.total))
         yield dropped
+        yield dropped_steps

@@ -184,7 +184,7 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
         raise DatagramError("malformed", "t (unix time) is required")
     dp_rank = str(engine)
     link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
-                      _int(body.get("d"), "d"))
+                      _int(body.get("d"), "d"), _int(body.get("ds"), "ds"))
     steps = tuple(engine_step(raw, replica, dp_rank, sent_at, body.get("ev") if i == 0 else None,
                               body.get("evx") if i == 0 else None)
                   for i, raw in enumerate(_list(body.get("s"), "s")))

@@ -161,6 +161,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_vllm_plugin_datagrams": lambda s: s.datagram_results * s.plugin_units,
     # the vLLM stat-logger plugin (docs/vllm-plugin.md): per reporting unit
     "kvwatch_vllm_plugin_dropped_datagrams": lambda s: s.plugin_units,
+    "kvwatch_vllm_plugin_dropped_steps": lambda s: s.plugin_units,
     "kvwatch_engine_step_seconds": lambda s: (s.plugin_units * s.step_batch_buckets
                                               * (len(buckets.STEP_SECONDS) + 3)),
     **{name: (lambda s: s.plugin_units * (len(buckets.KV_BLOCK_SECONDS) + 3)) for name in (

@@ -51,15 +51,18 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
         sock.close()
     stalled = {k: result.pop(k) for k in list(result) if k.startswith("stalled_")}
     assert (result.pop("older_sent"), result.pop("older_failures")) == (2, 0)
-    assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5}
+    assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5,
+                      "absent_dropped_steps": 5}  # each of the 5 datagrams carried its one step
     # a stalled agent: the kernel queue filled, the rest waited in the plugin and came in order
     assert stalled["stalled_waiting"] > 0 and stalled["stalled_dropped"] == 0
     assert stalled["stalled_seq"] == list(range(1, 101)) and stalled["stalled_finished"] == 200
+    assert stalled["stalled_ds"] == [0]
     assert all(b"SECRET" not in d for d in datagrams)  # request ids never leave the engine
     decoded = [decode(d, "r0", "tiny") for d in datagrams]
     v012, v026 = (d for d in decoded if d.link.dp_rank == "2")
     full, foreign = (d for d in decoded if d.link.dp_rank == "1")
     assert full.link.dp_rank == "1" and full.link.seq == 1 and foreign.link.seq == 2
+    assert (full.link.dropped, full.link.dropped_steps) == (0, 0)
     [s] = full.steps
     assert (s.running, s.waiting, s.kv_usage_ratio, s.preempted) == (3, 2, 0.75, 1)
     assert (s.ctx_requests, s.ctx_tokens, s.gen_requests, s.gen_tokens, s.elapsed_ms) == (1, 444, 2, 2, 12.5)

@@ -16,8 +16,8 @@ from kvwatch.state import NodeState, PluginStats
 CONFIG = Config(replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),))
 
 
-def link(pid=1, dropped=0, rank="0"):
-    return PluginLink("r0", rank, pid, 1, dropped)
+def link(pid=1, dropped=0, rank="0", dropped_steps=None):
+    return PluginLink("r0", rank, pid, 1, dropped, dropped_steps)
 
 
 def step(**fields):
@@ -68,7 +68,7 @@ def test_sender_pids_are_bounded_and_folded_drops_are_kept():
     for pid in range(1, 201):  # 200 engine restarts, 2 drops each
         stats.observe(link(pid=pid, dropped=2), None)
     unit = stats.snapshot()[("r0", "0")]
-    assert unit.dropped == 400 and len(unit.dropped_by_pid) <= 64
+    assert unit.dropped == 400 and len(unit.dropped_datagrams.by_pid) <= 64
 
 
 def test_step_ring_is_bounded_and_keeps_only_timed_steps():
@@ -109,8 +109,9 @@ def test_per_band_request_facts():
 
 def test_plugin_area_renders_its_catalog_families():
     state = NodeState("n", DEFAULT_BANDS)
-    state.plugin.observe(link(dropped=2), step(ctx_tokens=3000, gen_tokens=8, elapsed_ms=40.0,
-                                               evictions=(EvictionSample(30.0, 10.0, (2.0, 4.0)),)))
+    state.plugin.observe(link(dropped=2, dropped_steps=40),
+                         step(ctx_tokens=3000, gen_tokens=8, elapsed_ms=40.0,
+                              evictions=(EvictionSample(30.0, 10.0, (2.0, 4.0)),)))
     families = render(PluginCollector(state, CONFIG))
     assert set(families) == {s.name for s in CATALOG if s.area == "plugin"}
     [count] = [s for s in families["kvwatch_engine_step_seconds"] if s.name.endswith("_count")]
@@ -119,6 +120,18 @@ def test_plugin_area_renders_its_catalog_families():
     assert gaps.value == 6.0
     [dropped] = families["kvwatch_vllm_plugin_dropped_datagrams"]
     assert dropped.value == 2
+    [dropped_steps] = families["kvwatch_vllm_plugin_dropped_steps"]
+    assert dropped_steps.value == 40
+
+
+def test_dropped_steps_add_up_per_sender_and_an_older_plugin_reports_none():
+    stats = PluginStats()
+    stats.observe(link(pid=1, dropped=1, dropped_steps=30), None)
+    stats.observe(link(pid=1, dropped=1, dropped_steps=20), None)  # reordered: never goes back
+    stats.observe(link(pid=2, dropped=2, dropped_steps=5), None)
+    stats.observe(link(pid=3, dropped=4), None)  # a plugin without "ds": its datagrams count, steps unknown
+    unit = stats.snapshot()[("r0", "0")]
+    assert (unit.dropped, unit.dropped_steps.total) == (7, 35)
 
 
 def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports():

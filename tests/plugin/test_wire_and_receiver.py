@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import socket
 import sys
 import time
@@ -193,6 +195,53 @@ def test_an_agent_that_goes_away_drops_the_backlog_and_counts_it(tmp_path):
     Path(path).unlink()
     assert sender.send(b"late") is False
     assert sender.backlog == 0 and sender.dropped == waiting + 1 and sender.sent + sender.dropped == 51
+
+
+def test_the_steps_of_every_dropped_datagram_are_counted(tmp_path):
+    sender = wire.DatagramSender(str(tmp_path / "absent.sock"))
+    sender.send(b"{}", steps=33)
+    sender.send(b"{}")  # a datagram of finished requests only
+    assert (sender.dropped, sender.dropped_steps) == (2, 33)
+    path = str(tmp_path / "full.sock")
+    receiver = bind_socket(path)
+    try:
+        bounded = wire.DatagramSender(path, max_backlog=4)
+        for _ in range(40):
+            bounded.send(b"x", steps=2)
+        assert bounded.dropped > 0 and bounded.dropped_steps == 2 * bounded.dropped
+    finally:
+        receiver.close()
+
+
+class _ShortOfBuffers:
+    """A socket whose kernel is short of buffers for the first ``failures`` sends (ENOBUFS)."""
+
+    def __init__(self, failures: int, error: int = errno.ENOBUFS) -> None:
+        self.failures, self.error, self.sent = failures, error, []
+
+    def sendto(self, data: bytes, path: str) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(self.error, os.strerror(self.error))
+        self.sent.append(data)
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_kernel_short_of_buffers_delays_a_datagram_and_loses_nothing(tmp_path):
+    sender = wire.DatagramSender(str(tmp_path / "any.sock"))
+    sock = sender._sock = _ShortOfBuffers(failures=3)  # type: ignore[assignment]
+    assert sender.send(b"a", steps=5) is False and sender.backlog == 1
+    sender.send(b"b", steps=1)
+    sender.drain()
+    assert sender.send(b"c") is True
+    assert sock.sent == [b"a", b"b", b"c"] and (sender.dropped, sender.dropped_steps) == (0, 0)
+    too_big = wire.DatagramSender(str(tmp_path / "any.sock"))
+    too_big._sock = _ShortOfBuffers(failures=1, error=errno.EMSGSIZE)  # type: ignore[assignment]
+    assert too_big.send(b"huge", steps=7) is False  # an error of the datagram itself: that one only
+    assert (too_big.dropped, too_big.dropped_steps, too_big.backlog) == (1, 7, 0)
 
 
 def test_socket_path_comes_from_the_environment_with_a_default():

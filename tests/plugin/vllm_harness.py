@@ -118,6 +118,8 @@ for _ in range(100):
 print(json.dumps({"older_sent": older.sender.sent, "older_failures": older.failures,
                   "sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
                   "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped,
+                  "absent_dropped_steps": absent.sender.dropped_steps,
                   "stalled_waiting": waiting, "stalled_dropped": stalled.sender.dropped,
                   "stalled_seq": [d["n"] for d in received],
+                  "stalled_ds": sorted({d["ds"] for d in received}),
                   "stalled_finished": sum(len(d.get("f", ())) for d in received)}))

@@ -165,12 +165,12 @@ class KvwatchStatLogger(StatLoggerBase):
     def _send(self, steps: list[dict[str, Any]], finished: list[dict[str, Any]],
               evictions: list[list[Any]], left_out: int) -> None:
         header = {"v": WIRE_VERSION, "e": self.engine_index, "p": self.pid, "n": 0, "t": time.time(),
-                  "d": self.sender.dropped}
+                  "d": 0, "ds": 0}
         for body in encode(header, steps, finished, evictions, left_out):
             self.seq += 1
             body["n"] = self.seq
-            body["d"] = self.sender.dropped
-            self.sender.send(dumps(body))
+            body["d"], body["ds"] = self.sender.dropped, self.sender.dropped_steps
+            self.sender.send(dumps(body), sum(1 for step in body.get("s", ()) if "it" in step))
 
     def log(self) -> None:
         """vLLM calls this every stats interval (10 s): send what waits, say so when datagrams drop."""

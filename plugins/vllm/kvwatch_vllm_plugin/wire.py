@@ -9,7 +9,7 @@ The kvwatch agent decodes them (``kvwatch/requests/vllm_plugin.py``); the two si
 this format, documented in kvwatch's docs/vllm-plugin.md:
 
     {"v": 1, "e": engine index (DP rank), "p": pid, "n": sequence number, "t": unix time,
-     "d": datagrams dropped before this one,
+     "d": datagrams dropped before this one, "ds": the timed engine steps (with "it") in them,
      "s": [{step: "t" unix time, "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h",
            "preempted", "gen", "pt_comp", "pt_local", "pt_ext",
            "it": [ctx requests, ctx tokens, generation requests, generation tokens, elapsed ms]}, ...],
@@ -24,6 +24,7 @@ unknown. No prompt or output text and no request id is ever put in a datagram.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -50,6 +51,8 @@ MAX_BACKLOG = 256
 #: how soon the drain thread retries a backlog the agent's queue refused (doubling up to the max)
 RETRY_S = 0.002
 MAX_RETRY_S = 0.05
+#: errors of the moment (the kernel short of buffers or memory): the datagram waits, as for a full queue
+TRANSIENT_ERRNOS = frozenset({errno.ENOBUFS, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
 
 _SEPARATORS = (",", ":")
 
@@ -98,10 +101,12 @@ class DatagramSender:
     """Sends to a Unix datagram socket without ever blocking or raising, and loses nothing to a slow agent.
 
     A full receive queue (the agent is alive but behind: the kernel queues only
-    ``net.unix.max_dgram_qlen`` datagrams) keeps the datagram, in order, in a backlog of at most
-    MAX_BACKLOG datagrams that the next ``send`` or ``drain`` sends first; past that bound the oldest
-    is dropped. A missing socket (agent absent), a refused one (agent gone, socket file left) or any
-    other error drops the datagram, and the backlog with it. Every drop is counted in ``dropped``.
+    ``net.unix.max_dgram_qlen`` datagrams) or a kernel short of buffers keeps the datagram, in order,
+    in a backlog of at most MAX_BACKLOG datagrams that the next ``send`` or ``drain`` sends first;
+    past that bound the oldest is dropped. A missing socket (agent absent) or a refused one (agent
+    gone, socket file left) drops the backlog; an error of the datagram itself (EMSGSIZE, ...) drops
+    that one. Every drop is counted in ``dropped``, and the engine steps it carried in
+    ``dropped_steps``.
 
     Thread-safe without waiting: one thread at a time drains (a non-blocking lock); another that
     finds it busy leaves its datagram in the backlog for that one, or for ``BacklogDrainer``.
@@ -111,8 +116,9 @@ class DatagramSender:
         self.path = path
         self.sent = 0
         self.dropped = 0
+        self.dropped_steps = 0
         self.max_backlog = max_backlog or MAX_BACKLOG
-        self._backlog: deque[bytes] = deque()
+        self._backlog: deque[tuple[bytes, int]] = deque()  # (datagram, engine steps in it)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -120,10 +126,11 @@ class DatagramSender:
     def backlog(self) -> int:
         return len(self._backlog)
 
-    def send(self, data: bytes) -> bool:
-        """True when it and everything before it left now; False when some waits or was dropped."""
+    def send(self, data: bytes, steps: int = 0) -> bool:
+        """True when it and everything before it left now; False when some waits or was dropped.
+        ``steps``: the timed engine steps it carries (counted in ``dropped_steps`` if it drops)."""
         dropped = self.dropped
-        self._backlog.append(data)  # deque.append is atomic: safe beside a draining thread
+        self._backlog.append((data, steps))  # deque.append is atomic: safe beside a draining thread
         self.drain()
         return not self._backlog and self.dropped == dropped
 
@@ -135,29 +142,36 @@ class DatagramSender:
         try:
             backlog = self._backlog
             while len(backlog) > self.max_backlog:
-                backlog.popleft()
-                self.dropped += 1
+                self._drop(backlog.popleft())
             while backlog:
                 try:
                     if self._sock is None:
                         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                         sock.setblocking(False)
                         self._sock = sock
-                    self._sock.sendto(backlog[0], self.path)
+                    self._sock.sendto(backlog[0][0], self.path)
                 except BlockingIOError:  # the agent is behind: keep it for the next try
                     return
                 except (FileNotFoundError, ConnectionRefusedError):  # no agent: what waited is lost
-                    self.dropped += len(backlog)
-                    backlog.clear()
+                    while backlog:
+                        self._drop(backlog.popleft())
                     return
-                except Exception:  # EMSGSIZE, a file that is not a socket, ...: this one only
-                    backlog.popleft()
-                    self.dropped += 1
+                except OSError as exc:
+                    if exc.errno in TRANSIENT_ERRNOS:  # ENOBUFS, ENOMEM: keep it for the next try
+                        return
+                    self._drop(backlog.popleft())  # EMSGSIZE, a file that is not a socket, ...
+                    continue
+                except Exception:
+                    self._drop(backlog.popleft())
                     continue
                 backlog.popleft()
                 self.sent += 1
         finally:
             self._lock.release()
+
+    def _drop(self, entry: tuple[bytes, int]) -> None:
+        self.dropped += 1
+        self.dropped_steps += entry[1]
 
     def close(self) -> None:
         with self._lock:
