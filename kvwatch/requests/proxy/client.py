@@ -4,7 +4,10 @@ Reads requests (head + body, within the slow-client timeout) and runs one exchan
 (keep-alive; pipelined bytes buffered, HTTP order kept). A request is "received" when its first
 byte arrives, also when it waits in the buffer behind a response in progress (true pipelining):
 ``arrivals`` remembers when each buffered read came in, so TTFT and e2e include every moment the
-request spent inside kvwatch. What every connection buffers counts in ``proxy.max_buffered_bytes``.
+request spent inside kvwatch. A request that begins on an idle connection is parsed one loop turn
+after its read, so the other reads of that turn are stamped first: a burst of requests read in one
+turn is not stamped one parse after another. What every connection buffers counts in
+``proxy.max_buffered_bytes``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
         self.refused = False
         self.reading_paused = False
+        self.parse_scheduled = False  # a request began in a read: parsed on the next loop turn
         self.read_total = 0  # bytes read from the client so far
         self.accounted = 0  # len(buf) + len(body) as counted in proxy.buffered
         self.arrivals: deque[tuple[int, float, float]] = deque()  # (offset of a read, clock, wall)
@@ -100,7 +104,18 @@ class ClientConnection(asyncio.Protocol):
             return
         if starts and self.served:  # an idle keep-alive connection: the request gets the whole timeout
             self._arm_timer()
-        self._parse()
+        if starts:  # accounted after the parse, as if parsed now: a whole request read is not held
+            self.parse_scheduled = True
+            asyncio.get_running_loop().call_soon(self._parse_scheduled)
+            return
+        if not self.parse_scheduled:
+            self._parse()
+        self._account()
+
+    def _parse_scheduled(self) -> None:
+        self.parse_scheduled = False
+        if not self.closed and not self.refused and self.exchange is None:
+            self._parse()
         self._account()
 
     def _account(self) -> None:
