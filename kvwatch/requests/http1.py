@@ -195,7 +195,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
     if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit() \
-            or REASON.fullmatch(reason) is None:
+            or code[:1] == b"0" or REASON.fullmatch(reason) is None:  # 002 is no class: forwarded as 2
         raise HttpError(502, "upstream sent a malformed status line")
     try:
         headers, index = _parse_headers(lines[1:])

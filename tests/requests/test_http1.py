@@ -137,7 +137,8 @@ def test_targets_become_origin_form_and_paths_are_routed_as_uvicorn_does(
 
 
 def test_status_lines_are_checked() -> None:
-    for bad in (b"HTTP/1.1 200 O\x00K", b"HTTP/1.2 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 20x OK"):
+    for bad in (b"HTTP/1.1 200 O\x00K", b"HTTP/1.2 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 20x OK",
+                b"HTTP/1.1 002 OK"):  # status codes are 100-599 (RFC 9110, 15); 0xx would be relayed as "2"
         with pytest.raises(HttpError):
             http1.parse_response_head(bad)
     assert http1.parse_response_head(b"HTTP/1.0 200").status == 200
