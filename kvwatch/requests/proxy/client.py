@@ -102,9 +102,9 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.pause_reading()
             self._account()
             return
-        if starts and self.served:  # an idle keep-alive connection: the request gets the whole timeout
-            self._arm_timer()
         if starts:  # accounted after the parse, as if parsed now: a whole request read is not held
+            if self.served:  # an idle keep-alive connection: the request gets the whole timeout
+                self._arm_timer()
             self.parse_scheduled = True
             asyncio.get_running_loop().call_soon(self._parse_scheduled)
             return
@@ -114,7 +114,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _parse_scheduled(self) -> None:
         self.parse_scheduled = False
-        if not self.closed and not self.refused and self.exchange is None:
+        if not self.closed and not self.refused:
             self._parse()
         self._account()
 
