@@ -10,10 +10,12 @@ yielding to the loop in between.
 
 Protocol on the worker's stdin/stdout (both ends are this code, so the pickles are trusted; what
 the outsider sent travels only as the raw ``body`` bytes and is parsed by the handler): an 8-byte
-big-endian length and a pickle ``(handler name, args)``, then the length and bytes of the body;
-the reply is any number of (length, pickle) frames, then a length of 0. A handler is a generator
-``(args, body) -> frames`` named in ``HANDLERS``; it reports its own errors as frames, and one
-that escapes it anyway comes back as a ``("crashed", text)`` frame, the worker keeps serving.
+big-endian length and a pickle ``(handler, args)``, then the length and bytes of the body; the
+reply is any number of (length, pickle) frames, then a length of 0. A handler is a module-level
+generator function ``(args, body) -> frames`` that the caller passes in: pickle sends it by
+reference (module and name), and the worker imports its module at the first call, so this module
+names no layer above it. A handler reports its own errors as frames, and one that escapes it anyway
+comes back as a ``("crashed", text)`` frame, the worker keeps serving.
 The agent gives up on the worker past a wall-clock deadline (starved or wedged), kills it and
 starts a new one for the next call.
 """
@@ -22,17 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import pickle
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-#: handler name -> "module:function"; imported in the worker only, when first called
-HANDLERS = {
-    "engine_page": "kvwatch.engines.page_worker:answer",
-    "otlp_export": "kvwatch.requests.otlp:answer_in_worker",
-}
 _LENGTH = 8
 _PIECE = 1024 * 1024  # the body goes down the pipe in pieces: the loop never copies 16 MB at once
 
@@ -49,13 +45,6 @@ def brief_error(exc: BaseException) -> str:
     return text if len(text) <= 160 else text[:160] + "..."
 
 
-def _handler(name: str, cache: dict[str, Handler]) -> Handler:
-    if name not in cache:
-        module, function = HANDLERS[name].split(":")
-        cache[name] = getattr(importlib.import_module(module), function)
-    return cache[name]
-
-
 def _frame(reply: Any) -> bytes:
     data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     return len(data).to_bytes(_LENGTH, "big") + data
@@ -63,15 +52,15 @@ def _frame(reply: Any) -> bytes:
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     """The worker's loop: one call in, its frames and an end mark out, until stdin closes."""
-    cache: dict[str, Handler] = {}
     while True:
         head = stdin.read(_LENGTH)
         if len(head) < _LENGTH:
             return
-        name, args = pickle.loads(stdin.read(int.from_bytes(head, "big")))
+        request = stdin.read(int.from_bytes(head, "big"))
         body = stdin.read(int.from_bytes(stdin.read(_LENGTH), "big"))
         try:
-            for reply in _handler(name, cache)(args, body):
+            handler, args = pickle.loads(request)  # imports the handler's module at its first call
+            for reply in handler(args, body):
                 stdout.write(_frame(reply))
         except Exception as exc:  # a handler bug: the call fails, the worker keeps serving
             stdout.write(_frame(("crashed", brief_error(exc))))
@@ -90,8 +79,10 @@ class WorkerProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
-    async def call(self, handler: str, args: Any, body: bytes) -> list[Any]:
-        """The handler's frames, in order; raises ``WorkerFailedError``."""
+    async def call(self, handler: Handler, args: Any, body: bytes) -> list[Any]:
+        """The handler's frames, in order; raises ``WorkerFailedError``.
+
+        ``handler`` must be a module-level function (pickle sends it by reference)."""
         request = pickle.dumps((handler, args), protocol=pickle.HIGHEST_PROTOCOL)
         async with self._lock:
             proc = await self._started()

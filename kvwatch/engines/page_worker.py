@@ -72,6 +72,6 @@ def _unpack(reply: tuple[Any, ...]) -> ParseResult:
 async def parse_in_worker(worker: WorkerProcess, body: bytes, content_type: str, replica: str, url: str,
                           backend: str, scraped_at: float, limits: Limits, budget_s: float) -> ParseResult:
     """``parse_page`` in the worker process; raises what it raises, or ``WorkerFailedError``."""
-    [reply] = await worker.call("engine_page", (content_type, replica, url, backend, scraped_at, limits,
-                                                budget_s), body)
+    [reply] = await worker.call(answer, (content_type, replica, url, backend, scraped_at, limits,
+                                         budget_s), body)
     return _unpack(reply)

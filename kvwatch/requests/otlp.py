@@ -282,8 +282,8 @@ async def decode_in_worker(worker: WorkerProcess, body: bytes, encoding: str, co
                            max_decompressed: int, resolver: ReplicaResolver, labels: dict[str, ModelLabels],
                            ) -> tuple[list[RequestRecord], Counter[str]]:
     """``decode_body`` in the worker process: raises what it raises, or ``WorkerFailedError``."""
-    frames = await worker.call("otlp_export", (encoding, content_type, max_decompressed, resolver, labels),
-                               body)
+    frames = await worker.call(answer_in_worker,
+                               (encoding, content_type, max_decompressed, resolver, labels), body)
     kind, value = frames[0]
     if kind == "inflated_too_large":
         raise InflatedTooLargeError(value)
