@@ -39,6 +39,9 @@ class Candidate:
     gpu: str = "h200"
     tp: int = 1
     dp: int = 8
+    pp: int = 1  # pipeline stages per replica (each of tp GPUs)
+    expert_parallel: bool = False  # MoE: experts whole over the tp GPUs (--enable-expert-parallel)
+    expert_imbalance: float = 1.25  # EP: busiest GPU's expert load / the mean (an assumption)
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
@@ -58,12 +61,23 @@ class Candidate:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
+
+    def layout(self) -> str:
+        """``TP=2 x PP=4 x DP=1`` style; ``EP`` when the experts are spread whole."""
+        if self.tp == 1 and self.pp == 1:
+            return f"{self.dp}x{self.gpu}"
+        parts = [f"TP={self.tp}"] if self.tp > 1 or self.pp == 1 else []
+        if self.expert_parallel:
+            parts.append(f"EP={self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP={self.pp}")
+        return f"{self.gpu} {' x '.join(parts)} x DP={self.dp}"
 
     def label(self) -> str:
         parts = [
             f"{self.model}",
-            f"{self.dp}x{self.gpu}" if self.tp == 1 else f"{self.gpu} TP={self.tp} x DP={self.dp}",
+            self.layout(),
             f"kv {self.kv_cache_dtype}",
             f"seqs {self.max_num_seqs}",
             f"block {self.block_size}",
@@ -78,6 +92,8 @@ class Candidate:
         checks = [
             ("tp", self.tp >= 1),
             ("dp", self.dp >= 1),
+            ("pp", self.pp >= 1),
+            ("expert_imbalance", self.expert_imbalance >= 1),
             ("max_num_seqs", self.max_num_seqs >= 1),
             ("block_size", self.block_size >= 1),
             ("cpu_offload_gb", self.cpu_offload_gb >= 0),
@@ -160,6 +176,9 @@ def engine_config(
             model=model,
             gpu=gpu_preset(c.gpu),
             tp=c.tp,
+            pp=c.pp,
+            expert_parallel=c.expert_parallel,
+            expert_imbalance=c.expert_imbalance,
             gpu_memory_utilization=c.gpu_memory_utilization,
             kv_cache_dtype=c.kv_cache_dtype,
             enable_prefix_caching=c.enable_prefix_caching,

@@ -3,7 +3,9 @@
 The sweep, in two stages so it stays a few dozen replays rather than the full product:
 
 1. hardware: every GPU type preset (H100 80 GB, H200 141 GB, B200 192 GB) x every TP x DP split of
-   1, 2, 4 ... up to ``--gpus`` GPUs x KV dtype (bf16, fp8), vLLM's default scheduler knobs;
+   1, 2, 4 ... up to ``--gpus`` GPUs, and the PP and TP x PP replicas that span those GPUs whole
+   (PP=2 on 2, PP=4 and TP=2 x PP=2 on 4, ...), and for a MoE model every TP > 1 also with expert
+   parallelism, x KV dtype (bf16, fp8), vLLM's default scheduler knobs;
 2. knobs, one at a time, on the three cheapest stage-1 candidates that meet the SLOs (or, if none
    does, the three with the best worst-band attainment): ``max_num_seqs`` 256, block size 32, the
    CPU offload tier (200 GB per replica), and the admission policies ``reserve_max_tokens``,
@@ -40,7 +42,7 @@ from kvwatch.plan.calibration import Calibration, load_calibration
 from kvwatch.plan.candidate import Candidate, CandidateError
 from kvwatch.plan.inputs import Workload, read_workload
 from kvwatch.plan.replay import ReplayResult, replay
-from kvwatch.sim.models import GPUS
+from kvwatch.sim.models import GPUS, model_preset
 from kvwatch.sim.presets import DEMO_MODEL
 
 GPU_TYPES = ("h100", "h200", "b200")
@@ -92,13 +94,32 @@ def splits(max_gpus: int) -> list[tuple[int, int]]:
     return [(tp, g // tp) for g in counts for tp in (1, 2, 4, 8) if tp <= g and g % tp == 0]
 
 
+def layouts(max_gpus: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp): every TP x DP split, then the PP and TP x PP replicas spanning 2, 4 ... GPUs."""
+    out = [(tp, 1, dp) for tp, dp in splits(max_gpus)]
+    counts = sorted({*(2**k for k in range(8) if 2**k <= max_gpus), max_gpus})
+    for g in counts:
+        for pp in (2, 4, 8):
+            if pp <= g and g % pp == 0 and g // pp in (1, 2, 4, 8):
+                out.append((g // pp, pp, 1))
+    return out
+
+
 def hardware_grid(max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES) -> list[Candidate]:
+    moe = model_preset(model).is_moe if model != "calibrated" else False
     out = []
     for gpu in GPU_TYPES:
-        for tp, dp in splits(max_gpus):
-            for dtype in dtypes:
-                name = f"{gpu}-tp{tp}-dp{dp}-{'fp8kv' if dtype == 'fp8' else 'bf16kv'}"
-                out.append(Candidate(name=name, model=model, gpu=gpu, tp=tp, dp=dp, kv_cache_dtype=dtype))
+        for tp, pp, dp in layouts(max_gpus):
+            for ep in (False, True) if moe and tp > 1 else (False,):
+                for dtype in dtypes:
+                    shape = f"tp{tp}" + ("-ep" if ep else "") + (f"-pp{pp}" if pp > 1 else "")
+                    name = f"{gpu}-{shape}-dp{dp}-{'fp8kv' if dtype == 'fp8' else 'bf16kv'}"
+                    out.append(
+                        Candidate(
+                            name=name, model=model, gpu=gpu, tp=tp, pp=pp, dp=dp,
+                            expert_parallel=ep, kv_cache_dtype=dtype,
+                        )
+                    )
     return out
 
 
@@ -206,6 +227,44 @@ def ranked(evaluated: Sequence[Evaluated], prices: dict[str, float]) -> list[Eva
     )
 
 
+def closest(evaluated: Sequence[Evaluated], prices: dict[str, float]) -> list[Evaluated]:
+    """When nothing meets: the runnable candidates by worst margin (largest first), then cost."""
+    runnable = [e for e in evaluated if e.error is None]
+    return sorted(runnable, key=lambda e: (-e.worst_margin, cost(e, prices)))
+
+
+def gap_advice(evaluated: Sequence[Evaluated], max_gpus: int, prices: dict[str, float]) -> list[str]:
+    """What would close the gap when no candidate meets every SLO, from what the sweep saw."""
+    near = closest(evaluated, prices)
+    if not near:
+        return []
+    best = near[0]
+    worst = min(best.attainments, key=lambda a: a.margin)
+    lines = [
+        f"closest: {best.candidate.name} misses {worst.objective} in band {worst.band} by "
+        f"{-worst.margin * 100:.1f} pp ({worst.attainment:.1%} against {worst.target:.1%})"
+    ]
+    if best.candidate.gpus >= max_gpus:
+        lines.append(f"- more GPUs: the closest already uses all {max_gpus} of --gpus; try a larger --gpus")
+    else:
+        lines.append(f"- the closest uses {best.candidate.gpus} of {max_gpus} GPUs: more did not help there")
+    admitted = [e for e in near if e.candidate.admission != "none"]
+    if admitted:
+        a = admitted[0]
+        lines.append(
+            f"- an admission policy: the best tried ({a.candidate.admission} on {a.candidate.name}) "
+            f"reached {a.worst_margin * 100:+.1f} pp"
+        )
+    if best.preemptions:
+        lines.append(
+            f"- a lower rate: the closest preempted {best.preemptions:,} times, so the cache is "
+            "oversubscribed at this arrival rate (replay a thinned trace with --limit or a slower one)"
+        )
+    else:
+        lines.append("- a lower rate or shorter outputs: the closest did not preempt; its steps are too slow")
+    return lines
+
+
 def sweep(
     workload: Workload,
     objectives: tuple,
@@ -251,6 +310,7 @@ def render_compare_text(
     top: int,
     prices: dict[str, float],
     calibration: Calibration | None,
+    max_gpus: int | None = None,
 ) -> str:
     from kvwatch import texttable
 
@@ -267,9 +327,9 @@ def render_compare_text(
         ),
         f"cost: GPUs x price per GPU-hour ({', '.join(f'{k}={v:g}' for k, v in prices.items()) or 'all 1'})",
     ]
-    shown = meeting[:top] if meeting else [e for e in evaluated if e.error is None][:top]
+    shown = meeting[:top] if meeting else closest(evaluated, prices)[:top]
     if not meeting:
-        lines.append("no candidate meets every SLO; the closest:")
+        lines.append("no candidate meets every SLO; the closest, by worst margin:")
     body = []
     for rank, e in enumerate(shown, start=1):
         worst = min(e.attainments, key=lambda a: a.margin, default=None)
@@ -297,6 +357,8 @@ def render_compare_text(
                 for band, a in band_margins(e).items()
             )
         )
+    if not meeting and max_gpus is not None:
+        margins += ["", "what would close the gap:", *gap_advice(evaluated, max_gpus, prices)]
     cannot = [e for e in evaluated if e.error is not None]
     tail = (
         [f"{len(cannot)} candidate(s) cannot run:"] + [f"  {e.error}" for e in cannot[:10]] if cannot else []
@@ -365,7 +427,7 @@ def main_compare(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         prices=prices,
     )
-    text = render_compare_text(evaluated, workload, args.top, prices, calibration)
+    text = render_compare_text(evaluated, workload, args.top, prices, calibration, args.gpus)
     if args.html:
         Path(args.html).write_text(render_compare_html(evaluated, text), encoding="utf-8")
     sys.stdout.write(text)

@@ -28,7 +28,10 @@ Step time (roofline, one fused forward pass as in vLLM V1)::
 
     memory  = (weights/tp + live KV tokens x KV bytes per token per GPU) / (HBM bandwidth x mem_eff)
     compute = 2 x active_params x (prefill tokens + decode tokens) / (tp x FLOPS x compute_eff)
-    step    = overhead + max(memory, compute) + offload bytes per GPU / (PCIe bandwidth x pcie_eff)
+    step    = overhead + max(memory, compute) + TP all-reduces + offload bytes per GPU / (PCIe bw x pcie_eff)
+
+TP all-reduces, pipeline stages and MoE expert routing are ``parallel.py``'s model; with ``tp = pp = 1``
+and a dense model they cost nothing and the step is the plain roofline.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.sim.memory import DEFAULT_RUNTIME_RESERVE_BYTES, ReplicaMemory, plan_replica
 from kvwatch.sim.models import GpuSpec, ModelSpec, gpu_preset
+from kvwatch.sim.parallel import DEFAULT_EXPERT_IMBALANCE, ParallelStep, parallel_step
 from kvwatch.sim.stats import EngineStats
 from kvwatch.sim.steptime import StepCost
 
@@ -62,6 +66,9 @@ class EngineConfig:
     model: ModelSpec
     gpu: GpuSpec = field(default_factory=lambda: gpu_preset("h200"))
     tp: int = 1
+    pp: int = 1  # pipeline stages of ``tp`` GPUs each
+    expert_parallel: bool = False  # MoE: routed experts spread whole over the tp GPUs (EP = tp)
+    expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE  # EP: busiest GPU's expert load / the mean
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -95,6 +102,29 @@ class EngineConfig:
             self.gpu_memory_utilization,
             kv_cache_dtype=self.kv_cache_dtype,
             runtime_reserve_bytes=self.runtime_reserve_bytes,
+            pp=self.pp,
+        )
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica occupies."""
+        return self.tp * self.pp
+
+    def step_model(self) -> ParallelStep:
+        """The layout's step-time constants (``parallel.py``)."""
+        mem = self.memory()
+        return parallel_step(
+            self.model,
+            self.gpu,
+            tp=self.tp,
+            pp=self.pp,
+            weight_bytes_per_gpu=mem.weight_bytes_per_gpu,
+            kv_bytes_per_token_per_gpu=mem.kv_bytes_per_token_per_gpu,
+            mem_efficiency=self.mem_efficiency,
+            compute_efficiency=self.compute_efficiency,
+            overhead_s=self.step_overhead_s,
+            expert_parallel=self.expert_parallel,
+            expert_imbalance=self.expert_imbalance,
         )
 
     @property
@@ -127,6 +157,7 @@ class EngineConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.context_len})"
             )
+        self.step_model()  # refuses a bad layout (EP on a dense model, imbalance < 1)
         capacity = self.num_gpu_blocks * self.block_size
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission {self.admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
@@ -315,15 +346,16 @@ class SimEngine:
         self._host_cap = int(config.kv_offload_bytes // self._block_bytes) if config.kv_offload_bytes else 0
         self._keep_finished = keep_finished
 
-        # step-time constants
-        gpu, model, tp = config.gpu, config.model, config.tp
-        bw = gpu.hbm_bandwidth * config.mem_efficiency
-        self._t_weights = mem.weight_bytes_per_gpu / bw
-        self._t_per_kv_token = mem.kv_bytes_per_token_per_gpu / bw
-        self._t_per_token_flops = (
-            2 * model.active_params / (tp * gpu.flops(model.weight_dtype) * config.compute_efficiency)
-        )
-        self._t_per_xfer_byte = 1.0 / (tp * gpu.pcie_bandwidth * config.pcie_efficiency)
+        # step-time constants: a dense one-stage layout is inlined in step() (affine in tokens: the
+        # hot path), anything else goes through ParallelStep.seconds
+        layout = config.step_model()
+        self._layout: ParallelStep | None = None if layout.is_trivial else layout
+        self._t_weights = layout.t_dense_weights
+        self._t_per_kv_token = layout.t_kv_per_token
+        self._t_per_token_flops = layout.t_flops_per_token
+        self._comm_fixed = layout.comm_fixed
+        self._comm_per_token = layout.comm_per_token
+        self._t_per_xfer_byte = 1.0 / (config.gpus * config.gpu.pcie_bandwidth * config.pcie_efficiency)
         self._overhead = config.step_overhead_s
         self._cost = config.step_cost
         self._step_histograms = config.step_histograms
@@ -587,10 +619,15 @@ class SimEngine:
         live = self._dec_base_sum + n_dec * si + self._prefill_kv
         t_mem = self._t_weights + live * self._t_per_kv_token
         t_cmp = (prefill_tokens + n_dec) * self._t_per_token_flops
-        if self._cost is None:
-            d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + xfer_bytes * self._t_per_xfer_byte
-        else:
+        if self._cost is not None:
             d = self._cost.seconds(prefill_tokens, n_dec, live) + xfer_bytes * self._t_per_xfer_byte
+        elif self._layout is None:
+            d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + xfer_bytes * self._t_per_xfer_byte
+            if self._comm_fixed:  # TP all-reduces (0 at tp=1, so that path is the plain roofline)
+                d += self._comm_fixed + (prefill_tokens + n_dec) * self._comm_per_token
+        else:
+            seqs = n_dec + len(self._prefilling)
+            d = self._layout.seconds(prefill_tokens, n_dec, live, seqs) + xfer_bytes * self._t_per_xfer_byte
         t = self.now + d
         self.now = t
         self._s = si + 1

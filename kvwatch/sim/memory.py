@@ -13,6 +13,10 @@ with ``kv_bytes_per_token_per_replica = tp x kv_bytes_per_gpu``: TP divides the 
 only) the KV heads; an MLA latent has no head axis, so every rank holds the whole cache and capacity
 does not grow with TP.
 
+Pipeline parallelism (``pp`` stages of ``tp`` GPUs each) splits the layers: each GPU holds
+``weight_bytes / (tp x pp)`` and the KV of ``layers / pp`` layers, so both the weights per GPU and
+the KV bytes per token per GPU shrink by ``pp`` (MLA included: its latent is per layer).
+
 ``runtime_reserve`` stands for what vLLM's profiling run subtracts besides weights: peak activations,
 CUDA graphs, NCCL buffers. It is an assumption (6 GB by default), chosen so the reference's two
 capacity estimates come out within 10 %: Llama-3.1-8B on one H200 at util 0.9 -> ~800k tokens
@@ -44,18 +48,19 @@ def kv_bytes_per_token(model: ModelSpec, kv_cache_dtype: str = "auto") -> int:
     return model.kv_elements_per_token() * kv_dtype_bytes(kv_cache_dtype)
 
 
-def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, kv_cache_dtype: str = "auto") -> float:
-    """Per-token KV bytes one TP rank stores (GQA heads shard; MLA latents replicate)."""
+def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int, kv_cache_dtype: str = "auto", pp: int = 1) -> float:
+    """Per-token KV bytes one rank stores (GQA heads shard over TP, MLA latents replicate; PP splits
+    the layers)."""
     dtype = kv_dtype_bytes(kv_cache_dtype)
     if model.mla:
-        return model.kv_elements_per_token() * dtype
+        return model.kv_elements_per_token() * dtype / pp
     heads_per_rank = max(1.0, model.kv_heads / tp)
-    return 2 * model.layers * heads_per_rank * model.head_dim * dtype
+    return 2 * model.layers * heads_per_rank * model.head_dim * dtype / pp
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaMemory:
-    """The memory plan of one replica (``tp`` GPUs); per-GPU figures are what NVML would see."""
+    """The memory plan of one replica (``tp x pp`` GPUs); per-GPU figures are what NVML would see."""
 
     tp: int
     gpu_memory_bytes: float
@@ -65,10 +70,11 @@ class ReplicaMemory:
     kv_pool_bytes_per_gpu: float
     kv_bytes_per_token_per_gpu: float
     capacity_tokens: int
+    pp: int = 1
 
     @property
     def kv_bytes_per_token_per_replica(self) -> float:
-        return self.kv_bytes_per_token_per_gpu * self.tp
+        return self.kv_bytes_per_token_per_gpu * self.tp * self.pp
 
     @property
     def used_bytes_per_gpu(self) -> float:
@@ -87,23 +93,28 @@ def plan_replica(
     *,
     kv_cache_dtype: str = "auto",
     runtime_reserve_bytes: float = DEFAULT_RUNTIME_RESERVE_BYTES,
+    pp: int = 1,
 ) -> ReplicaMemory:
     """Apply the capacity formula (module docstring); raise when the weights do not fit."""
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if pp > model.layers:
+        raise ValueError(f"pp={pp} exceeds {model.key}'s {model.layers} layers")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    weights = model.weight_bytes / tp
+    weights = model.weight_bytes / (tp * pp)
     pool = gpu.memory_bytes * gpu_memory_utilization - runtime_reserve_bytes - weights
     if pool <= 0:
         need = (weights + runtime_reserve_bytes) / gpu.memory_bytes
         raise ValueError(
-            f"{model.key} at tp={tp} needs {weights / 1e9:.1f} GB of weights per {gpu.key} GPU; at "
+            f"{model.key} at tp={tp}{f' pp={pp}' if pp > 1 else ''} needs {weights / 1e9:.1f} GB of weights "
+            f"per {gpu.key} GPU; at "
             f"gpu_memory_utilization={gpu_memory_utilization} nothing is left for KV cache "
-            f"(raise tp or utilization above {need:.2f})"
+            f"(raise tp or utilization above {need:.2f}, or add pipeline stages)"
         )
-    per_token = kv_bytes_per_token_per_gpu(model, tp, kv_cache_dtype)
+    per_token = kv_bytes_per_token_per_gpu(model, tp, kv_cache_dtype, pp)
     return ReplicaMemory(
+        pp=pp,
         tp=tp,
         gpu_memory_bytes=gpu.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,

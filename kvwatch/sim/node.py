@@ -74,7 +74,7 @@ class NodeConfig:
 
     @property
     def gpus(self) -> int:
-        return self.replicas * self.engine.tp
+        return self.replicas * self.engine.gpus
 
 
 def h200_node(
