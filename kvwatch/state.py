@@ -27,6 +27,7 @@ from kvwatch.model import (
     ReplicaSample,
     RequestRecord,
 )
+from kvwatch.native_histogram import NativeHistogram
 
 # --------------------------------------------------------------------------------------------
 # collectors and targets
@@ -194,6 +195,23 @@ HISTOGRAM_FAMILIES = {
     "kvwatch_request_output_limit_ratio": buckets.RATIO,
     "kvwatch_request_prefix_reuse_ratio": buckets.RATIO,
 }
+#: families fed pre-binned (a request's inter-chunk gaps arrive as classic bins): no native form
+PREBINNED_FAMILIES = frozenset({"kvwatch_request_inter_chunk_seconds"})
+
+
+class DualHistogram(Histogram):
+    """Classic buckets and a native histogram of the same observations: the protobuf exposition
+    sends both in one message, the text exposition the classic ones."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        super().__init__(bounds)
+        self.native = NativeHistogram()
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        super().observe(value, weight)
+        self.native.observe(value, weight)
 
 
 class RequestStats:
@@ -221,7 +239,9 @@ class RequestStats:
     def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
         hists = self.histograms.get(key)
         if hists is None:
-            hists = self.histograms[key] = {name: Histogram(b) for name, b in self.bounds.items()}
+            hists = self.histograms[key] = {
+                name: Histogram(b) if name in PREBINNED_FAMILIES else DualHistogram(b)
+                for name, b in self.bounds.items()}
         return hists
 
     def observe(self, record: RequestRecord, stalled: bool | None = None) -> str:
@@ -437,8 +457,10 @@ class PluginUnit:
 
 
 def _copy_histogram(h: Histogram) -> Histogram:
-    c = Histogram(h.bounds)
+    c = DualHistogram(h.bounds) if isinstance(h, DualHistogram) else Histogram(h.bounds)
     c.bins, c.sum, c.count = list(h.bins), h.sum, h.count
+    if isinstance(h, DualHistogram) and isinstance(c, DualHistogram):
+        c.native = h.native.copy()
     return c
 
 

@@ -34,9 +34,9 @@ from prometheus_client.core import Metric
 from kvwatch import buckets
 from kvwatch.catalog import spec
 from kvwatch.config import Config
-from kvwatch.export.encode import HistogramRows
+from kvwatch.export.protobuf import NativeHistogramRows
 from kvwatch.model import OUTCOMES
-from kvwatch.state import NodeState
+from kvwatch.state import DualHistogram, NodeState
 
 HISTOGRAMS = (
     "kvwatch_request_ttft_seconds",
@@ -85,11 +85,13 @@ class RequestCollector:
         keys = sorted(hists)
         for name in HISTOGRAMS:
             catalog = spec(name)
-            family = HistogramRows(catalog.name, catalog.help, catalog.labels)
+            family = NativeHistogramRows(catalog.name, catalog.help, catalog.labels)
             for key in keys:
                 h = hists[key][name]
                 if h.count:  # a family this source never observes (queue time at a proxy) stays out
                     family.add_row(key, buckets.le_labels(h.bounds), h.cumulative_counts(), h.sum)
+                    if isinstance(h, DualHistogram):
+                        family.add_native(key, h.native)
             yield family
         yield self._outcomes(outcomes)
         yield self._per_proxy_band("kvwatch_request_output_tokens_estimated", estimated)

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, PlatformCo
 from prometheus_client.registry import Collector
 
 from kvwatch.export.encode import TextEncoder
+from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE, ProtobufEncoder, wants_protobuf
 
 
 def make_registry(collector: Collector) -> CollectorRegistry:
@@ -32,10 +33,15 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
     """aiohttp app serving the exposition, ``/-/healthy`` (process alive) and ``/-/ready``."""
 
     encoder = TextEncoder()
+    protobuf = ProtobufEncoder()
 
     async def metrics(request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(encoder.encode, registry)
-        headers = {"Content-Type": CONTENT_TYPE_LATEST}
+        if wants_protobuf(request.headers.get("Accept", "")):  # native histograms: docs/native-histograms.md
+            body = await asyncio.to_thread(protobuf.encode, registry)
+            headers = {"Content-Type": PROTOBUF_CONTENT_TYPE}
+        else:
+            body = await asyncio.to_thread(encoder.encode, registry)
+            headers = {"Content-Type": CONTENT_TYPE_LATEST}
         if "gzip" in request.headers.get("Accept-Encoding", ""):
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
