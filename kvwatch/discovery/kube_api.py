@@ -16,6 +16,11 @@ event). The protocol, as client-go's reflector follows it:
 4. API unreachable (connect error, timeout, 5xx, 401/403): keep the last known pods, marked stale,
    retry with exponential backoff (0.5 s doubling to ``backoff_max``, with jitter).
 
+A list over 128 KiB comes gzipped (kube-apiserver compresses non-watch responses past that size when
+the client offers gzip, as httpx does; watch streams never are). The offer is kept, since it cuts what
+a fleet of agents relisting costs the API server's network, and the body is inflated here in bounded
+steps, so ``max_list_bytes`` counts decoded bytes and a small compressed body cannot inflate past it.
+
 The stream is outsider input: lines are split in linear time, one event may be at most
 ``max_event_bytes`` and a list ``max_list_bytes``. An event that is too large, not JSON, not an
 event, or cut off by a broken connection is counted and the watch restarts from the last event it
@@ -31,6 +36,7 @@ import os
 import random
 import ssl
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +124,31 @@ def decode_event(line: bytes) -> tuple[str, dict[str, Any]]:
     if kind != "ERROR" and not isinstance(obj.get("metadata"), dict):
         raise StreamError("malformed", f"{kind} event without object metadata")
     return kind, obj
+
+
+async def _decoded_body(resp: httpx.Response, limit: int) -> bytes:
+    """The list body as JSON bytes, identity or gzip, at most ``limit`` bytes once decoded."""
+    encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip"):
+        raise ApiError("malformed", f"pod list in an unsupported Content-Encoding {encoding[:40]!r}")
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding == "gzip" else None
+    body = bytearray()
+    async for chunk in resp.aiter_raw():
+        if inflate is None:
+            body += chunk
+        else:
+            pending = chunk
+            try:
+                while pending and len(body) <= limit:  # max_length > 0 always: inflation stays bounded
+                    body += inflate.decompress(pending, limit + 1 - len(body))
+                    pending = inflate.unconsumed_tail
+            except zlib.error as exc:
+                raise ApiError("malformed", f"pod list is not valid gzip: {exc}") from None
+        if len(body) > limit:
+            raise ApiError("too_large", f"pod list exceeds max_list_bytes ({limit} bytes, decoded)")
+    if inflate is not None and not inflate.eof:
+        raise ApiError("malformed", "pod list ends inside its gzip stream")
+    return bytes(body)
 
 
 def resource_version(obj: Mapping[str, Any]) -> str | None:
@@ -262,13 +293,7 @@ class PodWatch:
         try:
             async with client.stream("GET", "/api/v1/pods", params=params, headers=self._headers()) as resp:
                 self._check(resp)
-                chunks, size = [], 0
-                async for chunk in resp.aiter_raw():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ApiError("too_large", f"pod list exceeds max_list_bytes ({limit} bytes)")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                return await _decoded_body(resp, limit)
         except httpx.HTTPError as exc:
             raise ApiError("unreachable",
                            f"API server {client.base_url}: {type(exc).__name__}: {exc}") from None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import gzip
 import itertools
 import json
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from typing import Any
 from aiohttp import web
 
 _uids = itertools.count(1)
+# kube-apiserver's defaultGzipThresholdBytes (responsewriters/writers.go)
+GZIP_THRESHOLD_BYTES = 128 * 1024
 
 
 def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
@@ -54,6 +57,25 @@ def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
         "status": {"phase": "Pending", "qosClass": "Burstable",
                    "conditions": [{"type": "PodScheduled", "status": "True"}]},
     }
+
+
+def with_managed_fields(pod: dict[str, Any], containers: int = 6) -> dict[str, Any]:
+    """``pod`` with the managedFields server-side apply writes for a controller-made pod: one
+    FieldsV1 entry per manager, each naming every container field it owns (about 1.5 KiB per
+    container, as in a GPU operator daemonset's pods)."""
+    owned = {f"k:{{\"name\":\"c{i}\"}}": {
+        ".": {}, "f:args": {}, "f:env": {f"k:{{\"name\":\"VAR_{j}\"}}": {".": {}, "f:name": {},
+                                                                          "f:value": {}}
+                                        for j in range(12)},
+        "f:image": {}, "f:imagePullPolicy": {}, "f:name": {}, "f:resources": {"f:limits": {},
+                                                                            "f:requests": {}},
+        "f:securityContext": {"f:privileged": {}}, "f:terminationMessagePath": {},
+        "f:volumeMounts": {}} for i in range(containers)}
+    pod["metadata"]["managedFields"] = [
+        {"manager": manager, "operation": "Update", "apiVersion": "v1", "time": "2026-12-01T18:00:00Z",
+         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:containers": owned}}}
+        for manager in ("kube-controller-manager", "kubelet")]
+    return pod
 
 
 def vllm_container(port: int = 8000, image: str = "vllm/vllm-openai:v0.11.0") -> dict[str, Any]:
@@ -82,6 +104,8 @@ class FakeApiServer:
         self.history: list[tuple[int, str, dict | None, dict | None]] = []
         self.oldest_rv = self.rv  # watches from before this get 410
         self.requests: list[dict[str, str]] = []
+        self.list_bytes: list[int] = []  # each list answer, before compression
+        self.list_encodings: list[str] = []  # and the Content-Encoding it went out with
         self._changed = asyncio.Condition()
         self._break_next = False
         self._injected: list[bytes] = []
@@ -205,8 +229,23 @@ class FakeApiServer:
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, node)
         items = [p for p in self.pods.values() if p["spec"].get("nodeName") == node]
-        return web.json_response({"kind": "PodList", "apiVersion": "v1",
-                                  "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+        body = json.dumps({"kind": "PodList", "apiVersion": "v1",
+                           "metadata": {"resourceVersion": str(self.rv)}, "items": items}).encode()
+        return self._list_response(request, body)
+
+    def _list_response(self, request: web.Request, body: bytes) -> web.Response:
+        """As kube-apiserver's responsewriters/writers.go answers a list: gzip at level 1 once the body
+        passes 128 KiB and the client offers exactly the token ``gzip`` (APIResponseCompression, on by
+        default since 1.16), with ``Vary: Accept-Encoding``. Watches are never compressed."""
+        offered = [token.strip() for token in request.headers.get("Accept-Encoding", "").split(",")]
+        headers = {"Content-Type": "application/json"}
+        self.list_bytes.append(len(body))
+        self.list_encodings.append("identity")
+        if len(body) > GZIP_THRESHOLD_BYTES and "gzip" in offered:
+            body = gzip.compress(body, compresslevel=1)
+            headers.update({"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            self.list_encodings[-1] = "gzip"
+        return web.Response(body=body, headers=headers)
 
     async def _watch(self, request: web.Request, node: str) -> web.StreamResponse:
         injected = len(self._injected)  # raw lines injected from now on reach this watch

@@ -18,7 +18,13 @@ from kvwatch.discovery.kube_api import (
     in_cluster_url,
     split_lines,
 )
-from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.discovery.fake_apiserver import (
+    GZIP_THRESHOLD_BYTES,
+    FakeApiServer,
+    make_pod,
+    vllm_container,
+    with_managed_fields,
+)
 from tests.local import free_port
 
 
@@ -223,3 +229,38 @@ def test_the_in_cluster_address_is_the_one_the_kubelet_injects():
     assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
     with pytest.raises(ApiError, match="KUBERNETES_SERVICE_HOST is not set"):
         in_cluster_url({})
+
+
+async def test_a_list_over_128_kib_comes_gzipped_and_syncs(tmp_path):
+    """kube-apiserver gzips a list past 128 KiB when the client offers gzip (httpx does): read raw,
+    the compressed bytes were taken for JSON and the watch never synced."""
+    server = FakeApiServer()
+    await server.start()
+    for i in range(30):
+        await server.create(with_managed_fields(make_pod(f"operator-{i}", containers=[vllm_container()])))
+    try:
+        async with watching(server, tmp_path) as (watch, sinks):
+            await until(lambda: watch.status.synced)
+            assert server.list_bytes[-1] > GZIP_THRESHOLD_BYTES  # the case under test
+            assert server.list_encodings[-1] == "gzip"
+            assert len(names(watch)) == 30
+            assert sinks.counts[("kvwatch_discovery_relists",)] == 0
+    finally:
+        await server.stop()
+
+
+async def test_a_gzipped_list_is_bounded_by_its_decoded_size(tmp_path):
+    """max_list_bytes counts what the body inflates to: a list that compresses 50x past the budget is
+    too_large, not read whole into memory."""
+    server = FakeApiServer()
+    await server.start()
+    for i in range(30):
+        await server.create(with_managed_fields(make_pod(f"operator-{i}")))
+    try:
+        async with watching(server, tmp_path, max_list_bytes=64 * 1024) as (watch, _sinks):
+            await until(lambda: "max_list_bytes" in (watch.status.last_error or ""))
+            assert "decoded" in (watch.status.last_error or "")
+            assert not watch.status.synced
+            assert server.list_encodings[-1] == "gzip"
+    finally:
+        await server.stop()
