@@ -82,7 +82,11 @@ def full_node(replicas: int = 8) -> tuple[NodeState, Config]:
 
 
 def full_node_registry(replicas: int = 8) -> CollectorRegistry:
-    state, config = full_node(replicas)
+    return registry_for(*full_node(replicas))
+
+
+def registry_for(state: NodeState, config: Config) -> CollectorRegistry:
+    """Every export area the agent serves, over ``state``."""
     registry = CollectorRegistry(auto_describe=False)
     for collector in (ReplicaCollector(state, config), DerivedCollector(state, config),
                       GpuCollector(state, config), RequestCollector(state, config),
