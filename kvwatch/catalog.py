@@ -107,6 +107,12 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_proxy_usage_injection_refused", "counter", ("replica",),
        "Streams whose engine refused the body with stream_options.include_usage and took the client's own "
        "(counted from chunks).", "self"),
+    _m("kvwatch_proxy_requests_refused", "counter", ("replica", "status"),
+       "Requests kvwatch answered itself while reading them, by the status it answered: 400 malformed, "
+       "413 body over proxy.max_body_bytes, 431 head over 64 KiB, 503 buffer budget.", "self"),
+    _m("kvwatch_proxy_refusals_undelivered", "counter", ("replica", "status"),
+       "Of kvwatch_proxy_requests_refused_total: refusals whose client had already left, so nobody read "
+       "the answer.", "self"),
     _m("kvwatch_otlp_spans", "counter", ("result",),
        "OTLP spans received, by result (request, ignored, malformed, unmapped: no configured replica).",
        "self"),

@@ -20,6 +20,8 @@ _SELF_COUNTERS = (
     ("kvwatch_proxy_requests_shed", ("replica", "reason")),
     ("kvwatch_proxy_accept_errors", ("replica",)),
     ("kvwatch_proxy_usage_injection_refused", ("replica",)),
+    ("kvwatch_proxy_requests_refused", ("replica", "status")),
+    ("kvwatch_proxy_refusals_undelivered", ("replica", "status")),
     ("kvwatch_otlp_spans", ("result",)),
     ("kvwatch_otlp_exports_refused", ("reason",)),
     ("kvwatch_request_file_lines", ("replica", "result")),

@@ -45,10 +45,14 @@ TARGET = re.compile(rb"[\x21-\x7e]+")
 REASON = re.compile(rb"[\t \x21-\x7e\x80-\xff]*")
 _X = frozenset(b"xX")
 _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
-#: ``chunk-size *( BWS ";" BWS ext-name [ BWS "=" BWS ( token / quoted-string ) ] )`` (RFC 9112 §7.1.1)
+#: ``chunk-size *( BWS ";" BWS ext-name [ BWS "=" BWS ( token / quoted-string ) ] )`` (RFC 9112 §7.1.1):
+#: whitespace only before a ";", so ``5 `` (a size with trailing whitespace) is malformed. That is
+#: how a client's chunk line is read; an engine's may end in whitespace, as h11 allows it
+#: (h11/_abnf.py ``chunk_header``: "some servers in the wild use it"), so no response breaks on it
 CHUNK_LINE = re.compile(
-    rb"([0-9A-Fa-f]{1,%d})(?:[ \t]*;[ \t]*[%b]+(?:[ \t]*=[ \t]*(?:[%b]+|%b))?)*[ \t]*"
+    rb"([0-9A-Fa-f]{1,%d})(?:[ \t]*;[ \t]*[%b]+(?:[ \t]*=[ \t]*(?:[%b]+|%b))?)*"
     % (MAX_CHUNK_SIZE_DIGITS, _TCHAR, _TCHAR, _QUOTED))
+CHUNK_LINE_OWS = re.compile(CHUNK_LINE.pattern + rb"[ \t]*")
 
 
 class HttpError(Exception):
@@ -262,13 +266,20 @@ class ChunkedDecoder:
     bounded like a head, and dropped. Every step consumes input, so a feed ends in time linear in
     its bytes. ``done`` turns true after the last chunk; bytes after it (a pipelined next message)
     are kept in ``rest``. Errors are ``HttpError(502)``: the client side answers them with 400.
+    A client's body (``from_client``) is read to the letter of the grammar: no whitespace after a
+    size or an extension; with ``max_body``, chunk sizes that together announce more payload than
+    that are refused at once (``HttpError(413)``), before their bytes are waited for.
     """
 
-    __slots__ = ("_buf", "_need", "_state", "_trailer_bytes", "_trailers", "done", "rest")
+    __slots__ = ("_announced", "_buf", "_line", "_max_body", "_need", "_state", "_trailer_bytes",
+                 "_trailers", "done", "rest")
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
-    def __init__(self) -> None:
+    def __init__(self, max_body: int | None = None, *, from_client: bool = False) -> None:
+        self._max_body = max_body
+        self._line = CHUNK_LINE if from_client else CHUNK_LINE_OWS
+        self._announced = 0  # payload bytes the chunk sizes read so far announce
         self._buf = b""
         self._need = 0
         self._state = self._SIZE
@@ -294,6 +305,7 @@ class ChunkedDecoder:
                         size = 0  # garbage: the general path refuses it
                     end = nl + 2 + size
                     if size > 0 and len(data) == end + 2 and data.endswith(CRLF):
+                        self._announce(size)
                         return data[nl + 2:end]
         buf = self._buf + data if self._buf else data
         out: list[bytes] = []
@@ -321,10 +333,11 @@ class ChunkedDecoder:
                     if end - pos > MAX_CHUNK_LINE:
                         raise HttpError(502, "chunk size line too long")
                     break
-                line = CHUNK_LINE.fullmatch(buf, pos, nl)
+                line = self._line.fullmatch(buf, pos, nl)
                 if line is None:
                     raise HttpError(502, "malformed chunk size (1-16 hex digits, RFC 9112 §7.1)")
                 need = int(line.group(1), 16)
+                self._announce(need)
                 pos = nl + 2
                 state = self._DATA if need else self._TRAILER
             else:  # trailer section: field lines until an empty one
@@ -346,6 +359,12 @@ class ChunkedDecoder:
         if len(out) == 1:
             return out[0]
         return b"".join(out)
+
+    def _announce(self, size: int) -> None:
+        self._announced += size
+        if self._max_body is not None and self._announced > self._max_body:
+            raise HttpError(413, f"chunk sizes announce {self._announced} bytes, over the body limit of "
+                                 f"{self._max_body}")
 
     def _trailer_line(self, buf: bytes, pos: int, nl: int) -> None:
         self._trailer_bytes += nl - pos + 2

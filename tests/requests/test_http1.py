@@ -161,12 +161,38 @@ def test_negative_chunk_size_in_one_read_ends() -> None:
         ChunkedDecoder().feed(b"1\r\nA\r\n-6\r\nX")
 
 
+@pytest.mark.parametrize("from_client", [True, False])
 @pytest.mark.parametrize("line", [
-    b"5;name", b"5;name=value", b'5;name="quoted \\" value"', b"5 ; a = b ; c", b"005", b"5 ",
+    b"5;name", b"5;name=value", b'5;name="quoted \\" value"', b"5 ; a = b ; c", b"005",
 ])
-def test_chunk_extensions_of_rfc_9112_are_accepted(line: bytes) -> None:
+def test_chunk_extensions_of_rfc_9112_are_accepted(line: bytes, from_client: bool) -> None:
+    decoder = ChunkedDecoder(from_client=from_client)
+    assert decoder.feed(line + b"\r\nhello\r\n0\r\n\r\n") == b"hello" and decoder.done
+
+
+@pytest.mark.parametrize("line", [b"5 ", b"5\t", b"5;a=b ", b"5;a "])
+def test_whitespace_after_a_clients_chunk_size_is_refused_as_rfc_9112_has_no_room_for_it(line: bytes) -> None:
+    with pytest.raises(HttpError):
+        ChunkedDecoder(from_client=True).feed(line + b"\r\nhello\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("line", [b"5 ", b"5;a=b\t"])
+def test_whitespace_after_an_engines_chunk_size_is_tolerated_as_h11_tolerates_it(line: bytes) -> None:
     decoder = ChunkedDecoder()
     assert decoder.feed(line + b"\r\nhello\r\n0\r\n\r\n") == b"hello" and decoder.done
+
+
+@pytest.mark.parametrize("data", [b"FFFFFFFFFFFFFFFF\r\n", b"FFFFFFFFFFFFFFFF\r\nAB",
+                                  b"5\r\nhello\r\n" + b"FFFF\r\n"])
+def test_chunk_sizes_announcing_more_than_the_body_limit_are_413_before_the_bytes_come(data: bytes) -> None:
+    with pytest.raises(HttpError) as refused:
+        ChunkedDecoder(1024, from_client=True).feed(data)
+    assert refused.value.status == 413
+
+
+def test_chunk_sizes_within_the_body_limit_pass() -> None:
+    decoder = ChunkedDecoder(10, from_client=True)
+    assert decoder.feed(b"5\r\nhello\r\n5\r\nworld\r\n0\r\n\r\n") == b"helloworld" and decoder.done
 
 
 @pytest.mark.parametrize("line", [b"5;", b"5;a=\x01", b'5;a="open', b"5;a b", b"5;\nX"])

@@ -42,6 +42,8 @@ before the response head, a cut stream after it).
 from kvwatch.requests.proxy.seams import (
     ACCEPT_ERRORS,
     ACCOUNTING_ERRORS,
+    REFUSED,
+    REFUSED_CLIENT_GONE,
     SHED,
     TIMED_OUT,
     USAGE_REFUSED,
@@ -51,5 +53,5 @@ from kvwatch.requests.proxy.seams import (
 )
 from kvwatch.requests.proxy.server import ProxyServer, UpstreamAddress, start_proxy
 
-__all__ = ["ACCEPT_ERRORS", "ACCOUNTING_ERRORS", "SHED", "TIMED_OUT", "USAGE_REFUSED", "Count",
-           "MeterFactory", "ProxyServer", "Sink", "UpstreamAddress", "start_proxy"]
+__all__ = ["ACCEPT_ERRORS", "ACCOUNTING_ERRORS", "REFUSED", "REFUSED_CLIENT_GONE", "SHED", "TIMED_OUT",
+           "USAGE_REFUSED", "Count", "MeterFactory", "ProxyServer", "Sink", "UpstreamAddress", "start_proxy"]

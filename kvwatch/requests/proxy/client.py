@@ -181,15 +181,18 @@ class ClientConnection(asyncio.Protocol):
                                   f"{config.max_body_bytes} (proxy.max_body_bytes)", head)
                 return
             self.body_length = length or 0
-            self.body_decoder = ChunkedDecoder() if chunked else None
+            self.body_decoder = ChunkedDecoder(config.max_body_bytes, from_client=True) if chunked else None
             if (head.get(b"expect") or b"").lower() == b"100-continue" and (chunked or length) and \
                     self.transport is not None:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self.body_decoder is not None:
             try:
                 self.body += self.body_decoder.feed(bytes(self.buf))
-            except HttpError:
-                self._refuse(400, "malformed chunked request body")
+            except HttpError as exc:
+                if exc.status == 413:  # announced over the limit: said now, not after the body timeout
+                    self._refuse(413, f"{exc.reason} (proxy.max_body_bytes)", head)
+                else:
+                    self._refuse(400, "malformed chunked request body")
                 return
             self.buf.clear()
             if len(self.body) > config.max_body_bytes:
@@ -250,10 +253,18 @@ class ClientConnection(asyncio.Protocol):
         self.buf.clear()
         self.body = bytearray()
         self.refused = True
-        if self.transport is not None and not self.closed:
-            self.transport.write(error_response(status, reason, close=True))
-            self.transport.write_eof()
-            asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        transport = self.transport
+        delivered = transport is not None and not self.closed
+        if transport is not None and delivered:
+            try:
+                transport.write(error_response(status, reason, close=True))
+                transport.write_eof()
+            except OSError:  # the client already left (ENOTCONN from shutdown()): nobody to answer
+                delivered = False
+                transport.abort()
+            else:
+                asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        self.proxy.refused(status, client_gone=not delivered)
 
     # -- slow clients -----------------------------------------------------------------------------
     def _arm_timer(self, seconds: float | None = None) -> None:

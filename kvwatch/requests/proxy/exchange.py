@@ -412,7 +412,8 @@ class Exchange:
         if self.head_sent and not self.wrote:  # nothing reached the client yet: it can get a 502
             self.out, self.head_sent, self.down_chunked = b"", False, False
         if self.head_sent:
-            log.warning("proxy %s: %s; cutting the client's stream", self.proxy.replica, reason)
+            self.proxy.log_repeatable(logging.WARNING, "stream_cut",
+                                      "proxy %s: %s; cutting the client's stream", self.proxy.replica, reason)
             if self.relay is not None:
                 self._release_held(self.relay)  # the incomplete rest is not sent: the stream is cut
             self.keep_alive = False
@@ -424,7 +425,8 @@ class Exchange:
             self._end(self._fail_before_head(status, reason))
 
     def _fail_before_head(self, status: int, reason: str) -> End:
-        log.warning("proxy %s: %s; answering %d", self.proxy.replica, reason, status)
+        self.proxy.log_repeatable(logging.WARNING, f"answer_{status}", "proxy %s: %s; answering %d",
+                                  self.proxy.replica, reason, status)
         self.status = status
         if not self.conn.closed:
             self._emit(error_response(status, reason, close=True))

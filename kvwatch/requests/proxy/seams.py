@@ -20,6 +20,8 @@ TIMED_OUT = "kvwatch_proxy_connections_timed_out"
 USAGE_REFUSED = "kvwatch_proxy_usage_injection_refused"
 SHED = "kvwatch_proxy_requests_shed"  # reason: buffer (proxy.max_buffered_bytes) | connections
 ACCEPT_ERRORS = "kvwatch_proxy_accept_errors"
+REFUSED = "kvwatch_proxy_requests_refused"  # status: what kvwatch answered while reading the request
+REFUSED_CLIENT_GONE = "kvwatch_proxy_refusals_undelivered"  # status: the client left before the answer
 
 
 class Count(Protocol):

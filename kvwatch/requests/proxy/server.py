@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvwatch.config import ProxyConfig, ReplicaConfig
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import LengthBands, Outcome, RequestRecord
 from kvwatch.requests.accounting import InFlight, ModelLabels, RequestMeter
 from kvwatch.requests.http1 import RequestHead
@@ -28,6 +29,8 @@ from kvwatch.requests.proxy.pool import MAX_IDLE_UPSTREAM, EngineConnection, Eng
 from kvwatch.requests.proxy.seams import (
     ACCEPT_ERRORS,
     ACCOUNTING_ERRORS,
+    REFUSED,
+    REFUSED_CLIENT_GONE,
     SHED,
     TIMED_OUT,
     USAGE_REFUSED,
@@ -98,7 +101,7 @@ class ProxyServer:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._learner: asyncio.Task[None] | None = None
-        self._last_logged: dict[str, float] = {}  # what _counted last let through, when
+        self.log_throttle = LogThrottle()  # every line a client or the engine can repeat goes through it
         self._spares = 0
         self.tails = 0  # engine connections reading a stream's tail after [DONE] on their own
         self._stopping = False
@@ -120,6 +123,14 @@ class ProxyServer:
         assert self._server is not None and self._server.sockets
         port: int = self._server.sockets[0].getsockname()[1]
         return port
+
+    def listens_on(self, sock: Any) -> bool:
+        """Whether an exception context's listening socket is this proxy's (absent: taken as ours)."""
+        if sock is None or self._server is None:
+            return True
+        with contextlib.suppress(Exception):
+            return any(own.fileno() == sock.fileno() for own in self._server.sockets)
+        return False
 
     async def stop(self) -> None:
         self._stopping = True
@@ -173,28 +184,36 @@ class ProxyServer:
         else:
             self.pool.give(protocol)
 
-    def _counted(self, family: str, *labels: str) -> bool:
-        """Count one occurrence; True at most once a minute per family, when it should be logged."""
+    def counted(self, family: str, *labels: str) -> None:
+        """Count one occurrence of a self-metric of this replica; counting never raises into the proxy."""
         with contextlib.suppress(Exception):
             self.count(family, self.replica, *labels)
-        now = time.monotonic()
-        if now - self._last_logged.get(family, -60.0) <= 60:
-            return False
-        self._last_logged[family] = now
-        return True
+
+    def log_repeatable(self, level: int, key: str, msg: str, *args: object,
+                       exc_info: BaseException | bool | None = None) -> None:
+        """Log a line a client or the engine can make kvwatch repeat: throttled per ``key``."""
+        self.log_throttle.log(log, level, key, msg, *args, exc_info=exc_info)
 
     def shed(self, reason: str) -> None:
-        if self._counted(SHED, reason):
-            log.warning("proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total, logged "
-                        "at most once a minute)", self.replica, reason,
-                        "max_buffered_bytes" if reason == "buffer" else "max_connections", SHED)
+        self.counted(SHED, reason)
+        self.log_repeatable(logging.WARNING, f"{SHED}:{reason}",
+                            "proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total)",
+                            self.replica, reason,
+                            "max_buffered_bytes" if reason == "buffer" else "max_connections", SHED)
+
+    def refused(self, status: int, client_gone: bool) -> None:
+        """A request kvwatch answered itself while reading it (``ClientConnection._refuse``)."""
+        self.counted(REFUSED, str(status))
+        if client_gone:  # nothing to tell anyone: the client left before its answer could be written
+            self.counted(REFUSED_CLIENT_GONE, str(status))
 
     # -- accounting hooks (never raise into the relay) --------------------------------------------
     def accounting_failed(self, where: str, exc: BaseException | None = None) -> None:
-        if self._counted(ACCOUNTING_ERRORS):
-            log.error("proxy %s: request accounting failed in %s; the stream kept flowing "
-                      "(counted in %s_total, logged at most once a minute)", self.replica, where,
-                      ACCOUNTING_ERRORS, exc_info=exc if exc is not None else True)
+        self.counted(ACCOUNTING_ERRORS)
+        self.log_repeatable(logging.ERROR, ACCOUNTING_ERRORS,
+                            "proxy %s: request accounting failed in %s; the stream kept flowing "
+                            "(counted in %s_total)", self.replica, where, ACCOUNTING_ERRORS,
+                            exc_info=exc if exc is not None else True)
 
     def emit(self, record: RequestRecord) -> None:
         try:
@@ -225,11 +244,12 @@ class ProxyServer:
         Nothing is decided for the replica from it: one client's body must not switch usage counting
         off for everyone (an operator whose engine refuses the field sets proxy.inject_usage: false).
         """
-        if self._counted(USAGE_REFUSED):
-            log.warning("proxy %s: the engine refused a body with stream_options.include_usage and took "
-                        "the client's own; that stream is counted from chunks (counted in %s_total; set "
-                        "proxy.inject_usage: false if the engine never takes it)",
-                        self.replica, USAGE_REFUSED)
+        self.counted(USAGE_REFUSED)
+        self.log_repeatable(logging.WARNING, USAGE_REFUSED,
+                            "proxy %s: the engine refused a body with stream_options.include_usage and "
+                            "took the client's own; that stream is counted from chunks (counted in "
+                            "%s_total; set proxy.inject_usage: false if the engine never takes it)",
+                            self.replica, USAGE_REFUSED)
 
     def engine_sends_usage_unasked(self) -> None:
         """Engine output, which no client can forge (its text is JSON-escaped inside one event)."""
@@ -288,21 +308,26 @@ async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: 
 
 
 def _log_accept_failures(loop: asyncio.AbstractEventLoop, proxy: ProxyServer) -> None:
-    """Make a failing ``accept()`` (out of file descriptors: EMFILE) loud: logged and counted.
+    """Make a failing ``accept()`` (out of file descriptors: EMFILE) visible: counted, logged throttled.
 
     asyncio reports it to the loop's exception handler and retries a second later; clients meanwhile
-    wait in the backlog or are dropped. The handler is chained, so whatever handled it before still does.
+    wait in the backlog or are dropped. A failed accept is handled here and goes no further (the
+    default handler would print a traceback per failure); everything else is passed on to whatever
+    handled it before.
     """
     previous = loop.get_exception_handler()
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        if "accept" in str(context.get("message", "")) and isinstance(exc, OSError):
-            with contextlib.suppress(Exception):
-                proxy.count(ACCEPT_ERRORS, proxy.replica)
-            log.error("proxy %s: cannot accept a connection (%s); new clients wait or are dropped. Raise "
-                      "the open-files limit (LimitNOFILE, ulimit -n) or lower proxy.max_connections",
-                      proxy.replica, exc.strerror or exc)
+        if "accept" in str(context.get("message", "")) and isinstance(exc, OSError) and \
+                proxy.listens_on(context.get("socket")):
+            proxy.counted(ACCEPT_ERRORS)
+            proxy.log_repeatable(logging.ERROR, ACCEPT_ERRORS,
+                                 "proxy %s: cannot accept a connection (%s); new clients wait or are "
+                                 "dropped (counted in %s_total). Raise the open-files limit (LimitNOFILE, "
+                                 "ulimit -n) or lower proxy.max_connections",
+                                 proxy.replica, exc.strerror or exc, ACCEPT_ERRORS)
+            return
         if previous is not None:
             previous(loop, context)
         else:
