@@ -56,6 +56,8 @@ RELISTS = "kvwatch_discovery_relists"
 BACKOFF_BASE_S = 0.5
 OFF_LOOP_BYTES = 1024 * 1024
 COLLECTOR = "kubernetes"
+#: the only verbs the agent sends (the discovery overlay's ClusterRole grants exactly these)
+POD_VERBS = ("list", "watch")
 
 Pods = dict[str, dict[str, Any]]  # pod uid -> pod object as the API sent it
 
@@ -304,7 +306,7 @@ class PodWatch:
             raise GoneError(f"HTTP 410 Gone for {resp.url.path}")
         if resp.status_code in (401, 403):
             raise ApiError("http_status", f"HTTP {resp.status_code} from the API server: the service "
-                                          "account needs get, list and watch on pods (ClusterRole "
+                                          f"account needs {' and '.join(POD_VERBS)} on pods (ClusterRole "
                                           "kvwatch-pod-reader)")
         if resp.status_code != 200:
             raise ApiError("http_status", f"HTTP {resp.status_code} from the API server for {resp.url.path}")

@@ -21,6 +21,7 @@ import yaml
 from local import require_tool
 
 from kvwatch.config import apply_env_overrides, config_from_mapping, parse_host_port
+from kvwatch.discovery.kube_api import POD_VERBS
 from kvwatch.mixin import k8s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +190,8 @@ def test_host_pid_only_in_the_pid_mapping_overlay(overlay: tuple[str, list[dict[
 def test_discovery_may_read_pods_and_nothing_else() -> None:
     objects = build(KUBE / "overlays" / "discovery")
     role = _one(objects, "ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    # exactly the verbs the agent sends (no get: it never reads one pod by name)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": list(POD_VERBS)}]
     binding = _one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": role["metadata"]["name"]}
