@@ -24,6 +24,16 @@ Without ``kvwatch.io/scrape`` a pod is recognised as an engine when one of its c
   pods, with ``llm-d.ai/model`` and ``llm-d.ai/role``); the container that runs vLLM (llm-d's decode
   pods run vLLM on ``--port 8200`` behind a routing sidecar on 8000: the argument wins).
 
+The Prometheus convention's ``prometheus.io/scrape``, ``prometheus.io/port`` (a number) and
+``prometheus.io/path`` are honoured below kvwatch's own (and KServe's, on a KServe pod):
+``prometheus.io/scrape: "false"`` keeps a recognised engine out unless ``kvwatch.io/scrape`` is
+``true``; ``"true"`` alone does not make an engine of a pod nothing else recognises (exporters carry it
+too).
+
+Command lines are read as the container runs them: ``command`` then ``args``, and a shell-wrapped one
+(``sh -c "vllm serve ... --port 8080"``, the form vLLM's Kubernetes guide uses) is split as the shell
+would (``shlex``), taking the command of the script that runs the engine.
+
 A container port named ``metrics`` on the engine container wins over the arguments. A pod is a
 replica only while it is Running, its ``Ready`` condition is ``True``, it has a pod IP and is not
 being deleted. A malformed annotation makes the pod a problem (named, never guessed around).
@@ -31,7 +41,9 @@ being deleted. A malformed annotation makes the pod a problem (named, never gues
 
 from __future__ import annotations
 
+import posixpath
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +55,18 @@ SCRAPE, PORT, PATH, BACKEND, MODEL = (f"{PREFIX}{k}" for k in ("scrape", "port",
 KSERVE_LABEL = "serving.kserve.io/inferenceservice"
 KSERVE_CONTAINER = "kserve-container"
 KSERVE_PORT, KSERVE_PATH = "prometheus.kserve.io/port", "prometheus.kserve.io/path"
+PROM_SCRAPE, PROM_PORT, PROM_PATH = "prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path"
 LLMD_LABEL = "llm-d.ai/inferenceServing"
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "zsh"})
+#: a shell script longer than this is not split (searched as plain text for the engine only)
+MAX_SCRIPT_CHARS = 64 * 1024
+_CONTROL = frozenset(";&|()")  # shlex punctuation: tokens made of these separate commands
 #: engines' own default ports; KServe's Hugging Face model server (vLLM inside) listens on 8080
 DEFAULT_PORTS = {"vllm": 8000, "sglang": 30000, "kserve-huggingfaceserver": 8080}
 _PORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAME, as the API validates
+_VLLM_LINE = re.compile(r"\bvllm serve\b|vllm\.entrypoints\.openai")
+_SGLANG_LINE = re.compile(r"sglang\.launch_server|\bsglang serve\b")
+_ENGINE_LINE = re.compile(f"{_VLLM_LINE.pattern}|{_SGLANG_LINE.pattern}")
 _PATH = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}$")
 
 
@@ -109,7 +129,7 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
     containers = [c for c in (pod.get("spec") or {}).get("containers") or [] if isinstance(c, Mapping)]
     problems: list[tuple[str, str]] = []
     scrape = _scrape(annotations, problems)
-    if scrape is False:
+    if scrape is False or (scrape is None and _prometheus_scrape(annotations) is False):
         return PodVerdict(problems=tuple(problems))
     found = _recognise(labels, containers) if recognise or scrape else None
     if scrape is None and found is None:
@@ -152,6 +172,12 @@ def _scrape(annotations: Mapping[str, str], problems: list[tuple[str, str]]) -> 
     return None
 
 
+def _prometheus_scrape(annotations: Mapping[str, str]) -> bool | None:
+    """``prometheus.io/scrape``, read as Prometheus' keep-relabel reads it: "true" or not; None if unset."""
+    raw = annotations.get(PROM_SCRAPE)
+    return None if raw is None else raw.strip().lower() == "true"
+
+
 def _backend(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind: str) -> str:
     raw = annotations.get(BACKEND)
     if raw is None:
@@ -163,11 +189,13 @@ def _backend(annotations: Mapping[str, str], problems: list[tuple[str, str]], ki
 
 
 def _path(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind: str) -> str:
-    raw = annotations.get(PATH) or (annotations.get(KSERVE_PATH) if kind == "kserve" else None)
-    if raw is None:
+    key = next((k for k in (PATH, KSERVE_PATH if kind == "kserve" else None, PROM_PATH)
+                if k and annotations.get(k)), None)
+    if key is None:
         return "/metrics"
+    raw = annotations[key]
     if not _PATH.match(raw):
-        problems.append((PATH, f"expected an absolute URL path such as /metrics, got {raw[:64]!r}"))
+        problems.append((key, f"expected an absolute URL path such as /metrics, got {raw[:64]!r}"))
     return raw
 
 
@@ -188,6 +216,13 @@ def _port(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind:
                 problems.append((PORT, f"no container port named {text!r} in the pod"))
             return named
         problems.append((PORT, f"expected a port number or a container port name, got {raw[:64]!r}"))
+        return None
+    prometheus = annotations.get(PROM_PORT)
+    if prometheus is not None:  # digits only, as the convention's relabel rule (regex \d+) takes it
+        text = prometheus.strip()
+        if text.isdigit() and 1 <= int(text) <= 65535:
+            return int(text)
+        problems.append((PROM_PORT, f"expected a port number 1..65535, got {prometheus[:64]!r}"))
         return None
     if container is None:
         return None
@@ -210,7 +245,39 @@ def _named_port(containers: Sequence[Mapping[str, Any]], name: str) -> int | Non
 
 
 def _command_line(container: Mapping[str, Any]) -> list[str]:
-    return [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    """The words the container runs: ``command`` + ``args``, a shell's ``-c`` script split as it would."""
+    argv = [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    script = _shell_script(argv)
+    return argv if script is None or len(script) > MAX_SCRIPT_CHARS else _script_command(script)
+
+
+def _shell_script(argv: Sequence[str]) -> str | None:
+    """The script of ``sh -c SCRIPT`` (also ``bash -ec``, ``/bin/sh -lc``...), else None."""
+    if not argv or posixpath.basename(argv[0]) not in SHELLS:
+        return None
+    for i, arg in enumerate(argv[1:], 1):
+        if not arg.startswith("-") or arg.startswith("--"):
+            return None  # ``sh script.sh``: a file we cannot read
+        if "c" in arg[1:]:
+            return argv[i + 1] if i + 1 < len(argv) else None
+    return None
+
+
+def _script_command(script: str) -> list[str]:
+    """The words of the script's command that runs an engine, else all its words."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # an unbalanced quote: the shell would refuse it too; read it as plain words
+        words = script.split()
+    commands: list[list[str]] = [[]]
+    for word in words:
+        if set(word) <= _CONTROL:
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return next((c for c in commands if _ENGINE_LINE.search(" ".join(c))), words)
 
 
 def _port_argument(argv: Sequence[str]) -> int | None:
@@ -231,9 +298,9 @@ def _engine_of(container: Mapping[str, Any]) -> str | None:
     image = str(container.get("image") or "").lower().rsplit("@", 1)[0]
     repository = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
     line = " ".join(_command_line(container))
-    if "vllm" in repository or re.search(r"\bvllm serve\b|vllm\.entrypoints\.openai", line):
+    if "vllm" in repository or _VLLM_LINE.search(line):
         return "vllm"
-    if "sglang" in repository or re.search(r"sglang\.launch_server|\bsglang serve\b", line):
+    if "sglang" in repository or _SGLANG_LINE.search(line):
         return "sglang"
     if "huggingfaceserver" in repository:
         return "kserve-huggingfaceserver"

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from kvwatch.discovery.pods import is_ready, judge_pod
+from kvwatch.discovery.pods import PodVerdict, is_ready, judge_pod
 from tests.discovery.fake_apiserver import _conditions, make_pod, vllm_container
 
 
@@ -118,3 +118,66 @@ def test_a_container_port_named_metrics_wins_over_the_arguments():
     container = {**vllm_container(8000), "ports": [{"name": "metrics", "containerPort": 9100}]}
     engine = judge_pod(_ready(make_pod("v", containers=[container]))).engine
     assert engine is not None and engine.metrics_url.endswith(":9100/metrics")
+
+
+def _shell_wrapped(script: str, shell: list[str] | None = None, **extra) -> dict:
+    """A container as vLLM's Kubernetes guide (docs/deployment/k8s.md) writes it: the command line is
+    one shell script, ``command: ["/bin/sh", "-c"]``, ``args: ["vllm serve ... --port N"]``."""
+    return {"name": "mistral-7b", "image": "registry.local/llm/engine:2026.11",
+            "command": shell or ["/bin/sh", "-c"], "args": [script],
+            "ports": [{"containerPort": 8000}], **extra}
+
+
+@pytest.mark.parametrize(("shell", "script", "port"), [
+    (None, "vllm serve mistralai/Mistral-7B-v0.3 --port 8080 --trust-remote-code", 8080),
+    (None, "vllm serve mistralai/Mistral-7B-v0.3 --port=8081", 8081),
+    (["bash", "-ec"], "pip install -q extra && exec vllm serve 'my model' --port 9000", 9000),
+    # --port of the command before the engine's is not the engine's
+    (["/bin/sh", "-lc"], "python3 warmup.py --port 1234; python3 -m vllm.entrypoints.openai.api_server "
+                         "--model m --port \"8200\"", 8200),
+    (None, "vllm serve mistralai/Mistral-7B-v0.3 --trust-remote-code", 8000),  # vLLM's default
+])
+def test_a_shell_wrapped_command_line_is_read_as_the_shell_splits_it(shell, script, port):
+    verdict = judge_pod(_ready(make_pod("mistral-0", containers=[_shell_wrapped(script, shell)])))
+    assert verdict.engine is not None, verdict
+    assert verdict.engine.metrics_url == f"http://10.1.2.3:{port}/metrics"
+    assert verdict.engine.backend == "vllm"
+
+
+def test_a_script_that_no_shell_could_parse_is_still_read_as_words():
+    verdict = judge_pod(_ready(make_pod("m", containers=[_shell_wrapped("vllm serve 'm --port 8300")])))
+    # shlex refuses the unbalanced quote; read as plain words, the engine and its --port are found
+    assert verdict.engine is not None and verdict.engine.metrics_url.endswith(":8300/metrics")
+
+
+def test_prometheus_annotations_set_port_and_path_below_kvwatchs_own():
+    containers = [vllm_container(8000)]
+    pod = make_pod("q", containers=containers,
+                   annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "8001",
+                                "prometheus.io/path": "/engine/metrics"})
+    engine = judge_pod(_ready(pod)).engine
+    assert engine is not None and engine.metrics_url == "http://10.1.2.3:8001/engine/metrics"
+    pod["metadata"]["annotations"].update({"kvwatch.io/port": "8002", "kvwatch.io/path": "/metrics"})
+    engine = judge_pod(_ready(pod)).engine
+    assert engine is not None and engine.metrics_url == "http://10.1.2.3:8002/metrics"
+
+
+def test_prometheus_scrape_false_keeps_an_engine_out_unless_kvwatch_says_true():
+    pod = make_pod("q", containers=[vllm_container()], annotations={"prometheus.io/scrape": "false"})
+    assert judge_pod(_ready(pod)) == PodVerdict()
+    pod["metadata"]["annotations"]["kvwatch.io/scrape"] = "true"
+    assert judge_pod(_ready(pod)).engine is not None
+
+
+def test_prometheus_scrape_true_alone_makes_no_engine_of_an_exporter():
+    pod = make_pod("node-exporter-x",
+                   annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "9100"},
+                   containers=[{"name": "exporter", "image": "quay.io/prometheus/node-exporter:v1.9.0"}])
+    assert judge_pod(_ready(pod)) == PodVerdict()
+
+
+def test_a_malformed_prometheus_port_on_an_engine_is_named():
+    pod = make_pod("q", containers=[vllm_container()], annotations={"prometheus.io/port": "http"})
+    verdict = judge_pod(_ready(pod))
+    assert verdict.engine is None
+    assert verdict.problems and verdict.problems[0][0] == "prometheus.io/port"
