@@ -149,10 +149,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_discovery_watch_events", "counter", ("type",),
        "Pod watch events applied, by type (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR).", "self"),
     _m("kvwatch_discovery_watch_errors", "counter", ("reason",),
-       "Pod list/watch failures by reason (unreachable, http_status, gone, malformed, too_large, truncated, "
-       "error_event).", "self"),
+       "Pod list/watch failures by reason (unreachable, http_status, gone, too_large_resource_version, "
+       "malformed, too_large, truncated, error_event).", "self"),
     _m("kvwatch_discovery_relists", "counter", (),
-       "Pod lists repeated because the watch's resourceVersion was gone (410).", "self"),
+       "Pod lists repeated because the resourceVersion was gone (410) or not yet in this API server's "
+       "watch cache (504 too large resource version).", "self"),
     _m("kvwatch_vllm_plugin_datagrams", "counter", ("replica", "result"),
        "Datagrams received from the vLLM stat-logger plugin, by result (accepted; malformed, oversized, "
        "unknown_version: dropped).", "self"),

@@ -3,18 +3,27 @@
 Client: plain httpx (already a dependency) speaking the watch protocol, rather than
 kubernetes_asyncio (a generated client of every API group, megabytes of models, for one GET) or
 lightkube (small, but its watch iterator owns the stream, so it cannot enforce a byte budget per
-event). The protocol, as client-go's reflector follows it:
+event). The protocol, as client-go's reflector (``tools/cache/reflector.go``) follows it:
 
-1. ``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>``: the pods now, and the list's
-   ``resourceVersion``; the known set is replaced whole (pods deleted meanwhile drop out).
+1. ``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&resourceVersion=<v>``: the pods, and the
+   list's ``resourceVersion``; the known set is replaced whole (pods deleted meanwhile drop out).
+   ``v`` is the reflector's ``relistResourceVersion()``: ``"0"`` for the first list (served from the
+   API server's watch cache, not a quorum read of etcd), then the last version synced (a list "at
+   least as fresh as" it, also from the cache), and ``""`` (no parameter: a consistent read) only
+   once a list at that version was refused as ``410 Expired`` or ``504 Too large resource version``,
+   which is retried at once.
 2. ``GET ...&watch=1&resourceVersion=<rv>&allowWatchBookmarks=true&timeoutSeconds=<t>``: a chunked
    stream of one JSON event per line, ``ADDED`` / ``MODIFIED`` / ``DELETED`` / ``BOOKMARK`` /
    ``ERROR``. Every event moves ``rv`` on; a bookmark only moves ``rv`` (so a quiet watch can resume
-   without a relist). When the server ends the watch (``timeoutSeconds``), watch again from ``rv``.
+   without a relist). When the server ends the watch (``timeoutSeconds``, drawn from
+   ``[watch_timeout, 2 x watch_timeout)`` as the reflector draws it, so a fleet's watches do not all
+   restart together), watch again from ``rv``.
 3. ``410 Gone``, as an HTTP status or as an ``ERROR`` event whose Status has ``code: 410`` (the
-   version is older than the server's watch cache): list again.
+   version is older than the server's watch cache), or a ``504`` Status whose cause is
+   ``ResourceVersionTooLarge``: list again, after a jittered wait, since a 410 reaches every agent
+   at once.
 4. API unreachable (connect error, timeout, 5xx, 401/403): keep the last known pods, marked stale,
-   retry with exponential backoff (0.5 s doubling to ``backoff_max``, with jitter).
+   retry with exponential backoff with jitter (see ``backoff_delay``).
 
 A list over 128 KiB comes gzipped (kube-apiserver compresses non-watch responses past that size when
 the client offers gzip, as httpx does; watch streams never are). The offer is kept, since it cuts what
@@ -53,7 +62,8 @@ EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 WATCH_EVENTS = "kvwatch_discovery_watch_events"
 WATCH_ERRORS = "kvwatch_discovery_watch_errors"
 RELISTS = "kvwatch_discovery_relists"
-BACKOFF_BASE_S = 0.5
+BACKOFF_BASE_S = 0.8  # client-go's reflector: NewExponentialBackoffManager(800ms, 30s, ...)
+STATUS_BYTES = 64 * 1024  # an error's Status body; the API's are a few hundred bytes
 OFF_LOOP_BYTES = 1024 * 1024
 COLLECTOR = "kubernetes"
 #: the only verbs the agent sends (the discovery overlay's ClusterRole grants exactly these)
@@ -75,6 +85,14 @@ class GoneError(ApiError):
 
     def __init__(self, message: str) -> None:
         super().__init__("gone", message)
+
+
+class TooLargeError(ApiError):
+    """504 "Too large resource version": this API server's watch cache is behind the version asked
+    for (another API server served it); list again with a consistent read."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("too_large_resource_version", message)
 
 
 class StreamError(ApiError):
@@ -153,6 +171,38 @@ async def _decoded_body(resp: httpx.Response, limit: int) -> bytes:
     return bytes(body)
 
 
+def status_error(status: Mapping[str, Any], http_code: int) -> ApiError:
+    """The error an API ``Status`` (an error response's body, or an ``ERROR`` event's object) means.
+
+    As client-go's reflector tells them apart: ``isExpiredError`` (code 410, reason ``Expired`` or
+    ``Gone``) and ``isTooLargeResourceVersionError`` (a cause ``ResourceVersionTooLarge``; before
+    Kubernetes 1.18.6 only the text "Too large resource version" in a cause or the message of a 504).
+    """
+    code = status.get("code") if isinstance(status.get("code"), int) else http_code
+    message = str(status.get("message") or status.get("reason") or "")[:200]
+    details = status.get("details")
+    found = details.get("causes") if isinstance(details, Mapping) else None
+    causes = [c for c in found if isinstance(c, Mapping)] if isinstance(found, list) else []
+    if code == 410 or status.get("reason") in ("Expired", "Gone"):
+        return GoneError(f"410 {status.get('reason') or 'Gone'} ({message})")
+    if any(c.get("reason") == "ResourceVersionTooLarge" for c in causes) or (code == 504 and (
+            any(c.get("message") == "Too large resource version" for c in causes)
+            or "Too large resource version" in message)):
+        return TooLargeError(f"504 ({message})")
+    if code in (401, 403):
+        return ApiError("http_status", f"HTTP {code} from the API server: the service account needs "
+                                       f"{' and '.join(POD_VERBS)} on pods (ClusterRole kvwatch-pod-reader)")
+    return ApiError("http_status", f"HTTP {code} from the API server ({message})")
+
+
+def backoff_delay(failures: int, cap_s: float) -> float:
+    """The wait before retry number ``failures`` (1, 2, ...): client-go's reflector waits
+    ``[d, 2d)`` for d from 0.8 s doubling (jitter factor 1.0); here d stops at ``cap_s / 2``, so
+    that ``backoff_max`` stays the longest wait and agents that failed together spread out."""
+    step = min(cap_s / 2.0, BACKOFF_BASE_S * 2.0 ** max(failures - 1, 0))
+    return random.uniform(step, 2.0 * step)
+
+
 def resource_version(obj: Mapping[str, Any]) -> str | None:
     rv = (obj.get("metadata") or {}).get("resourceVersion")
     return str(rv) if rv else None
@@ -191,6 +241,8 @@ class PodWatch:
         self._environ = os.environ if environ is None else environ
         self._sleep = sleep
         self._failures = 0
+        #: client-go's isLastSyncResourceVersionUnavailable: the last version was refused (410/504)
+        self._version_unavailable = False
 
     # -- the loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -203,11 +255,15 @@ class PodWatch:
                     if rv is None:
                         rv = await self._list(client)
                     rv = await self._watch(client, rv)
-                except GoneError as exc:
+                except (GoneError, TooLargeError) as exc:
+                    # a 410 on a watch: list at the last synced version (the watch cache has it: a
+                    # list is "at least as fresh as" its version); a 504: that version is not there
+                    self._version_unavailable = isinstance(exc, TooLargeError)
                     self._count(RELISTS)
                     self._count(WATCH_ERRORS, exc.reason)
-                    log.info("kubernetes: %s; listing pods again", exc)
+                    log.info("kubernetes: watch: %s; listing pods again", exc)
                     rv = None
+                    await self._backoff()  # every agent got it at the same moment: spread the relists
                 except StreamError as exc:
                     rv = self.status.resource_version  # the last event applied
                     self._count(WATCH_ERRORS, exc.reason)
@@ -219,12 +275,19 @@ class PodWatch:
                     await self._backoff()
 
     def _verify(self, base: str) -> ssl.SSLContext | bool:
+        """TLS as configured: ``ca_file`` when set (it must exist), the system's CAs when it is null."""
         if not base.startswith("https://"):
             return False
         ca = self.config.ca_file
-        if ca and Path(ca).exists():
+        if not ca:
+            return ssl.create_default_context()
+        try:
             return ssl.create_default_context(cafile=ca)
-        return ssl.create_default_context()
+        except (OSError, ssl.SSLError) as exc:
+            detail = "does not exist" if not Path(ca).exists() else f"cannot be read as PEM ({exc})"
+            raise ApiError("config", f"discovery.kubernetes.ca_file {ca!r} {detail}; mount the API "
+                                     "server's CA there, or set ca_file: null to trust the system's "
+                                     "CAs") from None
 
     def _headers(self) -> dict[str, str]:
         """A fresh read of the token each request: projected service account tokens rotate."""
@@ -244,8 +307,14 @@ class PodWatch:
 
     async def _backoff(self) -> None:
         self._failures += 1
-        delay = min(self.config.backoff_max_s, BACKOFF_BASE_S * 2.0 ** (self._failures - 1))
-        await self._sleep(delay * random.uniform(0.8, 1.2))
+        await self._sleep(backoff_delay(self._failures, self.config.backoff_max_s))
+
+    def _list_version(self) -> str:
+        """client-go's ``relistResourceVersion()``: "" (consistent read) once the version was refused,
+        "0" (any, from the watch cache) before the first sync, else the last version synced."""
+        if self._version_unavailable:
+            return ""
+        return self.status.resource_version or "0"
 
     def _failed(self, exc: ApiError) -> None:
         self._count(WATCH_ERRORS, exc.reason)
@@ -270,7 +339,20 @@ class PodWatch:
     # -- list --------------------------------------------------------------------------------------
     async def _list(self, client: httpx.AsyncClient) -> str:
         started = time.perf_counter()
-        body = await self._get_bounded(client, self._params(), self.config.max_list_bytes)
+        version = self._list_version()
+        try:
+            body = await self._get_list(client, version)
+        except (GoneError, TooLargeError) as exc:
+            if version == "":
+                raise ApiError(exc.reason, f"a consistent list was refused: {exc}") from None
+            # as the reflector's list(): retry at once with a consistent read
+            self._version_unavailable = True
+            self._count(RELISTS)
+            self._count(WATCH_ERRORS, exc.reason)
+            log.info("kubernetes: list at resourceVersion %s: %s; listing with a consistent read",
+                     version, exc)
+            body = await self._get_list(client, "")
+        self._version_unavailable = False
         try:
             # a node's pods are ~10 KiB each; a large list decodes off the event loop (the proxy runs there)
             small = len(body) < OFF_LOOP_BYTES
@@ -291,30 +373,32 @@ class PodWatch:
         self._on_change(self.pods)
         return rv
 
-    async def _get_bounded(self, client: httpx.AsyncClient, params: dict[str, str], limit: int) -> bytes:
+    async def _get_list(self, client: httpx.AsyncClient, version: str) -> bytes:
+        """The list body; ``version`` "" sends no resourceVersion, as client-go does for ""."""
+        params = self._params(resourceVersion=version) if version else self._params()
         try:
             async with client.stream("GET", "/api/v1/pods", params=params, headers=self._headers()) as resp:
-                self._check(resp)
-                return await _decoded_body(resp, limit)
+                await self._check(resp)
+                return await _decoded_body(resp, self.config.max_list_bytes)
         except httpx.HTTPError as exc:
             raise ApiError("unreachable",
                            f"API server {client.base_url}: {type(exc).__name__}: {exc}") from None
 
     @staticmethod
-    def _check(resp: httpx.Response) -> None:
-        if resp.status_code == 410:
-            raise GoneError(f"HTTP 410 Gone for {resp.url.path}")
-        if resp.status_code in (401, 403):
-            raise ApiError("http_status", f"HTTP {resp.status_code} from the API server: the service "
-                                          f"account needs {' and '.join(POD_VERBS)} on pods (ClusterRole "
-                                          "kvwatch-pod-reader)")
-        if resp.status_code != 200:
-            raise ApiError("http_status", f"HTTP {resp.status_code} from the API server for {resp.url.path}")
+    async def _check(resp: httpx.Response) -> None:
+        """Raise what a refusal means, read from its Status body (bounded)."""
+        if resp.status_code == 200:
+            return
+        try:
+            status = json.loads(await _decoded_body(resp, STATUS_BYTES))
+        except (ApiError, ValueError, UnicodeDecodeError):
+            status = None
+        raise status_error(status if isinstance(status, dict) else {}, resp.status_code)
 
     # -- watch -------------------------------------------------------------------------------------
     async def _watch(self, client: httpx.AsyncClient, rv: str) -> str:
         """Apply events until the server ends the watch; return the resourceVersion to resume from."""
-        timeout = int(self.config.watch_timeout_s)
+        timeout = int(self.config.watch_timeout_s * random.uniform(1.0, 2.0))  # as the reflector does
         params = self._params(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
                               timeoutSeconds=str(timeout))
         started = time.perf_counter()
@@ -322,7 +406,7 @@ class PodWatch:
         try:
             async with client.stream("GET", "/api/v1/pods", params=params, headers=self._headers(),
                                      timeout=httpx.Timeout(10.0, read=timeout + 30.0)) as resp:
-                self._check(resp)
+                await self._check(resp)
                 self._healthy(started)
                 async for kind, obj in self._events(resp):
                     rv = self._apply(kind, obj, rv)
@@ -350,11 +434,11 @@ class PodWatch:
     def _apply(self, kind: str, obj: dict[str, Any], rv: str) -> str:
         self._count(WATCH_EVENTS, kind)
         if kind == "ERROR":
-            code = obj.get("code")
+            error = status_error(obj, 0)
+            if isinstance(error, GoneError | TooLargeError):
+                raise error
             message = str(obj.get("message") or obj.get("reason") or "")[:200]
-            if code == 410:
-                raise GoneError(f"watch ERROR event 410 ({message})")
-            raise ApiError("error_event", f"watch ERROR event {code}: {message}")
+            raise ApiError("error_event", f"watch ERROR event {obj.get('code')}: {message}")
         new_rv = resource_version(obj) or rv
         if kind == "BOOKMARK":
             return new_rv

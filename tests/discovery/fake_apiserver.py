@@ -3,8 +3,18 @@
 What it does as kube-apiserver does:
 
 - ``GET /api/v1/pods`` with ``fieldSelector=spec.nodeName=<node>`` (other selectors: 400, as the
-  server refuses unsupported field selectors); a ``PodList`` whose ``metadata.resourceVersion`` is
-  the store's current version; bearer token checked (401 without it).
+  server refuses unsupported field selectors); bearer token checked (401 without it). The list's
+  ``resourceVersion`` parameter means what it means to kube-apiserver (its "Resource versions"
+  semantics, served by ``storage/cacher``): unset or ``""`` is a consistent read (the store now,
+  ``list_sources`` records ``"etcd"``); ``"0"`` is "any", served from the watch cache as it stands;
+  ``N`` is "not older than N", from the watch cache, which waits up to ``blockTimeout`` (3 s,
+  ``cacher/watch_cache.go``) for itself to reach N and then answers ``504`` with the Status of
+  ``storage.NewTooLargeResourceVersionError`` (``apiserver/pkg/storage/errors.go``): reason
+  ``Timeout``, message ``Timeout: Too large resource version: N, current: M``, a cause
+  ``ResourceVersionTooLarge`` and ``retryAfterSeconds: 1``. ``lag_cache(rv)`` holds the watch cache at
+  an older version (an API server whose cache is behind the one that served the agent before);
+  ``catch_up()`` lets it follow the store again. A list is never answered 410: without pagination a
+  "not older than" list is served from the cache whatever N is.
 - ``watch=1&resourceVersion=<rv>``: HTTP 200, ``Transfer-Encoding: chunked``, one JSON event per line:
   every change after ``rv`` (replayed from the event history, then live) until ``timeoutSeconds``.
   A filtered watch turns changes into what the filter sees: an object that starts matching is
@@ -13,7 +23,10 @@ What it does as kube-apiserver does:
   ``Status`` with ``code: 410`` and ``reason: Expired`` ("too old resource version"), then the end;
   with ``gone_as_http`` the request is answered ``410 Gone`` with the Status as body instead.
 - ``allowWatchBookmarks=true``: ``BOOKMARK`` events (an object with only ``metadata.resourceVersion``)
-  every ``bookmark_interval_s``.
+  as the cacher sends them (``cacher/cache_watcher.go`` ``nextBookmarkTime``): every minute
+  (``defaultBookmarkFrequency``, ``cacher/cacher.go``) and once more 2 s before the watch's deadline.
+  ``clock_scale`` shortens every server-side duration alike (bookmark period, the 2 s, blockTimeout and
+  ``timeoutSeconds`` itself), so a test can run the clock faster and keep the ratios.
 - each write bumps the object's ``metadata.resourceVersion`` (a global counter, as etcd's revision).
 
 Pods are built as the API returns them: ``Pending`` with ``PodScheduled``, then the kubelet's
@@ -34,12 +47,17 @@ import copy
 import gzip
 import itertools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 _uids = itertools.count(1)
+BOOKMARK_FREQUENCY_S = 60.0  # cacher.go defaultBookmarkFrequency
+PRETIMEOUT_BOOKMARK_S = 2.0  # cache_watcher.go: "right before the watcher timeout ... 2s before the deadline"
+BLOCK_TIMEOUT_S = 3.0  # watch_cache.go blockTimeout
+TOO_LARGE_RETRY_S = 1  # watch_cache.go resourceVersionTooHighRetrySeconds
 # kube-apiserver's defaultGzipThresholdBytes (responsewriters/writers.go)
 GZIP_THRESHOLD_BYTES = 128 * 1024
 
@@ -93,11 +111,16 @@ def _conditions(ready: bool) -> list[dict[str, str]]:
 
 
 class FakeApiServer:
-    def __init__(self, token: str | None = "test-token", bookmark_interval_s: float = 0.5,
+    def __init__(self, token: str | None = "test-token", clock_scale: float = 1.0,
                  gone_as_http: bool = False) -> None:
         self.token = token
-        self.bookmark_interval_s = bookmark_interval_s
+        self.clock_scale = clock_scale
         self.gone_as_http = gone_as_http
+        #: the watch cache's (version, pods) while it lags behind the store; None: it follows the store
+        self._cache: tuple[int, dict[str, dict[str, Any]]] | None = None
+        self.list_sources: list[str] = []  # "etcd" (consistent read) or "cache", per list answered
+        self.list_times: list[float] = []  # and when (time.monotonic())
+        self.watch_log: list[tuple[float, str]] = []  # (seconds since its watch began, event type)
         self.rv = 100
         self.pods: dict[str, dict[str, Any]] = {}
         #: (rv, type, object before, object after) for every write, oldest first
@@ -139,9 +162,7 @@ class FakeApiServer:
         self.rv += 1
         before = copy.deepcopy(self.pods.get(uid))
         if after is None:
-            gone = self.pods.pop(uid)
-            gone["metadata"]["resourceVersion"] = str(self.rv)  # a DELETED event carries the deletion's rv
-            self.history.append((self.rv, kind, gone, None))
+            self.history.append((self.rv, kind, self.pods.pop(uid), None))
         else:
             after["metadata"]["resourceVersion"] = str(self.rv)
             self.pods[uid] = after
@@ -193,6 +214,31 @@ class FakeApiServer:
         await self.update(uid, terminating)
         await self._write("DELETED", uid, None)
 
+    @property
+    def cache_rv(self) -> int:
+        return self._cache[0] if self._cache is not None else self.rv
+
+    def lag_cache(self, rv: int) -> None:
+        """Hold the watch cache at ``rv`` (older than the store, within the history kept): lists at a
+        later version wait blockTimeout and get 504 "Too large resource version"."""
+        pods = copy.deepcopy(self.pods)
+        for version, _kind, before, after in reversed(self.history):
+            if version <= rv:
+                break
+            uid = (after or before or {})["metadata"]["uid"]
+            if before is None:
+                pods.pop(uid, None)
+            else:
+                pods[uid] = copy.deepcopy(before)
+        else:
+            assert rv >= self.oldest_rv, "the history no longer reaches that version"
+        self._cache = (rv, pods)
+
+    async def catch_up(self) -> None:
+        self._cache = None
+        async with self._changed:
+            self._changed.notify_all()
+
     def compact(self) -> None:
         """Forget the event history, as etcd compaction and the watch cache's window do."""
         self.history.clear()
@@ -214,9 +260,19 @@ class FakeApiServer:
         return selector.split("=", 1)[1]
 
     @staticmethod
-    def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                "message": message, "reason": reason, "code": code}
+    def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
+        status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                  "message": message, "reason": reason, "code": code}
+        return {**status, "details": details} if details else status
+
+    def _too_large(self, wanted: int) -> dict[str, Any]:
+        """storage.NewTooLargeResourceVersionError: apierrors.NewTimeoutError (504, reason Timeout,
+        "Timeout: " + message) with one cause; a StatusCause's type is serialized as ``reason``."""
+        return self._status(504, "Timeout", f"Timeout: Too large resource version: {wanted}, current: "
+                                            f"{self.cache_rv}",
+                            causes=[{"reason": "ResourceVersionTooLarge",
+                                     "message": "Too large resource version"}],
+                            retryAfterSeconds=TOO_LARGE_RETRY_S)
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(dict(request.query))
@@ -228,9 +284,27 @@ class FakeApiServer:
             return web.json_response(refused, status=400)
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, node)
-        items = [p for p in self.pods.values() if p["spec"].get("nodeName") == node]
+        wanted = request.query.get("resourceVersion", "")
+        if wanted and not wanted.isdigit():
+            return web.json_response(self._status(400, "BadRequest", f"invalid resource version: "
+                                                                     f"{wanted[:40]}"), status=400)
+        if wanted == "":
+            self.list_sources.append("etcd")
+            version, pods = self.rv, self.pods
+        else:
+            if int(wanted) > self.cache_rv:  # the cache waits for itself to catch up, then gives up
+                with contextlib.suppress(TimeoutError):
+                    async with self._changed:
+                        await asyncio.wait_for(self._changed.wait_for(lambda: int(wanted) <= self.cache_rv),
+                                               BLOCK_TIMEOUT_S * self.clock_scale)
+                if int(wanted) > self.cache_rv:
+                    return web.json_response(self._too_large(int(wanted)), status=504)
+            self.list_sources.append("cache")
+            version, pods = self._cache if self._cache is not None else (self.rv, self.pods)
+        self.list_times.append(time.monotonic())
+        items = [p for p in pods.values() if p["spec"].get("nodeName") == node]
         body = json.dumps({"kind": "PodList", "apiVersion": "v1",
-                           "metadata": {"resourceVersion": str(self.rv)}, "items": items}).encode()
+                           "metadata": {"resourceVersion": str(version)}, "items": items}).encode()
         return self._list_response(request, body)
 
     def _list_response(self, request: web.Request, body: bytes) -> web.Response:
@@ -263,12 +337,17 @@ class FakeApiServer:
             await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
             return response
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        next_bookmark = loop.time() + self.bookmark_interval_s
+        began = loop.time()
+        deadline = began + timeout * self.clock_scale
+        frequency = BOOKMARK_FREQUENCY_S * self.clock_scale
+        pretimeout = deadline - PRETIMEOUT_BOOKMARK_S * self.clock_scale
+        first = min(began + frequency, pretimeout)
+        next_bookmark: float | None = first if first > began else None
         sent = since
         while loop.time() < deadline and self._runner is not None:
-            for rv, _kind, before, after in [h for h in self.history if h[0] > sent]:
-                event = self._filtered(before, after, node)
+            # the watch is served from the cache: nothing past the cache's version
+            for rv, _kind, before, after in [h for h in self.history if sent < h[0] <= self.cache_rv]:
+                event = self._filtered(rv, before, after, node)
                 sent = rv
                 if event is None:
                     continue
@@ -279,22 +358,27 @@ class FakeApiServer:
                     request.transport.close()
                     return response
                 await response.write(line)
+                self.watch_log.append((loop.time() - began, event["type"]))
             for raw in self._injected[injected:]:
                 await response.write(raw)
             injected = len(self._injected)
-            if bookmarks and loop.time() >= next_bookmark:
-                # everything up to ``sent`` has been delivered (or filtered out): resume from there
-                mark = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}
-                await response.write(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
-                next_bookmark = loop.time() + self.bookmark_interval_s
-            wait = max(0.01, min(deadline, next_bookmark) - loop.time())
+            if next_bookmark is not None and loop.time() >= next_bookmark:
+                if bookmarks and sent <= self.cache_rv:  # a cache behind the watcher has none to give
+                    # everything up to ``sent`` has been delivered (or filtered out): resume from there
+                    mark = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}
+                    await response.write(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
+                    self.watch_log.append((loop.time() - began, "BOOKMARK"))
+                # nextBookmarkTime: a minute on, or the pre-timeout one; none once that has passed
+                upcoming = min(loop.time() + frequency, pretimeout)
+                next_bookmark = upcoming if upcoming > loop.time() else None
+            wait = max(0.01, min(deadline, next_bookmark or deadline) - loop.time())
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
         return response
 
     @staticmethod
-    def _filtered(before: dict | None, after: dict | None, node: str) -> dict[str, Any] | None:
+    def _filtered(rv: int, before: dict | None, after: dict | None, node: str) -> dict[str, Any] | None:
         was = before is not None and before["spec"].get("nodeName") == node
         now = after is not None and after["spec"].get("nodeName") == node
         if now and not was:
@@ -303,5 +387,6 @@ class FakeApiServer:
             return {"type": "MODIFIED", "object": after}
         if was:  # deleted, or no longer matching the selector: the watcher sees it go
             gone = copy.deepcopy(after or before)
+            gone["metadata"]["resourceVersion"] = str(rv)  # a DELETED event carries the deletion's rv
             return {"type": "DELETED", "object": gone}
         return None

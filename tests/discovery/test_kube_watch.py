@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections import Counter
 
+import httpx
 import pytest
 
 from kvwatch.config import KubernetesDiscoveryConfig
 from kvwatch.discovery.kube_api import (
+    BACKOFF_BASE_S,
     ApiError,
+    GoneError,
     PodWatch,
     StreamError,
+    TooLargeError,
+    backoff_delay,
     decode_event,
     in_cluster_url,
     split_lines,
+    status_error,
 )
 from tests.discovery.fake_apiserver import (
     GZIP_THRESHOLD_BYTES,
@@ -77,16 +84,17 @@ def names(watch: PodWatch) -> set[str]:
 
 
 async def test_list_then_watch_from_the_lists_resource_version_with_bookmarks(tmp_path):
-    server = FakeApiServer(bookmark_interval_s=0.2)
+    server = FakeApiServer(clock_scale=0.01)  # bookmarks every 0.6 s, watches of 3 to 6 s
     await server.start()
     await server.create(make_pod("before", containers=[vllm_container()]))
     await server.create(make_pod("elsewhere", node="node-b"))
     try:
-        async with watching(server, tmp_path) as (watch, sinks):
+        async with watching(server, tmp_path, watch_timeout_s=300.0) as (watch, sinks):
             await until(lambda: watch.status.synced)
             assert names(watch) == {"before"}  # the field selector keeps other nodes' pods out
-            listed_rv = server.requests[0]
-            assert listed_rv == {"fieldSelector": "spec.nodeName=node-a"}
+            # the first list is resourceVersion=0, served from the watch cache, not a quorum read of etcd
+            assert server.requests[0] == {"fieldSelector": "spec.nodeName=node-a", "resourceVersion": "0"}
+            assert server.list_sources == ["cache"]
             uid = await server.create(make_pod("after"))
             await server.run(uid, "10.1.0.7")
             await until(lambda: watch.pods.get(uid, {}).get("status", {}).get("phase") == "Running")
@@ -137,6 +145,10 @@ async def test_410_gone_relists_and_drops_pods_deleted_meanwhile(tmp_path, gone_
             await server.start(port)
             await until(lambda: names(watch) == {"keep"} and not watch.status.stale)
             assert watch.pods[keep]["metadata"]["labels"] == {"v": "2"}
+            # the relist asks for the last version synced (the watch cache serves it, "at least as
+            # fresh"), not a consistent read of etcd
+            lists = [r.get("resourceVersion") for r in server.requests if "watch" not in r]
+            assert lists == ["0", "102"] and server.list_sources == ["cache", "cache"]
             assert sinks.counts[("kvwatch_discovery_relists",)] == 1
             assert sinks.counts[("kvwatch_discovery_watch_errors", "gone")] == 1
             assert sinks.counts[("kvwatch_discovery_watch_errors", "unreachable")] >= 1
@@ -264,3 +276,175 @@ async def test_a_gzipped_list_is_bounded_by_its_decoded_size(tmp_path):
             assert server.list_encodings[-1] == "gzip"
     finally:
         await server.stop()
+
+
+async def test_a_version_this_api_servers_cache_has_not_reached_relists_with_a_consistent_read(tmp_path):
+    """After a 410 the reflector lists at its last version; an API server whose watch cache is behind
+    that answers 504 "Too large resource version" after blockTimeout, and the list is retried at once
+    with resourceVersion "" (a consistent read), as client-go's Reflector.list does."""
+    port = free_port()
+    server = FakeApiServer(clock_scale=0.1)  # blockTimeout 0.3 s
+    await server.start(port)
+    keep = await server.create(make_pod("keep"))
+    lost = await server.create(make_pod("lost"))
+    try:
+        async with watching(server, tmp_path, watch_timeout_s=60.0) as (watch, sinks):
+            await until(lambda: names(watch) == {"keep", "lost"})
+            synced = int(watch.status.resource_version or 0)
+            await server.stop()
+            await until(lambda: watch.status.stale)
+            await server.delete(lost)
+            server.lag_cache(synced - 1)  # the server it reaches next has a cache one version behind it
+            server.compact()  # and its history does not reach the agent's version: 410
+            await server.start(port)
+            await until(lambda: names(watch) == {"keep"} and not watch.status.stale)
+            lists = [r.get("resourceVersion") for r in server.requests if "watch" not in r]
+            assert lists == ["0", str(synced), None]  # None: no parameter, i.e. ""
+            assert server.list_sources == ["cache", "etcd"]  # the 504 was no list
+            assert watch.status.resource_version == str(server.rv)
+            assert sinks.counts[("kvwatch_discovery_watch_errors", "gone")] == 1
+            assert sinks.counts[("kvwatch_discovery_watch_errors", "too_large_resource_version")] == 1
+            assert sinks.counts[("kvwatch_discovery_relists",)] == 2
+            await server.catch_up()  # the watch from the new version waits for the cache, then goes on
+            await server.update(keep, lambda p: p["metadata"]["labels"].update(v="3"))
+            await until(lambda: watch.pods[keep]["metadata"]["labels"] == {"v": "3"})
+            # the next list (after a later 410) is at the last version again, not another consistent read
+            assert not watch._version_unavailable
+    finally:
+        await server.stop()
+
+
+async def test_a_too_large_error_event_on_the_watch_relists_with_a_consistent_read(tmp_path):
+    server = FakeApiServer()
+    await server.start()
+    await server.create(make_pod("p"))
+    try:
+        async with watching(server, tmp_path) as (watch, sinks):
+            await until(lambda: any(r.get("watch") for r in server.requests))
+            status = server._too_large(int(watch.status.resource_version or 0) + 5)
+            await server.inject(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+            await until(lambda: len(server.list_sources) == 2)
+            server._injected.clear()
+            assert server.list_sources == ["cache", "etcd"]
+            assert sinks.counts[("kvwatch_discovery_watch_errors", "too_large_resource_version")] == 1
+            assert sinks.counts[("kvwatch_discovery_watch_errors", "error_event")] == 0
+    finally:
+        await server.stop()
+
+
+async def test_a_410_sent_to_every_agent_at_once_spreads_their_relists(tmp_path):
+    """The cacher ends every watch that fell out of its window together; had each agent relisted at
+    once, the API server would take them all in the same instant. The relist waits client-go's first
+    backoff step with its jitter: [0.8 s, 1.6 s), capped by backoff_max."""
+    server = FakeApiServer()
+    await server.start()
+    await server.create(make_pod("p"))
+    agents = 6
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            watches = [await stack.enter_async_context(watching(server, tmp_path, backoff_max_s=30.0))
+                       for _ in range(agents)]
+            await until(lambda: sum(1 for r in server.requests if r.get("watch")) >= agents)
+            listed = len(server.list_sources)
+            gone = server._status(410, "Expired", "too old resource version: 1 (2)")
+            sent = time.monotonic()
+            await server.inject(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+            await until(lambda: len(server.list_sources) >= listed + agents, timeout_s=10)
+            server._injected.clear()
+            relisted = [t - sent for t in server.list_times[listed:]]
+            assert min(relisted) >= BACKOFF_BASE_S * 0.9, relisted  # none at once
+            assert max(relisted) - min(relisted) >= 0.1, relisted  # and not all together
+            for watch, sinks in watches:
+                assert sinks.counts[("kvwatch_discovery_relists",)] == 1
+                assert watch.status.synced and not watch.status.stale
+    finally:
+        await server.stop()
+
+
+async def test_a_configured_ca_file_that_is_missing_is_an_error_naming_the_key(tmp_path):
+    """Once the system's CAs were used silently instead: with a private cluster CA that fails every
+    handshake, logged as "unreachable", with nothing naming the file."""
+    server = FakeApiServer()
+    await server.start()
+    missing = tmp_path / "ca.crt"
+    config = KubernetesDiscoveryConfig(enabled=True, api_url=f"https://127.0.0.1:{server.port}",
+                                       ca_file=str(missing), backoff_max_s=0.3)
+    sinks = Sinks()
+
+    def agent() -> PodWatch:
+        return PodWatch(config, "node-a", sinks.on_change, sinks.count, sinks.report)
+
+    try:
+        with pytest.raises(ApiError, match=r"discovery\.kubernetes\.ca_file '.*ca\.crt' does not exist"):
+            await asyncio.wait_for(agent().run(), 5)
+        missing.write_text("not a certificate\n")
+        with pytest.raises(ApiError, match="cannot be read as PEM"):
+            await asyncio.wait_for(agent().run(), 5)
+        assert not server.requests and not sinks.counts  # nothing sent, nothing counted as unreachable
+    finally:
+        await server.stop()
+
+
+async def test_the_fake_sends_bookmarks_every_minute_and_two_seconds_before_the_deadline(tmp_path):
+    """cacher.go's defaultBookmarkFrequency (1 min) and cache_watcher.go's pre-timeout bookmark, on a
+    clock 50 times faster: timeoutSeconds=150 is 3 s, a bookmark at 1.2 s, 2.4 s and 2.96 s."""
+    server = FakeApiServer(clock_scale=0.02)
+    await server.start()
+    await server.create(make_pod("p"))
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            params = {"fieldSelector": "spec.nodeName=node-a", "watch": "1",
+                      "resourceVersion": str(server.rv), "allowWatchBookmarks": "true",
+                      "timeoutSeconds": "150"}
+            started = time.monotonic()
+            response = await client.get("/api/v1/pods", params=params,
+                                        headers={"Authorization": "Bearer test-token"}, timeout=10)
+            ended = time.monotonic() - started
+        events = [json.loads(line) for line in response.text.splitlines()]
+        assert [e["type"] for e in events] == ["BOOKMARK"] * 3
+        times = [t for t, kind in server.watch_log if kind == "BOOKMARK"]
+        assert times == pytest.approx([1.2, 2.4, 2.96], abs=0.15)
+        assert ended == pytest.approx(3.0, abs=0.3)
+    finally:
+        await server.stop()
+
+
+async def test_a_watch_resumes_from_the_pre_timeout_bookmark_past_other_nodes_writes(tmp_path):
+    server = FakeApiServer(clock_scale=0.01)
+    await server.start()
+    try:
+        async with watching(server, tmp_path, watch_timeout_s=200.0) as (_watch, sinks):
+            await until(lambda: any(r.get("watch") for r in server.requests))
+            for i in range(3):
+                await server.create(make_pod(f"elsewhere-{i}", node="node-b"))  # filtered out here
+            await until(lambda: sum(1 for r in server.requests if r.get("watch")) >= 2, timeout_s=10)
+            rewatch = [r for r in server.requests if r.get("watch")][1]
+            assert rewatch["resourceVersion"] == str(server.rv)  # not the list's version: no replay
+            assert sinks.counts[("kvwatch_discovery_watch_events", "BOOKMARK")] >= 1
+    finally:
+        await server.stop()
+
+
+def test_a_504_status_is_told_apart_as_client_go_does():
+    wanted = FakeApiServer()._too_large(105)
+    assert wanted["message"].startswith("Timeout: Too large resource version: 105, current: 100")
+    assert isinstance(status_error(wanted, 504), TooLargeError)
+    # Kubernetes 1.17.0-1.18.5: no cause type, only the cause message; before 1.17: only the message
+    legacy = {"code": 504, "reason": "Timeout",
+              "details": {"causes": [{"message": "Too large resource version"}]}}
+    assert isinstance(status_error(legacy, 504), TooLargeError)
+    assert isinstance(status_error({"code": 504, "message": "Timeout: Too large resource version: 9"}, 504),
+                      TooLargeError)
+    plain = status_error({"code": 504, "reason": "Timeout",
+                          "message": "Timeout: request did not complete"}, 504)
+    assert not isinstance(plain, TooLargeError) and plain.reason == "http_status"
+    assert isinstance(status_error({"code": 410, "reason": "Expired"}, 0), GoneError)
+    assert isinstance(status_error({}, 410), GoneError)
+
+
+def test_backoff_is_client_gos_with_its_jitter_and_never_past_the_cap():
+    for failures in range(1, 12):
+        step = min(15.0, BACKOFF_BASE_S * 2 ** (failures - 1))
+        waits = [backoff_delay(failures, 30.0) for _ in range(200)]
+        assert all(step <= w < 2 * step for w in waits) and max(waits) <= 30.0
+        assert max(waits) - min(waits) > step / 2  # spread, not a fixed delay
