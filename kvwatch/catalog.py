@@ -143,6 +143,10 @@ CATALOG: tuple[MetricSpec, ...] = (
        "1 while the Kubernetes API cannot be reached and the last known pods are kept as replicas.", "self"),
     _m("kvwatch_discovery_replicas", "gauge", (),
        "Engine pods on this node discovered as replicas now (Kubernetes discovery).", "self"),
+    _m("kvwatch_discovery_replica_ready", "gauge", ("replica",),
+       "1 while a discovered replica's pod is Ready, 0 while it is Running but not Ready (failing its "
+       "readiness probe): it stays a replica, its series kept, as Prometheus' pod discovery keeps the "
+       "target.", "self"),
     _m("kvwatch_discovery_pod_annotation_errors", "gauge", ("namespace", "pod", "annotation"),
        "1 while a pod's kvwatch.io annotation is malformed; the pod is not scraped until it is fixed.",
        "self"),

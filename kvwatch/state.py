@@ -86,6 +86,8 @@ class DiscoveryStatus:
     replicas: tuple[str, ...] = ()
     #: (namespace, pod) -> ((annotation, reason), ...) for pods whose annotations are malformed
     problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    #: replica -> its pod's Ready condition is True (a not-ready pod that was a target stays a replica)
+    ready: dict[str, bool] = field(default_factory=dict)
 
 
 class NodeState:

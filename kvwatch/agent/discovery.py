@@ -2,9 +2,13 @@
 
 The watch (``kvwatch.discovery.kube_api.PodWatch``) keeps the pod set; after every change each pod
 is judged (``kvwatch.discovery.pods.judge_pod``) and the agent gets the whole replica list, which
-it diffs against its scrape jobs. A pod that stops being ready, is deleted or leaves the node drops
-out, and its series with it. While the API is unreachable the last replicas stay (marked stale:
-``kvwatch_discovery_stale 1``); a pod that really went away then just fails its scrapes.
+it diffs against its scrape jobs. A pod becomes a replica once it is Ready; after that it stays one
+while it is Running, ready or not (an overloaded engine failing its readiness probe is the one to
+watch: its series and counters go on), as Prometheus' pod discovery keeps such a target with
+``__meta_kubernetes_pod_ready="false"``; ``kvwatch_discovery_replica_ready`` says which. A pod that
+is deleted, stops running or leaves the node drops out, and its series with it. While the API is
+unreachable the last replicas stay (marked stale: ``kvwatch_discovery_stale 1``); a pod that really
+went away then just fails its scrapes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class PodDiscovery:
         self._set_replicas = set_replicas
         self._problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         self._replicas: tuple[ReplicaConfig, ...] = ()
+        #: replica name -> its pod is Ready; the uids of the pods that are replicas now
+        self._ready: dict[str, bool] = {}
+        self._targets: set[str] = set()
         #: uid -> (resourceVersion, verdict): a pod is judged again only when it changed
         self._verdicts: dict[str, tuple[str, PodVerdict]] = {}
         self._stale = True
@@ -75,17 +82,25 @@ class PodDiscovery:
         replicas: list[ReplicaConfig] = []
         problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         verdicts: dict[str, tuple[str, PodVerdict]] = {}
+        ready: dict[str, bool] = {}
+        targets: set[str] = set()
         for uid, pod in pods.items():
             version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             cached = self._verdicts.get(uid)
             verdict = cached[1] if cached is not None and cached[0] == version and version \
                 else judge_pod(pod, recognise)
             verdicts[uid] = (version, verdict)
-            if verdict.engine is not None:
-                replicas.append(replica_config(verdict.engine))
+            engine = verdict.engine
+            if engine is not None and (engine.ready or uid in self._targets):
+                replicas.append(replica_config(engine))
+                ready[engine.replica] = engine.ready
+                targets.add(uid)
             elif verdict.problems:
                 problems[pod_key(pod)] = verdict.problems
         self._verdicts = verdicts
+        self._targets = targets
+        self._log_readiness(ready)
+        self._ready = ready
         self._log_problems(problems)
         self._problems = problems
         replicas.sort(key=lambda r: r.name)
@@ -97,7 +112,15 @@ class PodDiscovery:
 
     def _publish(self) -> None:
         self.state.discovery = DiscoveryStatus(self._stale, tuple(r.name for r in self._replicas),
-                                               dict(self._problems))
+                                               dict(self._problems), dict(self._ready))
+
+    def _log_readiness(self, ready: dict[str, bool]) -> None:
+        for name, now in sorted(ready.items()):
+            before = self._ready.get(name)
+            if before is True and not now:
+                log.warning("replica %s: pod not ready (readiness probe failing); still scraped", name)
+            elif before is False and now:
+                log.info("replica %s: pod ready again", name)
 
     def _log_problems(self, problems: dict[tuple[str, str], tuple[tuple[str, str], ...]]) -> None:
         for key, issues in problems.items():
@@ -113,7 +136,7 @@ class PodDiscovery:
         for name in sorted(after.keys() - before.keys()):
             log.info("replica %s discovered: %s (%s)", name, after[name].metrics_url, after[name].backend)
         for name in sorted(before.keys() - after.keys()):
-            log.info("replica %s gone (pod not ready, deleted or moved)", name)
+            log.info("replica %s gone (pod deleted, stopped or moved)", name)
         for name in sorted(after.keys() & before.keys()):
             if after[name] != before[name]:
                 log.info("replica %s now at %s", name, after[name].metrics_url)

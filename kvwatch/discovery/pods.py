@@ -34,9 +34,11 @@ Command lines are read as the container runs them: ``command`` then ``args``, an
 (``sh -c "vllm serve ... --port 8080"``, the form vLLM's Kubernetes guide uses) is split as the shell
 would (``shlex``), taking the command of the script that runs the engine.
 
-A container port named ``metrics`` on the engine container wins over the arguments. A pod is a
-replica only while it is Running, its ``Ready`` condition is ``True``, it has a pod IP and is not
-being deleted. A malformed annotation makes the pod a problem (named, never guessed around).
+A container port named ``metrics`` on the engine container wins over the arguments. A pod is an
+engine to scrape while it is Running, has a pod IP and is not being deleted; ``PodEngine.ready`` says
+whether its ``Ready`` condition is ``True`` (whether to keep a not-ready one is the caller's call: it
+knows which pods were targets before). A malformed annotation makes the pod a problem (named, never
+guessed around).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class PodEngine:
     #: annotation | vllm | sglang | kserve-huggingfaceserver | kserve | llm-d
     recognised_by: str = "annotation"
     container: str | None = None
+    #: its Ready condition is True (False: Running but failing its readiness probe)
+    ready: bool = True
 
     @property
     def replica(self) -> str:
@@ -103,13 +107,19 @@ def pod_key(pod: Mapping[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
-def is_ready(pod: Mapping[str, Any]) -> bool:
-    """Running, ``Ready=True``, a pod IP, not terminating: what the API says of a serving pod."""
+def is_running(pod: Mapping[str, Any]) -> bool:
+    """Running, a pod IP, not terminating: a pod whose containers can answer, ready or not."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+    return not meta.get("deletionTimestamp") and status.get("phase") == "Running" \
+        and bool(status.get("podIP"))
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    """Running, ``Ready=True``, a pod IP, not terminating: what the API says of a serving pod."""
+    if not is_running(pod):
         return False
-    conditions = status.get("conditions") or []
+    conditions = (pod.get("status") or {}).get("conditions") or []
     return any(isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
                for c in conditions)
 
@@ -144,7 +154,7 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
         return PodVerdict(problems=tuple(problems))
     if port is None:
         return PodVerdict(problems=((PORT, "no metrics port: set kvwatch.io/port to a number or port name"),))
-    if not is_ready(pod):
+    if not is_running(pod):
         return PodVerdict()
     ip = str((pod.get("status") or {}).get("podIP"))
     host = f"[{ip}]" if ":" in ip else ip
@@ -152,7 +162,8 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
     return PodVerdict(PodEngine(
         namespace=namespace, pod=name, uid=str(meta.get("uid") or ""),
         metrics_url=f"http://{host}:{port}{path}", backend=backend, model_name=model,
-        recognised_by=kind, container=str(container.get("name")) if container else None))
+        recognised_by=kind, container=str(container.get("name")) if container else None,
+        ready=is_ready(pod)))
 
 
 def _str_map(node: Any) -> dict[str, str]:

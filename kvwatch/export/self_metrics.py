@@ -111,11 +111,14 @@ class SelfCollector:
         stale.add_metric([], 1.0 if found.stale else 0.0)
         replicas = spec("kvwatch_discovery_replicas").gauge()
         replicas.add_metric([], float(len(found.replicas)))
+        ready = spec("kvwatch_discovery_replica_ready").gauge()
+        for replica, is_ready in sorted(found.ready.items()):
+            ready.add_metric([replica], 1.0 if is_ready else 0.0)
         problems = spec("kvwatch_discovery_pod_annotation_errors").gauge()
         for (namespace, pod), issues in sorted(found.problems.items()):
             for annotation in sorted({a for a, _ in issues}):
                 problems.add_metric([namespace, pod, annotation], 1.0)
-        yield from (stale, replicas, problems)
+        yield from (stale, replicas, ready, problems)
         for family in _DISCOVERY_COUNTERS:
             counter = spec(family).counter()
             for label_values, value in sorted(self.state.counters_for(family)):

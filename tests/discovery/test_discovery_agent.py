@@ -38,6 +38,7 @@ async def _until(agent: Agent, *present: str, absent: tuple[str, ...] = ()) -> s
 
 UP_0 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0'
 UP_1 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-1"} 1.0'
+READY_0 = 'kvwatch_discovery_replica_ready{{replica="llm/qwen-0"}} {}.0'
 KV_0 = ('kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="0",'
         'model_name="meta-llama/Llama-3.1-8B-Instruct",replica="llm/qwen-0"}')
 
@@ -68,10 +69,10 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
             in caplog.text
         assert "not-an-engine" not in body
 
-        await api.restart_container(qwen0)  # not ready while it restarts: out, series and all
-        body = await _until(agent, UP_1, absent=('replica="llm/qwen-0"',))
+        await api.restart_container(qwen0)  # not ready while it restarts: still a replica, said so
+        await _until(agent, UP_1, KV_0, READY_0.format(0))
         await api.set_ready(qwen0)
-        await _until(agent, UP_0, KV_0)
+        await _until(agent, UP_0, KV_0, READY_0.format(1))
 
         await api.delete(qwen0)
         await _until(agent, UP_1, "kvwatch_discovery_replicas 1.0", absent=('replica="llm/qwen-0"',))
@@ -101,5 +102,35 @@ async def test_known_pods_stay_while_the_api_is_unreachable_and_the_agent_says_s
         assert 'kvwatch_collector_success{collector="kubernetes"} 0.0' in body
         await api.start()  # the same port again
         await _until(agent, "kvwatch_discovery_stale 0.0", UP_0)
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.engines(2)
+async def test_a_replica_failing_its_readiness_probe_stays_with_its_series(cluster: Cluster, caplog):
+    """An overloaded engine fails its readiness probe exactly when it matters: the replica, its
+    series and its scrape job stay while the pod is Running (Prometheus' pod discovery keeps the
+    target too, with __meta_kubernetes_pod_ready="false"), and kvwatch_discovery_replica_ready says 0.
+    A pod never seen Ready is not a replica yet; one that stops running drops out."""
+    caplog.set_level(logging.INFO, logger="kvwatch")
+    api, ports = cluster.api, cluster.ports
+    uid = await cluster.ready_vllm_pod("qwen-0", ports[0])
+    starting = await api.create(make_pod("qwen-1", containers=[vllm_container(ports[1])]))
+    await api.run(starting, "127.0.0.1")  # Running, never Ready: loading its model
+    agent = Agent(_config(api, str(cluster.token)))
+    await agent.start()
+    try:
+        await _until(agent, UP_0, KV_0, READY_0.format(1), "kvwatch_discovery_replicas 1.0")
+        await api.set_ready(uid, False)  # the readiness probe fails under load
+        body = await _until(agent, READY_0.format(0))
+        assert UP_0 in body and KV_0 in body and "kvwatch_discovery_replicas 1.0" in body
+        assert 'replica="llm/qwen-1"' not in body
+        assert "replica llm/qwen-0: pod not ready (readiness probe failing); still scraped" in caplog.text
+        await api.set_ready(uid, True)
+        await _until(agent, READY_0.format(1))
+        assert caplog.text.count("replica llm/qwen-0 discovered") == 1  # never dropped and re-added
+        await api.set_ready(uid, False)
+        await api.update(uid, lambda p: p["status"].update(phase="Failed"))  # no longer running: gone
+        await _until(agent, "kvwatch_discovery_replicas 0.0", absent=('replica="llm/qwen-0"',))
     finally:
         await agent.stop()

@@ -387,24 +387,24 @@ async def test_a_configured_ca_file_that_is_missing_is_an_error_naming_the_key(t
 
 async def test_the_fake_sends_bookmarks_every_minute_and_two_seconds_before_the_deadline(tmp_path):
     """cacher.go's defaultBookmarkFrequency (1 min) and cache_watcher.go's pre-timeout bookmark, on a
-    clock 50 times faster: timeoutSeconds=150 is 3 s, a bookmark at 1.2 s, 2.4 s and 2.96 s."""
-    server = FakeApiServer(clock_scale=0.02)
+    clock 25 times faster: timeoutSeconds=100 is 4 s, a bookmark at 2.4 s (60 s) and 3.92 s (98 s)."""
+    server = FakeApiServer(clock_scale=0.04)
     await server.start()
     await server.create(make_pod("p"))
     try:
         async with httpx.AsyncClient(base_url=server.url) as client:
             params = {"fieldSelector": "spec.nodeName=node-a", "watch": "1",
                       "resourceVersion": str(server.rv), "allowWatchBookmarks": "true",
-                      "timeoutSeconds": "150"}
+                      "timeoutSeconds": "100"}
             started = time.monotonic()
             response = await client.get("/api/v1/pods", params=params,
                                         headers={"Authorization": "Bearer test-token"}, timeout=10)
             ended = time.monotonic() - started
         events = [json.loads(line) for line in response.text.splitlines()]
-        assert [e["type"] for e in events] == ["BOOKMARK"] * 3
+        assert [e["type"] for e in events] == ["BOOKMARK"] * 2
         times = [t for t, kind in server.watch_log if kind == "BOOKMARK"]
-        assert times == pytest.approx([1.2, 2.4, 2.96], abs=0.15)
-        assert ended == pytest.approx(3.0, abs=0.3)
+        assert times == pytest.approx([2.4, 3.92], abs=0.3)  # loose: the machine may be busy
+        assert ended == pytest.approx(4.0, abs=0.5)
     finally:
         await server.stop()
 

@@ -87,17 +87,24 @@ def test_a_malformed_annotation_is_named_with_the_reason(annotations, key, fragm
 
 @pytest.mark.parametrize("change", [
     lambda p: p["status"].update(phase="Pending"),
-    lambda p: p["status"].update(conditions=_conditions(False)),
     lambda p: p["status"].pop("podIP"),
     lambda p: p["metadata"].update(deletionTimestamp="2026-12-01T18:30:00Z"),
     lambda p: p["status"].update(phase="Succeeded"),
 ])
-def test_only_running_ready_pods_with_an_ip_that_are_not_terminating_are_replicas(change):
+def test_only_running_pods_with_an_ip_that_are_not_terminating_are_engines(change):
     pod = _ready(make_pod("x", containers=[vllm_container()]))
     assert is_ready(pod)
     change(pod)
     assert not is_ready(pod)
     assert judge_pod(pod).engine is None and not judge_pod(pod).problems
+
+
+def test_a_running_pod_failing_its_readiness_probe_is_an_engine_marked_not_ready():
+    pod = _ready(make_pod("x", containers=[vllm_container()]))
+    assert judge_pod(pod).engine is not None and judge_pod(pod).engine.ready
+    pod["status"]["conditions"] = _conditions(False)
+    engine = judge_pod(pod).engine
+    assert not is_ready(pod) and engine is not None and not engine.ready
 
 
 def test_a_pod_object_of_the_wrong_shape_is_a_problem_not_a_crash():
