@@ -184,7 +184,8 @@ class KubernetesDiscoveryConfig:
     token_file: str | None = field(default="/var/run/secrets/kubernetes.io/serviceaccount/token",
                                    metadata=setting("token_file", PATH, "the service account token"))
     ca_file: str | None = field(default="/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
-                                metadata=setting("ca_file", PATH, "the API server's CA bundle"))
+                                metadata=setting("ca_file", PATH, "the API server's CA bundle; it must "
+                                                 "exist when set (null: the system's CAs)"))
     recognise: bool = field(default=True, metadata=setting(
         "recognise", BOOL, "also take vLLM, SGLang, KServe and llm-d pods without kvwatch.io annotations"))
     watch_timeout_s: float = field(default=300.0, metadata=setting(

@@ -154,6 +154,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_config_last_reload_success_timestamp_seconds": lambda s: int(s.config_reloads),
     "kvwatch_discovery_stale": lambda s: int(s.discovery),
     "kvwatch_discovery_replicas": lambda s: int(s.discovery),
+    "kvwatch_discovery_replica_ready": lambda s: s.replicas * int(s.discovery),
     "kvwatch_discovery_pod_annotation_errors": lambda s: s.annotation_errors * int(s.discovery),
     "kvwatch_discovery_watch_events": lambda s: s.discovery_event_types * int(s.discovery),
     "kvwatch_discovery_watch_errors": lambda s: s.discovery_error_reasons * int(s.discovery),
