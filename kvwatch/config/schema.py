@@ -189,7 +189,8 @@ class KubernetesDiscoveryConfig:
     recognise: bool = field(default=True, metadata=setting(
         "recognise", BOOL, "also take vLLM, SGLang, KServe and llm-d pods without kvwatch.io annotations"))
     watch_timeout_s: float = field(default=300.0, metadata=setting(
-        "watch_timeout", DURATION, "the server ends each watch after this (timeoutSeconds)"))
+        "watch_timeout", DURATION, "the server ends each watch after this to twice this (timeoutSeconds, "
+        "drawn at random as client-go's reflector draws it)"))
     backoff_max_s: float = field(default=30.0, metadata=setting(
         "backoff_max", DURATION, "longest wait between retries of a failing list or watch"))
     max_event_bytes: int = field(default=4 * 1024 * 1024, metadata=setting(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -132,5 +133,21 @@ async def test_a_replica_failing_its_readiness_probe_stays_with_its_series(clust
         await api.set_ready(uid, False)
         await api.update(uid, lambda p: p["status"].update(phase="Failed"))  # no longer running: gone
         await _until(agent, "kvwatch_discovery_replicas 0.0", absent=('replica="llm/qwen-0"',))
+    finally:
+        await agent.stop()
+
+
+async def test_a_missing_ca_file_stops_discovery_with_a_line_naming_it(cluster: Cluster, tmp_path, caplog):
+    api = cluster.api
+    config = _config(api, str(cluster.token))
+    kube = dataclasses.replace(config.discovery.kubernetes, api_url=f"https://127.0.0.1:{api.port}",
+                               ca_file=str(tmp_path / "missing-ca.crt"))
+    agent = Agent(dataclasses.replace(config, discovery=DiscoveryConfig(kubernetes=kube)))
+    await agent.start()
+    try:
+        await _until(agent, 'kvwatch_collector_success{collector="kubernetes"} 0.0')
+        assert "kubernetes discovery cannot start: discovery.kubernetes.ca_file" in caplog.text
+        assert "missing-ca.crt' does not exist" in caplog.text
+        assert not api.requests
     finally:
         await agent.stop()
