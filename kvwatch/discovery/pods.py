@@ -32,7 +32,8 @@ too).
 
 Command lines are read as the container runs them: ``command`` then ``args``, and a shell-wrapped one
 (``sh -c "vllm serve ... --port 8080"``, the form vLLM's Kubernetes guide uses) is split as the shell
-would (``shlex``), taking the command of the script that runs the engine.
+would (``shlex``), taking the command of the script that runs the engine; ``$(VAR)`` is expanded from
+the container's env as the kubelet does, and a script's ``$VAR`` from the same env.
 
 A container port named ``metrics`` on the engine container wins over the arguments. A pod is an
 engine to scrape while it is Running, has a pod IP and is not being deleted; ``PodEngine.ready`` says
@@ -69,6 +70,8 @@ _PORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAM
 _VLLM_LINE = re.compile(r"\bvllm serve\b|vllm\.entrypoints\.openai")
 _SGLANG_LINE = re.compile(r"sglang\.launch_server|\bsglang serve\b")
 _ENGINE_LINE = re.compile(f"{_VLLM_LINE.pattern}|{_SGLANG_LINE.pattern}")
+_KUBELET_VAR = re.compile(r"\$\$|\$\(([^)]*)\)")  # expand.go: a name is anything up to the first ")"
+_SHELL_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 _PATH = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}$")
 
 
@@ -256,10 +259,30 @@ def _named_port(containers: Sequence[Mapping[str, Any]], name: str) -> int | Non
 
 
 def _command_line(container: Mapping[str, Any]) -> list[str]:
-    """The words the container runs: ``command`` + ``args``, a shell's ``-c`` script split as it would."""
-    argv = [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    """The words the container runs: ``command`` + ``args`` with the kubelet's ``$(VAR)`` expansion,
+    a shell's ``-c`` script split as it would, its ``$VAR`` / ``${VAR}`` taken from the same env."""
+    env = _literal_env(container)
+    argv = [_kubelet_expand(str(a), env)
+            for a in [*(container.get("command") or []), *(container.get("args") or [])]]
     script = _shell_script(argv)
-    return argv if script is None or len(script) > MAX_SCRIPT_CHARS else _script_command(script)
+    if script is None or len(script) > MAX_SCRIPT_CHARS:
+        return argv
+    return _script_command(_SHELL_VAR.sub(lambda m: env.get(m["braced"] or m["bare"], m[0]), script))
+
+
+def _literal_env(container: Mapping[str, Any]) -> dict[str, str]:
+    """The container's env entries with a literal ``value`` (``valueFrom`` is not in the pod object)."""
+    return {str(e["name"]): str(e["value"]) for e in container.get("env") or []
+            if isinstance(e, Mapping) and isinstance(e.get("name"), str) and isinstance(e.get("value"), str)}
+
+
+def _kubelet_expand(arg: str, env: Mapping[str, str]) -> str:
+    """``$(VAR)`` from the container's env, ``$$`` -> ``$``, unknown references left as they are: the
+    expansion the kubelet applies to ``command`` and ``args`` (kubernetes'
+    ``third_party/forked/golang/expansion/expand.go``)."""
+    if "$" not in arg:
+        return arg
+    return _KUBELET_VAR.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
 def _shell_script(argv: Sequence[str]) -> str | None:

@@ -188,3 +188,20 @@ def test_a_malformed_prometheus_port_on_an_engine_is_named():
     verdict = judge_pod(_ready(pod))
     assert verdict.engine is None
     assert verdict.problems and verdict.problems[0][0] == "prometheus.io/port"
+
+
+def test_port_arguments_from_the_containers_env_are_expanded_as_the_kubelet_and_shell_would():
+    env = [{"name": "VLLM_PORT", "value": "8400"}, {"name": "SECRET", "valueFrom": {"secretKeyRef": {}}}]
+    kubelet = {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "env": env,
+               "args": ["--model", "m", "--port", "$(VLLM_PORT)"]}
+    engine = judge_pod(_ready(make_pod("a", containers=[kubelet]))).engine
+    assert engine is not None and engine.metrics_url.endswith(":8400/metrics")
+    escaped = {**kubelet, "args": ["--port", "$$(VLLM_PORT)"]}  # $$ escapes: the literal "$(VLLM_PORT)"
+    engine = judge_pod(_ready(make_pod("b", containers=[escaped]))).engine
+    assert engine is not None and engine.metrics_url.endswith(":8000/metrics")
+    shell = _shell_wrapped("exec vllm serve m --port ${VLLM_PORT}", env=env)
+    engine = judge_pod(_ready(make_pod("c", containers=[shell]))).engine
+    assert engine is not None and engine.metrics_url.endswith(":8400/metrics")
+    unknown = _shell_wrapped("vllm serve m --port $PORT_FROM_IMAGE", env=env)  # not in the pod: default
+    engine = judge_pod(_ready(make_pod("d", containers=[unknown]))).engine
+    assert engine is not None and engine.metrics_url.endswith(":8000/metrics")
