@@ -448,3 +448,19 @@ def test_backoff_is_client_gos_with_its_jitter_and_never_past_the_cap():
         waits = [backoff_delay(failures, 30.0) for _ in range(200)]
         assert all(step <= w < 2 * step for w in waits) and max(waits) <= 30.0
         assert max(waits) - min(waits) > step / 2  # spread, not a fixed delay
+
+
+async def test_each_watch_asks_for_a_timeout_drawn_from_t_to_2t(tmp_path):
+    """client-go's reflector: timeoutSeconds = minWatchTimeout * (rand + 1), so a fleet's watches,
+    started together, do not all end and restart together."""
+    server = FakeApiServer(clock_scale=0.002)  # 300 s of the agent's clock is 0.6 s here
+    await server.start()
+    try:
+        async with watching(server, tmp_path, watch_timeout_s=300.0):
+            await until(lambda: sum(1 for r in server.requests if r.get("watch")) >= 5, timeout_s=15)
+        asked = [int(r["timeoutSeconds"]) for r in server.requests if r.get("watch")]
+        assert all(300 <= t < 600 for t in asked), asked
+        assert len(set(asked)) > 1, asked
+        assert len(server.list_sources) == 1  # each watch resumed; none relisted
+    finally:
+        await server.stop()
