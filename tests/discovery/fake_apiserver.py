@@ -32,14 +32,13 @@ import asyncio
 import contextlib
 import copy
 import gzip
-import itertools
 import json
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-_uids = itertools.count(1)
 # kube-apiserver's defaultGzipThresholdBytes (responsewriters/writers.go)
 GZIP_THRESHOLD_BYTES = 128 * 1024
 
@@ -50,7 +49,7 @@ def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
     """A pod as the API returns it right after scheduling: Pending, bound to ``node``."""
     return {
         "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{next(_uids):04d}",
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
                      "labels": labels or {}, "annotations": annotations or {},
                      "creationTimestamp": "2026-12-01T18:00:00Z"},
         "spec": {"nodeName": node, "containers": containers or [{"name": "main", "image": "busybox"}]},
