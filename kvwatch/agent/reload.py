@@ -10,9 +10,9 @@ it reads, every ``poll_s``. (The kubelet itself applies ConfigMap edits within a
 The new file is validated first, with the same loader and environment overrides as at start. A
 bad edit keeps the running config, logs every problem with its key path, and sets
 ``kvwatch_config_last_reload_successful 0`` (Prometheus's name for the same thing). Replicas,
-intervals, scrape settings and the log level apply at once; settings that bind sockets or start
-sources (listen, proxies, OTLP, NVML, ledger, discovery, bands, node) need a restart: a changed one
-is logged and keeps its running value.
+intervals, scrape settings, the vLLM plugin sockets and the log level apply at once; settings that
+bind sockets or start sources (listen, proxies, OTLP, NVML, ledger, discovery, bands, node) need a
+restart: a changed one is logged and keeps its running value.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class Agent:
 
     def apply_config(self, config: Config) -> None:
         """A reloaded (already validated) config: replicas, intervals and scrape settings take effect
-        now; what needs a restart (listeners, NVML, ledger, bands) stays as started."""
+        now, and so do the vLLM plugin sockets; what needs a restart (listeners, NVML, ledger, bands)
+        stays as started."""
         self._base_config = config
         self._reconfigure()
 
