@@ -134,6 +134,10 @@ class NodeState:
         self.discovery: DiscoveryStatus | None = None
         #: devices the kubelet allocated to containers (PodResources API), replaced whole each poll
         self.gpu_grants: tuple[GpuGrant, ...] = ()
+        #: (namespace, pod) of this node's pods in a terminal phase, from discovery: they hold no GPU
+        self.terminal_pods: frozenset[tuple[str, str]] = frozenset()
+        #: reason -> kubelet grants that name no GPU holder; None until the kubelet answered
+        self.gpu_grants_unattributed: dict[str, int] | None = None
         #: GPU uuid -> (namespace, pod, container) holding it, derived from gpu_grants + NVML
         self.gpu_owners: dict[str, tuple[str, str, str]] = {}
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvwatch.config import Config, ReplicaConfig, VllmPluginSocketConfig
+from kvwatch.derive.gpu_mapping import TERMINAL_PHASES
 from kvwatch.discovery.kube_api import ApiError, Pods, PodWatch
 from kvwatch.discovery.plugin_dir import plugin_sockets
 from kvwatch.discovery.pods import PodEngine, PodVerdict, judge_pod, pod_key
@@ -97,6 +98,9 @@ class PodDiscovery:
             elif verdict.problems:
                 problems[pod_key(pod)] = verdict.problems
         self._verdicts = verdicts
+        self.state.terminal_pods = frozenset(
+            pod_key(pod) for pod in pods.values()
+            if isinstance(pod.get("status"), Mapping) and pod["status"].get("phase") in TERMINAL_PHASES)
         self._log_problems(problems)
         self._problems = problems
         replicas.sort(key=lambda r: r.name)

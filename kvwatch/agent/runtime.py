@@ -117,6 +117,7 @@ class Agent:
         self._ledger: RequestLedger | None = None
         self._first_round: set[str] = set()
         self._mapping_notes: set[str] = set()
+        self._mig_parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -343,12 +344,21 @@ class Agent:
         await asyncio.to_thread(refresh_gpu_state, gpu, self.state, self.clock())
         self._update_derived()
 
+    def _mig_parent(self, mig_uuid: str) -> str | None:
+        """The GPU a MIG device was carved from (NVML; answers are kept: a MIG device keeps its GPU)."""
+        parent = self._mig_parents.get(mig_uuid)
+        if parent is None and self._gpu is not None:
+            parent = self._gpu.mig_parent(mig_uuid)
+            if parent is not None and len(self._mig_parents) < 4096:
+                self._mig_parents[mig_uuid] = parent
+        return parent
+
     @_ends_quietly_on_shutdown
     async def _map_gpus(self) -> None:
         started = time.perf_counter()
         try:
             await asyncio.to_thread(refresh_mapping, self.config, self.state, self._proc,
-                                    self._mapping_notes)
+                                    self._mapping_notes, self._mig_parent)
         except Exception as exc:
             log.exception("replica -> GPU mapping failed")
             self.state.report("gpu_mapping", False, time.perf_counter() - started, repr(exc))

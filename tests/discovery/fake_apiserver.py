@@ -184,6 +184,19 @@ class FakeApiServer:
                               lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
         await self.update(uid, crashed)
 
+    async def finish(self, uid: str, phase: str = "Succeeded") -> None:
+        """Every container exited (0 for Succeeded): the kubelet reports the terminal phase; the pod
+        object stays until something deletes it (a Job's pods stay for their logs)."""
+        def ended(pod: dict[str, Any]) -> None:
+            pod["status"]["phase"] = phase
+            pod["status"]["conditions"] = _conditions(False)
+            pod["status"]["containerStatuses"] = [
+                {"name": c["name"], "ready": False, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 0 if phase == "Succeeded" else 1,
+                                          "reason": "Completed" if phase == "Succeeded" else "Error"}}}
+                for c in pod["spec"]["containers"]]
+        await self.update(uid, ended)
+
     async def delete(self, uid: str) -> None:
         """Graceful delete: deletionTimestamp first (the pod is terminating), then gone."""
         def terminating(pod: dict[str, Any]) -> None:
