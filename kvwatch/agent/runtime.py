@@ -433,6 +433,10 @@ class Agent:
 
         async with self._plugin_lock:
             wanted = self._wanted_plugin_sockets()
+            replicas = {replica for replica, _ in wanted.values()}
+            for key in [k for k in self.state.collectors if k.startswith("vllm_plugin:")]:
+                if key.split(":", 1)[1] not in replicas:  # a socket no longer configured: its failure goes
+                    self.state.collectors.pop(key, None)
             for path, receiver in list(self._plugin_receivers.items()):
                 if wanted.get(path) != (receiver.replica, receiver.model_name):
                     await receiver.stop()

@@ -136,6 +136,7 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         _write(config_file, [])
         assert reloader.reload("test")
         await _until(lambda: not os.path.lexists(b), "b closed")
+        assert "vllm_plugin:r2" not in agent.state.collectors  # the failed socket is no longer configured
     finally:
         await agent.stop()
     assert not os.path.lexists(b) and not os.path.lexists(c)
