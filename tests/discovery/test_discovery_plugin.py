@@ -1,6 +1,7 @@
 """The vLLM plugin attached to discovered replicas: the engine-pod recipe of docs/vllm-plugin.md and the
-discovery overlay name the same socket on the node, and datagrams from the plugin's own code reach
-the discovered replica ``namespace/pod`` through the fake API server."""
+discovery overlay name the same socket on the node, and datagrams from the plugin's own code (in this
+process with vLLM's base class stood in for, and, marked real_vllm, inside the real vLLM venv with
+vLLM's own stats classes) reach the discovered replica ``namespace/pod`` through the fake API server."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import types
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from local import CACHE, SKIP_REAL_ENGINES, unavailable
 
 from kvwatch.agent import Agent
 from kvwatch.config import (
@@ -187,9 +190,41 @@ async def _until_socket(path: str, present: bool = True, timeout_s: float = 10.0
     raise AssertionError(f"{path}: socket {'never bound' if present else 'still there'}")
 
 
+#: run by the real vLLM venv's python: the plugin as vLLM loads it (vLLM's StatLoggerBase and stats
+#: classes), its socket from the environment the recipe gives the engine container
+IN_VLLM = """
+from vllm.v1.engine import FinishReason
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from kvwatch_vllm_plugin.logger import KvwatchStatLogger
+logger = KvwatchStatLogger(None, engine_index=0)
+it = IterationStats()
+it.finished_requests = [FinishedRequestStats(finish_reason=FinishReason.STOP, e2e_latency=1.5,
+                                             num_prompt_tokens=100, num_generation_tokens=n,
+                                             max_tokens_param=2048, queued_time=0.25, prefill_time=0.25,
+                                             inference_time=1.25, decode_time=1.0) for n in (700, 1200)]
+logger.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5), it)
+assert logger.sender.sent >= 1 and logger.sender.dropped == 0, (logger.sender.sent, logger.sender.dropped)
+"""
+
+
+def _send_from_real_vllm(socket_env: str) -> None:
+    python = CACHE / "kvwatch-vllm" / "venv" / "bin" / "python"
+    if not python.exists():
+        unavailable(f"real vLLM is not installed at {python}: run scripts/setup-test-env.sh",
+                    SKIP_REAL_ENGINES)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", wire.SOCKET_ENV: socket_env}
+    proc = subprocess.run([str(python), "-c", IN_VLLM], capture_output=True, text=True, env=env, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.engines(2)
+@pytest.mark.parametrize("sender", ["plugin",
+                                    pytest.param("plugin_in_real_vllm", marks=pytest.mark.real_vllm)])
 async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
-        cluster: Cluster, node_root: Path, stat_logger: type, monkeypatch: pytest.MonkeyPatch) -> None:
+        cluster: Cluster, node_root: Path, stat_logger: type, monkeypatch: pytest.MonkeyPatch,
+        sender: str) -> None:
     with_plugin = await cluster.ready_vllm_pod("qwen-7d9f8-x2k4q", cluster.ports[0])
     without = await cluster.ready_vllm_pod("qwen-7d9f8-b8zlm", cluster.ports[1])  # mounts no plugin dir
     pods = {p["metadata"]["uid"]: p for p in cluster.api.pods.values()}
@@ -210,13 +245,16 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
 
         # the plugin as vLLM constructs it in that pod: its environment, the node path it sends to
         _, inside = engine_socket_on_node(with_plugin)
-        monkeypatch.setenv(wire.SOCKET_ENV, f"{node_root}{inside}")
-        logger = stat_logger(None, engine_index=0)
-        iteration = SimpleNamespace(num_generation_tokens=7, num_preempted_reqs=0,
-                                    finished_requests=[_finished(700), _finished(1200)])
-        scheduler = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5)
-        logger.record(scheduler, iteration)
-        assert logger.sender.sent >= 1 and logger.sender.dropped == 0
+        if sender == "plugin_in_real_vllm":
+            await asyncio.to_thread(_send_from_real_vllm, f"{node_root}{inside}")
+        else:
+            monkeypatch.setenv(wire.SOCKET_ENV, f"{node_root}{inside}")
+            logger = stat_logger(None, engine_index=0)
+            iteration = SimpleNamespace(num_generation_tokens=7, num_preempted_reqs=0,
+                                        finished_requests=[_finished(700), _finished(1200)])
+            scheduler = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5)
+            logger.record(scheduler, iteration)
+            assert logger.sender.sent >= 1 and logger.sender.dropped == 0
         replica = 'replica="llm/qwen-7d9f8-x2k4q"'
         body = await scrape_until(
             url, f'kvwatch_vllm_plugin_datagrams_total{{{replica},result="accepted"}} 1.0',
