@@ -258,6 +258,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Theoretical one-direction PCIe bandwidth of the link as currently trained.", "derived"),
     # ---- GPUs (NVML) ---------------------------------------------------------------------------
     _m("kvwatch_gpu", "info", (*GPU, "name", "pci_bus_id", "driver_version"), "GPU identity.", "gpu"),
+    _m("kvwatch_gpu_grants_unattributed", "gauge", ("reason",),
+       "Devices the kubelet lists as allocated that name no GPU holder, by reason (terminal_pod, "
+       "stale_duplicate, mig_unresolved, dra, unknown_device); with discovery.pod_resources only.", "self"),
     _m("kvwatch_gpu_lost", "gauge", GPU, "1 if NVML reports the GPU lost (fallen off the bus).", "gpu"),
     _m("kvwatch_gpu_memory_total_bytes", "gauge", GPU, "GPU memory (FB) total.", "gpu"),
     _m("kvwatch_gpu_memory_used_bytes", "gauge", GPU, "GPU memory used by processes.", "gpu"),

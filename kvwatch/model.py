@@ -241,7 +241,9 @@ class GpuGrant:
     """One device the kubelet allocated to a container (PodResources API): who holds which GPU.
 
     ``device_id`` is what the device plugin reported: a GPU UUID (NVIDIA's default), an index
-    (``--device-id-strategy=index``), ``UUID::N`` for time-sliced replicas, ``nvidiaN`` on GKE.
+    (``--device-id-strategy=index``), ``UUID::N`` for time-sliced replicas, ``nvidiaN`` on GKE,
+    ``MIG-<uuid>`` for a MIG device (``nvidia.com/mig-*`` resources). ``dra``: a Dynamic Resource
+    Allocation claim's device instead (``resource_name`` the DRA driver, ``device_id`` pool/device).
     """
 
     namespace: str
@@ -249,6 +251,7 @@ class GpuGrant:
     container: str
     resource_name: str
     device_id: str
+    dra: bool = False
 
 
 @dataclass(frozen=True, slots=True)

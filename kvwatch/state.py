@@ -136,6 +136,10 @@ class NodeState:
         self.discovery: DiscoveryStatus | None = None
         #: devices the kubelet allocated to containers (PodResources API), replaced whole each poll
         self.gpu_grants: tuple[GpuGrant, ...] = ()
+        #: (namespace, pod) of this node's pods in a terminal phase, from discovery: they hold no GPU
+        self.terminal_pods: frozenset[tuple[str, str]] = frozenset()
+        #: reason -> kubelet grants that name no GPU holder; None until the kubelet answered
+        self.gpu_grants_unattributed: dict[str, int] | None = None
         #: GPU uuid -> (namespace, pod, container) holding it, derived from gpu_grants + NVML
         self.gpu_owners: dict[str, tuple[str, str, str]] = {}
 
@@ -152,6 +156,8 @@ class NodeState:
         with self._lock:
             self.targets.pop(name, None)
         self.collectors.pop(f"engine:{name}", None)
+        self.collectors.pop(f"vllm_plugin:{name}", None)
+        self.plugin.forget(name)
 
     def live_samples(self) -> list[ReplicaSample]:
         """Samples of targets that are up: what may be exported as current."""
@@ -511,6 +517,12 @@ class PluginStats:
             for gap in ev.reuse_gaps_seconds:
                 unit.block_reuse_gap.observe(gap)
         unit.eviction_samples_left_out += step.evictions_left_out
+
+    def forget(self, replica: str) -> None:
+        """Drop a replica that went away (a discovered pod's random name never comes back)."""
+        with self._lock:
+            for key in [k for k in self.units if k[0] == replica]:
+                del self.units[key]
 
     def snapshot(self) -> dict[tuple[str, str], PluginUnit]:
         with self._lock:

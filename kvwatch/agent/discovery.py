@@ -9,6 +9,10 @@ watch: its series and counters go on), as Prometheus' pod discovery keeps such a
 is deleted, stops running or leaves the node drops out, and its series with it. While the API is
 unreachable the last replicas stay (marked stale: ``kvwatch_discovery_stale 1``); a pod that really
 went away then just fails its scrapes.
+
+With ``vllm_plugin_dir`` set, each replica whose pod has a directory there (``<dir>/<pod uid>``,
+``kvwatch.discovery.plugin_dir``) also gets a vLLM plugin socket: ``set_plugin_sockets`` is handed
+the whole list after each change, as ``set_replicas`` is.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvwatch.config import Config, ReplicaConfig
+from kvwatch.config import Config, ReplicaConfig, VllmPluginSocketConfig
+from kvwatch.derive.gpu_mapping import TERMINAL_PHASES
 from kvwatch.discovery.kube_api import ApiError, Pods, PodWatch
+from kvwatch.discovery.plugin_dir import plugin_sockets
 from kvwatch.discovery.pods import PodEngine, PodVerdict, judge_pod, pod_key
 from kvwatch.state import DiscoveryStatus, NodeState
 from kvwatch.tasks import cancel_and_wait
@@ -37,10 +43,14 @@ class PodDiscovery:
 
     def __init__(self, config: Config, state: NodeState,
                  set_replicas: Callable[[tuple[ReplicaConfig, ...]], None],
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None,
+                 set_plugin_sockets: Callable[[tuple[VllmPluginSocketConfig, ...]], None] | None = None,
+                 ) -> None:
         self.config = config
         self.state = state
         self._set_replicas = set_replicas
+        self._set_plugin_sockets = set_plugin_sockets
+        self._plugin_sockets: tuple[VllmPluginSocketConfig, ...] = ()
         self._problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         self._replicas: tuple[ReplicaConfig, ...] = ()
         #: replica name -> its pod is Ready; the uids of the pods that are replicas now
@@ -80,6 +90,7 @@ class PodDiscovery:
     def on_pods(self, pods: Pods) -> None:
         recognise = self.config.discovery.kubernetes.recognise
         replicas: list[ReplicaConfig] = []
+        engines: list[PodEngine] = []
         problems: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         verdicts: dict[str, tuple[str, PodVerdict]] = {}
         ready: dict[str, bool] = {}
@@ -93,6 +104,7 @@ class PodDiscovery:
             engine = verdict.engine
             if engine is not None and (engine.ready or uid in self._targets):
                 replicas.append(replica_config(engine))
+                engines.append(engine)
                 ready[engine.replica] = engine.ready
                 targets.add(uid)
             elif verdict.problems:
@@ -101,6 +113,9 @@ class PodDiscovery:
         self._targets = targets
         self._log_readiness(ready)
         self._ready = ready
+        self.state.terminal_pods = frozenset(
+            pod_key(pod) for pod in pods.values()
+            if isinstance(pod.get("status"), Mapping) and pod["status"].get("phase") in TERMINAL_PHASES)
         self._log_problems(problems)
         self._problems = problems
         replicas.sort(key=lambda r: r.name)
@@ -108,7 +123,20 @@ class PodDiscovery:
             self._log_changes(tuple(replicas))
             self._replicas = tuple(replicas)
             self._set_replicas(self._replicas)
+        self._bind_plugins(engines)
         self._publish()
+
+    def _bind_plugins(self, engines: list[PodEngine]) -> None:
+        directory = self.config.discovery.kubernetes.vllm_plugin_dir
+        if directory is None or self._set_plugin_sockets is None:
+            return
+        found = plugin_sockets(directory, ((e.replica, e.uid) for e in engines))
+        sockets = tuple(VllmPluginSocketConfig(replica, path) for replica, path in found)
+        if sockets != self._plugin_sockets:
+            for entry in (s for s in sockets if s not in self._plugin_sockets):
+                log.info("replica %s: vLLM plugin socket %s", entry.replica, entry.path)
+            self._plugin_sockets = sockets
+            self._set_plugin_sockets(sockets)
 
     def _publish(self) -> None:
         self.state.discovery = DiscoveryStatus(self._stale, tuple(r.name for r in self._replicas),

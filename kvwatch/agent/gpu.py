@@ -15,7 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvwatch.config import Config, NvmlConfig
-from kvwatch.derive.gpu_mapping import GpuMapping, GpuRef, ReplicaTarget, gpu_owners, map_replicas
+from kvwatch.derive.gpu_mapping import (
+    MIG_PREFIX,
+    GpuMapping,
+    GpuRef,
+    ReplicaTarget,
+    attributable_grants,
+    gpu_owners,
+    map_replicas,
+)
 from kvwatch.gpu.nvml import NvmlCollector, PollReport
 from kvwatch.gpu.processes import ProcReader, read_pid_file
 from kvwatch.model import ProcessInfo
@@ -84,27 +92,39 @@ def replica_targets(config: Config, notes: list[str],
 
 
 def refresh_mapping(config: Config, state: NodeState, proc: ProcReader | None = None,
-                    seen_notes: set[str] | None = None) -> GpuMapping:
+                    seen_notes: set[str] | None = None,
+                    mig_parent: Callable[[str], str | None] | None = None) -> GpuMapping:
     """Recompute replica -> GPUs and pid -> replica from config, /proc and the last NVML poll.
 
     Notes (a missing PID, an unknown GPU in config, ...) are logged once each while they persist
-    when the caller keeps ``seen_notes`` between calls.
+    when the caller keeps ``seen_notes`` between calls. ``mig_parent`` names the GPU a ``MIG-``
+    device belongs to (``NvmlCollector.mig_parent``).
     """
     proc = proc or ProcReader()
     notes: list[str] = []
+    gpus = [g for g in state.gpus if g.uuid != "unknown"]
+    inventory = [GpuRef(g.index, g.uuid) for g in gpus]
+    parents = {}
+    if mig_parent is not None:
+        for grant in state.gpu_grants:
+            if grant.device_id.upper().startswith(MIG_PREFIX) and grant.device_id not in parents:
+                parent = mig_parent(grant.device_id)
+                if parent is not None:
+                    parents[grant.device_id] = parent
+    attribution = attributable_grants(state.gpu_grants, inventory, state.terminal_pods, parents)
+    if config.discovery.pod_resources.enabled:
+        state.gpu_grants_unattributed = attribution.unattributed
     by_pod: dict[str, list[str]] = {}
-    for grant in state.gpu_grants:
+    for grant in attribution.grants:
         by_pod.setdefault(f"{grant.namespace}/{grant.pod}", []).append(grant.device_id)
     targets = replica_targets(config, notes, {k: tuple(v) for k, v in by_pod.items()})
     processes: dict[int, ProcessInfo] = {}
     for target in targets:
         if target.pid is not None:
             processes.update(proc.tree(target.pid))
-    gpus = [g for g in state.gpus if g.uuid != "unknown"]
-    inventory = [GpuRef(g.index, g.uuid) for g in gpus]
     nvml_pids = {g.uuid: {p.pid for p in g.processes} for g in gpus if not g.lost}
     result = map_replicas(targets, processes, inventory, nvml_pids)
-    state.gpu_owners = gpu_owners(state.gpu_grants, inventory)
+    state.gpu_owners = gpu_owners(attribution.grants, inventory)
     state.replica_gpus = result.replica_gpus
     state.pid_replica = result.pid_replica
     _log_notes([*notes, *result.notes], seen_notes)

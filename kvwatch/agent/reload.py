@@ -10,9 +10,9 @@ it reads, every ``poll_s``. (The kubelet itself applies ConfigMap edits within a
 The new file is validated first, with the same loader and environment overrides as at start. A
 bad edit keeps the running config, logs every problem with its key path, and sets
 ``kvwatch_config_last_reload_successful 0`` (Prometheus's name for the same thing). Replicas,
-intervals, scrape settings and the log level apply at once; settings that bind sockets or start
-sources (listen, proxies, OTLP, NVML, ledger, discovery, bands, node) need a restart: a changed one
-is logged and keeps its running value.
+intervals, scrape settings, the vLLM plugin sockets and the log level apply at once; settings that
+bind sockets or start sources (listen, proxies, OTLP, NVML, ledger, discovery, bands, node) need a
+restart: a changed one is logged and keeps its running value.
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ class ConfigReloader:
     """Re-reads ``path`` and hands a valid result to ``apply``; records the outcome in ``status``.
 
     ``running()`` is the agent's running config (its file part), ``adjust`` the command-line
-    overrides applied to every load (``--listen``), ``status`` the ``NodeState.config_reload``.
+    overrides applied to every load (``--listen``), ``status`` the ``NodeState.config_reload``,
+    ``seen`` the fingerprint of the file the running config came from.
     """
 
     def __init__(self, path: str, running: Callable[[], Config], apply: Callable[[Config], None],
                  status: ConfigReloadStatus, adjust: Callable[[Config], Config] = lambda c: c,
-                 poll_s: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+                 poll_s: float = 2.0, clock: Callable[[], float] = time.time,
+                 seen: tuple[str, bytes] | None = None) -> None:
         self.path = path
         self._running = running
         self._apply = apply
@@ -81,7 +83,9 @@ class ConfigReloader:
         self._adjust = adjust
         self.poll_s = poll_s
         self._clock = clock
-        self._seen = fingerprint(path)
+        #: what the running config was read from (``seen``: taken before it was read, so an edit made
+        #: while the agent started is still a change)
+        self._seen = seen if seen is not None else fingerprint(path)
         self._task: asyncio.Task[None] | None = None
 
     def loaded(self) -> None:

@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 from kvwatch.agent.derived import update_derived
 from kvwatch.agent.engines import scrape_target
 from kvwatch.agent.gpu import nvml_backend, refresh_gpu_state, refresh_mapping, xid_recorder
-from kvwatch.config import Config, ReplicaConfig
+from kvwatch.config import Config, ReplicaConfig, VllmPluginSocketConfig
 from kvwatch.derive.recompute import request_stalled
 from kvwatch.export.collector import NodeCollector
 from kvwatch.export.derived import DerivedCollector
@@ -32,6 +32,7 @@ from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import RequestRecord
 from kvwatch.state import NodeState
+from kvwatch.tasks import cancel_and_wait
 from kvwatch.workers import WorkerProcess
 
 if TYPE_CHECKING:  # each is imported when the config asks for it
@@ -90,6 +91,7 @@ class Agent:
         self.config = config
         self._base_config = config
         self._discovered: tuple[ReplicaConfig, ...] = ()
+        self._discovered_plugin_sockets: tuple[VllmPluginSocketConfig, ...] = ()
         self._jobs: dict[str, tuple[ReplicaConfig, float]] = {}  # replica -> (config, interval) scheduled
         self._areas: dict[str, _Area] = {}
         self._discovery: PodDiscovery | None = None
@@ -109,10 +111,13 @@ class Agent:
         self._proxies: list[Any] = []
         self._otlp: OtlpReceiver | None = None
         self._followers: list[SglangFileFollower] = []
-        self._plugin_receivers: list[PluginReceiver] = []
+        self._plugin_receivers: dict[str, PluginReceiver] = {}  # socket path -> its receiver
+        self._plugin_lock = asyncio.Lock()
+        self._plugin_syncs: set[asyncio.Task[None]] = set()
         self._ledger: RequestLedger | None = None
         self._first_round: set[str] = set()
         self._mapping_notes: set[str] = set()
+        self._mig_parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -140,6 +145,11 @@ class Agent:
         self._discovered = tuple(replicas)
         self._reconfigure()
 
+    def set_discovered_plugin_sockets(self, sockets: tuple[VllmPluginSocketConfig, ...]) -> None:
+        """Discovery's vLLM plugin sockets now (``discovery.kubernetes.vllm_plugin_dir``)."""
+        self._discovered_plugin_sockets = tuple(sockets)
+        self._reconfigure()
+
     @property
     def file_config(self) -> Config:
         """The config as loaded (without discovered replicas): what a reload compares against."""
@@ -147,7 +157,8 @@ class Agent:
 
     def apply_config(self, config: Config) -> None:
         """A reloaded (already validated) config: replicas, intervals and scrape settings take effect
-        now; what needs a restart (listeners, NVML, ledger, bands) stays as started."""
+        now, and so do the vLLM plugin sockets; what needs a restart (listeners, NVML, ledger, bands)
+        stays as started."""
         self._base_config = config
         self._reconfigure()
 
@@ -160,6 +171,11 @@ class Agent:
             area.config = self.config
         if self._scheduler is not None:
             self._sync_scrape_jobs()
+        if self._started:
+            task = asyncio.get_running_loop().create_task(self._sync_plugin_receivers(),
+                                                          name="vllm-plugin-sockets")
+            self._plugin_syncs.add(task)
+            task.add_done_callback(self._plugin_syncs.discard)
 
     def _sync_scrape_jobs(self) -> None:
         assert self._scheduler is not None
@@ -187,7 +203,8 @@ class Agent:
             return
         from kvwatch.agent.discovery import PodDiscovery
 
-        self._discovery = PodDiscovery(self.config, self.state, self.set_discovered_replicas)
+        self._discovery = PodDiscovery(self.config, self.state, self.set_discovered_replicas,
+                                       set_plugin_sockets=self.set_discovered_plugin_sockets)
         await self._discovery.start()
 
     async def stop(self) -> None:
@@ -206,9 +223,13 @@ class Agent:
         for follower in self._followers:
             await follower.stop()
         self._followers.clear()
-        for receiver in self._plugin_receivers:
-            await receiver.stop()
-        self._plugin_receivers.clear()
+        self._started = False  # no more plugin socket changes
+        for task in list(self._plugin_syncs):
+            await cancel_and_wait(task)
+        async with self._plugin_lock:
+            for receiver in self._plugin_receivers.values():
+                await receiver.stop()
+            self._plugin_receivers.clear()
         if self._xid is not None:
             await asyncio.to_thread(self._xid.stop)
             self._xid = None
@@ -323,12 +344,21 @@ class Agent:
         await asyncio.to_thread(refresh_gpu_state, gpu, self.state, self.clock())
         self._update_derived()
 
+    def _mig_parent(self, mig_uuid: str) -> str | None:
+        """The GPU a MIG device was carved from (NVML; answers are kept: a MIG device keeps its GPU)."""
+        parent = self._mig_parents.get(mig_uuid)
+        if parent is None and self._gpu is not None:
+            parent = self._gpu.mig_parent(mig_uuid)
+            if parent is not None and len(self._mig_parents) < 4096:
+                self._mig_parents[mig_uuid] = parent
+        return parent
+
     @_ends_quietly_on_shutdown
     async def _map_gpus(self) -> None:
         started = time.perf_counter()
         try:
             await asyncio.to_thread(refresh_mapping, self.config, self.state, self._proc,
-                                    self._mapping_notes)
+                                    self._mapping_notes, self._mig_parent)
         except Exception as exc:
             log.exception("replica -> GPU mapping failed")
             self.state.report("gpu_mapping", False, time.perf_counter() - started, repr(exc))
@@ -380,13 +410,53 @@ class Agent:
 
             self._followers.append(await start_follower(files, cfg, self.record, self.state.count,
                                                              self.state.report))
-        if cfg.vllm_plugin_sockets:
-            from kvwatch.requests.vllm_plugin import start_receivers
+        await self._sync_plugin_receivers(at_start=True)
 
-            models = {r.name: r.model_name or "other" for r in cfg.replicas}
-            self._plugin_receivers = await start_receivers(
-                cfg.vllm_plugin_sockets, models, self.record, self.state.plugin.observe, self.state.count,
-                self.state.report)
+    def _wanted_plugin_sockets(self) -> dict[str, tuple[str, str]]:
+        """Socket path -> (replica, model_name label): the config file's, then discovery's (for
+        replicas the file does not name, at paths the file does not use)."""
+        models = {r.name: r.model_name or "other" for r in self.config.replicas}
+        wanted: dict[str, tuple[str, str]] = {}
+        named = {s.replica for s in self._base_config.vllm_plugin_sockets}
+        for entry in self._base_config.vllm_plugin_sockets:
+            wanted[entry.path] = (entry.replica, models.get(entry.replica, "other"))
+        for entry in self._discovered_plugin_sockets:
+            if entry.replica in models and entry.replica not in named and entry.path not in wanted:
+                wanted[entry.path] = (entry.replica, models[entry.replica])
+        return wanted
+
+    async def _sync_plugin_receivers(self, at_start: bool = False) -> None:
+        """Bind the plugin sockets the config and discovery want now, close those they no longer
+        want (a changed replica or model label rebinds). At start a socket that cannot be bound
+        stops the agent (a config error); later, it is logged and reported, and the rest go on."""
+        from kvwatch.requests.vllm_plugin import start_receivers
+
+        async with self._plugin_lock:
+            wanted = self._wanted_plugin_sockets()
+            replicas = {replica for replica, _ in wanted.values()}
+            for key in [k for k in self.state.collectors if k.startswith("vllm_plugin:")]:
+                if key.split(":", 1)[1] not in replicas:  # a socket no longer configured: its failure goes
+                    self.state.collectors.pop(key, None)
+            for path, receiver in list(self._plugin_receivers.items()):
+                if wanted.get(path) != (receiver.replica, receiver.model_name):
+                    await receiver.stop()
+                    del self._plugin_receivers[path]
+                    log.info("vLLM plugin socket %s closed (%s)", path, receiver.replica)
+            for path, (replica, model) in wanted.items():
+                if path in self._plugin_receivers:
+                    continue
+                entry = VllmPluginSocketConfig(replica, path)
+                try:
+                    started = await start_receivers([entry], {replica: model}, self.record,
+                                                    self.state.plugin.observe, self.state.count,
+                                                    self.state.report)
+                except OSError as exc:
+                    if at_start:
+                        raise
+                    log.error("vLLM plugin socket %s for %s cannot be bound: %s", path, replica, exc)
+                    self.state.report(f"vllm_plugin:{replica}", False, 0.0, f"bind {path}: {exc}")
+                    continue
+                self._plugin_receivers[path] = started[0]
 
     # -- HTTP --------------------------------------------------------------------------------------
     async def _start_http(self) -> None:

@@ -28,7 +28,8 @@ With discovery.kubernetes enabled it also lists and watches the engine pods of i
 
 SIGHUP, or a change to the config file (a ConfigMap update included), reloads the config: a valid
 one applies its replicas, intervals and scrape settings at once; an invalid one is refused with
-every problem logged and the running config kept (kvwatch_config_last_reload_successful 0).
+every problem logged and the running config kept (kvwatch_config_last_reload_successful 0). A
+SIGHUP during start-up is held and applied once the agent runs.
 
 SIGTERM or Ctrl-C stops it cleanly: proxies close upstream requests (engines free their KV), the
 ledger is flushed. Validate a config first with `kvwatch check-config FILE`."""
@@ -89,13 +90,24 @@ def raise_open_files_limit() -> tuple[int, int]:
     return soft, hard
 
 
+def hold_hangups() -> list[int]:
+    """From now on SIGHUP is noted, not fatal (its default action ends the process): a reload asked
+    for while the agent starts (imports, NVML, binding its sockets) is done once it runs."""
+    held: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, frame: held.append(signum))
+    return held
+
+
 def main(args: argparse.Namespace) -> int:
+    hangups = hold_hangups()  # first: everything below can take seconds
     import dataclasses
     import os
 
+    from kvwatch.agent.reload import fingerprint
     from kvwatch.config import ConfigError, load_config, parse_host_port
 
     path = args.config or os.environ.get("KVWATCH_CONFIG")
+    loaded = fingerprint(path) if path is not None else None  # before reading: an edit from now on shows
 
     def adjust(config: Config) -> Config:
         return dataclasses.replace(config, listen=parse_host_port(args.listen)) if args.listen else config
@@ -109,11 +121,12 @@ def main(args: argparse.Namespace) -> int:
     soft, _ = raise_open_files_limit()
     logging.getLogger("kvwatch").info("open files limit: %d", soft)
     use_uvloop()
-    return asyncio.run(_serve(config, path, adjust))
+    return asyncio.run(_serve(config, path, adjust, hangups, loaded))
 
 
 async def _serve(config: Config, path: str | None = None,
-                 adjust: Callable[[Config], Config] = lambda c: c) -> int:
+                 adjust: Callable[[Config], Config] = lambda c: c, hangups: list[int] | None = None,
+                 loaded: tuple[str, bytes] | None = None) -> int:
     from kvwatch.agent import Agent
     from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.agent.reload import ConfigReloader
@@ -128,7 +141,7 @@ async def _serve(config: Config, path: str | None = None,
     reloader = None
     if path is not None:
         reloader = ConfigReloader(path, lambda: agent.file_config, agent.apply_config,
-                                  agent.state.config_reload, adjust)
+                                  agent.state.config_reload, adjust, seen=loaded)
         reloader.loaded()
     try:
         await agent.start()
@@ -139,7 +152,11 @@ async def _serve(config: Config, path: str | None = None,
     freeze_start_up_heap()
     if reloader is not None:
         loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        if hangups:
+            reloader.reload("SIGHUP during start-up")
         reloader.start()
+    else:
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: no config file to reload (--config)")
     log.info("kvwatch running: %d replica(s) on node %s", len(config.replicas), config.node)
     await stop.wait()
     log.info("stopping")

@@ -19,6 +19,7 @@ from kvwatch.config.validate import (
     INTEGER,
     NAME,
     PATH,
+    PLUGIN_DIR,
     POSITIVE_NUMBER,
     SIZE,
     SOCKET_PATH,
@@ -197,6 +198,10 @@ class KubernetesDiscoveryConfig:
         "max_event_bytes", SIZE, "one watch event (one pod as JSON); etcd caps objects at 1.5 MB"))
     max_list_bytes: int = field(default=64 * 1024 * 1024, metadata=setting(
         "max_list_bytes", SIZE, "one list response"))
+    vllm_plugin_dir: str | None = field(default=None, metadata=setting(
+        "vllm_plugin_dir", PLUGIN_DIR,
+        "bind `DIR/<pod uid>/vllm.sock` for each discovered replica whose pod has that directory (the "
+        "engine mounts `DIR` with `subPathExpr: $(POD_UID)`); unset: off"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,11 +203,26 @@ def _socket_path(value: Any) -> str:
     return text
 
 
+#: a pod UID is 36 bytes, "/" and "/vllm.sock" 11 more: what ``vllm_plugin_dir`` may take of 107
+PLUGIN_DIR_MAX_BYTES = 107 - 36 - 11
+
+
+def _plugin_dir(value: Any) -> str:
+    text = _scalar_text(value).rstrip("/") or "/"
+    if not text.startswith("/"):
+        raise ValueError(f"expected an absolute directory, got {quoted(text)}")
+    if len(text.encode()) > PLUGIN_DIR_MAX_BYTES:
+        raise ValueError(f"at most {PLUGIN_DIR_MAX_BYTES} bytes (a Unix socket path is at most 107, and "
+                         "<pod uid>/vllm.sock takes 47)")
+    return text
+
+
 STRING = Kind("string", _scalar_text)
 NAME = Kind("name", short_name)
 WORD = Kind("string", _word)  # lower-cased, for choices
 PATH = Kind("path", _scalar_text)
 SOCKET_PATH = Kind("socket path", _socket_path)
+PLUGIN_DIR = Kind("directory of sockets", _plugin_dir)
 URL = Kind("http(s) URL", _http_url)
 BASE_URL = Kind("http(s) URL", _base_url)
 HOST_PORT = Kind("HOST:PORT", parse_host_port)

@@ -14,6 +14,9 @@ Order of evidence, first that yields a GPU wins (docs/nvml.md):
    (indexes or UUID prefixes, interpreted within ``NVIDIA_VISIBLE_DEVICES`` when the container runtime
    restricted it). Weakest: visible is not used. ``NVIDIA_VISIBLE_DEVICES=all`` (set by NGC images)
    says nothing and is ignored. MIG ids are ignored with a note.
+
+Grants from the kubelet go through ``attributable_grants`` first: terminal pods, stale duplicates
+and DRA devices are left out (counted), MIG devices stand for the GPU they were carved from.
 """
 
 from __future__ import annotations
@@ -144,6 +147,82 @@ def resolve_device_id(device_id: str, gpus: Sequence[GpuRef]) -> GpuRef | None:
 
 def _granted_gpus(granted: Sequence[str], gpus: Sequence[GpuRef]) -> list[GpuRef]:
     return [ref for ref in (resolve_device_id(d, gpus) for d in granted) if ref is not None]
+
+
+#: why a kubelet grant names no GPU (``kvwatch_gpu_grants_unattributed{reason}``)
+UNATTRIBUTED = ("terminal_pod", "stale_duplicate", "mig_unresolved", "dra", "unknown_device")
+#: pod phases whose containers have all stopped; the kubelet may still list their devices
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+MIG_PREFIX = "MIG-"
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """The grants that may name a GPU holder (MIG device ids replaced by their GPU's UUID), and how
+    many were left out, by reason."""
+
+    grants: tuple[GpuGrant, ...]
+    unattributed: dict[str, int]
+
+
+def mig_parent_in_id(device_id: str) -> str | None:
+    """The GPU UUID inside a pre-R470 MIG id, ``MIG-GPU-<uuid>/<gi>/<ci>`` (dcgm-exporter's
+    ``getMIGDeviceInfoForOldDriver``); None for any other id."""
+    rest = device_id[len(MIG_PREFIX):] if device_id.upper().startswith(MIG_PREFIX) else ""
+    parts = rest.split("/")
+    if len(parts) == 3 and parts[0].upper().startswith("GPU-") and parts[1].isdigit() and parts[2].isdigit():
+        return parts[0]
+    return None
+
+
+def attributable_grants(grants: Sequence[GpuGrant], gpus: Sequence[GpuRef],
+                        terminal_pods: Collection[tuple[str, str]] = (),
+                        mig_parents: Mapping[str, str] | None = None) -> Attribution:
+    """Grants that may attribute a GPU to a container, and the rest counted by reason.
+
+    - a pod in a terminal phase (``terminal_pods``: Succeeded or Failed, from the API server) holds
+      nothing, although the kubelet may still list its devices (kubernetes issue 119423: List reports
+      pods in terminal phase, whose devices the device manager may already have handed on);
+    - the same device id granted to two pods is exclusive by construction (time-slicing and GKE
+      sharing give each replica its own id), so one grant is stale: without the pods' phases there is
+      no telling which, and neither is used;
+    - a MIG device (``MIG-<uuid>``) counts for the GPU it was carved from, when ``mig_parents``
+      (from NVML, as dcgm-exporter resolves it) or the id itself (pre-R470 form) names it;
+    - a DRA claim's device names a ResourceSlice entry, which needs the resource.k8s.io API to turn
+      into a GPU UUID (dcgm-exporter's DRAResourceSliceManager): counted, not resolved.
+    """
+    counts = dict.fromkeys(UNATTRIBUTED, 0)
+    terminal = set(terminal_pods)
+    live = []
+    for grant in grants:
+        if (grant.namespace, grant.pod) in terminal:
+            counts["terminal_pod"] += 1
+        elif grant.dra:
+            counts["dra"] += 1
+        else:
+            live.append(grant)
+    holders: dict[str, set[tuple[str, str]]] = {}
+    for grant in live:
+        holders.setdefault(grant.device_id, set()).add((grant.namespace, grant.pod))
+    kept = []
+    parents = mig_parents or {}
+    for grant in live:
+        if len(holders[grant.device_id]) > 1:
+            counts["stale_duplicate"] += 1
+            continue
+        if grant.device_id.upper().startswith(MIG_PREFIX):
+            parent = parents.get(grant.device_id) or mig_parent_in_id(grant.device_id)
+            if parent is None:
+                counts["mig_unresolved"] += 1
+                continue
+            named = GpuGrant(grant.namespace, grant.pod, grant.container, grant.resource_name, parent)
+        else:
+            named = grant
+        if resolve_device_id(named.device_id, gpus) is None:
+            counts["unknown_device"] += 1
+            continue
+        kept.append(named)
+    return Attribution(tuple(kept), counts)
 
 
 def gpu_owners(grants: Sequence[GpuGrant], gpus: Sequence[GpuRef]) -> dict[str, tuple[str, str, str]]:

@@ -21,18 +21,32 @@ class PodResourcesError(Exception):
     """The kubelet could not be asked (socket missing, refused, timed out, unimplemented)."""
 
 
+#: MIG devices under the NVIDIA device plugin's "mixed" strategy (nvidia.com/mig-1g.18gb, ...):
+#: always GPUs, as dcgm-exporter's ``NvidiaMigResourcePrefix`` takes them
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+#: the DRA drivers whose devices are GPUs (dcgm-exporter's ``DRAGPUDriverName``)
+DRA_GPU_DRIVERS = frozenset({"gpu.nvidia.com"})
+
+
 def grants(pod_resources: Iterable[Any], resource_names: Sequence[str]) -> tuple[GpuGrant, ...]:
-    """Flatten a ``ListPodResourcesResponse.pod_resources`` into one grant per allocated device."""
+    """Flatten a ``ListPodResourcesResponse.pod_resources`` into one grant per allocated device:
+    device-plugin devices of ``resource_names`` and MIG resources, and the GPU devices of each
+    container's DRA claims (``dynamic_resources``, marked ``dra``)."""
     wanted = set(resource_names)
     out = []
     for pod in pod_resources:
         for container in pod.containers:
             for devices in container.devices:
-                if devices.resource_name not in wanted:
+                name = devices.resource_name
+                if name not in wanted and not name.startswith(MIG_RESOURCE_PREFIX):
                     continue
                 for device_id in devices.device_ids:
-                    out.append(GpuGrant(pod.namespace, pod.name, container.name, devices.resource_name,
-                                        device_id))
+                    out.append(GpuGrant(pod.namespace, pod.name, container.name, name, device_id))
+            for claim in container.dynamic_resources:
+                for resource in claim.claim_resources:
+                    if resource.driver_name in DRA_GPU_DRIVERS:
+                        out.append(GpuGrant(pod.namespace, pod.name, container.name, resource.driver_name,
+                                            f"{resource.pool_name}/{resource.device_name}", dra=True))
     return tuple(out)
 
 

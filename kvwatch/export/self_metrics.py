@@ -92,6 +92,7 @@ class SelfCollector:
             yield counter
         yield from self._reloads()
         yield from self._discovery()
+        yield from self._unattributed_grants()
 
     def _reloads(self) -> Iterator[Metric]:
         reload = self.state.config_reload
@@ -102,6 +103,15 @@ class SelfCollector:
         stamp = spec("kvwatch_config_last_reload_success_timestamp_seconds").gauge()
         stamp.add_metric([], reload.last_success_ts)
         yield from (ok, stamp)
+
+    def _unattributed_grants(self) -> Iterator[Metric]:
+        counts = self.state.gpu_grants_unattributed
+        if counts is None:
+            return
+        family = spec("kvwatch_gpu_grants_unattributed").gauge()
+        for reason, count in sorted(counts.items()):
+            family.add_metric([reason], float(count))
+        yield family
 
     def _discovery(self) -> Iterator[Metric]:
         found = self.state.discovery

@@ -99,9 +99,9 @@ _H200_EVENTS = (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubl
                 | pynvml.nvmlEventTypeClock)
 
 
-def _uuid_for(index: int) -> str:
-    digest = hashlib.sha256(f"kvwatch-fake-gpu-{index}".encode()).hexdigest()
-    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+def _uuid_for(index: int, prefix: str = "GPU", salt: str = "") -> str:
+    digest = hashlib.sha256(f"kvwatch-fake-gpu-{index}{salt}".encode()).hexdigest()
+    return f"{prefix}-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
 @dataclass
@@ -238,6 +238,8 @@ class FakeNvml:
         self._gpus = [FakeGpu(i, _uuid_for(i)) for i in range(gpus)]
         self._handles = [ctypes.cast(ctypes.c_void_p(0x7F00_0000 + 0x1000 * i), pynvml.c_nvmlDevice_t)
                          for i in range(gpus)]
+        #: MIG device handle address -> (parent GPU index, MIG UUID), from ``add_mig_device``
+        self._mig: dict[int, tuple[int, str]] = {}
         self._failures: dict[str, list[_Failure]] = {}
         self._event_sets: list[_EventSet] = []
         self.driver_version = driver_version
@@ -280,6 +282,21 @@ class FakeNvml:
     def clear_failures(self) -> None:
         with self._lock:
             self._failures.clear()
+
+    def add_mig_device(self, index: int) -> str:
+        """Carve a MIG device out of GPU ``index``; its UUID (``MIG-<uuid>``, drivers >= R470)."""
+        with self._lock:
+            slot = sum(1 for parent, _ in self._mig.values() if parent == index)
+            uuid = _uuid_for(index, "MIG", f"/mig{slot}")
+            self._mig[0x7E00_0000 + 0x1000 * index + 0x10 * (slot + 1)] = (index, uuid)
+            return uuid
+
+    def _mig_device(self, handle: Any) -> tuple[int, str] | None:
+        try:
+            address = ctypes.cast(handle, ctypes.c_void_p).value
+        except (ctypes.ArgumentError, TypeError):
+            return None
+        return self._mig.get(address or 0)
 
     def set_lost(self, index: int, lost: bool = True) -> None:
         with self._lock:
@@ -469,7 +486,30 @@ class FakeNvml:
 
     @_api
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
-        return self._device(handle).uuid
+        mig = self._mig_device(handle)
+        return mig[1] if mig is not None else self._device(handle).uuid
+
+    @_api
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
+        """A GPU's handle or, for a ``MIG-`` UUID, the MIG device's (as NVML does from R470)."""
+        text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        for i, g in enumerate(self._gpus):
+            if g.uuid == text:
+                if g.lost:
+                    raise pynvml.NVMLError_GpuIsLost()
+                return self._handles[i]
+        for address, (_, mig_uuid) in self._mig.items():
+            if mig_uuid == text:
+                return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
+        raise pynvml.NVMLError_NotFound()
+
+    @_api
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
+        mig = self._mig_device(migDevice)
+        if mig is None:
+            raise pynvml.NVMLError_InvalidArgument()  # not a MIG device handle
+        self._device(self._handles[mig[0]])  # a lost parent answers GPU_IS_LOST
+        return self._handles[mig[0]]
 
     @_api
     def nvmlDeviceGetName(self, handle: Any) -> str:

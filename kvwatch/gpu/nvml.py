@@ -167,6 +167,21 @@ class NvmlCollector:
                 except self.nvml.NVMLError as exc:
                     log.debug("nvmlShutdown: %s", exc)
 
+    def mig_parent(self, mig_uuid: str) -> str | None:
+        """The UUID of the GPU a ``MIG-`` device belongs to, asked of NVML as dcgm-exporter does for
+        drivers >= R470 (``nvmlDeviceGetHandleByUUID`` then
+        ``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``); None when NVML cannot say."""
+        with self._lock:
+            if not self._started:
+                return None
+            try:
+                handle = self.nvml.nvmlDeviceGetHandleByUUID(mig_uuid)
+                parent = self.nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+                return _text(self.nvml.nvmlDeviceGetUUID(parent))
+            except Exception as exc:  # NVML or ctypes: the device stays unattributed, never the poll
+                log.debug("MIG device %s: no parent GPU from NVML: %s", mig_uuid[:48], exc)
+                return None
+
     def _start(self) -> bool:
         try:
             self.nvml.nvmlInit()

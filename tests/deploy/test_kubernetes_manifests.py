@@ -30,6 +30,7 @@ OVERLAYS = ("node-agent", "pid-mapping", "sidecar-example", "discovery")
 #: overlays whose namespace admits privileged pods, and the one thing each needs it for
 PRIVILEGED_NAMESPACE = {"pid-mapping": "hostPID", "discovery": "the kubelet's pod-resources socket"}
 POD_RESOURCES = "/var/lib/kubelet/pod-resources"
+VLLM_PLUGIN_DIR = "/run/kvwatch/vllm"  # the vLLM plugin's sockets, one directory per engine pod
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # 1.29: first release with native sidecars on by default
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 CRD_SCHEMA = yaml.safe_load((Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(
@@ -161,7 +162,8 @@ def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[s
         assert pod["automountServiceAccountToken"] is discovery
         assert not pod.get("hostNetwork") and not pod.get("hostIPC")
         host_paths = [v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v]
-        assert host_paths == ([{"path": POD_RESOURCES, "type": "Directory"}] if discovery else [])
+        assert host_paths == ([{"path": POD_RESOURCES, "type": "Directory"},
+                               {"path": VLLM_PLUGIN_DIR, "type": "DirectoryOrCreate"}] if discovery else [])
         for c in _containers(pod):
             sc = c["securityContext"]
             run_as_non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))

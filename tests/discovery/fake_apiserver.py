@@ -45,15 +45,14 @@ import asyncio
 import contextlib
 import copy
 import gzip
-import itertools
 import json
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-_uids = itertools.count(1)
 BOOKMARK_FREQUENCY_S = 60.0  # cacher.go defaultBookmarkFrequency
 PRETIMEOUT_BOOKMARK_S = 2.0  # cache_watcher.go: "right before the watcher timeout ... 2s before the deadline"
 BLOCK_TIMEOUT_S = 3.0  # watch_cache.go blockTimeout
@@ -68,7 +67,7 @@ def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
     """A pod as the API returns it right after scheduling: Pending, bound to ``node``."""
     return {
         "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{next(_uids):04d}",
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
                      "labels": labels or {}, "annotations": annotations or {},
                      "creationTimestamp": "2026-12-01T18:00:00Z"},
         "spec": {"nodeName": node, "containers": containers or [{"name": "main", "image": "busybox"}]},
@@ -205,6 +204,19 @@ class FakeApiServer:
                 status.update(ready=False, restartCount=status["restartCount"] + 1,
                               lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
         await self.update(uid, crashed)
+
+    async def finish(self, uid: str, phase: str = "Succeeded") -> None:
+        """Every container exited (0 for Succeeded): the kubelet reports the terminal phase; the pod
+        object stays until something deletes it (a Job's pods stay for their logs)."""
+        def ended(pod: dict[str, Any]) -> None:
+            pod["status"]["phase"] = phase
+            pod["status"]["conditions"] = _conditions(False)
+            pod["status"]["containerStatuses"] = [
+                {"name": c["name"], "ready": False, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 0 if phase == "Succeeded" else 1,
+                                          "reason": "Completed" if phase == "Succeeded" else "Error"}}}
+                for c in pod["spec"]["containers"]]
+        await self.update(uid, ended)
 
     async def delete(self, uid: str) -> None:
         """Graceful delete: deletionTimestamp first (the pod is terminating), then gone."""
