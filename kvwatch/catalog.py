@@ -122,6 +122,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "request ledger had no room for the whole export; the sender sends it again).", "self"),
     _m("kvwatch_request_file_lines", "counter", ("replica", "result"),
        "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
+    _m("kvwatch_request_values_dropped", "counter", ("replica", "source", "reason"),
+       "Counts a request source supplied out of range (over 2^31: usage tokens, max_tokens, preemptions, "
+       "plugin step counts), left out as unknown while the request was still recorded; reason is "
+       "<field>_out_of_range (output_tokens, prompt_tokens, max_tokens, preemptions, "
+       "cached_prompt_tokens, step_<key>).", "self"),
     _m("kvwatch_ledger_write_errors", "counter", (),
        "Request ledger lines that could not be written (disk errors, or a full queue of one-at-a-time "
        "lines; OTLP exports are refused instead, never dropped).", "self"),

@@ -31,6 +31,7 @@ from kvwatch.export.server import make_registry, metrics_app
 from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import RequestRecord
+from kvwatch.requests.values import VALUES_DROPPED, out_of_range
 from kvwatch.state import NodeState
 from kvwatch.workers import WorkerProcess
 
@@ -356,6 +357,8 @@ class Agent:
         ``admitted``: the ledger made room for it beforehand (an OTLP export, ``RequestLedger.admit``);
         it reaches the ledger even if the histograms raise.
         """
+        for field in record.dropped_values:
+            self.state.count(VALUES_DROPPED, record.replica, record.source, out_of_range(field))
         try:
             derived = self.state.derived
             windows = derived.preemption_windows(record.replica) if derived is not None else ()

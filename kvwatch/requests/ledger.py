@@ -151,8 +151,8 @@ class RequestLedger:
         try:
             data = "".join(json.dumps(ledger_line(r, self.bands), separators=(",", ":")) + "\n"
                            for r in records).encode()
-        except (TypeError, ValueError) as exc:
-            self._failed(len(records), f"cannot encode: {exc}", "encode")
+        except (TypeError, ValueError, OverflowError) as exc:  # the thread must live on: later lines
+            self._failed(len(records), f"cannot encode: {type(exc).__name__}", "encode")
             return
         try:
             file = self._file

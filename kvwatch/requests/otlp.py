@@ -55,7 +55,7 @@ from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.ledger import RequestLedger
-from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.workers import WorkerFailedError, WorkerProcess
 
@@ -200,6 +200,10 @@ def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str
 
 def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
     reasons = _finish_reasons(attrs.get("gen_ai.response.finish_reasons"))
+    dropped: list[str] = []
+    prompt, output, limit = (bounded_count(non_negative_int(attrs, key), field, dropped) for key, field in (
+        ("gen_ai.usage.prompt_tokens", "prompt_tokens"), ("gen_ai.usage.completion_tokens", "output_tokens"),
+        ("gen_ai.request.max_tokens", "max_tokens")))
     return RequestRecord(
         replica=replica,
         model_name=model_name,
@@ -207,13 +211,14 @@ def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: st
         outcome=span_outcome(span, reasons),
         started_at=span.start_time_unix_nano / 1e9,
         finish_reason=_finish_reason(reasons),
-        prompt_tokens=non_negative_int(attrs, "gen_ai.usage.prompt_tokens"),
-        output_tokens=non_negative_int(attrs, "gen_ai.usage.completion_tokens"),
-        max_tokens=non_negative_int(attrs, "gen_ai.request.max_tokens"),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        max_tokens=limit,
         ttft_seconds=non_negative_number(attrs, "gen_ai.latency.time_to_first_token"),
         e2e_seconds=non_negative_number(attrs, "gen_ai.latency.e2e"),
         queue_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_queue"),
         decode_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_model_decode"),
+        dropped_values=tuple(dropped),
     )
 
 

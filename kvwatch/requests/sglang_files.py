@@ -34,7 +34,7 @@ from typing import Any
 from kvwatch.config import Config, SglangFilesConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
-from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.tasks import cancel_and_wait
 
@@ -60,7 +60,8 @@ def finish_of(value: Any) -> tuple[str | None, int | None]:
         kind = value.get("type")
         status = value.get("status_code")
         return (kind if isinstance(kind, str) else None,
-                status if isinstance(status, int) and not isinstance(status, bool) else None)
+                status if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
+                else None)
     if isinstance(value, str):
         return value, None
     return None, None
@@ -78,7 +79,7 @@ def outcome_of(kind: str | None, status: int | None) -> Outcome:
     return Outcome.COMPLETED
 
 
-def _max_new_tokens(parameters: Any) -> int | None:
+def _max_new_tokens(parameters: Any, dropped: list[str]) -> int | None:
     """``sampling_params.max_new_tokens`` from the request parameters; nothing else is kept."""
     if not isinstance(parameters, str):
         return None
@@ -90,7 +91,9 @@ def _max_new_tokens(parameters: Any) -> int | None:
     if isinstance(sampling, list):  # a batch request: one sampling dict per prompt
         sampling = sampling[0] if sampling else None
     value = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return None
+    return bounded_count(value, "max_tokens", dropped)
 
 
 def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestRecord:
@@ -100,7 +103,10 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         raise MalformedLineError("a line must be a JSON object")
     nested = doc.get("meta_info")
     meta = nested if isinstance(nested, dict) else doc
-    output = non_negative_int(meta, "completion_tokens")
+    dropped: list[str] = []
+    output = bounded_count(non_negative_int(meta, "completion_tokens"), "output_tokens", dropped)
+    prompt = bounded_count(non_negative_int(meta, "prompt_tokens"), "prompt_tokens", dropped)
+    limit = _max_new_tokens(doc.get("request_parameters"), dropped)
     e2e = non_negative_number(meta, "e2e_latency")
     kind, status = finish_of(meta.get("finish_reason"))
     decode = ttft = None
@@ -122,13 +128,14 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         started_at=received,
         finish_reason=kind,
         status_code=status,
-        prompt_tokens=non_negative_int(meta, "prompt_tokens"),
+        prompt_tokens=prompt,
         output_tokens=output,
-        max_tokens=_max_new_tokens(doc.get("request_parameters")),
+        max_tokens=limit,
         ttft_seconds=ttft,
         e2e_seconds=e2e,
         queue_seconds=non_negative_number(meta, "queue_time"),
         decode_seconds=decode,
+        dropped_values=tuple(dropped),
     )
 
 
