@@ -31,6 +31,7 @@ from kvwatch import buckets
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests import sse
 from kvwatch.requests.values import MAX_COUNT, bounded_count
+from kvwatch.safetext import terminal_safe
 
 OTHER_MODEL = "other"
 #: rough bytes of request body per prompt token (BPE on English text is ~4 characters per token;
@@ -154,7 +155,9 @@ def estimate_prompt_tokens(body_bytes: int) -> int:
 
 
 class ModelLabels:
-    """Maps a client-chosen model name onto the bounded label set; the rest is ``other``."""
+    """Maps a client-chosen model name onto the bounded label set; the rest is ``other``.
+
+    Served names come from the engine (``/v1/models``): a label made of one is ``terminal_safe``."""
 
     def __init__(self, known: Iterable[str], default: str | None) -> None:
         self.known = set(known)
@@ -167,12 +170,12 @@ class ModelLabels:
         served = [s for s in served if isinstance(s, str) and s][:MAX_LEARNED_MODELS]
         self.known.update(served)
         if self.default is None and len(served) == 1:
-            self.default = served[0]
+            self.default = terminal_safe(served[0])
 
     def label(self, requested: str | None) -> str:
         if requested is None:
             return self.default or OTHER_MODEL
-        return requested if requested in self.known else OTHER_MODEL
+        return terminal_safe(requested) if requested in self.known else OTHER_MODEL
 
 
 def decide_outcome(status: int | None, end: End, finish_reason: str | None) -> Outcome:
