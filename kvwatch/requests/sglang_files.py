@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.config import Config, SglangFilesConfig
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number
@@ -161,6 +162,7 @@ class SglangFileFollower:
         self.files: dict[str, _Followed] = {}
         self._started = False
         self._missing_logged = False
+        self._throttle = LogThrottle()  # the engine's files can repeat every line below at will
         self._task: asyncio.Task | None = None
         for result in ("request", "malformed"):  # zero series from the start
             with contextlib.suppress(Exception):
@@ -211,8 +213,8 @@ class SglangFileFollower:
                 f.seek(state.offset)
                 data = f.read(min(size - state.offset, MAX_READ_BYTES))
         except OSError as exc:
-            log.warning("sglang_request_files[%s]: cannot read %s: %s", self.config.replica, path,
-                        exc.strerror or exc)
+            self._throttle.log(log, logging.WARNING, "read", "sglang_request_files[%s]: cannot read %s: %s",
+                               self.config.replica, path, exc.strerror or exc)
             return []
         end = data.rfind(b"\n")
         if end < 0:
@@ -251,7 +253,8 @@ class SglangFileFollower:
             try:
                 records = await asyncio.to_thread(self.poll)
             except Exception as exc:
-                log.exception("sglang_request_files[%s]: poll failed", self.config.replica)
+                self._throttle.log(log, logging.ERROR, "poll", "sglang_request_files[%s]: poll failed",
+                                   self.config.replica, exc_info=True)
                 records, self.error = [], repr(exc)
             if self.report is not None:
                 with contextlib.suppress(Exception):
@@ -260,7 +263,8 @@ class SglangFileFollower:
                 try:
                     sink(record)
                 except Exception:
-                    log.exception("sglang_request_files[%s]: request sink failed", self.config.replica)
+                    self._throttle.log(log, logging.ERROR, "sink", "sglang_request_files[%s]: request sink "
+                                       "failed", self.config.replica, exc_info=True)
             await asyncio.sleep(self.config.poll_s)
 
     def start(self, sink: Sink) -> None:
