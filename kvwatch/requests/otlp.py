@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import zlib
 from collections import Counter
@@ -55,7 +54,7 @@ from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.ledger import RequestLedger
-from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number, safe_token
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.workers import WorkerFailedError, WorkerProcess
 
@@ -68,9 +67,6 @@ REFUSALS = ("body_too_large", "inflated_too_large", "undecodable", "ledger_busy"
 #: seconds a sender refused for ``ledger_busy`` is asked to wait (the ledger writes ~10^5 lines a second)
 RETRY_AFTER_S = 1
 ENCODINGS = ("identity", "gzip", "deflate")
-#: a span's free text becomes a ledger field only as a short token of this alphabet, else ``other``
-SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
-OTHER = "other"
 INFLATE_STEP = 1024 * 1024  # compressed bytes handed to zlib at a time
 INFLATE_OUTPUT_STEP = 1024 * 1024  # inflated bytes taken from zlib at a time (it drops the GIL for each)
 SINK_BATCH = 256  # records handed to the sink between yields to the event loop
@@ -92,11 +88,6 @@ class MalformedSpanError(ValueError):
 
 class InflatedTooLargeError(ValueError):
     """A compressed body that inflates past ``otlp.max_decompressed_bytes``."""
-
-
-def safe_token(value: str) -> str:
-    """Outsider text as a ledger/log field: itself if short and plain, else ``other``."""
-    return value if SAFE_TOKEN.fullmatch(value) else OTHER
 
 
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:

@@ -35,7 +35,7 @@ from kvwatch.config import Config, SglangFilesConfig
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
-from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number, safe_token
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.tasks import cancel_and_wait
 
@@ -60,11 +60,11 @@ def finish_of(value: Any) -> tuple[str | None, int | None]:
     if isinstance(value, dict):
         kind = value.get("type")
         status = value.get("status_code")
-        return (kind if isinstance(kind, str) else None,
+        return (safe_token(kind) if isinstance(kind, str) else None,
                 status if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
                 else None)
     if isinstance(value, str):
-        return value, None
+        return safe_token(value), None
     return None, None
 
 

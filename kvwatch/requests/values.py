@@ -15,6 +15,7 @@ in ``RequestRecord.dropped_values``; the sink counts it in ``kvwatch_request_val
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,16 @@ def bounded_count(value: int | None, field: str, dropped: list[str]) -> int | No
         dropped.append(field)
         return None
     return value
+
+
+#: outsider free text becomes a ledger field only as a short token of this alphabet, else ``other``
+SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+OTHER = "other"
+
+
+def safe_token(value: str) -> str:
+    """Outsider text as a ledger/log field (a finish reason): itself if short and plain, else ``other``."""
+    return value if SAFE_TOKEN.fullmatch(value) else OTHER
 
 
 def shown(value: Any) -> str:

@@ -111,3 +111,10 @@ def test_absurd_counts_in_an_sglang_file_line_keep_the_request() -> None:
 def test_a_client_max_tokens_is_bounded(limit: int, stored: int | None) -> None:
     info = inspect_request(json.dumps({"max_tokens": limit}).encode(), "chat")
     assert (info.max_tokens, info.max_tokens_out_of_range) == (stored, stored is None)
+
+
+def test_an_sglang_finish_reason_reaches_the_ledger_only_as_a_short_plain_token() -> None:
+    huge = {"completion_tokens": 3, "finish_reason": {"type": "x" * 100_000 + "\x1b"}}
+    assert line_record(huge, "r0", "tiny", now=1.7e9).finish_reason == "other"
+    assert line_record({"completion_tokens": 3, "finish_reason": "stop"}, "r0", "tiny", now=1.7e9
+                       ).finish_reason == "stop"
