@@ -5,12 +5,14 @@ Invariants, for any bytes an engine could serve:
 - ``parse_text`` returns an ``Exposition`` or raises ``ExpositionError``; nothing else escapes;
 - the slice size changes nothing: parsing in 64-character slices gives the same series (or the same
   refusal) as in one go;
-- time is linear: a hang or a slow input is a finding (run atheris with ``-timeout=2``).
+- time is linear: a hang or a slow input is a finding (run atheris with ``-timeout=2``);
+- every label value read is printable: an engine's ESC, BEL or bidi override comes out as a visible
+  escape (``kvwatch/safetext.py``), never raw, since label values reach /metrics and terminals.
 
 Run by hand, with coverage guidance::
 
     .venv/bin/pip install atheris
-    mkdir -p fuzz/corpus/exposition && cp tests/fixtures/engines/*.prom fuzz/corpus/exposition/
+    cp tests/fixtures/engines/*.prom fuzz/corpus/exposition/   # next to the hostile seeds kept there
     .venv/bin/python fuzz/exposition.py -timeout=2 -max_total_time=600 fuzz/corpus/exposition
 
 The normal test suite runs the same ``one_input`` under hypothesis for a few seconds
@@ -33,6 +35,9 @@ def _outcome(text: str, slice_chars: int | None) -> object:
             expo = run_now(parse_steps(text, SMALL, slice_chars))
     except ExpositionError as exc:
         return ("error", exc.line)
+    for name in expo.names():
+        for labels, _ in expo.series(name):
+            assert all(value.isprintable() for value in labels.values()), labels
     return sorted((name, sorted(map(repr, expo.series(name)))) for name in expo.names())
 
 

@@ -118,11 +118,18 @@ CATALOG: tuple[MetricSpec, ...] = (
        "self"),
     _m("kvwatch_otlp_exports_refused", "counter", ("reason",),
        "OTLP exports refused: body_too_large (otlp.max_body_bytes, 413), inflated_too_large "
-       "(otlp.max_decompressed_bytes, 413), undecodable (400).", "self"),
+       "(otlp.max_decompressed_bytes, 413), undecodable (400), ledger_busy (503 with Retry-After: the "
+       "request ledger had no room for the whole export; the sender sends it again).", "self"),
     _m("kvwatch_request_file_lines", "counter", ("replica", "result"),
        "SGLang request-metrics file lines read, by result (request, malformed).", "self"),
+    _m("kvwatch_request_values_dropped", "counter", ("replica", "source", "reason"),
+       "Counts a request source supplied out of range (over 2^31: usage tokens, max_tokens, preemptions, "
+       "plugin step counts), left out as unknown while the request was still recorded; reason is "
+       "<field>_out_of_range (output_tokens, prompt_tokens, max_tokens, preemptions, "
+       "cached_prompt_tokens, step_<key>).", "self"),
     _m("kvwatch_ledger_write_errors", "counter", (),
-       "Request ledger lines that could not be written.", "self"),
+       "Request ledger lines that could not be written (disk errors, or a full queue of one-at-a-time "
+       "lines; OTLP exports are refused instead, never dropped).", "self"),
     # ---- the agent process, by prometheus_client's own ProcessCollector and PlatformCollector -----
     # (standard names and help, as every client_python process exports them; Linux only, from /proc)
     _m("process_resident_memory_bytes", "gauge", (), "Resident memory size in bytes.", "self"),

@@ -348,6 +348,8 @@ class RequestRecord:
     preemptions: int | None = None  # times the engine preempted it (vLLM plugin)
     prefill_seconds: float | None = None  # engine-side first scheduled -> first token (vLLM plugin)
     cached_prompt_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM plugin)
+    #: fields whose value the source gave out of range (a count over 2^31): recorded as None
+    dropped_values: tuple[str, ...] = ()
 
     @property
     def tpot_seconds(self) -> float | None:

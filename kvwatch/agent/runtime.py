@@ -31,6 +31,7 @@ from kvwatch.export.server import make_registry, metrics_app
 from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import RequestRecord
+from kvwatch.requests.values import VALUES_DROPPED, out_of_range
 from kvwatch.state import NodeState
 from kvwatch.tasks import cancel_and_wait
 from kvwatch.workers import WorkerProcess
@@ -378,17 +379,26 @@ class Agent:
         log.info("request ledger: %s (max %d bytes x %d files)", ledger_cfg.path, ledger_cfg.max_bytes,
                  ledger_cfg.backups + 1)
 
-    def record(self, record: RequestRecord) -> None:
+    def record(self, record: RequestRecord, admitted: bool = False) -> None:
         """The sink every request source hands finished requests to.
 
         A request whose longest gap the source measured (the proxy) is judged a preemption stall or
         not here, against its replica's preemption windows in the current derived view.
+        ``admitted``: the ledger made room for it beforehand (an OTLP export, ``RequestLedger.admit``);
+        it reaches the ledger even if the histograms raise.
         """
-        derived = self.state.derived
-        windows = derived.preemption_windows(record.replica) if derived is not None else ()
-        self.state.requests.observe(record, stalled=request_stalled(record, windows))
-        if self._ledger is not None:
-            self._ledger.write(record)
+        for field in record.dropped_values:
+            self.state.count(VALUES_DROPPED, record.replica, record.source, out_of_range(field))
+        try:
+            derived = self.state.derived
+            windows = derived.preemption_windows(record.replica) if derived is not None else ()
+            self.state.requests.observe(record, stalled=request_stalled(record, windows))
+        finally:
+            if self._ledger is not None:
+                self._ledger.write(record, admitted)
+
+    def _record_admitted(self, record: RequestRecord) -> None:
+        self.record(record, admitted=True)
 
     async def _start_request_sources(self) -> None:
         cfg = self.config
@@ -403,8 +413,9 @@ class Agent:
         if cfg.otlp.listen is not None:
             from kvwatch.requests.otlp import start_otlp_receiver
 
-            self._otlp = await start_otlp_receiver(cfg, self.record, self.state.count, self.state.report,
-                                                   worker=self._worker)
+            self._otlp = await start_otlp_receiver(cfg, self._record_admitted, self.state.count,
+                                                   self.state.report, worker=self._worker,
+                                                   ledger=self._ledger)
         for files in cfg.sglang_request_files:
             from kvwatch.requests.sglang_files import start_follower
 

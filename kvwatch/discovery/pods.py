@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.model import BACKENDS
+from kvwatch.safetext import terminal_safe
 
 PREFIX = "kvwatch.io/"
 SCRAPE, PORT, PATH, BACKEND, MODEL = (f"{PREFIX}{k}" for k in ("scrape", "port", "path", "backend", "model"))
@@ -152,7 +153,7 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
     backend = _backend(annotations, problems, engine or kind)
     path = _path(annotations, problems, kind)
     port = _port(annotations, problems, kind, container, containers)
-    model = annotations.get(MODEL) or None
+    model = terminal_safe(annotations.get(MODEL) or "") or None  # a label value: no raw control characters
     if problems:
         return PodVerdict(problems=tuple(problems))
     if port is None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.catalog import REJECTED_SAMPLE_REASONS
 from kvwatch.cooperative import run_now
+from kvwatch.safetext import terminal_safe
 
 Labels = dict[str, str]
 
@@ -217,7 +218,7 @@ def _labels(line: str, pos: int, lineno: int) -> tuple[Labels, int]:
             if end is None:
                 raise ExpositionError(lineno, f"malformed label set in {_shown(line)}")
             return labels, end.end()
-        labels[m[1]] = _unescape(m[2])
+        labels[m[1]] = terminal_safe(_unescape(m[2]))  # an engine's ESC or BEL never reaches /metrics
         pos = m.end()
         if m[3] == "}":
             return labels, pos

@@ -25,6 +25,7 @@ _SELF_COUNTERS = (
     ("kvwatch_otlp_spans", ("result",)),
     ("kvwatch_otlp_exports_refused", ("reason",)),
     ("kvwatch_request_file_lines", ("replica", "result")),
+    ("kvwatch_request_values_dropped", ("replica", "source", "reason")),
     ("kvwatch_ledger_write_errors", ()),
     ("kvwatch_vllm_plugin_datagrams", ("replica", "result")),
 )

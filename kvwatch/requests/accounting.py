@@ -30,6 +30,8 @@ from typing import Protocol
 from kvwatch import buckets
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests import sse
+from kvwatch.requests.values import MAX_COUNT, bounded_count
+from kvwatch.safetext import terminal_safe
 
 OTHER_MODEL = "other"
 #: rough bytes of request body per prompt token (BPE on English text is ~4 characters per token;
@@ -69,6 +71,7 @@ class RequestInfo:
     stream_options_present: bool
     choices: int = 1  # n
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    max_tokens_out_of_range: bool = False  # a limit over MAX_COUNT: max_tokens is None, and noted
 
 
 #: strings pydantic (lax mode, which vLLM's request models use) reads as ``True`` for a bool field,
@@ -87,16 +90,19 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
     model = doc.get("model")
     options = doc.get("stream_options")
     limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        limit = None
     return RequestInfo(
         endpoint=endpoint,
         parsed=True,
         model=model if isinstance(model, str) else None,
         streaming=doc.get("stream") is True,
-        max_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None,
+        max_tokens=limit if limit is None or limit <= MAX_COUNT else None,
         wants_usage=isinstance(options, dict) and _lax_true(options.get("include_usage")),
         stream_options_present="stream_options" in doc,
         choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
         continuous_usage=isinstance(options, dict) and _lax_true(options.get("continuous_usage_stats")),
+        max_tokens_out_of_range=limit is not None and limit > MAX_COUNT,
     )
 
 
@@ -149,7 +155,9 @@ def estimate_prompt_tokens(body_bytes: int) -> int:
 
 
 class ModelLabels:
-    """Maps a client-chosen model name onto the bounded label set; the rest is ``other``."""
+    """Maps a client-chosen model name onto the bounded label set; the rest is ``other``.
+
+    Served names come from the engine (``/v1/models``): a label made of one is ``terminal_safe``."""
 
     def __init__(self, known: Iterable[str], default: str | None) -> None:
         self.known = set(known)
@@ -162,12 +170,12 @@ class ModelLabels:
         served = [s for s in served if isinstance(s, str) and s][:MAX_LEARNED_MODELS]
         self.known.update(served)
         if self.default is None and len(served) == 1:
-            self.default = served[0]
+            self.default = terminal_safe(served[0])
 
     def label(self, requested: str | None) -> str:
         if requested is None:
             return self.default or OTHER_MODEL
-        return requested if requested in self.known else OTHER_MODEL
+        return terminal_safe(requested) if requested in self.known else OTHER_MODEL
 
 
 def decide_outcome(status: int | None, end: End, finish_reason: str | None) -> Outcome:
@@ -265,10 +273,13 @@ class RequestMeter:
     def record(self, status: int | None, end: End) -> RequestRecord:
         outcome = decide_outcome(status, end, self.finish_reason)
         usage = self.usage
+        dropped = ["max_tokens"] if self.info.max_tokens_out_of_range else []
         output, estimated = None, False
+        prompt = bounded_count(usage.prompt_tokens, "prompt_tokens", dropped) if usage is not None else None
         if usage is not None and usage.completion_tokens is not None:
-            output = usage.completion_tokens
-        elif self.info.streaming and (self.chunks or outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)):
+            output = bounded_count(usage.completion_tokens, "output_tokens", dropped)
+        ended = outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
+        if output is None and self.info.streaming and (self.chunks or ended):
             output, estimated = self.chunks, True
         gaps = tuple(self._bins) if self.chunks > 1 else ()
         gap_end = self._max_gap_end if self._max_gap_end is not None else self._first
@@ -282,7 +293,7 @@ class RequestMeter:
             streaming=self.info.streaming,
             status_code=status,
             finish_reason=self.finish_reason,
-            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+            prompt_tokens=prompt,
             output_tokens=output,
             output_tokens_estimated=estimated,
             max_tokens=self.info.max_tokens,
@@ -294,4 +305,5 @@ class RequestMeter:
             gap_sum=self.gap_sum if gaps else 0.0,
             max_gap_seconds=self._max_gap if gaps else None,
             max_gap_ended_at=self.started_at + (gap_end - self.t0) if gaps and gap_end is not None else None,
+            dropped_values=tuple(dropped),
         )

@@ -1,7 +1,14 @@
 """Request ledger: one JSON line per finished request, for ``kvwatch report``. Off by default.
 
-Written by one background thread from a bounded queue, so the proxy's loop never waits on disk: a
-full queue or a failed write drops the line and counts it (``kvwatch_ledger_write_errors_total``).
+Written by one background thread from a queue, so the proxy's loop never waits on disk. One line at
+a time (the proxy, the vLLM plugin, SGLang files) may wait ``queue_size`` deep; past that, or on a
+failed write, a line is dropped and counted (``kvwatch_ledger_write_errors_total``), with one log
+line per burst. A bulk source (an OTLP export: 55,000 spans in one POST) asks ``admit(n)`` before
+it accepts the export: admitted lines are never dropped for room, and an export that does not fit
+is refused by the receiver with 503 and ``Retry-After`` (the sender retries it later), so nothing
+the receiver answered 2xx is lost. Admitted lines still to write are at most
+``max(queue_size, the largest single export)``: one export larger than the queue is let in alone,
+its records being in memory already (the receiver decoded them).
 The file rotates at ``max_bytes`` (``path`` -> ``path.1`` -> ... ``path.<backups>``), so the ledger
 takes at most ``(backups + 1) x max_bytes`` of disk.
 
@@ -21,6 +28,7 @@ import queue
 import threading
 from typing import BinaryIO
 
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import LEDGER_VERSION, LengthBands, RequestRecord
 from kvwatch.selfmetrics import Count
 
@@ -57,7 +65,13 @@ class RequestLedger:
         self.max_bytes = max_bytes
         self.backups = backups
         self.counter = counter
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        #: (record, admitted) items; its depth is bounded by the two counts below, not by the queue
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0  # lines write() queued one at a time, not yet written
+        self._admitted = 0  # lines admit() made room for, not yet written (queued or still to come)
+        self._throttle = LogThrottle()
         self._thread: threading.Thread | None = None
         self._file: BinaryIO | None = None
         self._size = 0
@@ -71,17 +85,42 @@ class RequestLedger:
         self._thread = threading.Thread(target=self._run, name="kvwatch-ledger", daemon=True)
         self._thread.start()
 
-    def write(self, record: RequestRecord) -> None:
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            self._failed(1, "queue full")
+    def busy(self) -> bool:
+        """True while admitted lines fill the queue: a bulk source may refuse before decoding."""
+        with self._lock:
+            return self._admitted >= self.queue_size
+
+    def admit(self, lines: int) -> bool:
+        """Make room for ``lines`` a bulk source is about to ``write(..., admitted=True)``; False when
+        they do not fit now (the source refuses them, to be sent again). An export larger than the
+        queue is admitted when nothing else admitted is waiting."""
+        with self._lock:
+            if self._admitted and self._admitted + lines > self.queue_size:
+                return False
+            self._admitted += lines
+            return True
+
+    def release(self, lines: int) -> None:
+        """Give back room ``admit`` made for lines that will not be written after all."""
+        with self._lock:
+            self._admitted = max(0, self._admitted - lines)
+
+    def write(self, record: RequestRecord, admitted: bool = False) -> None:
+        """Queue one line; ``admitted``: its room was made by ``admit`` (it is never dropped for room)."""
+        if not admitted:
+            with self._lock:
+                full = self._waiting >= self.queue_size
+                if not full:
+                    self._waiting += 1
+            if full:
+                self._failed(1, "queue full", "queue_full")
+                return
+        self._queue.put((record, admitted))
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._thread is None:
             return
-        with contextlib.suppress(queue.Full):
-            self._queue.put(_STOP, timeout=timeout)
+        self._queue.put(_STOP)
         self._thread.join(timeout)
         self._thread = None
 
@@ -96,9 +135,13 @@ class RequestLedger:
                     except queue.Empty:
                         break
                 stop = any(item is _STOP for item in batch)
-                records = [item for item in batch if item is not _STOP]
-                if records:
-                    self._write(records)
+                items = [item for item in batch if item is not _STOP]
+                if items:
+                    self._write([record for record, _ in items])
+                    admitted = sum(1 for _, was_admitted in items if was_admitted)
+                    with self._lock:
+                        self._admitted = max(0, self._admitted - admitted)
+                        self._waiting -= len(items) - admitted
                 if stop:
                     return
         finally:
@@ -108,8 +151,8 @@ class RequestLedger:
         try:
             data = "".join(json.dumps(ledger_line(r, self.bands), separators=(",", ":")) + "\n"
                            for r in records).encode()
-        except (TypeError, ValueError) as exc:
-            self._failed(len(records), f"cannot encode: {exc}")
+        except (TypeError, ValueError, OverflowError) as exc:  # the thread must live on: later lines
+            self._failed(len(records), f"cannot encode: {type(exc).__name__}", "encode")
             return
         try:
             file = self._file
@@ -122,7 +165,7 @@ class RequestLedger:
             self._size += len(data)
         except OSError as exc:
             self._close()
-            self._failed(len(records), f"{self.path}: {exc.strerror or exc}")
+            self._failed(len(records), f"{self.path}: {exc.strerror or exc}", "write")
 
     def _open(self) -> BinaryIO:
         file = self._file = open(self.path, "ab")  # noqa: SIM115 - held open across batches
@@ -151,8 +194,11 @@ class RequestLedger:
                 self._file.close()
             self._file = None
 
-    def _failed(self, lines: int, reason: str) -> None:
+    def _failed(self, lines: int, reason: str, kind: str) -> None:
+        """Count every dropped line; log one line per ``kind`` per burst (LogThrottle)."""
         if self.counter is not None:
             with contextlib.suppress(Exception):
                 self.counter(WRITE_ERRORS, amount=lines)
-        log.warning("request ledger: %d line(s) dropped (%s)", lines, reason)
+        self._throttle.log(log, logging.WARNING, kind,
+                           "request ledger: %d line(s) dropped (%s); every dropped line is counted in "
+                           "kvwatch_ledger_write_errors_total", lines, reason)

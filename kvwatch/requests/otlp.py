@@ -22,8 +22,11 @@ zeros would be 4 GiB), and inflate + decode + span mapping run off the event loo
 export or one over WORKER_DECODE_BYTES in kvwatch's worker process (``kvwatch.workers``: a thread
 would share the GIL and the heap, and a 55,000-span export is ~0.9 s of pure Python), whose
 records come back in batches; a small one in a thread. Refused exports are counted
-``kvwatch_otlp_exports_refused``. Free text from spans (``finish_reason``) is cut to a short safe
-token or ``other``.
+``kvwatch_otlp_exports_refused``. With the request ledger on, an export is accepted only once the
+ledger has made room for all its records (``RequestLedger.admit``); else it is answered 503 with
+``Retry-After`` before anything of it is counted, and the sender retries it: a 2xx answer means
+every record reached the histograms and the ledger's queue. Free text from spans
+(``finish_reason``) is cut to a short safe token or ``other``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import zlib
 from collections import Counter
@@ -48,9 +50,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from kvwatch.config import Config, OtlpConfig, ReplicaConfig
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
-from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.requests.ledger import RequestLedger
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number, safe_token
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.workers import WorkerFailedError, WorkerProcess
 
@@ -59,11 +63,11 @@ log = logging.getLogger(__name__)
 SPANS = "kvwatch_otlp_spans"
 RESULTS = ("request", "ignored", "malformed", "unmapped")
 REFUSED = "kvwatch_otlp_exports_refused"
-REFUSALS = ("body_too_large", "inflated_too_large", "undecodable")
+REFUSALS = ("body_too_large", "inflated_too_large", "undecodable", "ledger_busy")
+#: seconds a sender refused for ``ledger_busy`` is asked to wait (the ledger writes ~55,000 lines a
+#: second on a shared 2-core machine: a 10,000-line backlog is gone in well under one)
+RETRY_AFTER_S = 1
 ENCODINGS = ("identity", "gzip", "deflate")
-#: a span's free text becomes a ledger field only as a short token of this alphabet, else ``other``
-SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
-OTHER = "other"
 INFLATE_STEP = 1024 * 1024  # compressed bytes handed to zlib at a time
 INFLATE_OUTPUT_STEP = 1024 * 1024  # inflated bytes taken from zlib at a time (it drops the GIL for each)
 SINK_BATCH = 256  # records handed to the sink between yields to the event loop
@@ -85,11 +89,6 @@ class MalformedSpanError(ValueError):
 
 class InflatedTooLargeError(ValueError):
     """A compressed body that inflates past ``otlp.max_decompressed_bytes``."""
-
-
-def safe_token(value: str) -> str:
-    """Outsider text as a ledger/log field: itself if short and plain, else ``other``."""
-    return value if SAFE_TOKEN.fullmatch(value) else OTHER
 
 
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:
@@ -193,6 +192,10 @@ def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str
 
 def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
     reasons = _finish_reasons(attrs.get("gen_ai.response.finish_reasons"))
+    dropped: list[str] = []
+    prompt, output, limit = (bounded_count(non_negative_int(attrs, key), field, dropped) for key, field in (
+        ("gen_ai.usage.prompt_tokens", "prompt_tokens"), ("gen_ai.usage.completion_tokens", "output_tokens"),
+        ("gen_ai.request.max_tokens", "max_tokens")))
     return RequestRecord(
         replica=replica,
         model_name=model_name,
@@ -200,13 +203,14 @@ def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: st
         outcome=span_outcome(span, reasons),
         started_at=span.start_time_unix_nano / 1e9,
         finish_reason=_finish_reason(reasons),
-        prompt_tokens=non_negative_int(attrs, "gen_ai.usage.prompt_tokens"),
-        output_tokens=non_negative_int(attrs, "gen_ai.usage.completion_tokens"),
-        max_tokens=non_negative_int(attrs, "gen_ai.request.max_tokens"),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        max_tokens=limit,
         ttft_seconds=non_negative_number(attrs, "gen_ai.latency.time_to_first_token"),
         e2e_seconds=non_negative_number(attrs, "gen_ai.latency.e2e"),
         queue_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_queue"),
         decode_seconds=non_negative_number(attrs, "gen_ai.latency.time_in_model_decode"),
+        dropped_values=tuple(dropped),
     )
 
 
@@ -316,9 +320,11 @@ class OtlpReceiver:
 
     def __init__(self, config: OtlpConfig, replicas: Sequence[ReplicaConfig], known_models: Iterable[str],
                  sink: Sink, count: Count, report: Report | None = None,
-                 worker: WorkerProcess | None = None) -> None:
+                 worker: WorkerProcess | None = None, ledger: RequestLedger | None = None) -> None:
         self.config = config
         self.worker = worker
+        #: the ledger ``sink`` writes to: it must write each record as admitted (``write(r, True)``)
+        self.ledger = ledger
         known = frozenset(known_models)
         self.resolver = ReplicaResolver([r.name for r in replicas], config.replica)
         self.labels = {r.name: ModelLabels(known, r.model_name) for r in replicas}
@@ -328,6 +334,7 @@ class OtlpReceiver:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
+        self._throttle = LogThrottle()  # every log line a sender can repeat at will goes through it
 
     @property
     def port(self) -> int:
@@ -360,25 +367,33 @@ class OtlpReceiver:
             body = await request.read()  # compressed bytes; client_max_size caps them
         except web.HTTPRequestEntityTooLarge:
             self._refuse("body_too_large")
-            log.warning("otlp: export over otlp.max_body_bytes (%d) refused", self.config.max_body_bytes)
+            self._throttle.log(log, logging.WARNING, "body_too_large",
+                               "otlp: export over otlp.max_body_bytes (%d) refused",
+                               self.config.max_body_bytes)
             raise
+        if self.ledger is not None and self.ledger.busy():  # refused before paying for the decode
+            return self._ledger_busy(request.remote)
         try:
             async with self._decoding:
                 records, results = await self._decode(body, encoding, content_type)
         except InflatedTooLargeError as exc:
             self._refuse("inflated_too_large")
             self._report(False, started, str(exc))
-            log.warning("otlp: %s from %s", exc, request.remote)
+            self._throttle.log(log, logging.WARNING, "inflated_too_large", "otlp: %s from %s", exc,
+                               request.remote)
             return web.Response(status=413, text=f"{exc}\n")
         except WorkerFailedError as exc:  # the worker was killed and is replaced at the next export
             self._report(False, started, str(exc))
-            log.warning("otlp: %s; export from %s dropped", exc, request.remote)
+            self._throttle.log(log, logging.WARNING, "worker_failed",
+                               "otlp: %s; export from %s refused with 503", exc, request.remote)
             return web.Response(status=503, text="try again\n")
         except ValueError as exc:
             self._refuse("undecodable")
             self._report(False, started, str(exc))
-            log.warning("otlp: %s from %s", exc, request.remote)
+            self._throttle.log(log, logging.WARNING, "undecodable", "otlp: %s from %s", exc, request.remote)
             return web.Response(status=400, text=f"{exc}\n")
+        if self.ledger is not None and not self.ledger.admit(len(records)):
+            return self._ledger_busy(request.remote)
         for result, n in results.items():
             self._count(result, n)
         await self._sink_all(records)
@@ -399,16 +414,33 @@ class OtlpReceiver:
         return await asyncio.to_thread(decode_body, body, encoding, content_type, limit, self.resolver,
                                        self.labels)
 
+    def _ledger_busy(self, remote: str | None) -> web.Response:
+        """503 + Retry-After: the ledger cannot take this export now; nothing of it was counted.
+        Backpressure, not a failure: the source's collector status stays as it was."""
+        self._count_family(REFUSED, "ledger_busy", 1)
+        self._throttle.log(log, logging.WARNING, "ledger_busy",
+                           "otlp: export from %s refused with 503, the request ledger is busy; the sender "
+                           "retries it (kvwatch_otlp_exports_refused_total{reason=\"ledger_busy\"})", remote)
+        return web.Response(status=503, text="request ledger busy, retry\n",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
     async def _sink_all(self, records: list[RequestRecord]) -> None:
         """The sink (histograms, ledger) runs on the loop: yield between batches of a big export."""
-        for start in range(0, len(records), SINK_BATCH):
-            if start:
-                await asyncio.sleep(0)
-            for record in records[start:start + SINK_BATCH]:
-                try:
-                    self.sink(record)
-                except Exception:
-                    log.exception("otlp: request sink failed")
+        sunk = 0
+        try:
+            for start in range(0, len(records), SINK_BATCH):
+                if start:
+                    await asyncio.sleep(0)
+                for record in records[start:start + SINK_BATCH]:
+                    sunk += 1
+                    try:
+                        self.sink(record)
+                    except Exception:
+                        self._throttle.log(log, logging.ERROR, "sink", "otlp: request sink failed",
+                                           exc_info=True)
+        finally:
+            if self.ledger is not None and sunk < len(records):  # cancelled (the agent stopping)
+                self.ledger.release(len(records) - sunk)
 
     def _report(self, success: bool, started: float, error: str | None = None) -> None:
         """``kvwatch_source_last_success_timestamp_seconds{source="otlp"}`` shows spans stopped."""
@@ -434,16 +466,19 @@ class OtlpReceiver:
 
 
 async def start_otlp_receiver(config: Config, sink: Sink, count: Count, report: Report | None = None,
-                              worker: WorkerProcess | None = None) -> OtlpReceiver:
+                              worker: WorkerProcess | None = None,
+                              ledger: RequestLedger | None = None) -> OtlpReceiver:
     """Start the receiver on ``config.otlp.listen`` (the agent's wiring entry point).
 
     ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the
     first. ``report`` (``NodeState.report``) is told of each export received, as collector ``otlp``.
+    ``ledger``: the request ledger ``sink`` writes to, if any; ``sink`` must then write each record
+    as admitted (``RequestLedger.write(record, admitted=True)``), the room having been made for it.
     """
     otlp = config.otlp
     if otlp.listen is None:
         raise ValueError("otlp.listen is not set")
-    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report, worker)
+    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report, worker, ledger)
     for result in RESULTS:
         receiver._count(result, 0)
     for reason in REFUSALS:

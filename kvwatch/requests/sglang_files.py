@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.config import Config, SglangFilesConfig
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
-from kvwatch.requests.values import non_negative_int, non_negative_number
+from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number, safe_token
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.tasks import cancel_and_wait
 
@@ -59,10 +60,11 @@ def finish_of(value: Any) -> tuple[str | None, int | None]:
     if isinstance(value, dict):
         kind = value.get("type")
         status = value.get("status_code")
-        return (kind if isinstance(kind, str) else None,
-                status if isinstance(status, int) and not isinstance(status, bool) else None)
+        return (safe_token(kind) if isinstance(kind, str) else None,
+                status if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
+                else None)
     if isinstance(value, str):
-        return value, None
+        return safe_token(value), None
     return None, None
 
 
@@ -78,7 +80,7 @@ def outcome_of(kind: str | None, status: int | None) -> Outcome:
     return Outcome.COMPLETED
 
 
-def _max_new_tokens(parameters: Any) -> int | None:
+def _max_new_tokens(parameters: Any, dropped: list[str]) -> int | None:
     """``sampling_params.max_new_tokens`` from the request parameters; nothing else is kept."""
     if not isinstance(parameters, str):
         return None
@@ -90,7 +92,9 @@ def _max_new_tokens(parameters: Any) -> int | None:
     if isinstance(sampling, list):  # a batch request: one sampling dict per prompt
         sampling = sampling[0] if sampling else None
     value = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return None
+    return bounded_count(value, "max_tokens", dropped)
 
 
 def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestRecord:
@@ -100,7 +104,10 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         raise MalformedLineError("a line must be a JSON object")
     nested = doc.get("meta_info")
     meta = nested if isinstance(nested, dict) else doc
-    output = non_negative_int(meta, "completion_tokens")
+    dropped: list[str] = []
+    output = bounded_count(non_negative_int(meta, "completion_tokens"), "output_tokens", dropped)
+    prompt = bounded_count(non_negative_int(meta, "prompt_tokens"), "prompt_tokens", dropped)
+    limit = _max_new_tokens(doc.get("request_parameters"), dropped)
     e2e = non_negative_number(meta, "e2e_latency")
     kind, status = finish_of(meta.get("finish_reason"))
     decode = ttft = None
@@ -122,13 +129,14 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         started_at=received,
         finish_reason=kind,
         status_code=status,
-        prompt_tokens=non_negative_int(meta, "prompt_tokens"),
+        prompt_tokens=prompt,
         output_tokens=output,
-        max_tokens=_max_new_tokens(doc.get("request_parameters")),
+        max_tokens=limit,
         ttft_seconds=ttft,
         e2e_seconds=e2e,
         queue_seconds=non_negative_number(meta, "queue_time"),
         decode_seconds=decode,
+        dropped_values=tuple(dropped),
     )
 
 
@@ -154,6 +162,7 @@ class SglangFileFollower:
         self.files: dict[str, _Followed] = {}
         self._started = False
         self._missing_logged = False
+        self._throttle = LogThrottle()  # the engine's files can repeat every line below at will
         self._task: asyncio.Task | None = None
         for result in ("request", "malformed"):  # zero series from the start
             with contextlib.suppress(Exception):
@@ -204,8 +213,8 @@ class SglangFileFollower:
                 f.seek(state.offset)
                 data = f.read(min(size - state.offset, MAX_READ_BYTES))
         except OSError as exc:
-            log.warning("sglang_request_files[%s]: cannot read %s: %s", self.config.replica, path,
-                        exc.strerror or exc)
+            self._throttle.log(log, logging.WARNING, "read", "sglang_request_files[%s]: cannot read %s: %s",
+                               self.config.replica, path, exc.strerror or exc)
             return []
         end = data.rfind(b"\n")
         if end < 0:
@@ -244,7 +253,8 @@ class SglangFileFollower:
             try:
                 records = await asyncio.to_thread(self.poll)
             except Exception as exc:
-                log.exception("sglang_request_files[%s]: poll failed", self.config.replica)
+                self._throttle.log(log, logging.ERROR, "poll", "sglang_request_files[%s]: poll failed",
+                                   self.config.replica, exc_info=True)
                 records, self.error = [], repr(exc)
             if self.report is not None:
                 with contextlib.suppress(Exception):
@@ -253,7 +263,8 @@ class SglangFileFollower:
                 try:
                     sink(record)
                 except Exception:
-                    log.exception("sglang_request_files[%s]: request sink failed", self.config.replica)
+                    self._throttle.log(log, logging.ERROR, "sink", "sglang_request_files[%s]: request sink "
+                                       "failed", self.config.replica, exc_info=True)
             await asyncio.sleep(self.config.poll_s)
 
     def start(self, sink: Sink) -> None:

@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
+from kvwatch.requests.values import VALUES_DROPPED, bounded_count, out_of_range
 from kvwatch.selfmetrics import Count, Report
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Decoded:
     link: PluginLink
     steps: tuple[EngineStep, ...]
     records: tuple[RequestRecord, ...]
+    #: step counts over MAX_COUNT, left out of their step (``step_<key>``); a record names its own
+    dropped_step_values: tuple[str, ...] = ()
 
 
 def _num(value: Any, what: str) -> float | None:
@@ -103,6 +107,11 @@ def request_record(fields: Mapping[str, Any], replica: str, model_name: str, sen
     if reason is not None and not isinstance(reason, str):
         raise DatagramError("malformed", "reason must be a string or null")
     e2e = _num(f.get("e2e"), "e2e")
+    dropped: list[str] = []
+    prompt, output, limit, preemptions, cached = (
+        bounded_count(_int(f.get(key), key), field, dropped) for key, field in (
+            ("prompt", "prompt_tokens"), ("output", "output_tokens"), ("max_tokens", "max_tokens"),
+            ("preemptions", "preemptions"), ("cached", "cached_prompt_tokens")))
     return RequestRecord(
         replica=replica,
         model_name=model_name,
@@ -110,15 +119,16 @@ def request_record(fields: Mapping[str, Any], replica: str, model_name: str, sen
         outcome=OUTCOMES.get(reason or "", Outcome.COMPLETED),
         started_at=sent_at - e2e if e2e is not None else sent_at,
         finish_reason=reason[:16] if reason else None,
-        prompt_tokens=_int(f.get("prompt"), "prompt"),
-        output_tokens=_int(f.get("output"), "output"),
-        max_tokens=_int(f.get("max_tokens"), "max_tokens"),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        max_tokens=limit,
         e2e_seconds=e2e,
         queue_seconds=_num(f.get("queue"), "queue"),
         prefill_seconds=_num(f.get("prefill"), "prefill"),
         decode_seconds=_num(f.get("decode"), "decode"),
-        preemptions=_int(f.get("preemptions"), "preemptions"),
-        cached_prompt_tokens=_int(f.get("cached"), "cached"),
+        preemptions=preemptions,
+        cached_prompt_tokens=cached,
+        dropped_values=tuple(dropped),
     )
 
 
@@ -134,33 +144,41 @@ def _evictions(raw: Any) -> tuple[EvictionSample, ...]:
 
 
 def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions: Any,
-                left_out: Any) -> EngineStep:
+                left_out: Any, dropped: list[str] | None = None) -> EngineStep:
+    """One step of a datagram; a count over ``MAX_COUNT`` becomes None, named in ``dropped``."""
     s = _mapping(raw, "s")
     shape = _list(s.get("it"), "it")
     if shape and len(shape) != 5:
         raise DatagramError("malformed", "it must be [ctx requests, ctx tokens, gen requests, gen tokens, "
                                          "ms]")
-    ctx_r, ctx_t, gen_r, gen_t = (_int(v, "a batch count") for v in shape[:4]) if shape else (None,) * 4
+    noted: list[str] = [] if dropped is None else dropped
+
+    def count(value: Any, what: str) -> int | None:
+        return bounded_count(_int(value, what), f"step_{what}", noted)
+
+    ctx_r, ctx_t, gen_r, gen_t = (count(v, name) for v, name in zip(
+        shape[:4], ("ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens"), strict=True)) \
+        if shape else (None,) * 4
     usage = _num(s.get("kv"), "kv")
     at = _num(s.get("t"), "t")
     return EngineStep(
         replica=replica,
         dp_rank=dp_rank,
         at=at if at is not None else sent_at,
-        running=_int(s.get("run"), "run"),
-        waiting=_int(s.get("wait"), "wait"),
+        running=count(s.get("run"), "run"),
+        waiting=count(s.get("wait"), "wait"),
         kv_usage_ratio=usage,
         ctx_requests=ctx_r,
         ctx_tokens=ctx_t,
         gen_requests=gen_r,
         gen_tokens=gen_t,
         elapsed_ms=_num(shape[4], "elapsed_ms") if shape else None,
-        preempted=_int(s.get("preempted"), "preempted"),
-        resumed_requests=_int(s.get("pre_req"), "pre_req"),
-        resumed_queried_tokens=_int(s.get("pre_q"), "pre_q"),
-        resumed_hit_tokens=_int(s.get("pre_h"), "pre_h"),
+        preempted=count(s.get("preempted"), "preempted"),
+        resumed_requests=count(s.get("pre_req"), "pre_req"),
+        resumed_queried_tokens=count(s.get("pre_q"), "pre_q"),
+        resumed_hit_tokens=count(s.get("pre_h"), "pre_h"),
         evictions=_evictions(evictions),
-        evictions_left_out=_int(left_out, "evx") or 0,
+        evictions_left_out=count(left_out, "evx") or 0,
     )
 
 
@@ -185,11 +203,12 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     dp_rank = str(engine)
     link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
                       _int(body.get("d"), "d"), _int(body.get("ds"), "ds"))
+    dropped: list[str] = []
     steps = tuple(engine_step(raw, replica, dp_rank, sent_at, body.get("ev") if i == 0 else None,
-                              body.get("evx") if i == 0 else None)
+                              body.get("evx") if i == 0 else None, dropped)
                   for i, raw in enumerate(_list(body.get("s"), "s")))
     records = tuple(request_record(f, replica, model_name, sent_at) for f in _list(body.get("f"), "f"))
-    return Decoded(link, steps, records)
+    return Decoded(link, steps, records, tuple(dropped))
 
 
 class PluginReceiver:
@@ -212,7 +231,7 @@ class PluginReceiver:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._warned_at = -60.0
+        self._throttle = LogThrottle()  # the engine process can repeat every line below at will
 
     async def start(self) -> None:
         sock = bind_socket(self.path)
@@ -244,7 +263,8 @@ class PluginReceiver:
                 continue
             except OSError as exc:
                 if not self._stopping.is_set():
-                    log.warning("vllm plugin: receiving on %s failed: %s", self.path, exc)
+                    self._throttle.log(log, logging.WARNING, "receive",
+                                       "vllm plugin: receiving on %s failed: %s", self.path, exc)
                     time.sleep(POLL_S)
                 continue
             self.handle(data)
@@ -263,13 +283,16 @@ class PluginReceiver:
             self._warn(exc)
             return
         self._count("accepted")
+        for field in decoded.dropped_step_values:
+            with contextlib.suppress(Exception):
+                self.count(VALUES_DROPPED, self.replica, SOURCE, out_of_range(field))
         try:
             for step in decoded.steps or (None,):
                 self.steps(decoded.link, step)
             for record in decoded.records:
                 self.records(record)
         except Exception:
-            log.exception("vllm plugin: a sink failed")
+            self._throttle.log(log, logging.ERROR, "sink", "vllm plugin: a sink failed", exc_info=True)
         if self.report is not None:
             with contextlib.suppress(Exception):
                 self.report(f"{COLLECTOR}:{self.replica}", True, time.perf_counter() - started)
@@ -281,10 +304,8 @@ class PluginReceiver:
             log.exception("vllm plugin: counting failed")
 
     def _warn(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if now - self._warned_at >= 60.0:
-            self._warned_at = now
-            log.warning("vllm plugin: dropped a datagram on %s: %s", self.path, exc)
+        self._throttle.log(log, logging.WARNING, "dropped", "vllm plugin: dropped a datagram on %s: %s",
+                           self.path, exc)
 
 
 def bind_socket(path: str) -> socket.socket:

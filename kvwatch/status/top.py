@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvwatch import texttable
+from kvwatch.safetext import terminal_safe
 from kvwatch.status.cells import Table, summary_line, tables
 from kvwatch.status.view import StatusView
 
@@ -15,23 +16,6 @@ def kv_bar(allocated: float, live: float, width: int = BAR_WIDTH) -> str:
     live_cells = round(max(0.0, min(live, 1.0)) * width)
     used_cells = max(round(max(0.0, min(allocated, 1.0)) * width), live_cells)
     return "[" + "#" * live_cells + "-" * (used_cells - live_cells) + "." * (width - used_cells) + "]"
-
-
-def terminal_safe(text: str) -> str:
-    """``text`` with every non-printable character written as an escape (``\\x1b``, ``\\x9b``,
-    ``\\u202e``): engines supply label values, model names and errors, and raw control characters
-    (C0, DEL, C1, ESC sequences, line separators, bidi overrides) could clear the operator's screen
-    or paint a fake alert."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _table_text(table: Table) -> str:

@@ -20,7 +20,7 @@ _spec.loader.exec_module(fuzz)
 
 PIECES = ['vllm:x', 'm_total', 'h_bucket', '{', '}', 'a="1"', 'engine="', '"', ",", "=", " ", "\t", "1",
           "-5", "NaN", "+Inf", "1e3", "\\", "\\n", "\n", "\r\n", "# TYPE m counter\n", "# HELP m x\n",
-          "# EOF", "_created", "other", "²"]
+          "# EOF", "_created", "other", "²", "\x1b", "\x07", "\u202e", "\x00"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -33,3 +33,14 @@ def test_grammar_pieces_parse_the_same_in_any_slices(text):
 @given(st.binary(max_size=400))
 def test_random_bytes_parse_or_refuse(data):
     fuzz.one_input(data)
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus" / "exposition"
+
+
+def test_the_hostile_seeds_in_the_corpus_hold_the_invariants():
+    seeds = sorted(CORPUS.iterdir())
+    hostile = {"label-value-esc-bel", "label-value-escaped-newline", "absurd-counter-value"}
+    assert hostile <= {s.name for s in seeds}
+    for seed in seeds:
+        fuzz.one_input(seed.read_bytes())
