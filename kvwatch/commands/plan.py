@@ -22,10 +22,13 @@ Plan capacity from the node's own traffic (docs/planning.md):
   kvwatch plan calibrate --load http://127.0.0.1:8000 --max-num-seqs 8 -o calibration.yaml
   kvwatch plan replay LEDGER_OR_TRACE [--calibration calibration.yaml] [--candidate c.yaml] [--html out.html]
   kvwatch plan compare LEDGER --slo alerts/slo.yaml --gpus 8 [--html out.html]
+  kvwatch plan replay | kvwatch plan compare   (no trace: the demo's default workload and node)
   kvwatch plan export LEDGER -o trace.jsonl   (Mooncake JSONL: timestamp, input_length, output_length)
 
 `kvwatch plan replay TRACE` with neither --calibration nor --candidate replays on the demo's
-default node (8x H200, Qwen3-32B as 8 data-parallel replicas), uncalibrated, and says so.
+default node (8x H200, Qwen3-32B as 8 data-parallel replicas), uncalibrated, and says so. With no
+LEDGER_OR_TRACE at all, replay and compare use the demo's default workload (its first simulated hour:
+reasoning requests at 1/s with a 1.5x burst), so one command shows a plan.
 
 Exit status 0 on success, 1 when an input cannot be used (the message names the file, line or key)."""
 
@@ -84,16 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.set_defaults(_plan=_calibrate)
 
     rep = sub.add_parser("replay", help="replay a ledger or trace on a twin, next to the recorded figures")
-    rep.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
+    rep.add_argument("inputs", nargs="*", metavar="LEDGER_OR_TRACE", help=_NO_TRACE)
     _twin_arguments(rep)
     rep.add_argument("--html", metavar="OUT", help="write the replay as HTML")
     rep.set_defaults(_plan=_replay)
 
     cmp_ = sub.add_parser("compare", help="sweep candidate configurations against per-band SLOs")
-    cmp_.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
-    cmp_.add_argument("--slo", required=True, metavar="FILE", help="SLO file (alerts/slo.yaml format)")
+    cmp_.add_argument("inputs", nargs="*", metavar="LEDGER_OR_TRACE", help=_NO_TRACE)
+    cmp_.add_argument("--slo", default="alerts/slo.yaml", metavar="FILE",
+                      help="SLO file (default alerts/slo.yaml, as kvwatch rules)")
     cmp_.add_argument(
-        "--gpus", required=True, type=int, metavar="N", help="the most GPUs a candidate may use"
+        "--gpus", default=8, type=int, metavar="N",
+        help="the most GPUs a candidate may use (default 8: the demo's node)",
     )
     cmp_.add_argument("--model", default=None, metavar="PRESET", help="model preset (default: the demo's)")
     cmp_.add_argument(
@@ -117,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("inputs", nargs="+", metavar="LEDGER")
     exp.add_argument("-o", "--output", required=True, metavar="FILE")
     exp.set_defaults(_plan=_export)
+
+
+_NO_TRACE = "ledger files or one trace (none: the demo's default workload, its first simulated hour)"
 
 
 def _twin_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,11 +239,11 @@ def _replay(args: argparse.Namespace) -> int:
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.plan.calibration import load_calibration
     from kvwatch.plan.candidate import CALIBRATED, Candidate, load_candidate
-    from kvwatch.plan.inputs import read_workload
+    from kvwatch.plan.inputs import workload_of
     from kvwatch.plan.render import render_replay_html, render_replay_text
     from kvwatch.plan.replay import replay
 
-    workload = read_workload(args.inputs, limit=args.limit)
+    workload = workload_of(args.inputs, args.limit)
     calibration = load_calibration(args.calibration) if args.calibration else None
     if args.candidate:
         candidate = load_candidate(args.candidate)
@@ -243,7 +251,7 @@ def _replay(args: argparse.Namespace) -> int:
         candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED)
     else:
         candidate = Candidate(name="demo default node")
-    recorded = _recorded(args.inputs, workload.kind)
+    recorded = _recorded(args.inputs, workload.kind) if args.inputs else None
     bands = _bands(args, recorded) or DEFAULT_BANDS
     result = replay(workload, candidate, calibration, bands=bands, sample_every=args.sample_every)
     if not args.candidate and calibration is None:

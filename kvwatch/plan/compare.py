@@ -40,7 +40,7 @@ import numpy as np
 from kvwatch.model import LengthBands
 from kvwatch.plan.calibration import Calibration, load_calibration
 from kvwatch.plan.candidate import Candidate, CandidateError
-from kvwatch.plan.inputs import Workload, read_workload
+from kvwatch.plan.inputs import Workload, workload_of
 from kvwatch.plan.replay import ReplayResult, replay
 from kvwatch.sim.models import GPUS, model_preset
 from kvwatch.sim.presets import DEMO_MODEL
@@ -413,7 +413,7 @@ def main_compare(args: argparse.Namespace) -> int:
     slo = load_slo_file(args.slo)
     if args.gpus < 1:
         raise CandidateError(f"--gpus must be >= 1, got {args.gpus}")
-    workload = read_workload(args.inputs, limit=args.limit)
+    workload = workload_of(args.inputs, args.limit)
     calibration = load_calibration(args.calibration) if args.calibration else None
     prices = parse_prices(getattr(args, "price", None))
     evaluated = sweep(
