@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -76,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LABELS",
         help='--prometheus: label matchers, e.g. instance="node1:8000"',
     )
+    cal.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="the engine's --tensor-parallel-size, for data that does not say (default: unknown, taken "
+        "as 1); step-sample lines with a 'tp' key and --tp-label series keep their own",
+    )
+    cal.add_argument(
+        "--tp-label",
+        metavar="LABEL",
+        help="--prometheus: a label whose value is each series' TP degree (e.g. a target label set in "
+        "the scrape config); one fit per degree",
+    )
     cal.add_argument("--max-num-seqs", type=int, metavar="N", help="the engine's --max-num-seqs (recorded)")
     cal.add_argument(
         "--max-num-batched-tokens",
@@ -113,6 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp_.add_argument("--top", type=int, default=5, metavar="N", help="candidates to print")
     cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
+    cmp_.add_argument(
+        "--calibrated-on", choices=("h100", "h200", "b200"), metavar="GPU",
+        help="the GPU type the calibration was measured on (with a preset --model): those candidates "
+        "are timed by the fit of their layout where the calibration observed it, else by the roofline",
+    )
     cmp_.add_argument("--price", metavar="TYPE=PRICE,...",
                       help="price per GPU-hour by type, e.g. h100=2.5,h200=3.5,b200=6 (default 1 each)")
     cmp_.add_argument("--html", metavar="OUT", help="write the comparison as HTML (attainment vs GPUs)")
@@ -168,7 +187,7 @@ def _now() -> str:
 def _calibrate(args: argparse.Namespace) -> int:
     from kvwatch.plan import sources
     from kvwatch.plan.calibration import Calibration, EngineShape
-    from kvwatch.plan.fit import fit_step_cost
+    from kvwatch.plan.fit import FitError, fits_by_tp
 
     shape = EngineShape(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine_url = args.engine_url or args.load
@@ -200,6 +219,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             window=args.window,
             selector=args.selector,
             shape=shape,
+            tp_label=args.tp_label,
         )
         source = "prometheus"
         notes.append(
@@ -211,8 +231,19 @@ def _calibrate(args: argparse.Namespace) -> int:
         obs = sources.calibration_load(args.load.rstrip("/"), shape.model_name)
         source, window = "load", f"calibration load against {args.load} at {_now()}"
         notes.append("prefill observations are a lone request's TTFT (frontend latency included)")
-    fit = fit_step_cost(obs)
-    cal = Calibration(source, fit, shape, _now(), window, tuple(notes))
+    if args.tp is not None and args.tp < 1:
+        raise FitError(f"--tp must be >= 1, got {args.tp}")
+    fits = fits_by_tp([o if o.tp is not None else dataclasses.replace(o, tp=args.tp) for o in obs])
+    if None in fits and len(fits) > 1:
+        raise FitError(
+            "some observations carry a TP degree and some do not: pass --tp for those that do not"
+        )
+    main_tp = next(iter(fits))  # the lowest degree
+    if len(fits) > 1:
+        notes.append(f"one fit per TP degree: {', '.join(f'TP={tp}' for tp in fits)}")
+    shape = dataclasses.replace(shape, tensor_parallel_size=main_tp)
+    others = tuple((tp, fit) for tp, fit in fits.items() if tp is not None and tp != main_tp)
+    cal = Calibration(source, fits[main_tp], shape, _now(), window, tuple(notes), others)
     cal.dump(args.output)
     from kvwatch.plan.calibration import describe
 

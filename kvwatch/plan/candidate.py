@@ -18,10 +18,12 @@ import yaml
 
 from kvwatch.config import safe_load
 from kvwatch.plan.calibration import Calibration
+from kvwatch.plan.fit import StepFit
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.models import ModelSpec, gpu_preset, model_preset
 from kvwatch.sim.presets import DEMO_MODEL
 from kvwatch.sim.routing import POLICIES
+from kvwatch.sim.steptime import StepCost
 
 STEP_MODELS = ("roofline", "calibrated")
 ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
@@ -183,7 +185,7 @@ def engine_config(
             kv_cache_dtype=c.kv_cache_dtype,
             enable_prefix_caching=c.enable_prefix_caching,
             kv_offload_bytes=c.cpu_offload_gb * 1e9,
-            step_cost=cal.cost if CALIBRATED in (c.step_model, c.model) and cal else None,
+            step_cost=_calibrated_cost(c, cal),
             admission=_engine_admission(c.admission),
             admission_output_budget=output_budget or 0,
             admission_headroom=c.admission_headroom if c.admission == "quantile_budget" else 0.0,
@@ -196,6 +198,31 @@ def engine_config(
             raise
         raise CandidateError(f"candidate {c.name!r} ({c.label()}) cannot run: {exc}") from None
     return config
+
+
+def observed_fit(c: Candidate, cal: Calibration | None) -> StepFit | None:
+    """The calibration's fit for this candidate's layout, when it asks for one and it was observed."""
+    if cal is None or CALIBRATED not in (c.step_model, c.model):
+        return None
+    return cal.fit_for(c.tp, c.pp, c.expert_parallel)
+
+
+def unobserved_layout(c: Candidate, cal: Calibration | None) -> bool:
+    """The candidate asks for the calibration but its layout was never observed in it."""
+    return cal is not None and CALIBRATED in (c.step_model, c.model) and observed_fit(c, cal) is None
+
+
+def _calibrated_cost(c: Candidate, cal: Calibration | None) -> StepCost | None:
+    fit = observed_fit(c, cal)
+    if fit is None and c.model == CALIBRATED and unobserved_layout(c, cal):
+        assert cal is not None
+        observed = ", ".join(f"TP={tp}" for tp in cal.observed_tp)
+        raise CandidateError(
+            f"candidate {c.name!r} ({c.layout()}): this layout was never observed in the calibration "
+            f"(observed: {observed}, one stage, no expert parallelism) and a calibrated engine has no "
+            "roofline to time it by"
+        )
+    return None if fit is None else fit.cost
 
 
 def _engine_admission(admission: str) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvwatch.model import OUTCOMES, LengthBands, Outcome, RequestRecord
 from kvwatch.plan.calibration import Calibration
-from kvwatch.plan.candidate import CALIBRATED, Candidate, engine_config
+from kvwatch.plan.candidate import Candidate, engine_config, observed_fit, unobserved_layout
 from kvwatch.plan.inputs import Workload
 from kvwatch.report.load import Loaded
 from kvwatch.report.summary import Report, summarize
@@ -101,18 +101,30 @@ class LongPoolRouter(Router):
         return min(order, key=lambda i: loads[i])
 
 
+ROOFLINE_WORDS = (
+    "uncalibrated: datasheet roofline (HBM bandwidth x 0.8, dense FLOPS x 0.5, 1.5 ms per step); "
+    "not validated on this hardware"
+)
+
+
 def step_model_words(c: Candidate, cal: Calibration | None) -> tuple[str, bool]:
-    if cal is not None and CALIBRATED in (c.step_model, c.model):
-        q = cal.fit.quality
+    fit = observed_fit(c, cal)
+    if fit is not None:
+        assert cal is not None
+        q = fit.quality
         r2 = "n/a" if q.r2 is None else f"{q.r2:.3f}"
         return (
-            f"calibrated ({cal.source}, {q.observations} observations, R2 {r2}, "
+            f"calibrated at TP={c.tp} ({cal.source}, {q.observations} observations, R2 {r2}, "
             f"|residual| p50 {q.residual_p50:.1%})"
         ), True
-    return (
-        "uncalibrated: datasheet roofline (HBM bandwidth x 0.8, dense FLOPS x 0.5, 1.5 ms per step); "
-        "not validated on this hardware"
-    ), False
+    if unobserved_layout(c, cal):
+        assert cal is not None
+        observed = ", ".join(f"TP={tp}" for tp in cal.observed_tp)
+        return (
+            f"layout {c.layout()} never observed in the calibration (observed: {observed}, one stage): "
+            f"its time is the roofline's; {ROOFLINE_WORDS}"
+        ), False
+    return ROOFLINE_WORDS, False
 
 
 def output_budget(workload: Workload, quantile: float) -> int:
