@@ -52,6 +52,7 @@ class Candidate:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = False
     cpu_offload_gb: float = 0.0  # per replica (vLLM --kv-offloading-size)
+    gpus_per_pcie_switch: int | None = None  # GPUs sharing one host uplink (None: the GPU preset's, 1)
     admission: str = "none"
     admission_quantile: float = 0.9  # quantile_budget: output budget = this quantile of outputs
     admission_headroom: float = 0.1  # quantile_budget: share of the pool kept for overruns
@@ -86,6 +87,8 @@ class Candidate:
         ]
         if self.cpu_offload_gb:
             parts.append(f"CPU tier {self.cpu_offload_gb:g} GB")
+        if self.gpus_per_pcie_switch and self.gpus_per_pcie_switch > 1:
+            parts.append(f"{self.gpus_per_pcie_switch} GPUs per PCIe switch")
         if self.admission != "none":
             parts.append(f"admission {self.admission}")
         return ", ".join(parts)
@@ -99,6 +102,7 @@ class Candidate:
             ("max_num_seqs", self.max_num_seqs >= 1),
             ("block_size", self.block_size >= 1),
             ("cpu_offload_gb", self.cpu_offload_gb >= 0),
+            ("gpus_per_pcie_switch", self.gpus_per_pcie_switch is None or self.gpus_per_pcie_switch >= 1),
             ("admission_quantile", 0 < self.admission_quantile <= 1),
             ("admission_headroom", 0 <= self.admission_headroom < 1),
             ("long_pool_share", 0 < self.long_pool_share < 1),
@@ -185,6 +189,7 @@ def engine_config(
             kv_cache_dtype=c.kv_cache_dtype,
             enable_prefix_caching=c.enable_prefix_caching,
             kv_offload_bytes=c.cpu_offload_gb * 1e9,
+            gpus_per_pcie_switch=c.gpus_per_pcie_switch,
             step_cost=_calibrated_cost(c, cal),
             admission=_engine_admission(c.admission),
             admission_output_budget=output_budget or 0,

@@ -74,6 +74,9 @@ class Evaluated:
     wall_seconds: float = 0.0
     timed_by: str = "roofline"  # "fit TP=n" (the calibration's fit for this layout), "roofline", or
     # "roofline (never observed)": asked for the calibration, whose data never had this layout
+    offload_bytes: float = 0.0  # CPU tier: stored + loaded over PCIe
+    recompute_avoided_per_byte: float | None = None  # tokens loaded back instead of recomputed, per byte
+    offload_queue_seconds: float = 0.0  # steps' wait for busy (shared) uplinks beyond their own transfer
 
     @property
     def meets(self) -> bool:
@@ -201,6 +204,9 @@ def _evaluate(candidate: Candidate) -> Evaluated:
         total.e2e_p99_seconds,
         result.wall_seconds,
         timed_by,
+        result.node.offload_bytes,
+        result.node.recompute_avoided_per_byte,
+        result.node.offload_queue_seconds,
     )
 
 
@@ -304,6 +310,32 @@ def sweep(
     return ranked(results, prices)
 
 
+def tier_report(evaluated: Sequence[Evaluated]) -> list[str]:
+    """One line per runnable candidate with a CPU tier: PCIe bytes, tokens loaded back per MB moved,
+    the steps' wait for busy uplinks, and completed requests per GPU-hour and preemptions against the
+    same candidate without the tier (when the sweep ran it)."""
+    def key(c: Candidate) -> Candidate:
+        return dataclasses.replace(c, name="", cpu_offload_gb=0.0)
+
+    bases = {key(e.candidate): e for e in evaluated if e.error is None and not e.candidate.cpu_offload_gb}
+    lines = []
+    for e in evaluated:
+        if e.error is not None or not e.candidate.cpu_offload_gb:
+            continue
+        ratio = e.recompute_avoided_per_byte
+        line = (f"- {e.candidate.name}: {e.offload_bytes / 1e9:,.1f} GB over PCIe, "
+                f"{'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens loaded back per MB moved, "
+                f"steps waited {e.offload_queue_seconds:,.1f} s for busy uplinks")
+        base = bases.get(key(e.candidate))
+        done, before = e.completed_per_gpu_hour, base.completed_per_gpu_hour if base else None
+        if base is not None and done is not None and before is not None:
+            line += (f"; extra work admitted: {done - before:+,.1f} "
+                     f"completed/GPU-h, preemptions {base.preemptions:,} -> {e.preemptions:,} "
+                     f"(without the tier: {base.candidate.name})")
+        lines.append(line)
+    return lines
+
+
 def parse_prices(text: str | None) -> dict[str, float]:
     prices: dict[str, float] = {}
     for part in (text or "").split(","):
@@ -385,6 +417,10 @@ def render_compare_text(
         )
     if not meeting and max_gpus is not None:
         margins += ["", "what would close the gap:", *gap_advice(evaluated, max_gpus, prices)]
+    tiers = tier_report(evaluated)
+    if tiers:
+        margins += ["", "CPU tier: recompute avoided per byte moved, and the extra work it admitted "
+                    "(against the same candidate without the tier):", *tiers]
     cannot = [e for e in evaluated if e.error is not None]
     tail = (
         [f"{len(cannot)} candidate(s) cannot run:"] + [f"  {e.error}" for e in cannot[:10]] if cannot else []
