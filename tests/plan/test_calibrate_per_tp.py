@@ -101,3 +101,18 @@ def test_compare_names_how_each_candidate_was_timed(tmp_path, capsys):
     assert by_layout[("b200", 2, 1)].timed_by == "roofline"
     text = render_compare_text(out, workload, 40, {}, cal, 4)
     assert "their layout was never observed" in text and "roofline (never observed)" in text
+
+
+def test_a_prometheus_series_without_a_usable_tp_label_is_refused_by_name():
+    from kvwatch.plan.prometheus import _tp_of
+    from kvwatch.plan.sources import SourceError
+
+    assert _tp_of("2", "tp", ("node1:8000", "0", "2")) == 2
+    assert _tp_of(None, None, ("node1:8000", "0", None)) is None  # no --tp-label: the degree is unknown
+    for bad in (None, "two", "0"):
+        try:
+            _tp_of(bad, "tp", ("node1:8000", "0", bad))
+        except SourceError as exc:
+            assert "instance='node1:8000'" in str(exc) and f"tp={bad!r}" in str(exc)
+        else:
+            raise AssertionError(f"tp={bad!r} was accepted")
