@@ -279,7 +279,8 @@ def _replay(args: argparse.Namespace) -> int:
     if args.candidate:
         candidate = load_candidate(args.candidate)
     elif calibration is not None:
-        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED)
+        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED,
+                              tp=calibration.engine.tensor_parallel_size or 1)
     else:
         candidate = Candidate(name="demo default node")
     recorded = _recorded(args.inputs, workload.kind) if args.inputs else None

@@ -116,3 +116,19 @@ def test_a_prometheus_series_without_a_usable_tp_label_is_refused_by_name():
             assert "instance='node1:8000'" in str(exc) and f"tp={bad!r}" in str(exc)
         else:
             raise AssertionError(f"tp={bad!r} was accepted")
+
+
+def test_replay_of_a_calibration_measured_at_tp2_is_the_tp2_engine(tmp_path, capsys):
+    steps = tmp_path / "steps.jsonl"
+    _samples(steps, with_tp=False)
+    cal = tmp_path / "cal.yaml"
+    assert main(["plan", "calibrate", "--step-samples", str(steps), "--tp", "2", "-o", str(cal)]) == 0
+    loaded = load_calibration(cal)
+    shaped = dataclasses.replace(loaded, engine=dataclasses.replace(
+        loaded.engine, block_size=16, num_gpu_blocks=80, max_model_len=1024, max_num_batched_tokens=2048))
+    shaped.dump(cal)
+    ledger = tmp_path / "ledger.jsonl"
+    write_ledger(ledger, tiny_engine(), requests(30))
+    capsys.readouterr()
+    assert main(["plan", "replay", str(ledger), "--calibration", str(cal)]) == 0
+    assert "step time: calibrated at TP=2" in capsys.readouterr().out
