@@ -322,6 +322,9 @@ def tier_report(evaluated: Sequence[Evaluated]) -> list[str]:
     for e in evaluated:
         if e.error is not None or not e.candidate.cpu_offload_gb:
             continue
+        if not e.offload_bytes:
+            lines.append(f"- {e.candidate.name}: never used (nothing was preempted, so nothing was kept)")
+            continue
         ratio = e.recompute_avoided_per_byte
         line = (f"- {e.candidate.name}: {e.offload_bytes / 1e9:,.1f} GB over PCIe, "
                 f"{'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens loaded back per MB moved, "

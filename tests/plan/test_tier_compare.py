@@ -64,3 +64,6 @@ def test_compare_reports_the_ratio_and_the_extra_work_against_the_same_candidate
     assert "extra work admitted: +107.1 completed/GPU-h" in line and "preemptions 660 -> 236" in line
     assert "(without the tier: small-cache)" in line
     assert tier_report([base]) == []
+    unused = dataclasses.replace(tier, offload_bytes=0.0, recompute_avoided_per_byte=None)
+    assert tier_report([base, unused]) == ["- small-cache-offload200: never used (nothing was preempted, so "
+                                           "nothing was kept)"]
