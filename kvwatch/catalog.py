@@ -261,6 +261,10 @@ CATALOG: tuple[MetricSpec, ...] = (
        "1 while the condition holds on the replica's GPU links: offload_pcie_bound (KV tier traffic "
        ">= 80% of link capacity), link_down_trained (narrower than max width, or below max generation "
        "while busy), foreign_bus_traffic (PCIe traffic far above what KV tiering explains).", "derived"),
+    _m("kvwatch_kv_tier_recompute_avoided_tokens_per_byte", "gauge", ("replica",),
+       "Recompute avoided per byte moved by the replica's KV tiers over the rate window: tokens loaded "
+       "back to the GPU (instead of recomputed) per byte offloaded plus onloaded; 0 when KV moves and "
+       "none comes back. From vLLM offload, LMCache or SGLang HiCache counters.", "derived"),
     _m("kvwatch_gpu_pcie_link_max_bytes_per_second", "gauge", GPU,
        "Theoretical one-direction PCIe bandwidth of the link as currently trained.", "derived"),
     # ---- GPUs (NVML) ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -22,10 +23,13 @@ Plan capacity from the node's own traffic (docs/planning.md):
   kvwatch plan calibrate --load http://127.0.0.1:8000 --max-num-seqs 8 -o calibration.yaml
   kvwatch plan replay LEDGER_OR_TRACE [--calibration calibration.yaml] [--candidate c.yaml] [--html out.html]
   kvwatch plan compare LEDGER --slo alerts/slo.yaml --gpus 8 [--html out.html]
+  kvwatch plan replay | kvwatch plan compare   (no trace: the demo's default workload and node)
   kvwatch plan export LEDGER -o trace.jsonl   (Mooncake JSONL: timestamp, input_length, output_length)
 
 `kvwatch plan replay TRACE` with neither --calibration nor --candidate replays on the demo's
-default node (8x H200, Qwen3-32B as 8 data-parallel replicas), uncalibrated, and says so.
+default node (8x H200, Qwen3-32B as 8 data-parallel replicas), uncalibrated, and says so. With no
+LEDGER_OR_TRACE at all, replay and compare use the demo's default workload (its first simulated hour:
+reasoning requests at 1/s with a 1.5x burst), so one command shows a plan.
 
 Exit status 0 on success, 1 when an input cannot be used (the message names the file, line or key)."""
 
@@ -73,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LABELS",
         help='--prometheus: label matchers, e.g. instance="node1:8000"',
     )
+    cal.add_argument(
+        "--tp",
+        type=int,
+        metavar="N",
+        help="the engine's --tensor-parallel-size, for data that does not say (default: unknown, taken "
+        "as 1); step-sample lines with a 'tp' key and --tp-label series keep their own",
+    )
+    cal.add_argument(
+        "--tp-label",
+        metavar="LABEL",
+        help="--prometheus: a label whose value is each series' TP degree (e.g. a target label set in "
+        "the scrape config); one fit per degree",
+    )
     cal.add_argument("--max-num-seqs", type=int, metavar="N", help="the engine's --max-num-seqs (recorded)")
     cal.add_argument(
         "--max-num-batched-tokens",
@@ -84,16 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.set_defaults(_plan=_calibrate)
 
     rep = sub.add_parser("replay", help="replay a ledger or trace on a twin, next to the recorded figures")
-    rep.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
+    rep.add_argument("inputs", nargs="*", metavar="LEDGER_OR_TRACE", help=_NO_TRACE)
     _twin_arguments(rep)
     rep.add_argument("--html", metavar="OUT", help="write the replay as HTML")
     rep.set_defaults(_plan=_replay)
 
     cmp_ = sub.add_parser("compare", help="sweep candidate configurations against per-band SLOs")
-    cmp_.add_argument("inputs", nargs="+", metavar="LEDGER_OR_TRACE")
-    cmp_.add_argument("--slo", required=True, metavar="FILE", help="SLO file (alerts/slo.yaml format)")
+    cmp_.add_argument("inputs", nargs="*", metavar="LEDGER_OR_TRACE", help=_NO_TRACE)
+    cmp_.add_argument("--slo", default="alerts/slo.yaml", metavar="FILE",
+                      help="SLO file (default alerts/slo.yaml, as kvwatch rules)")
     cmp_.add_argument(
-        "--gpus", required=True, type=int, metavar="N", help="the most GPUs a candidate may use"
+        "--gpus", default=8, type=int, metavar="N",
+        help="the most GPUs a candidate may use (default 8: the demo's node)",
     )
     cmp_.add_argument("--model", default=None, metavar="PRESET", help="model preset (default: the demo's)")
     cmp_.add_argument(
@@ -108,6 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp_.add_argument("--top", type=int, default=5, metavar="N", help="candidates to print")
     cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
+    cmp_.add_argument(
+        "--calibrated-on", choices=("h100", "h200", "b200"), metavar="GPU",
+        help="the GPU type the calibration was measured on (with a preset --model): those candidates "
+        "are timed by the fit of their layout where the calibration observed it, else by the roofline",
+    )
     cmp_.add_argument("--price", metavar="TYPE=PRICE,...",
                       help="price per GPU-hour by type, e.g. h100=2.5,h200=3.5,b200=6 (default 1 each)")
     cmp_.add_argument("--html", metavar="OUT", help="write the comparison as HTML (attainment vs GPUs)")
@@ -117,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.add_argument("inputs", nargs="+", metavar="LEDGER")
     exp.add_argument("-o", "--output", required=True, metavar="FILE")
     exp.set_defaults(_plan=_export)
+
+
+_NO_TRACE = "ledger files or one trace (none: the demo's default workload, its first simulated hour)"
 
 
 def _twin_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,7 +187,7 @@ def _now() -> str:
 def _calibrate(args: argparse.Namespace) -> int:
     from kvwatch.plan import sources
     from kvwatch.plan.calibration import Calibration, EngineShape
-    from kvwatch.plan.fit import fit_step_cost
+    from kvwatch.plan.fit import FitError, fits_by_tp
 
     shape = EngineShape(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine_url = args.engine_url or args.load
@@ -192,6 +219,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             window=args.window,
             selector=args.selector,
             shape=shape,
+            tp_label=args.tp_label,
         )
         source = "prometheus"
         notes.append(
@@ -203,8 +231,19 @@ def _calibrate(args: argparse.Namespace) -> int:
         obs = sources.calibration_load(args.load.rstrip("/"), shape.model_name)
         source, window = "load", f"calibration load against {args.load} at {_now()}"
         notes.append("prefill observations are a lone request's TTFT (frontend latency included)")
-    fit = fit_step_cost(obs)
-    cal = Calibration(source, fit, shape, _now(), window, tuple(notes))
+    if args.tp is not None and args.tp < 1:
+        raise FitError(f"--tp must be >= 1, got {args.tp}")
+    fits = fits_by_tp([o if o.tp is not None else dataclasses.replace(o, tp=args.tp) for o in obs])
+    if None in fits and len(fits) > 1:
+        raise FitError(
+            "some observations carry a TP degree and some do not: pass --tp for those that do not"
+        )
+    main_tp = next(iter(fits))  # the lowest degree
+    if len(fits) > 1:
+        notes.append(f"one fit per TP degree: {', '.join(f'TP={tp}' for tp in fits)}")
+    shape = dataclasses.replace(shape, tensor_parallel_size=main_tp)
+    others = tuple((tp, fit) for tp, fit in fits.items() if tp is not None and tp != main_tp)
+    cal = Calibration(source, fits[main_tp], shape, _now(), window, tuple(notes), others)
     cal.dump(args.output)
     from kvwatch.plan.calibration import describe
 
@@ -231,19 +270,20 @@ def _replay(args: argparse.Namespace) -> int:
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.plan.calibration import load_calibration
     from kvwatch.plan.candidate import CALIBRATED, Candidate, load_candidate
-    from kvwatch.plan.inputs import read_workload
+    from kvwatch.plan.inputs import workload_of
     from kvwatch.plan.render import render_replay_html, render_replay_text
     from kvwatch.plan.replay import replay
 
-    workload = read_workload(args.inputs, limit=args.limit)
+    workload = workload_of(args.inputs, args.limit)
     calibration = load_calibration(args.calibration) if args.calibration else None
     if args.candidate:
         candidate = load_candidate(args.candidate)
     elif calibration is not None:
-        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED)
+        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED,
+                              tp=calibration.engine.tensor_parallel_size or 1)
     else:
         candidate = Candidate(name="demo default node")
-    recorded = _recorded(args.inputs, workload.kind)
+    recorded = _recorded(args.inputs, workload.kind) if args.inputs else None
     bands = _bands(args, recorded) or DEFAULT_BANDS
     result = replay(workload, candidate, calibration, bands=bands, sample_every=args.sample_every)
     if not args.candidate and calibration is None:

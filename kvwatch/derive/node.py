@@ -33,7 +33,17 @@ from kvwatch.derive.recompute import (
     remember_preemptions,
 )
 from kvwatch.derive.stranded import Stranded, stranded_capacity
-from kvwatch.derive.tiers import BusThresholds, GpuLink, TierLink, gpu_link, tier_links, tier_rates
+from kvwatch.derive.tiers import (
+    BusThresholds,
+    GpuLink,
+    TierLink,
+    TierPayback,
+    TierRate,
+    gpu_link,
+    tier_links,
+    tier_payback,
+    tier_rates,
+)
 from kvwatch.model import GpuSample, InFlightRequest, ReplicaSample
 
 T = TypeVar("T")
@@ -106,6 +116,8 @@ class DerivedView:
     gpu_history: Mapping[str, tuple[GpuSample, ...]] = field(default_factory=dict)
     recompute: Mapping[UnitKey, RecomputeEstimate] = field(default_factory=dict)
     preemptions: Mapping[UnitKey, tuple[PreemptionWindow, ...]] = field(default_factory=dict)
+    #: per replica with KV tier counters: recompute avoided and bytes moved over the rate window
+    tier_payback: tuple[TierPayback, ...] = ()
 
     def baseline(self, key: UnitKey) -> ReplicaSample | None:
         """The sample rates of this unit are measured from (None with fewer than two samples)."""
@@ -195,9 +207,12 @@ def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
     gpu_links = _gpu_links(view, inputs, settings)
     links = [link for name, samples in by_replica.items()
              for link in _replica_links(name, samples, view, inputs, gpu_links, settings)]
+    payback = [p for name, samples in by_replica.items()
+               if (p := _replica_payback(name, samples, view, inputs)) is not None]
     return DerivedView(now, tuple(fragmentation), tuple(units), tuple(overcommit),
                        tuple(stranded.values()), tuple(links), tuple(gpu_links.values()),
-                       band_outcomes(inputs.outcomes), history, gpu_history, recompute, preemptions)
+                       band_outcomes(inputs.outcomes), history, gpu_history, recompute, preemptions,
+                       tuple(payback))
 
 
 def _preemptions(prev: DerivedView, samples: Sequence[ReplicaSample], now: float,
@@ -259,14 +274,30 @@ def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedVie
         if link is None:
             return []  # a mapped GPU is lost or unpolled: the sum over the replica's links is unknown
         gpus.append(link)
+    unit_rates = _unit_tier_rates(name, samples, view, inputs)
+    return [] if unit_rates is None else tier_links(name, unit_rates, gpus, settings.bus)
+
+
+def _unit_tier_rates(name: str, samples: Sequence[ReplicaSample], view: DerivedView,
+                     inputs: NodeInputs) -> list[list[TierRate]] | None:
+    """Tier rates of each DP rank of a replica; None until every rank has a baseline."""
     kv_bytes = inputs.kv_bytes_per_token.get(name)
-    if kv_bytes is not None:
-        # per GPU -> per DP rank: every GPU of a rank (TP/PP) holds and moves its share of each token
-        kv_bytes *= len(mapped) / len(samples)
+    mapped = inputs.replica_gpus.get(name, ())
+    # per GPU -> per DP rank: every GPU of a rank (TP/PP) holds and moves its share of each token;
+    # unknown without the GPU mapping (then only families that count tokens and bytes give both)
+    kv_bytes = kv_bytes * len(mapped) / len(samples) if kv_bytes is not None and mapped else None
     unit_rates = []
     for sample in samples:
         baseline = view.baseline(sample.key)
         if baseline is None:
-            return []  # no rate for this rank yet
+            return None  # no rate for this rank yet
         unit_rates.append(tier_rates(sample, baseline, kv_bytes))
-    return tier_links(name, unit_rates, gpus, settings.bus)
+    return unit_rates
+
+
+def _replica_payback(name: str, samples: Sequence[ReplicaSample], view: DerivedView,
+                     inputs: NodeInputs) -> TierPayback | None:
+    if not any(s.tier_traffic for s in samples):
+        return None
+    unit_rates = _unit_tier_rates(name, samples, view, inputs)
+    return None if unit_rates is None else tier_payback(name, unit_rates)

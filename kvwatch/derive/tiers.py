@@ -14,6 +14,12 @@ each GPU sent (tx) and received (rx) over PCIe. Joined per replica and direction
 - PCIe rate = sum over the replica's GPUs; link capacity = sum of each GPU's theoretical
   one-direction bandwidth at the link generation and width it is trained at now.
 
+What the traffic buys (``TierPayback``, per replica, no GPU mapping needed): every token loaded back
+to the GPU (onload) is a token the engine did not recompute, so recompute avoided per byte moved =
+onload tokens per second / (offload + onload bytes per second). Tokens: the family's token counter
+(SGLang HiCache, LMCache hits); else bytes / KV bytes per token (vLLM's offload counts bytes only).
+0 when KV moves and nothing comes back (stores never reused); unknown when nothing moved.
+
 Flags (thresholds in ``BusThresholds``):
 
 - ``offload_pcie_bound``: the KV rate is at least ``pcie_bound_fraction`` of link capacity.
@@ -54,6 +60,23 @@ class TierRate:
     family: str
     direction: str
     bytes_per_second: float | None
+    tokens_per_second: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierPayback:
+    """What a replica's KV tier traffic bought over the rate window (module doc)."""
+
+    replica: str
+    avoided_tokens_per_second: float | None  # tokens loaded back to the GPU instead of recomputed
+    moved_bytes_per_second: float | None  # offload + onload across the GPUs' links
+
+    @property
+    def tokens_per_byte(self) -> float | None:
+        """Recompute avoided per byte moved; None when nothing moved or either side is unknown."""
+        if self.avoided_tokens_per_second is None or not self.moved_bytes_per_second:
+            return None
+        return self.avoided_tokens_per_second / self.moved_bytes_per_second
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +135,22 @@ def transferred_bytes(traffic: TierTraffic, block_size: int | None,
     return None
 
 
+def transferred_tokens(traffic: TierTraffic, block_size: int | None,
+                       kv_bytes_per_token: float | None) -> float | None:
+    """Cumulative tokens of a tier counter: counted, else blocks x block size, else bytes / KV bytes
+    per token."""
+    if traffic.tokens_total is not None:
+        return traffic.tokens_total
+    if traffic.blocks_total is not None and block_size:
+        return traffic.blocks_total * block_size
+    if traffic.bytes_total is not None and kv_bytes_per_token:
+        return traffic.bytes_total / kv_bytes_per_token
+    return None
+
+
 def tier_rates(current: ReplicaSample, previous: ReplicaSample,
                kv_bytes_per_token: float | None = None) -> list[TierRate]:
-    """Bytes per second of each GPU-crossing tier counter of one unit between two samples."""
+    """Bytes (and tokens) per second of each GPU-crossing tier counter of one unit between two samples."""
     dt = current.scraped_at - previous.scraped_at
     before = {(t.family, t.src_tier, t.dst_tier): t for t in previous.tier_traffic}
     out = []
@@ -123,25 +159,39 @@ def tier_rates(current: ReplicaSample, previous: ReplicaSample,
         if way is None:
             continue
         old = before.get((traffic.family, traffic.src_tier, traffic.dst_tier))
-        rate = None
+        rate = tokens = None
         if old is not None:
             rate = counters.per_second(transferred_bytes(old, previous.block_size, kv_bytes_per_token),
                                        transferred_bytes(traffic, current.block_size, kv_bytes_per_token), dt)
-        out.append(TierRate(traffic.family, way, rate))
+            tokens = counters.per_second(
+                transferred_tokens(old, previous.block_size, kv_bytes_per_token),
+                transferred_tokens(traffic, current.block_size, kv_bytes_per_token), dt)
+        out.append(TierRate(traffic.family, way, rate, tokens))
     return out
 
 
-def unit_kv_rate(rates: Iterable[TierRate], way: str) -> float | None:
-    """One unit's KV rate in a direction: the largest family rate (families may double count).
+def unit_kv_rate(rates: Iterable[TierRate], way: str, *, tokens: bool = False) -> float | None:
+    """One unit's KV rate in a direction (bytes/s, or tokens/s with ``tokens``): the largest family
+    rate (families may double count).
 
     0 when the unit has no tier counter in that direction; ``None`` when it has some but none can be
-    turned into bytes per second.
+    turned into that unit per second.
     """
-    values = [r.bytes_per_second for r in rates if r.direction == way]
+    values = [r.tokens_per_second if tokens else r.bytes_per_second for r in rates if r.direction == way]
     if not values:
         return 0.0
     known = [v for v in values if v is not None]
     return max(known) if known else None
+
+
+def tier_payback(replica: str, unit_rates: Sequence[Sequence[TierRate]]) -> TierPayback | None:
+    """Recompute avoided and bytes moved by a replica's tiers (one rate list per DP rank); None when
+    the replica has no GPU-crossing tier counter at all."""
+    if not any(unit_rates):
+        return None
+    avoided = counters.total(unit_kv_rate(rates, ONLOAD, tokens=True) for rates in unit_rates)
+    moved = counters.total(unit_kv_rate(rates, way) for rates in unit_rates for way in DIRECTIONS)
+    return TierPayback(replica, avoided, moved)
 
 
 def gpu_link(current: GpuSample, previous: GpuSample | None, link_bandwidth: LinkBandwidth,

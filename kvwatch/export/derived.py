@@ -48,6 +48,7 @@ class DerivedCollector:
         yield from self._overcommit(view, units, up)
         yield from self._stranded(view, up)
         yield from self._tier_links(view, up)
+        yield from self._tier_payback(view, up)
 
     @staticmethod
     def _fragmentation(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
@@ -117,3 +118,12 @@ class DerivedCollector:
                     condition.add_metric([link.replica, link.direction, name], float(flag))
         yield utilization
         yield condition
+
+    @staticmethod
+    def _tier_payback(view: DerivedView, up: set[str]) -> Iterator[Metric]:
+        family = spec("kvwatch_kv_tier_recompute_avoided_tokens_per_byte").gauge()
+        for p in view.tier_payback:
+            ratio = p.tokens_per_byte
+            if p.replica in up and ratio is not None and math.isfinite(ratio):
+                family.add_metric([p.replica], ratio)
+        yield family

@@ -38,42 +38,53 @@ class EngineShape:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    tensor_parallel_size: int | None = None  # TP of the main fit; None: the source did not say
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
+    """The main fit (``fit``, at ``engine.tensor_parallel_size``) and, when the source data had steps
+    of several TP degrees, one fit per other degree (``tp_fits``): each layout timed by its own."""
+
     source: str  # step_samples | prometheus | load
     fit: StepFit
     engine: EngineShape = EngineShape()
     created_at: str = ""
     window: str = ""  # what was measured: a time range, a file, a load description
     notes: tuple[str, ...] = ()
+    tp_fits: tuple[tuple[int, StepFit], ...] = ()  # (tp, fit) for the degrees other than the main one
 
     @property
     def cost(self) -> StepCost:
         return self.fit.cost
 
+    @property
+    def observed_tp(self) -> tuple[int, ...]:
+        """TP degrees with a fit; a source that did not say is taken as TP=1 (one engine, no TP)."""
+        return tuple(sorted({self.engine.tensor_parallel_size or 1, *(tp for tp, _ in self.tp_fits)}))
+
+    def fit_for(self, tp: int, pp: int = 1, expert_parallel: bool = False) -> StepFit | None:
+        """The fit measured at this layout, or None: the layout was never observed (the calibration
+        sources see single-stage engines, so PP > 1 and expert parallelism are never observed)."""
+        if pp != 1 or expert_parallel:
+            return None
+        if tp == (self.engine.tensor_parallel_size or 1):
+            return self.fit
+        return next((fit for t, fit in self.tp_fits if t == tp), None)
+
     def to_mapping(self) -> dict[str, Any]:
-        q = self.fit.quality
-        return {
+        out: dict[str, Any] = {
             FORMAT_KEY: FORMAT_VERSION,
             "source": self.source,
             "created_at": self.created_at,
             "window": self.window,
             "engine": {k: v for k, v in dataclasses.asdict(self.engine).items() if v is not None},
-            "step_cost": dataclasses.asdict(self.fit.cost),
-            "fit": {
-                "observations": q.observations,
-                "steps": q.steps,
-                "r2": q.r2,
-                "residual_p50": q.residual_p50,
-                "residual_p90": q.residual_p90,
-                "rmse_s": q.rmse_s,
-                "fitted_terms": list(q.fitted_terms),
-                "unfitted_terms": list(q.unfitted_terms),
-            },
+            **_fit_mapping(self.fit),
             "notes": list(self.notes),
         }
+        if self.tp_fits:
+            out["tp_fits"] = [{"tp": tp, **_fit_mapping(fit)} for tp, fit in self.tp_fits]
+        return out
 
     def dump(self, path: str | Path) -> None:
         header = (
@@ -82,6 +93,23 @@ class Calibration:
             "per_decode_seq_s + KV tokens x per_kv_token_s\n"
         )
         Path(path).write_text(header + yaml.safe_dump(self.to_mapping(), sort_keys=False), encoding="utf-8")
+
+
+def _fit_mapping(fit: StepFit) -> dict[str, Any]:
+    q = fit.quality
+    return {
+        "step_cost": dataclasses.asdict(fit.cost),
+        "fit": {
+            "observations": q.observations,
+            "steps": q.steps,
+            "r2": q.r2,
+            "residual_p50": q.residual_p50,
+            "residual_p90": q.residual_p90,
+            "rmse_s": q.rmse_s,
+            "fitted_terms": list(q.fitted_terms),
+            "unfitted_terms": list(q.unfitted_terms),
+        },
+    }
 
 
 def _get(data: dict, key: str, where: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
@@ -106,6 +134,45 @@ def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibrat
     origin = _get(data, "source", source, str)
     if origin not in SOURCES:
         raise CalibrationError(f"{source}.source: {origin!r} is not one of {', '.join(SOURCES)}")
+    main = _fit_from_mapping(data, source)
+    engine_data = _get(data, "engine", source, dict, required=False) or {}
+    known = {f.name for f in dataclasses.fields(EngineShape)}
+    unknown = sorted(set(engine_data) - known)
+    if unknown:
+        raise CalibrationError(
+            f"{source}.engine: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    shape = {}
+    for key in known & set(engine_data):
+        kind = str if key == "model_name" else int
+        shape[key] = _get(engine_data, key, f"{source}.engine", kind, required=False)
+    engine = EngineShape(**shape)
+    tp_fits = []
+    seen = {engine.tensor_parallel_size or 1}
+    for i, entry in enumerate(_get(data, "tp_fits", source, list, required=False) or []):
+        where = f"{source}.tp_fits[{i}]"
+        if not isinstance(entry, dict):
+            raise CalibrationError(f"{where}: expected a mapping with tp, step_cost and fit")
+        tp = _get(entry, "tp", where, int)
+        if tp < 1 or tp in seen:
+            raise CalibrationError(
+                f"{where}.tp: {tp!r} must be >= 1 and appear once (main fit: TP={min(seen)})"
+            )
+        seen.add(tp)
+        tp_fits.append((tp, _fit_from_mapping(entry, where)))
+    notes = _get(data, "notes", source, list, required=False) or []
+    return Calibration(
+        origin,
+        main,
+        engine,
+        str(data.get("created_at") or ""),
+        str(data.get("window") or ""),
+        tuple(str(n) for n in notes),
+        tuple(tp_fits),
+    )
+
+
+def _fit_from_mapping(data: dict, source: str) -> StepFit:
     costs = _get(data, "step_cost", source, dict)
     try:
         cost = StepCost(
@@ -131,26 +198,7 @@ def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibrat
         fitted_terms=tuple(_get(fit, "fitted_terms", where, list)),
         unfitted_terms=tuple(_get(fit, "unfitted_terms", where, list, required=False) or ()),
     )
-    engine_data = _get(data, "engine", source, dict, required=False) or {}
-    known = {f.name for f in dataclasses.fields(EngineShape)}
-    unknown = sorted(set(engine_data) - known)
-    if unknown:
-        raise CalibrationError(
-            f"{source}.engine: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-        )
-    shape = {}
-    for key in known & set(engine_data):
-        kind = str if key == "model_name" else int
-        shape[key] = _get(engine_data, key, f"{source}.engine", kind, required=False)
-    notes = _get(data, "notes", source, list, required=False) or []
-    return Calibration(
-        origin,
-        StepFit(cost, quality),
-        EngineShape(**shape),
-        str(data.get("created_at") or ""),
-        str(data.get("window") or ""),
-        tuple(str(n) for n in notes),
-    )
+    return StepFit(cost, quality)
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -167,17 +215,24 @@ def load_calibration(path: str | Path) -> Calibration:
 
 def describe(cal: Calibration) -> list[str]:
     """How far the calibration can be trusted, in lines for the text output."""
-    q = cal.fit.quality
+    main_tp = cal.engine.tensor_parallel_size
+    lines = [f"calibration: {cal.source} ({cal.window or 'window not recorded'})"]
+    for tp, fit in ((main_tp, cal.fit), *cal.tp_fits):
+        lines += _describe_fit(fit, "TP unknown (taken as 1)" if tp is None else f"TP={tp}")
+    return lines + [f"  note: {n}" for n in cal.notes]
+
+
+def _describe_fit(fit: StepFit, layout: str) -> list[str]:
+    q = fit.quality
     r2 = "n/a" if q.r2 is None or math.isnan(q.r2) else f"{q.r2:.3f}"
-    c = cal.cost
+    c = fit.cost
     lines = [
-        f"calibration: {cal.source} ({cal.window or 'window not recorded'}), {q.observations:,} observations "
-        f"standing for {q.steps:,.0f} engine steps",
-        f"  step = {c.overhead_s * 1e3:.3f} ms + {c.per_prefill_token_s * 1e6:.3f} us/prefill token + "
+        f"  {layout}: {q.observations:,} observations standing for {q.steps:,.0f} engine steps",
+        f"    step = {c.overhead_s * 1e3:.3f} ms + {c.per_prefill_token_s * 1e6:.3f} us/prefill token + "
         f"{c.per_decode_seq_s * 1e3:.4f} ms/decode seq + {c.per_kv_token_s * 1e9:.3f} ns/KV token",
-        f"  fit: R2 {r2}, |residual| p50 {q.residual_p50:.1%} p90 {q.residual_p90:.1%}, "
+        f"    fit: R2 {r2}, |residual| p50 {q.residual_p50:.1%} p90 {q.residual_p90:.1%}, "
         f"rmse {q.rmse_s * 1e3:.3f} ms",
     ]
     if q.unfitted_terms:
-        lines.append(f"  not determined by the data (set to 0): {', '.join(q.unfitted_terms)}")
-    return lines + [f"  note: {n}" for n in cal.notes]
+        lines.append(f"    not determined by the data (set to 0): {', '.join(q.unfitted_terms)}")
+    return lines

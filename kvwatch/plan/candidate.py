@@ -18,10 +18,12 @@ import yaml
 
 from kvwatch.config import safe_load
 from kvwatch.plan.calibration import Calibration
+from kvwatch.plan.fit import StepFit
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.models import ModelSpec, gpu_preset, model_preset
 from kvwatch.sim.presets import DEMO_MODEL
 from kvwatch.sim.routing import POLICIES
+from kvwatch.sim.steptime import StepCost
 
 STEP_MODELS = ("roofline", "calibrated")
 ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
@@ -50,6 +52,7 @@ class Candidate:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = False
     cpu_offload_gb: float = 0.0  # per replica (vLLM --kv-offloading-size)
+    gpus_per_pcie_switch: int | None = None  # GPUs sharing one host uplink (None: the GPU preset's, 1)
     admission: str = "none"
     admission_quantile: float = 0.9  # quantile_budget: output budget = this quantile of outputs
     admission_headroom: float = 0.1  # quantile_budget: share of the pool kept for overruns
@@ -84,6 +87,8 @@ class Candidate:
         ]
         if self.cpu_offload_gb:
             parts.append(f"CPU tier {self.cpu_offload_gb:g} GB")
+        if self.gpus_per_pcie_switch and self.gpus_per_pcie_switch > 1:
+            parts.append(f"{self.gpus_per_pcie_switch} GPUs per PCIe switch")
         if self.admission != "none":
             parts.append(f"admission {self.admission}")
         return ", ".join(parts)
@@ -97,6 +102,7 @@ class Candidate:
             ("max_num_seqs", self.max_num_seqs >= 1),
             ("block_size", self.block_size >= 1),
             ("cpu_offload_gb", self.cpu_offload_gb >= 0),
+            ("gpus_per_pcie_switch", self.gpus_per_pcie_switch is None or self.gpus_per_pcie_switch >= 1),
             ("admission_quantile", 0 < self.admission_quantile <= 1),
             ("admission_headroom", 0 <= self.admission_headroom < 1),
             ("long_pool_share", 0 < self.long_pool_share < 1),
@@ -183,7 +189,8 @@ def engine_config(
             kv_cache_dtype=c.kv_cache_dtype,
             enable_prefix_caching=c.enable_prefix_caching,
             kv_offload_bytes=c.cpu_offload_gb * 1e9,
-            step_cost=cal.cost if CALIBRATED in (c.step_model, c.model) and cal else None,
+            gpus_per_pcie_switch=c.gpus_per_pcie_switch,
+            step_cost=_calibrated_cost(c, cal),
             admission=_engine_admission(c.admission),
             admission_output_budget=output_budget or 0,
             admission_headroom=c.admission_headroom if c.admission == "quantile_budget" else 0.0,
@@ -196,6 +203,31 @@ def engine_config(
             raise
         raise CandidateError(f"candidate {c.name!r} ({c.label()}) cannot run: {exc}") from None
     return config
+
+
+def observed_fit(c: Candidate, cal: Calibration | None) -> StepFit | None:
+    """The calibration's fit for this candidate's layout, when it asks for one and it was observed."""
+    if cal is None or CALIBRATED not in (c.step_model, c.model):
+        return None
+    return cal.fit_for(c.tp, c.pp, c.expert_parallel)
+
+
+def unobserved_layout(c: Candidate, cal: Calibration | None) -> bool:
+    """The candidate asks for the calibration but its layout was never observed in it."""
+    return cal is not None and CALIBRATED in (c.step_model, c.model) and observed_fit(c, cal) is None
+
+
+def _calibrated_cost(c: Candidate, cal: Calibration | None) -> StepCost | None:
+    fit = observed_fit(c, cal)
+    if fit is None and c.model == CALIBRATED and unobserved_layout(c, cal):
+        assert cal is not None
+        observed = ", ".join(f"TP={tp}" for tp in cal.observed_tp)
+        raise CandidateError(
+            f"candidate {c.name!r} ({c.layout()}): this layout was never observed in the calibration "
+            f"(observed: {observed}, one stage, no expert parallelism) and a calibrated engine has no "
+            "roofline to time it by"
+        )
+    return None if fit is None else fit.cost
 
 
 def _engine_admission(admission: str) -> str:

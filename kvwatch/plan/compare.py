@@ -39,8 +39,8 @@ import numpy as np
 
 from kvwatch.model import LengthBands
 from kvwatch.plan.calibration import Calibration, load_calibration
-from kvwatch.plan.candidate import Candidate, CandidateError
-from kvwatch.plan.inputs import Workload, read_workload
+from kvwatch.plan.candidate import CALIBRATED, Candidate, CandidateError, observed_fit, unobserved_layout
+from kvwatch.plan.inputs import Workload, workload_of
 from kvwatch.plan.replay import ReplayResult, replay
 from kvwatch.sim.models import GPUS, model_preset
 from kvwatch.sim.presets import DEMO_MODEL
@@ -72,6 +72,11 @@ class Evaluated:
     preemptions: int = 0
     e2e_p99: float | None = None
     wall_seconds: float = 0.0
+    timed_by: str = "roofline"  # "fit TP=n" (the calibration's fit for this layout), "roofline", or
+    # "roofline (never observed)": asked for the calibration, whose data never had this layout
+    offload_bytes: float = 0.0  # CPU tier: stored + loaded over PCIe
+    recompute_avoided_per_byte: float | None = None  # tokens loaded back instead of recomputed, per byte
+    offload_queue_seconds: float = 0.0  # steps' wait for busy (shared) uplinks beyond their own transfer
 
     @property
     def meets(self) -> bool:
@@ -105,8 +110,13 @@ def layouts(max_gpus: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def hardware_grid(max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES) -> list[Candidate]:
-    moe = model_preset(model).is_moe if model != "calibrated" else False
+def hardware_grid(
+    max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES, calibrated_on: str | None = None
+) -> list[Candidate]:
+    """Stage 1 (module doc). ``calibrated_on``: the GPU type the calibration was measured on; its
+    candidates ask for the calibration (``step_model: calibrated``) and get the fit of their layout
+    where the calibration observed it, the roofline where not (and the output says which)."""
+    moe = model_preset(model).is_moe if model != CALIBRATED else False
     out = []
     for gpu in GPU_TYPES:
         for tp, pp, dp in layouts(max_gpus):
@@ -118,6 +128,7 @@ def hardware_grid(max_gpus: int, model: str, dtypes: Sequence[str] = KV_DTYPES) 
                         Candidate(
                             name=name, model=model, gpu=gpu, tp=tp, pp=pp, dp=dp,
                             expert_parallel=ep, kv_cache_dtype=dtype,
+                            step_model=CALIBRATED if gpu == calibrated_on else "roofline",
                         )
                     )
     return out
@@ -171,10 +182,16 @@ def _init(workload: Workload, objectives: tuple, bands: LengthBands, calibration
 
 def _evaluate(candidate: Candidate) -> Evaluated:
     s = _STATE
+    cal = s["calibration"]
+    fit = observed_fit(candidate, cal)
+    timed_by = (
+        f"fit TP={candidate.tp}" if fit is not None
+        else "roofline (never observed)" if unobserved_layout(candidate, cal) else "roofline"
+    )
     try:
-        result = replay(s["workload"], candidate, s["calibration"], bands=s["bands"])
+        result = replay(s["workload"], candidate, cal, bands=s["bands"])
     except CandidateError as exc:
-        return Evaluated(candidate, str(exc))
+        return Evaluated(candidate, str(exc), timed_by=timed_by)
     from kvwatch.report.summary import ALL
 
     total = next(r for r in result.report.rows_for(ALL) if r.length_band == ALL)
@@ -186,6 +203,10 @@ def _evaluate(candidate: Candidate) -> Evaluated:
         result.node.preemptions,
         total.e2e_p99_seconds,
         result.wall_seconds,
+        timed_by,
+        result.node.offload_bytes,
+        result.node.recompute_avoided_per_byte,
+        result.node.offload_queue_seconds,
     )
 
 
@@ -276,9 +297,10 @@ def sweep(
     calibration: Calibration | None = None,
     jobs: int | None = None,
     prices: dict[str, float] | None = None,
+    calibrated_on: str | None = None,
 ) -> list[Evaluated]:
     prices = prices or {}
-    stage1 = hardware_grid(max_gpus, model, KV_DTYPES if grid == "standard" else ("auto",))
+    stage1 = hardware_grid(max_gpus, model, KV_DTYPES if grid == "standard" else ("auto",), calibrated_on)
     results = evaluate_all(stage1, workload, objectives, bands, calibration, jobs)
     if grid == "standard":
         runnable = [e for e in ranked(results, prices) if e.error is None]
@@ -286,6 +308,35 @@ def sweep(
         stage2 = [v for b in bases for v in knob_variants(b)]
         results += evaluate_all(stage2, workload, objectives, bands, calibration, jobs)
     return ranked(results, prices)
+
+
+def tier_report(evaluated: Sequence[Evaluated]) -> list[str]:
+    """One line per runnable candidate with a CPU tier: PCIe bytes, tokens loaded back per MB moved,
+    the steps' wait for busy uplinks, and completed requests per GPU-hour and preemptions against the
+    same candidate without the tier (when the sweep ran it)."""
+    def key(c: Candidate) -> Candidate:
+        return dataclasses.replace(c, name="", cpu_offload_gb=0.0)
+
+    bases = {key(e.candidate): e for e in evaluated if e.error is None and not e.candidate.cpu_offload_gb}
+    lines = []
+    for e in evaluated:
+        if e.error is not None or not e.candidate.cpu_offload_gb:
+            continue
+        if not e.offload_bytes:
+            lines.append(f"- {e.candidate.name}: never used (nothing was preempted, so nothing was kept)")
+            continue
+        ratio = e.recompute_avoided_per_byte
+        line = (f"- {e.candidate.name}: {e.offload_bytes / 1e9:,.1f} GB over PCIe, "
+                f"{'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens loaded back per MB moved, "
+                f"steps waited {e.offload_queue_seconds:,.1f} s for busy uplinks")
+        base = bases.get(key(e.candidate))
+        done, before = e.completed_per_gpu_hour, base.completed_per_gpu_hour if base else None
+        if base is not None and done is not None and before is not None:
+            line += (f"; extra work admitted: {done - before:+,.1f} "
+                     f"completed/GPU-h, preemptions {base.preemptions:,} -> {e.preemptions:,} "
+                     f"(without the tier: {base.candidate.name})")
+        lines.append(line)
+    return lines
 
 
 def parse_prices(text: str | None) -> dict[str, float]:
@@ -315,12 +366,16 @@ def render_compare_text(
     from kvwatch import texttable
 
     meeting = [e for e in evaluated if e.meets]
+    fitted = sum(1 for e in evaluated if e.timed_by.startswith("fit"))
+    unobserved = [e for e in evaluated if e.timed_by == "roofline (never observed)"]
     lines = [
         f"kvwatch plan compare: {len(workload.requests):,} requests from {workload.kind} "
         f"{', '.join(workload.paths)}; {len(evaluated)} candidates, {len(meeting)} meet every band's SLO",
         "step time: "
         + (
-            "calibrated where step_model says so"
+            f"the calibration's fit for {fitted} candidate(s) (observed layouts: "
+            f"{', '.join(f'TP={tp}' for tp in calibration.observed_tp)}); the UNCALIBRATED datasheet "
+            "roofline for the rest"
             if calibration
             else "UNCALIBRATED datasheet roofline for every candidate: a ranking to check on "
             "hardware, not a measurement"
@@ -328,6 +383,11 @@ def render_compare_text(
         f"cost: GPUs x price per GPU-hour ({', '.join(f'{k}={v:g}' for k, v in prices.items()) or 'all 1'})",
     ]
     shown = meeting[:top] if meeting else closest(evaluated, prices)[:top]
+    if unobserved:
+        lines.append(
+            f"{len(unobserved)} candidate(s) asked for the calibration but their layout was never observed "
+            "in it: their time is the roofline's (timed by: roofline (never observed))"
+        )
     if not meeting:
         lines.append("no candidate meets every SLO; the closest, by worst margin:")
     body = []
@@ -343,10 +403,11 @@ def render_compare_text(
                 "n/a" if worst is None else f"{worst.margin * 100:+.1f} pp ({worst.objective} {worst.band})",
                 "n/a" if e.completed_per_gpu_hour is None else f"{e.completed_per_gpu_hour:,.0f}",
                 f"{e.preemptions:,}",
+                e.timed_by,
             ]
         )
     table = texttable.render(
-        ["#", "candidate", "GPUs", "cost", "meets", "worst margin", "done/GPU-h", "preempt"], body
+        ["#", "candidate", "GPUs", "cost", "meets", "worst margin", "done/GPU-h", "preempt", "timed by"], body
     )
     margins = []
     for rank, e in enumerate(shown, start=1):
@@ -359,6 +420,10 @@ def render_compare_text(
         )
     if not meeting and max_gpus is not None:
         margins += ["", "what would close the gap:", *gap_advice(evaluated, max_gpus, prices)]
+    tiers = tier_report(evaluated)
+    if tiers:
+        margins += ["", "CPU tier: recompute avoided per byte moved, and the extra work it admitted "
+                    "(against the same candidate without the tier):", *tiers]
     cannot = [e for e in evaluated if e.error is not None]
     tail = (
         [f"{len(cannot)} candidate(s) cannot run:"] + [f"  {e.error}" for e in cannot[:10]] if cannot else []
@@ -413,8 +478,11 @@ def main_compare(args: argparse.Namespace) -> int:
     slo = load_slo_file(args.slo)
     if args.gpus < 1:
         raise CandidateError(f"--gpus must be >= 1, got {args.gpus}")
-    workload = read_workload(args.inputs, limit=args.limit)
+    workload = workload_of(args.inputs, args.limit)
     calibration = load_calibration(args.calibration) if args.calibration else None
+    calibrated_on = getattr(args, "calibrated_on", None)
+    if calibrated_on is not None and calibration is None:
+        raise CandidateError("--calibrated-on needs --calibration (the file of that GPU's fits)")
     prices = parse_prices(getattr(args, "price", None))
     evaluated = sweep(
         workload,
@@ -426,6 +494,7 @@ def main_compare(args: argparse.Namespace) -> int:
         calibration=calibration,
         jobs=args.jobs,
         prices=prices,
+        calibrated_on=calibrated_on,
     )
     text = render_compare_text(evaluated, workload, args.top, prices, calibration, args.gpus)
     if args.html:

@@ -36,6 +36,7 @@ class StepObservation:
     seconds: float
     kv_tokens: float | None = None  # KV tokens the batch holds, where the source knows it
     weight: float = 1.0
+    tp: int | None = None  # tensor-parallel degree of the engine that ran the step, where known
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +117,24 @@ def fit_step_cost(observations: Sequence[StepObservation]) -> StepFit:
         unfitted_terms=tuple(TERMS[j] for j in range(4) if j not in active),
     )
     return StepFit(StepCost(*(float(c) for c in coef)), quality)
+
+
+def fits_by_tp(observations: Sequence[StepObservation]) -> dict[int | None, StepFit]:
+    """One fit per tensor-parallel degree the observations carry (``None``: the degree is unknown).
+
+    A TP=2 step is not a TP=1 step with other coefficients on the same line: it adds all-reduces and
+    halves the weight reads, so one fit over both would describe neither. A degree whose observations
+    cannot be fitted (fewer than 2) raises FitError naming it.
+    """
+    groups: dict[int | None, list[StepObservation]] = {}
+    for o in observations:
+        groups.setdefault(o.tp, []).append(o)
+    out: dict[int | None, StepFit] = {}
+    for tp in sorted(groups, key=lambda t: -1 if t is None else t):
+        try:
+            out[tp] = fit_step_cost(groups[tp])
+        except FitError as exc:
+            if len(groups) == 1:
+                raise
+            raise FitError(f"TP={'unknown' if tp is None else tp}: {exc}") from None
+    return out

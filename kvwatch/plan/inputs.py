@@ -184,5 +184,28 @@ def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
     return Workload(trace.format, (str(files[0].path),), trace.requests, skipped, None)
 
 
+#: what ``replay``/``compare`` replay when given no ledger or trace: the first simulated hour of the demo
+DEMO_WORKLOAD_HOURS = 1
+
+
+def demo_workload_requests(*, limit: int | None = None, seed: int = 0) -> Workload:
+    """``kvwatch demo``'s default workload (``sim.presets.demo_workload``: reasoning requests at 1/s,
+    a 1.5x burst from minute 30 to 40, clients that leave after 120 s without a first token), its
+    first simulated hour, so a newcomer sees a plan without a trace of their own."""
+    from kvwatch.sim.presets import demo_workload
+    from kvwatch.sim.workload import generate
+
+    spec = demo_workload(seed, hours=DEMO_WORKLOAD_HOURS)
+    requests = tuple(generate(spec, count=limit, duration=3600.0 * DEMO_WORKLOAD_HOURS))
+    where = (f"workload: reasoning at {spec.rate:g}/s, 1.5x burst at minute 30-40, seed {seed}, "
+             f"first {DEMO_WORKLOAD_HOURS} simulated hour")
+    return Workload("demo", (where,), requests, {}, None)
+
+
+def workload_of(paths: list[str], limit: int | None = None) -> Workload:
+    """The ledger or trace named on the command line; none named: the demo's default workload."""
+    return read_workload(paths, limit=limit) if paths else demo_workload_requests(limit=limit)
+
+
 def workload_from_path(path: str | Path) -> Workload:
     return read_workload([str(path)])

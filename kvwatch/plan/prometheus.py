@@ -19,6 +19,7 @@ that mixes a burst of prefills with quiet decode is one point. The engine's shap
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -28,6 +29,18 @@ from kvwatch.plan.fit import StepObservation
 from kvwatch.plan.sources import SourceError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _tp_of(value: str | None, tp_label: str | None, key: tuple) -> int | None:
+    if tp_label is None:
+        return None
+    if value is None or not value.isdigit() or int(value) < 1:
+        raise SourceError(
+            f"series instance={key[0]!r} engine={key[1]!r}: label {tp_label}={value!r} is not a TP degree "
+            "(an integer >= 1)"
+        )
+    return int(value)
 
 
 def duration_seconds(text: str, what: str) -> float:
@@ -41,7 +54,8 @@ def duration_seconds(text: str, what: str) -> float:
 Series = dict[tuple, dict[float, float]]
 
 
-def _query_range(url: str, expr: str, start: float, end: float, step: float) -> Series:
+def _query_range(url: str, expr: str, start: float, end: float, step: float,
+                 tp_label: str | None = None) -> Series:
     try:
         response = httpx.get(
             f"{url}/api/v1/query_range",
@@ -55,7 +69,8 @@ def _query_range(url: str, expr: str, start: float, end: float, step: float) -> 
         raise SourceError(f"{url}: Prometheus refused {expr}: {body.get('error', body)}")
     out: dict[tuple, dict[float, float]] = {}
     for series in body["data"]["result"]:
-        key = (series["metric"].get("instance"), series["metric"].get("engine"))
+        metric = series["metric"]
+        key = (metric.get("instance"), metric.get("engine"), metric.get(tp_label) if tp_label else None)
         out[key] = {float(t): float(v) for t, v in series["values"]}
     return out
 
@@ -91,9 +106,14 @@ def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShap
 
 
 def observations_from_prometheus(
-    url: str, *, since: str, until: float | None, window: str, selector: str, shape: EngineShape
+    url: str, *, since: str, until: float | None, window: str, selector: str, shape: EngineShape,
+    tp_label: str | None = None,
 ) -> tuple[list[StepObservation], str, EngineShape]:
-    """Observations (module doc), a description of the range, and the engine's shape."""
+    """Observations (module doc), a description of the range, and the engine's shape. With
+    ``tp_label`` each observation carries the TP degree its series' label says (vLLM exports none:
+    the label comes from the scrape config), and a series without it is refused by name."""
+    if tp_label is not None and not _LABEL.fullmatch(tp_label):
+        raise SourceError(f"--tp-label {tp_label!r} is not a Prometheus label name")
     end = until if until is not None else time.time()
     start = end - duration_seconds(since, "--since")
     w = duration_seconds(window, "--window")
@@ -104,8 +124,10 @@ def observations_from_prometheus(
     assert blocks is not None and block_size is not None  # _shape read both or raised SourceError
     capacity = blocks * block_size
 
+    by = "instance, engine" + (f", {tp_label}" if tp_label else "")
+
     def q(expr: str) -> dict[tuple, dict[float, float]]:
-        return _query_range(url, f"sum by (instance, engine) ({expr})", start + w, end, w)
+        return _query_range(url, f"sum by ({by}) ({expr})", start + w, end, w, tp_label)
 
     steps = q(f"increase(vllm:iteration_tokens_total_count{sel}{rng})")
     tokens = q(f"increase(vllm:iteration_tokens_total_sum{sel}{rng})")
@@ -124,6 +146,7 @@ def observations_from_prometheus(
                 continue
             per_step = tokens.get(key, {}).get(t, 0.0) / n
             kv = usage.get(key, {}).get(t)
+            tp = _tp_of(key[2], tp_label, key)
             obs.append(
                 StepObservation(
                     prefill_tokens=max(0.0, per_step - seqs),
@@ -131,6 +154,7 @@ def observations_from_prometheus(
                     seconds=itl_sum[key][t] / gaps,
                     kv_tokens=None if kv is None else kv * capacity,
                     weight=1.0,
+                    tp=tp,
                 )
             )
     if not obs:

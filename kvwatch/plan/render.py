@@ -13,7 +13,7 @@ from kvwatch import humanize as h
 from kvwatch import texttable
 from kvwatch.plan.calibration import Calibration, describe
 from kvwatch.plan.inputs import Workload
-from kvwatch.plan.replay import ReplayResult
+from kvwatch.plan.replay import NodeFigures, ReplayResult
 from kvwatch.report import svg
 from kvwatch.report.summary import ALL, BandRow, Report
 
@@ -91,7 +91,18 @@ def node_lines(result: ReplayResult) -> list[str]:
         f"{n.stranded_sample_share:.1%} of samples (free KV on replicas with no queue while another queues)",
         f"completed requests per GPU-hour: {'n/a' if per_hour is None else f'{per_hour:,.1f}'} "
         f"({n.completed:,} completed / {n.gpus} GPU(s) x {h.seconds(n.sim_seconds)})",
-    ] + ([f"CPU tier traffic: {h.si(n.offload_bytes)}B"] if n.offload_bytes else [])
+    ] + (tier_lines(n) if n.offload_bytes else [])
+
+
+def tier_lines(n: NodeFigures) -> list[str]:
+    """What the CPU tier cost over PCIe and what it bought."""
+    ratio = n.recompute_avoided_per_byte
+    return [
+        f"CPU tier traffic: {h.si(n.offload_bytes)}B over PCIe ({n.offload_transfer_seconds:,.1f} s of "
+        f"transfers at the measured host bandwidth); {n.offload_tokens_loaded:,} tokens loaded back instead "
+        f"of recomputed: {'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens per MB moved; steps "
+        f"waited {n.offload_queue_seconds:,.1f} s more for uplinks busy with other transfers"
+    ]
 
 
 def render_replay_text(

@@ -14,7 +14,9 @@ Node figures and their definitions:
   (peak and time mean over the replay, drain included);
 * stranded capacity: at a sample where some replica queues, the free KV tokens of the replicas
   that do not (memory data parallelism cannot pool); time mean and the share of samples with any;
-* completed requests per GPU-hour: requests that finished with ``stop`` / (GPUs x replay hours).
+* completed requests per GPU-hour: requests that finished with ``stop`` / (GPUs x replay hours);
+* CPU tier: bytes stored and loaded over PCIe, tokens loaded back (recompute avoided) per byte moved,
+  and how long steps waited for uplinks busy with other transfers (shared switches, saturation).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import numpy as np
 
 from kvwatch.model import OUTCOMES, LengthBands, Outcome, RequestRecord
 from kvwatch.plan.calibration import Calibration
-from kvwatch.plan.candidate import CALIBRATED, Candidate, engine_config
+from kvwatch.plan.candidate import Candidate, engine_config, observed_fit, unobserved_layout
 from kvwatch.plan.inputs import Workload
 from kvwatch.report.load import Loaded
 from kvwatch.report.summary import Report, summarize
 from kvwatch.sim.engine import RequestView, SimEngine
+from kvwatch.sim.hostlink import node_host_paths
 from kvwatch.sim.node import run_headless
 from kvwatch.sim.routing import Router, RouterSpec
 from kvwatch.sim.workload import WorkloadRequest
@@ -61,6 +64,14 @@ class NodeFigures:
     sample_every_s: float
     samples: int
     offload_bytes: float  # stored to + loaded from the CPU tier
+    offload_tokens_loaded: int = 0  # KV tokens loaded back from the CPU tier: recompute avoided
+    offload_queue_seconds: float = 0.0  # steps' wait for busy (shared) uplinks beyond their own transfer
+    offload_transfer_seconds: float = 0.0  # the transfers alone, at the measured host bandwidth
+
+    @property
+    def recompute_avoided_per_byte(self) -> float | None:
+        """Tokens loaded back instead of recomputed, per byte moved over PCIe (store + load)."""
+        return self.offload_tokens_loaded / self.offload_bytes if self.offload_bytes else None
 
     @property
     def completed_per_gpu_hour(self) -> float | None:
@@ -101,18 +112,30 @@ class LongPoolRouter(Router):
         return min(order, key=lambda i: loads[i])
 
 
+ROOFLINE_WORDS = (
+    "uncalibrated: datasheet roofline (HBM bandwidth x 0.8, dense FLOPS x 0.5, 1.5 ms per step); "
+    "not validated on this hardware"
+)
+
+
 def step_model_words(c: Candidate, cal: Calibration | None) -> tuple[str, bool]:
-    if cal is not None and CALIBRATED in (c.step_model, c.model):
-        q = cal.fit.quality
+    fit = observed_fit(c, cal)
+    if fit is not None:
+        assert cal is not None
+        q = fit.quality
         r2 = "n/a" if q.r2 is None else f"{q.r2:.3f}"
         return (
-            f"calibrated ({cal.source}, {q.observations} observations, R2 {r2}, "
+            f"calibrated at TP={c.tp} ({cal.source}, {q.observations} observations, R2 {r2}, "
             f"|residual| p50 {q.residual_p50:.1%})"
         ), True
-    return (
-        "uncalibrated: datasheet roofline (HBM bandwidth x 0.8, dense FLOPS x 0.5, 1.5 ms per step); "
-        "not validated on this hardware"
-    ), False
+    if unobserved_layout(c, cal):
+        assert cal is not None
+        observed = ", ".join(f"TP={tp}" for tp in cal.observed_tp)
+        return (
+            f"layout {c.layout()} never observed in the calibration (observed: {observed}, one stage): "
+            f"its time is the roofline's; {ROOFLINE_WORDS}"
+        ), False
+    return ROOFLINE_WORDS, False
 
 
 def output_budget(workload: Workload, quantile: float) -> int:
@@ -139,7 +162,10 @@ def replay(
         else None
     )
     config = engine_config(candidate, calibration, output_budget=budget)
-    engines = [SimEngine(config, name=str(i), keep_finished=0) for i in range(candidate.dp)]
+    # the replicas share the node's PCIe uplinks where GPUs share a switch (``sim/hostlink.py``)
+    paths = node_host_paths(candidate.dp, config.gpus, config.switch_gpus, config.gpu.host_bandwidth)
+    engines = [SimEngine(config, name=str(i), keep_finished=0, host_path=paths[i])
+               for i in range(candidate.dp)]
     finished: list[tuple[int, RequestView]] = []
     for i, e in enumerate(engines):
         e.on_finish = lambda view, i=i: finished.append((i, view))
@@ -193,6 +219,10 @@ def replay(
         sample_every_s=every,
         samples=len(usage),
         offload_bytes=sum(e.stats.offload_store_bytes + e.stats.offload_load_bytes for e in engines),
+        offload_tokens_loaded=sum(e.stats.external_hits for e in engines),
+        offload_queue_seconds=sum(e.stats.offload_queue_seconds for e in engines),
+        offload_transfer_seconds=sum(e.stats.offload_store_seconds + e.stats.offload_load_seconds
+                                     for e in engines),
     )
     words, calibrated = step_model_words(candidate, calibration)
     stride = max(1, len(usage) // 400)

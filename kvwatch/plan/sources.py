@@ -6,7 +6,8 @@
    ``(context_tokens, generation_tokens, num_context_reqs, num_generation_reqs, elapsed_ms)``.
    ``context_tokens`` are the prefill tokens the step computed, ``num_generation_reqs`` the decoding
    sequences. Read from a JSON-lines file (one object with those keys, or a 5-element list, per line)
-   or passed in as tuples (``observations_from_step_samples``).
+   or passed in as tuples (``observations_from_step_samples``). An optional ``tp`` key is the
+   tensor-parallel degree of the engine that ran the step (``plan calibrate`` fits each degree apart).
 2. **The engine's own histograms in Prometheus** (``prometheus.py``).
 3. **A calibration load** the command drives itself against the engine's OpenAI API
    (``calibration_load``): prefill-only requests of several prompt sizes, then decode phases at
@@ -48,12 +49,18 @@ class SourceError(ValueError):
 
 
 def observations_from_step_samples(samples: Iterable[Sequence[float]]) -> list[StepObservation]:
-    """The plugin's per-step records (module doc) as observations; KV tokens are not in them."""
+    """The plugin's per-step records (module doc) as observations; KV tokens are not in them. A sixth
+    element, where present, is the engine's TP degree."""
     out = []
-    for ctx_tokens, _gen_tokens, _n_ctx, n_gen, elapsed_ms in samples:
+    for row in samples:
+        ctx_tokens, _gen_tokens, _n_ctx, n_gen, elapsed_ms = row[:5]
+        tp = int(row[5]) if len(row) > 5 else None
         out.append(
             StepObservation(
-                prefill_tokens=float(ctx_tokens), decode_seqs=float(n_gen), seconds=float(elapsed_ms) / 1000.0
+                prefill_tokens=float(ctx_tokens),
+                decode_seqs=float(n_gen),
+                seconds=float(elapsed_ms) / 1000.0,
+                tp=tp,
             )
         )
     return out
@@ -90,6 +97,13 @@ def read_step_samples(path: str | Path) -> list[tuple[float, ...]]:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise SourceError(f"{where}: {key!r} is {value!r}, expected a number >= 0")
             values.append(float(value))
+        tp = obj.get("tp")
+        if tp is not None:
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise SourceError(
+                    f"{where}: 'tp' is {tp!r}, expected the engine's TP degree (an integer >= 1)"
+                )
+            values.append(float(tp))
         rows.append(tuple(values))
     if not rows:
         raise SourceError(f"{path}: no step samples")

@@ -28,7 +28,12 @@ Step time (roofline, one fused forward pass as in vLLM V1)::
 
     memory  = (weights/tp + live KV tokens x KV bytes per token per GPU) / (HBM bandwidth x mem_eff)
     compute = 2 x active_params x (prefill tokens + decode tokens) / (tp x FLOPS x compute_eff)
-    step    = overhead + max(memory, compute) + TP all-reduces + offload bytes per GPU / (PCIe bw x pcie_eff)
+    step    = host transfer wait + overhead + max(memory, compute) + TP all-reduces
+
+The host transfer wait is for the KV this step stores (a preempted request kept in the CPU tier) or
+loads back (a resumed one) over the replica's PCIe uplinks (``hostlink.py``) at the GPU type's
+measured host bandwidth; uplinks shared with other replicas behind one switch make it longer when
+they move KV at the same time (saturation delays the step that waits for it).
 
 TP all-reduces, pipeline stages and MoE expert routing are ``parallel.py``'s model; with ``tp = pp = 1``
 and a dense model they cost nothing and the step is the plain roofline.
@@ -40,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvwatch.sim.hostlink import ReplicaHostPath, node_host_paths
 from kvwatch.sim.memory import DEFAULT_RUNTIME_RESERVE_BYTES, ReplicaMemory, plan_replica
 from kvwatch.sim.models import GpuSpec, ModelSpec, gpu_preset
 from kvwatch.sim.parallel import DEFAULT_EXPERT_IMBALANCE, ParallelStep, parallel_step
@@ -78,11 +84,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     kv_offload_bytes: float = 0.0
+    gpus_per_pcie_switch: int | None = None  # GPUs sharing one host uplink; None: the GPU preset's
     num_gpu_blocks_override: int | None = None
     runtime_reserve_bytes: float = DEFAULT_RUNTIME_RESERVE_BYTES
     mem_efficiency: float = 0.8  # achieved / peak HBM bandwidth
     compute_efficiency: float = 0.5  # achieved / peak dense FLOPS (MFU)
-    pcie_efficiency: float = 0.8
     step_overhead_s: float = 0.0015  # scheduler, sampling, launch: per step
     step_cost: StepCost | None = None  # a fitted step-time model replacing the roofline (kvwatch plan)
     # admission control in front of the scheduler (kvwatch plan's policies; vLLM has none):
@@ -126,6 +132,11 @@ class EngineConfig:
             expert_parallel=self.expert_parallel,
             expert_imbalance=self.expert_imbalance,
         )
+
+    @property
+    def switch_gpus(self) -> int:
+        """GPUs behind one PCIe switch uplink (the candidate's, else the GPU preset's)."""
+        return self.gpus_per_pcie_switch or self.gpu.gpus_per_host_link
 
     @property
     def context_len(self) -> int:
@@ -323,8 +334,11 @@ class SimEngine:
     """One simulated engine core (one vLLM DP rank). See the module docstring for the model."""
 
     def __init__(
-        self, config: EngineConfig, *, name: str = "0", start_time: float = 0.0, keep_finished: int = 10_000
+        self, config: EngineConfig, *, name: str = "0", start_time: float = 0.0, keep_finished: int = 10_000,
+        host_path: ReplicaHostPath | None = None,
     ) -> None:
+        """``host_path``: this replica's share of the node's PCIe uplinks (``hostlink.node_host_paths``);
+        None: uplinks of its own, shared with no other replica."""
         config.validate()
         self.config = config
         self.name = name
@@ -355,7 +369,9 @@ class SimEngine:
         self._t_per_token_flops = layout.t_flops_per_token
         self._comm_fixed = layout.comm_fixed
         self._comm_per_token = layout.comm_per_token
-        self._t_per_xfer_byte = 1.0 / (config.gpus * config.gpu.pcie_bandwidth * config.pcie_efficiency)
+        self._host = host_path or node_host_paths(
+            1, config.gpus, config.switch_gpus, config.gpu.host_bandwidth)[0]
+        self._t_per_xfer_byte = self._host.alone_s_per_byte
         self._overhead = config.step_overhead_s
         self._cost = config.step_cost
         self._step_histograms = config.step_histograms
@@ -535,7 +551,8 @@ class SimEngine:
         info.start = self.now
         info.available_before = self._cap - self._used
         preempted = 0
-        xfer_bytes = 0.0
+        xfer_bytes = 0.0  # stored to the CPU tier by this step's preemptions
+        load_bytes = 0.0  # loaded back for the requests it resumes
         self._grown = 0
 
         # 1. decode growth: one token per decoding sequence, a block when it crosses a boundary
@@ -599,9 +616,9 @@ class SimEngine:
                 waiting.popleft()
                 admitted += 1
                 budget -= used
+                load_bytes += self._last_load_bytes  # 0 unless the CPU tier held some of its KV
                 if r.state == DECODE:
                     onloaded.append(r)
-                    xfer_bytes += self._last_load_bytes
                 else:
                     prefill_tokens += used
                     if r.computed == r.goal:
@@ -616,18 +633,23 @@ class SimEngine:
             return False
 
         # 4. run it: duration from the roofline, then results land at the step's end
+        wait = 0.0
+        if xfer_bytes or load_bytes:
+            wait = self._host.move(self.now, xfer_bytes, load_bytes) - self.now
+            alone = max(xfer_bytes, load_bytes) * self._t_per_xfer_byte
+            self.stats.offload_queue_seconds += max(0.0, wait - alone)
         live = self._dec_base_sum + n_dec * si + self._prefill_kv
         t_mem = self._t_weights + live * self._t_per_kv_token
         t_cmp = (prefill_tokens + n_dec) * self._t_per_token_flops
         if self._cost is not None:
-            d = self._cost.seconds(prefill_tokens, n_dec, live) + xfer_bytes * self._t_per_xfer_byte
+            d = self._cost.seconds(prefill_tokens, n_dec, live) + wait
         elif self._layout is None:
-            d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + xfer_bytes * self._t_per_xfer_byte
+            d = self._overhead + (t_mem if t_mem > t_cmp else t_cmp) + wait
             if self._comm_fixed:  # TP all-reduces (0 at tp=1, so that path is the plain roofline)
                 d += self._comm_fixed + (prefill_tokens + n_dec) * self._comm_per_token
         else:
             seqs = n_dec + len(self._prefilling)
-            d = self._layout.seconds(prefill_tokens, n_dec, live, seqs) + xfer_bytes * self._t_per_xfer_byte
+            d = self._layout.seconds(prefill_tokens, n_dec, live, seqs) + wait
         t = self.now + d
         self.now = t
         self._s = si + 1

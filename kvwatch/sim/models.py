@@ -168,6 +168,13 @@ class Interconnect:
 # assumption that makes a 2-rank all-reduce cost 6.5 us.
 NVLINK4 = Interconnect("NVLink 4", 460e9, 5.5e-6, 0.5e-6)
 NVLINK5 = Interconnect("NVLink 5", 920e9, 5.5e-6, 0.5e-6)
+
+#: Host <-> device copies over PCIe Gen5 x16 reach ~55 GB/s per direction of the 64 GB/s raw rate
+#: (an nvbandwidth ``host_to_device_memcpy_ce`` run reports 55.63 GB/s; the example output quoted in
+#: dev.smart-guide.co.kr's nvbandwidth tutorial after NVIDIA's "NVbandwidth" developer blog post;
+#: pinned-memory cudaMemcpy on H100/H200 hosts is commonly measured at 50-55 GB/s). KV offload moves
+#: large pinned blocks, so it gets this rate, not the datasheet's.
+MEASURED_GEN5_HOST_BANDWIDTH = 55e9
 PCIE_P2P = Interconnect("PCIe", 40e9, 8e-6, 2e-6)
 
 
@@ -181,10 +188,14 @@ class GpuSpec:
     hbm_bandwidth: float  # bytes/s
     bf16_flops: float
     fp8_flops: float
-    pcie_bandwidth: float  # bytes/s per direction (host <-> device)
+    pcie_bandwidth: float  # bytes/s per direction (host <-> device), theoretical
     pcie_gen: int = 5
     pcie_width: int = 16
     interconnect: Interconnect = PCIE_P2P  # GPU-to-GPU fabric for TP/EP/PP collectives
+    #: measured host <-> device copy bandwidth per direction (what KV offload gets), bytes/s
+    host_bandwidth: float = MEASURED_GEN5_HOST_BANDWIDTH
+    #: GPUs sharing one PCIe switch uplink to the host (1: each GPU has its own x16 path)
+    gpus_per_host_link: int = 1
 
     def flops(self, dtype: str) -> float:
         return self.fp8_flops if dtype == "fp8" else self.bf16_flops
@@ -214,6 +225,9 @@ GPUS: dict[str, GpuSpec] = {
             128 * GB,
             pcie_gen=6,
             interconnect=NVLINK5,
+            # the GPU speaks Gen6, but the host CPUs of HGX/DGX B200 systems (DGX B200: two Xeon
+            # Platinum 8570) are PCIe Gen5: host copies get the Gen5 rate
+            host_bandwidth=MEASURED_GEN5_HOST_BANDWIDTH,
         ),
     )
 }

@@ -149,6 +149,7 @@ class EngineStats:
         self.offload_store_seconds = 0.0
         self.offload_load_bytes = 0.0
         self.offload_load_seconds = 0.0
+        self.offload_queue_seconds = 0.0  # steps' wait for host links beyond their own transfer time
         self.busy_seconds = 0.0  # simulated time spent inside steps
         self.steps = 0
         self.h_prompt_tokens = Histogram(tokens)

@@ -122,3 +122,14 @@ def test_tier_link_families_when_the_replica_is_mapped_to_a_gpu():
     assert conditions[("offload", "offload_pcie_bound")] == 1.0
     assert conditions[("offload", "foreign_bus_traffic")] == 0.0
     assert conditions[("offload", "link_down_trained")] == 0.0
+
+
+def test_recompute_avoided_per_byte_is_exported_per_replica_without_a_gpu_mapping():
+    state = NodeState("n", DEFAULT_BANDS)
+    for t, back, up in ((0.0, 0.0, 0.0), (10.0, 4000.0, 12000.0)):
+        scraped(state, t, tier_traffic=(
+            TierTraffic("sglang_hicache", "host", "gpu", tokens_total=back, bytes_total=back * 1e5),
+            TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up, bytes_total=up * 1e5)))
+    [ratio] = exposition(state)["kvwatch_kv_tier_recompute_avoided_tokens_per_byte"]
+    assert ratio.labels == {"replica": "r0"}
+    assert math.isclose(ratio.value, 400.0 / (1600.0 * 1e5))  # 400 tokens/s back, 1,600 x 100 kB moved

@@ -14,6 +14,7 @@ from kvwatch.derive.tiers import (
     direction,
     gpu_link,
     tier_links,
+    tier_payback,
     tier_rates,
     transferred_bytes,
     unit_kv_rate,
@@ -185,3 +186,49 @@ def test_real_lmcache_capture_joined_with_a_gen5_link():
     assert joined[OFFLOAD].offload_pcie_bound is False
     assert joined[OFFLOAD].foreign_bus_traffic is False  # 2 GB/s < 2 x 1.15 GB/s + 1 GB/s
     assert joined[ONLOAD].pcie_bytes_per_second == 5e8
+
+
+# --------------------------------------------------------------------------------------------
+# what the traffic buys: recompute avoided per byte moved
+# --------------------------------------------------------------------------------------------
+
+
+def test_real_lmcache_capture_recompute_avoided_per_byte_moved():
+    # LMCache counts tokens: 2,000 tokens/s came back (not recomputed) while 12,000 tokens/s moved
+    now, before = lmcache_pages(stored_tokens=100_000.0, hit_tokens=20_000.0)
+    per_token = QWEN3_06B_KV_BYTES_PER_TOKEN
+    payback = tier_payback("r0", [tier_rates(now, before, per_token)])
+    assert payback is not None
+    assert payback.avoided_tokens_per_second == 2_000
+    assert payback.moved_bytes_per_second == 12_000 * per_token
+    assert payback.tokens_per_byte == pytest.approx(2_000 / (12_000 * per_token))
+    # without the model's shape the tokens are known but the bytes moved are not: no ratio
+    unknown = tier_payback("r0", [tier_rates(now, before)])
+    assert unknown is not None and unknown.avoided_tokens_per_second == 2_000
+    assert unknown.tokens_per_byte is None
+
+
+def test_a_family_counting_tokens_and_bytes_needs_no_shape_and_ranks_add_up():
+    def hicache(t, back_tokens, back_bytes, up_tokens, up_bytes):
+        return vllm(scraped_at=t, tier_traffic=(
+            TierTraffic("sglang_hicache", "host", "gpu", tokens_total=back_tokens, bytes_total=back_bytes),
+            TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up_tokens, bytes_total=up_bytes)))
+    rank0 = tier_rates(hicache(10.0, 500.0, 5e7, 1000.0, 1e8), hicache(0.0, 0.0, 0.0, 0.0, 0.0))
+    rank1 = tier_rates(hicache(10.0, 0.0, 0.0, 1000.0, 1e8), hicache(0.0, 0.0, 0.0, 0.0, 0.0))
+    payback = tier_payback("r0", [rank0, rank1])
+    assert payback is not None
+    # 50 tokens/s came back to rank 0; 5 MB/s + 10 MB/s + 10 MB/s moved over both ranks' links
+    assert payback.avoided_tokens_per_second == 50.0 and payback.moved_bytes_per_second == 2.5e7
+    assert payback.tokens_per_byte == pytest.approx(50.0 / 2.5e7)
+
+
+def test_stores_never_reused_avoid_nothing_and_no_traffic_is_no_ratio():
+    before = vllm(scraped_at=0.0, tier_traffic=(TierTraffic("vllm_offload", "gpu", "host", bytes_total=0.0),
+                                               TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0)))
+    stored = vllm(scraped_at=10.0, tier_traffic=(TierTraffic("vllm_offload", "gpu", "host", bytes_total=1e9),
+                                                TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0)))
+    payback = tier_payback("r0", [tier_rates(stored, before, 1e5)])  # vLLM counts bytes: 1e5 B/token
+    assert payback is not None and payback.tokens_per_byte == 0.0
+    idle = tier_payback("r0", [tier_rates(before, before, 1e5)])
+    assert idle is not None and idle.tokens_per_byte is None
+    assert tier_payback("r0", [[]]) is None  # no tier counter at all

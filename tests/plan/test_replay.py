@@ -99,5 +99,5 @@ def test_replay_with_calibration_shows_recorded_figures_side_by_side(ledger, tmp
     _calibration().dump(tmp_path / "cal.yaml")
     assert main(["plan", "replay", str(path), "--calibration", str(tmp_path / "cal.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "step time: calibrated (step_samples" in out
+    assert "step time: calibrated at TP=1 (step_samples" in out
     assert "(recorded, error)" in out

@@ -112,6 +112,14 @@ def node_board(opts: Options) -> Board:
         description="A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
                     "links. KVWatchKVTierPCIeSaturated fires above 80%. Needs the replica -> GPU map.",
         unit="percentunit", min_=0, thresholds=((None, "green"), (0.8, "red")), threshold_lines=True), 12, 8)
+    lay.add(g.timeseries("Recompute avoided per MB moved", [
+        Query(f"1e6 * {s.sel('kvwatch_kv_tier_recompute_avoided_tokens_per_byte')}",
+              "{{instance}} {{replica}}", sparse=True)],
+        description="What the replica's KV tiers buy: tokens loaded back to the GPU instead of "
+                    "recomputed, per MB offloaded plus onloaded (rate window). Near 0 while KV moves: "
+                    "the tier stores what is never reused and only costs PCIe bandwidth. A token's KV "
+                    "is ~0.1-0.3 MB on the presets, so a tier that returns everything it stores reads "
+                    "about half of 1 / (MB per token).", unit="short", min_=0), 12, 8)
     lay.add(g.table("PCIe links", [
         Query(s.sel("kvwatch_gpu_pcie_link_generation"), instant=True, table=True),
         Query(s.sel("kvwatch_gpu_pcie_link_generation_max"), instant=True, table=True),
