@@ -16,7 +16,6 @@ from kvwatch import buckets
 from kvwatch.buckets import Histogram
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
-    OUTCOMES,
     EngineStep,
     GpuGrant,
     GpuSample,
@@ -316,9 +315,6 @@ class RequestStats:
         """A copy of the preemption-stall counts, for exporters."""
         with self._lock:
             return dict(self.stalls)
-
-    def outcome_keys(self) -> tuple[str, ...]:
-        return OUTCOMES
 
 
 class InFlightTracker:

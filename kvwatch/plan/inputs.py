@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
@@ -182,7 +181,3 @@ def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
         raise PlanInputError(f"{files[0].path}: the trace has no request to replay")
     skipped = {"no output tokens (failed in the trace)": trace.skipped} if trace.skipped else {}
     return Workload(trace.format, (str(files[0].path),), trace.requests, skipped, None)
-
-
-def workload_from_path(path: str | Path) -> Workload:
-    return read_workload([str(path)])
