@@ -56,7 +56,7 @@ class TargetState:
     scrape_duration_s: float = 0.0
     consecutive_failures: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    #: engine samples dropped or folded while parsing, by reason (exposition.DROP_REASONS)
+    #: engine samples dropped or folded while parsing, by reason (catalog.REJECTED_SAMPLE_REASONS)
     rejected_samples: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
     #: scrapes are skipped until this unix time after consecutive failures (exponential backoff)

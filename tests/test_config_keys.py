@@ -15,7 +15,6 @@ from kvwatch.config.schema import Config
 from kvwatch.config.validate import schema_fields
 
 ROOT = Path(__file__).resolve().parent.parent
-METRICS = "replicas:\n  - {name: r0, metrics_url: 'http://127.0.0.1:8000/metrics'}\n"
 
 
 def leaf_keys(cls: type = Config, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
