@@ -1,4 +1,4 @@
-"""Docs stay true: the generated metric reference is current and every local link resolves."""
+"""Docs stay true: the generated references are current and every local link resolves."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_metric_reference_is_current():
+def test_generated_references_are_current():  # docs/metrics.md and docs/config.md
     result = subprocess.run([sys.executable, "-m", "kvwatch", "docs", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
