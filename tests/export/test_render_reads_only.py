@@ -1,5 +1,5 @@
-"""A /metrics render reads NodeState and writes nothing into it (issue 13: scrape time reads, never
-writes). Export-area success and duration are yielded by the same scrape, as node_exporter's
+"""A /metrics render reads NodeState and writes nothing into it (scrape time reads,
+never writes). Export-area success and duration are yielded by the same scrape, as node_exporter's
 ``node_scrape_collector_success`` are, and a failing area shows success 0 while the rest renders."""
 
 from __future__ import annotations
