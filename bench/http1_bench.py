@@ -2,7 +2,7 @@
 
 Per upstream read of a stream the proxy de-chunks one chunk (``ChunkedDecoder.feed``, fast path);
 per request it parses a head. Both are timed here for this checkout and for a baseline
-``http1.py`` (an older checkout's, e.g. before issue #11's RFC 9112 checks), in the same process,
+``http1.py`` (an older checkout's, e.g. one from before the RFC 9112 checks), in the same process,
 interleaved, best of several repeats:
 
   git show 70dc853:kvwatch/requests/http1.py > /tmp/http1_before.py

@@ -1,4 +1,4 @@
-"""OTLP exports an outsider sends vs the agent's event loop: loop lag and /metrics latency (issue #11).
+"""OTLP exports an outsider sends vs the agent's event loop: loop lag and /metrics latency.
 
 Runs a real ``Agent`` (OTLP receiver on, heap frozen after start-up as ``kvwatch run`` does) in this
 process with a ticker on its loop, and a separate sender process that, phase by phase, POSTs to

@@ -569,8 +569,8 @@ class Result:
     flat_wall_s: float
 
 
-def _measure(target: str, port: int, pids: list[int], upstreams: dict[str, int], args) -> Result:
-    """Runs the phases against ``port``; upstreams: paced and flat-out upstream ports (same for all)."""
+def _measure(target: str, port: int, pids: list[int], args) -> Result:
+    """Runs the phases against ``port`` (the upstreams are the same for every target)."""
     async def run() -> Result:
         await asyncio.gather(*(one_stream(port) for _ in range(8)))  # warm-up
         c0 = _cpu_seconds(pids)
@@ -678,7 +678,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             for name in targets:
                 port, proc, pids = _start_target(name, paced_port, workdir)
                 try:
-                    r = _measure(name, port, pids, {}, args)
+                    r = _measure(name, port, pids, args)
                 finally:
                     _stop(proc)
                 port, proc, pids = _start_target(name, flat_port, workdir)

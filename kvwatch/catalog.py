@@ -367,8 +367,3 @@ def spec(name: str) -> MetricSpec:
         return BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/catalog.py)") from None
-
-
-def exported_series_names() -> set[str]:
-    """Every series name kvwatch can put on the wire (for rule/dashboard checks)."""
-    return {series for s in CATALOG for series in s.series_names}

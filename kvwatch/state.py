@@ -16,7 +16,6 @@ from kvwatch import buckets
 from kvwatch.buckets import Histogram
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import (
-    OUTCOMES,
     EngineStep,
     GpuGrant,
     GpuSample,
@@ -57,7 +56,7 @@ class TargetState:
     scrape_duration_s: float = 0.0
     consecutive_failures: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    #: engine samples dropped or folded while parsing, by reason (exposition.DROP_REASONS)
+    #: engine samples dropped or folded while parsing, by reason (catalog.REJECTED_SAMPLE_REASONS)
     rejected_samples: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
     #: scrapes are skipped until this unix time after consecutive failures (exponential backoff)
@@ -324,9 +323,6 @@ class RequestStats:
         """A copy of the preemption-stall counts, for exporters."""
         with self._lock:
             return dict(self.stalls)
-
-    def outcome_keys(self) -> tuple[str, ...]:
-        return OUTCOMES
 
 
 class InFlightTracker:

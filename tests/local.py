@@ -1,7 +1,9 @@
-"""Loopback ports, local processes and external tools, for tests."""
+"""Loopback ports, waiting for a condition, local processes and external tools, for tests."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import shutil
 import signal
@@ -9,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import httpx
 import pytest
@@ -28,6 +31,50 @@ def free_port() -> int:
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T], timeout_s: float = 10.0, what: str = "the condition",
+               interval_s: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """Call ``probe`` until it returns something truthy, and return that; on timeout, AssertionError
+    naming ``what`` and the last value. Exceptions in ``retry_on`` count as "not yet" (a server that
+    is still starting). Generous timeouts: the test machine is small and shared."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = probe()
+            if value:
+                return value
+            last = value
+        except retry_on as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
+        time.sleep(interval_s)
+
+
+async def until(probe: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, what: str = "the condition",
+                interval_s: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """``wait_until`` for the event loop: ``probe`` may be a plain or an async callable, and the loop
+    runs between calls."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = probe()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value  # type: ignore[return-value]  # awaited above: a T now
+            last = value
+        except retry_on as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(interval_s)
 
 
 def alive(pid: int) -> bool:

@@ -34,7 +34,7 @@ def test_no_command_prints_help_and_fails():
 
 
 def test_run_raises_the_open_files_soft_limit_to_the_hard_limit() -> None:
-    """A soft limit of 256 with 300 keep-alive clients dropped new ones silently (issue #11)."""
+    """A soft limit of 256 with 300 keep-alive clients dropped new ones silently."""
     import resource
 
     def low_soft_limit() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kvwatch.config import Config, NvmlConfig
 from kvwatch.derive.gpu_mapping import (
@@ -24,8 +23,8 @@ from kvwatch.derive.gpu_mapping import (
     gpu_owners,
     map_replicas,
 )
-from kvwatch.gpu.nvml import NvmlCollector, PollReport
-from kvwatch.gpu.processes import ProcReader, read_pid_file
+from kvwatch.gpu.nvml import NvmlCollector, NvmlLibrary, PollReport
+from kvwatch.gpu.processes import ProcessTree, ProcReader, read_pid_file
 from kvwatch.model import ProcessInfo
 from kvwatch.state import NodeState
 
@@ -35,7 +34,7 @@ COLLECTOR = "nvml"
 NVML_ERRORS = "kvwatch_gpu_nvml_errors"
 
 
-def nvml_backend(config: NvmlConfig) -> Any | None:
+def nvml_backend(config: NvmlConfig) -> NvmlLibrary | None:
     """The NVML module to use: None when disabled, a FakeNvml for ``fake_gpus``, else pynvml."""
     if not config.enabled:
         return None
@@ -91,7 +90,7 @@ def replica_targets(config: Config, notes: list[str],
     return targets
 
 
-def refresh_mapping(config: Config, state: NodeState, proc: ProcReader | None = None,
+def refresh_mapping(config: Config, state: NodeState, proc: ProcessTree | None = None,
                     seen_notes: set[str] | None = None,
                     mig_parent: Callable[[str], str | None] | None = None) -> GpuMapping:
     """Recompute replica -> GPUs and pid -> replica from config, /proc and the last NVML poll.

@@ -29,7 +29,8 @@ from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.export.server import make_registry, metrics_app
 from kvwatch.gpu.events import XidWatcher
-from kvwatch.gpu.nvml import NvmlCollector
+from kvwatch.gpu.nvml import NvmlCollector, NvmlLibrary
+from kvwatch.gpu.processes import ProcessTree
 from kvwatch.model import RequestRecord
 from kvwatch.requests.values import VALUES_DROPPED, out_of_range
 from kvwatch.state import NodeState
@@ -85,7 +86,7 @@ class Agent:
     durations with (the demo passes the simulator's clocks for both).
     """
 
-    def __init__(self, config: Config, *, nvml: Any = None, proc: Any = None,
+    def __init__(self, config: Config, *, nvml: NvmlLibrary | None = None, proc: ProcessTree | None = None,
                  route_factories: Iterable[RouteFactory] = (), clock: Callable[[], float] = time.time,
                  proxy_clock: Callable[[], float] = time.perf_counter):
         #: the running config: the file's replicas plus those discovered (``set_discovered_replicas``)

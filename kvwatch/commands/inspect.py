@@ -140,6 +140,22 @@ def _print_text(source: str, result: ParseResult, slots: Slots) -> None:
         print(f"    missing       {', '.join(missing) if missing else 'none'}")
 
 
+def _unreadable(source: str, exc: Exception) -> str:
+    """Why ``source`` gave no samples, in the words the operator can act on."""
+    from kvwatch.engines.exposition_parser import ExpositionError
+    from kvwatch.engines.fetch import ScrapeError
+
+    if isinstance(exc, ScrapeError):
+        return f"fetch failed ({exc.reason}): {exc.message}"
+    if isinstance(exc, OSError):
+        return f"cannot read {source}: {exc.strerror or exc}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"{source} is not UTF-8 text ({exc.reason})"
+    if isinstance(exc, ExpositionError):
+        return f"{source} is not valid Prometheus text: {exc}"
+    return f"no engine metrics in {source}: {exc}"  # NoEngineMetricsError
+
+
 def main(args: argparse.Namespace) -> int:
     from kvwatch.engines import llamacpp
     from kvwatch.engines.exposition_parser import ExpositionError
@@ -154,20 +170,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             text = _read(args.source)
         result = parse_exposition(text, REPLICA, args.backend)
-    except ScrapeError as exc:
-        print(f"kvwatch inspect: fetch failed ({exc.reason}): {exc.message}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"kvwatch inspect: cannot read {args.source}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    except UnicodeDecodeError as exc:
-        print(f"kvwatch inspect: {args.source} is not UTF-8 text ({exc.reason})", file=sys.stderr)
-        return 1
-    except ExpositionError as exc:
-        print(f"kvwatch inspect: {args.source} is not valid Prometheus text: {exc}", file=sys.stderr)
-        return 1
-    except NoEngineMetricsError as exc:
-        print(f"kvwatch inspect: no engine metrics in {args.source}: {exc}", file=sys.stderr)
+    except (ScrapeError, OSError, UnicodeDecodeError, ExpositionError, NoEngineMetricsError) as exc:
+        print(f"kvwatch inspect: {_unreadable(args.source, exc)}", file=sys.stderr)
         return 1
     samples = result.samples
     if isinstance(slots, tuple):

@@ -8,7 +8,6 @@ Every problem is reported at once; one that comes from a variable names the vari
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -298,8 +297,3 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] | None = Non
     if env_problems:
         raise ConfigError(env_problems, source)
     return cfg
-
-
-def config_fields(cls: type = Config) -> tuple[dataclasses.Field[Any], ...]:
-    """The keyed fields of a schema dataclass, in declaration order (for docs/config.md)."""
-    return tuple(schema_fields(cls).values())

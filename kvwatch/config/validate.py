@@ -248,16 +248,8 @@ def setting(key: str, kind: Kind, doc: str, *, minimum: float | None = None,
     ``choices`` bound a value (or each item of a list); ``choice_name`` names one in errors (default:
     the key); ``shown_default`` is how docs/config.md writes a default computed at run time.
     """
-    meta: dict[str, Any] = {"key": key, "kind": kind, "doc": doc}
-    if choice_name is not None:
-        meta["choice_name"] = choice_name
-    if minimum is not None:
-        meta["min"] = minimum
-    if choices is not None:
-        meta["choices"] = choices
-    if shown_default is not None:
-        meta["shown_default"] = shown_default
-    return meta
+    given = {"choice_name": choice_name, "min": minimum, "choices": choices, "shown_default": shown_default}
+    return {"key": key, "kind": kind, "doc": doc, **{k: v for k, v in given.items() if v is not None}}
 
 
 def caller_reads(key: str, doc: str) -> dict[str, Any]:

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from kvwatch.model import GpuGrant, ProcessInfo
 
-MAPPED_BY = ("config", "pod_resources", "pid", "cuda_visible_devices")
-
 
 @dataclass(frozen=True, slots=True)
 class ReplicaTarget:

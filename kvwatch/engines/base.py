@@ -1,6 +1,6 @@
 """The engine-adapter contract, and the small toolkit every adapter reads an exposition with.
 
-An adapter is a module with::
+An adapter is a module with (``registry.EngineAdapter`` is this contract as a type)::
 
     BACKEND: str                                                   # one of model.BACKENDS
     def detect(expo: Exposition) -> bool                           # does this page belong to me?
@@ -19,19 +19,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import product
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvwatch.engines.exposition_parser import Exposition, Labels
 from kvwatch.model import HistogramSnapshot, ReplicaSample, TierTraffic
-
-
-class Adapter(Protocol):
-    BACKEND: str
-
-    def detect(self, expo: Exposition) -> bool: ...
-
-    def parse(self, expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,6 @@ from kvwatch.model import ReplicaSample
 
 BACKEND = "dynamo"
 FRONTEND = "dynamo_frontend_"
-KVBM = "kvbm_"
 
 #: KVBM counter -> (src tier, dst tier). G1=GPU, G2=host, G3=disk, G4=object.
 KVBM_BLOCKS: dict[str, tuple[str, str]] = {

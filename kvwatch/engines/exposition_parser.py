@@ -30,7 +30,7 @@ The page is written by the engine, so it is parsed as hostile input (``Limits``)
   than ``max_ranks``) has the excess folded into the value ``other``, their values summed;
 * a sample that cannot be true is dropped: ±Inf or NaN, a negative counter, and a second copy of a
   series already read (never summed into the first). ``Exposition.dropped`` counts all of these
-  by reason;
+  by reason (the reasons are ``catalog.REJECTED_SAMPLE_REASONS``);
 * ``parse_steps`` parses in slices of about ``slice_chars`` and yields between them, so a caller on
   an event loop can let other work run (``kvwatch.cooperative``).
 """
@@ -44,7 +44,6 @@ from collections import Counter
 from collections.abc import Generator, Iterator, KeysView
 from dataclasses import dataclass, field
 
-from kvwatch.catalog import REJECTED_SAMPLE_REASONS
 from kvwatch.cooperative import run_now
 from kvwatch.safetext import terminal_safe
 
@@ -61,8 +60,6 @@ _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_gcount", "_gsum")
 #: Sample names that are cumulative whatever the TYPE line says: they cannot be negative.
 _CUMULATIVE_SUFFIXES = ("_total", "_count", "_bucket")
 
-#: ``Exposition.dropped`` keys (label values of ``kvwatch_target_samples_rejected_total{reason}``)
-DROP_REASONS = REJECTED_SAMPLE_REASONS
 #: the value excess label values are folded into
 OTHER = "other"
 

@@ -52,7 +52,7 @@ class ParseResult:
     backend: str
     samples: tuple[ReplicaSample, ...]
     notes: tuple[str, ...] = field(default=())
-    #: (reason, count) of page samples dropped or folded while parsing (exposition.DROP_REASONS)
+    #: (reason, count) of page samples dropped or folded while parsing (catalog.REJECTED_SAMPLE_REASONS)
     rejected: tuple[tuple[str, int], ...] = field(default=())
 
 

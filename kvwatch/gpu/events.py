@@ -14,8 +14,10 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvwatch.gpu.nvml import NvmlLibrary
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +58,14 @@ class XidWatcher:
     NVML it only logs at debug level (the collector already said so once).
     """
 
-    def __init__(self, on_xid: Callable[[int, str, int], None], nvml: ModuleType | Any = None,
+    def __init__(self, on_xid: Callable[[int, str, int], None], nvml: NvmlLibrary | None = None,
                  on_event: Callable[[int, str, str, int], None] | None = None,
                  wait_timeout_ms: int = WAIT_TIMEOUT_MS) -> None:
         if nvml is None:
             import pynvml  # nvidia-ml-py's module
 
             nvml = pynvml
-        self.nvml = nvml
+        self.nvml: Any = nvml  # constants and NVMLError_* classes are read by name (NvmlLibrary)
         self.on_xid = on_xid
         self.on_event = on_event
         self.wait_timeout_ms = wait_timeout_ms

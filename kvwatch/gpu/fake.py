@@ -379,11 +379,6 @@ class FakeNvml:
             g.processes[pid] = used_bytes
             g.memory_used_bytes += extra
 
-    def remove_process(self, index: int, pid: int) -> None:
-        with self._lock:
-            g = self._gpus[index]
-            g.memory_used_bytes -= g.processes.pop(pid, None) or 0
-
     def inject_xid(self, index: int, xid: int) -> None:
         """An XID critical error on GPU ``index``, delivered through ``nvmlEventSetWait_v2``."""
         self.inject_event(index, pynvml.nvmlEventTypeXidCriticalError, xid)

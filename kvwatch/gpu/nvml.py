@@ -9,6 +9,7 @@ Units are converted here, once: mW -> W, mJ -> J, MHz -> Hz, percent -> ratio, K
 docs/nvml.md lists every call.
 """
 
+# ruff: noqa: N802  (NvmlLibrary spells pynvml's function names as pynvml does)
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +18,44 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from kvwatch.model import GpuProcess, GpuSample, NvLinkSample
 
 log = logging.getLogger(__name__)
+
+
+class NvmlLibrary(Protocol):
+    """What kvwatch needs of an NVML binding: nvidia-ml-py's ``pynvml`` module, or ``gpu.fake.FakeNvml``.
+
+    These are the calls made by attribute. The per-device reads go through ``_DeviceReader.call`` by
+    name (docs/nvml.md lists them), and the constants and exception classes (``NVMLError``,
+    ``NVMLError_NotSupported``, ``NVML_SUCCESS``, ...) are read by name too: ``FakeNvml`` copies them
+    from the real ``pynvml``, so they cannot drift.
+    """
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlSystemGetDriverVersion(self) -> str: ...
+
+    def nvmlDeviceGetCount(self) -> int: ...
+
+    def nvmlDeviceGetHandleByIndex(self, index: int, /) -> Any: ...
+
+    def nvmlDeviceGetUUID(self, handle: Any, /) -> str: ...
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any, /) -> int: ...
+
+    def nvmlEventSetCreate(self) -> Any: ...
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, _event_types: int, _event_set: Any, /) -> None: ...
+
+    def nvmlEventSetWait_v2(self, _event_set: Any, _timeout_ms: int, /) -> Any: ...
+
+    def nvmlEventSetFree(self, _event_set: Any, /) -> None: ...
+
 
 #: (label value, pynvml constant) of every clock-event (throttle) reason kvwatch exports.
 CLOCK_EVENT_REASONS: tuple[tuple[str, str], ...] = (
@@ -119,13 +152,13 @@ class NvmlCollector:
     """Polls every GPU through NVML. ``poll()`` and ``process_gpus()`` may be called from worker
     threads; they serialize on one lock."""
 
-    def __init__(self, nvml: ModuleType | Any = None, now: Callable[[], float] = time.time,
+    def __init__(self, nvml: NvmlLibrary | None = None, now: Callable[[], float] = time.time,
                  retry_initial_s: float = RETRY_INITIAL_S, retry_max_s: float = RETRY_MAX_S) -> None:
         if nvml is None:
             import pynvml  # nvidia-ml-py's module
 
             nvml = pynvml
-        self.nvml = nvml
+        self.nvml: Any = nvml  # constants and NVMLError_* classes are read by name (NvmlLibrary)
         self._now = now
         self._lock = threading.Lock()
         self._started = False

@@ -15,6 +15,7 @@ import logging
 import os
 from collections import deque
 from pathlib import Path
+from typing import Protocol
 
 from kvwatch.model import ProcessInfo
 
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 VISIBLE_DEVICE_VARS = (b"CUDA_VISIBLE_DEVICES", b"NVIDIA_VISIBLE_DEVICES")
 MAX_TREE = 4096  # processes followed below one engine PID (a runaway fork tree stops here)
 MAX_ENVIRON_BYTES = 1 << 20
+
+
+class ProcessTree(Protocol):
+    """What the GPU mapping needs of /proc: a process and its descendants (``ProcReader`` reads them)."""
+
+    def tree(self, pid: int, /) -> dict[int, ProcessInfo]: ...
 
 
 class ProcReader:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvwatch.catalog import BY_NAME, CATALOG, MetricSpec
+from kvwatch.catalog import BY_NAME, MetricSpec
 
 #: Series from other exporters that kvwatch's rules and dashboards may query, and why.
 EXTERNAL_METRICS: Mapping[str, str] = {
@@ -190,7 +190,3 @@ def unknown_names(expr: str, recorded: Iterable[str] = ()) -> list[str]:
             if label not in allowed:
                 problems.append(f"{name} has no label {label!r} (labels: {', '.join(spec.labels) or 'none'})")
     return problems
-
-
-def catalog_series() -> frozenset[str]:
-    return frozenset(s for spec in CATALOG for s in spec.series_names)

@@ -236,10 +236,6 @@ class SloFile:
     alerts: AlertConfig = field(default_factory=AlertConfig, metadata=caller_reads(
         "alerts", "the operational alerts' thresholds and for: durations (mixin/thresholds.py)"))
 
-    @property
-    def period_seconds(self) -> int:
-        return prom_duration_seconds(self.period)
-
 
 # --------------------------------------------------------------------------------------------
 # the file

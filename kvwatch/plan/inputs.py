@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
@@ -205,7 +204,3 @@ def demo_workload_requests(*, limit: int | None = None, seed: int = 0) -> Worklo
 def workload_of(paths: list[str], limit: int | None = None) -> Workload:
     """The ledger or trace named on the command line; none named: the demo's default workload."""
     return read_workload(paths, limit=limit) if paths else demo_workload_requests(limit=limit)
-
-
-def workload_from_path(path: str | Path) -> Workload:
-    return read_workload([str(path)])

@@ -30,7 +30,6 @@ FINISH = re.compile(rb'"finish_reason"[ \t]*:[ \t]*"([A-Za-z0-9_\-]{1,32})"')
 USAGE_MARK = b'"usage"'
 USAGE_OBJECT = re.compile(rb'"usage"[ \t]*:[ \t]*\{')
 EMPTY_CHOICES = re.compile(rb'"choices"[ \t]*:[ \t]*\[[ \t]*\]')
-SEPARATORS = (b"\n\n", b"\r\n\r\n")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ and a dense model they cost nothing and the step is the plain roofline.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvwatch.sim.hostlink import ReplicaHostPath, node_host_paths
@@ -1149,8 +1149,3 @@ class SimEngine:
         assert self._n_dec == sum(1 for r in self._running.values() if r.state == DECODE)
         assert len(self._running) <= self._max_seqs
         assert self._host_used == sum(_ceil_div(r.host_tokens, bs) for r in self._reqs.values())
-
-
-def engines_for(configs: Iterable[EngineConfig]) -> list[SimEngine]:
-    """One engine per config, named by DP rank ("0", "1", ...)."""
-    return [SimEngine(c, name=str(i)) for i, c in enumerate(configs)]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,7 +249,6 @@ class SimNode:
         self._tick_wall = 0.0
         self._wall_start = 0.0
         self._sim_start = 0.0
-        self._work_s = 0.0
         self.ticks = 0
         self._output = output_sampler(config.output_class, config.seed)
 
@@ -297,10 +295,8 @@ class SimNode:
             if target - self._sim > max_advance:  # fell behind: slip the clock, do not burst
                 target = self._sim + max_advance
                 wall0, sim0 = wall, target
-            started = time.perf_counter()
             for e in self.engines:
                 e.advance_to(target)
-            self._work_s += time.perf_counter() - started
             self._sim = target
             self._tick_wall = wall
             self.ticks += 1
@@ -333,11 +329,6 @@ class SimNode:
         """Simulated seconds per wall second since start (equals ``speed`` unless the CPU lags)."""
         wall = asyncio.get_running_loop().time() - self._wall_start if self._task else 0.0
         return (self._sim - self._sim_start) / wall if wall > 0 else 0.0
-
-    @property
-    def clock_cpu_seconds(self) -> float:
-        """Wall time spent advancing engines (the simulation's own CPU cost)."""
-        return self._work_s
 
     # ------------------------------------------------------------------ addresses
 
@@ -377,10 +368,6 @@ class SimNode:
         if not 0 <= gpu < self.config.gpus:
             raise IndexError(f"GPU {gpu} is not one of this node's {self.config.gpus} GPUs")
         return gpu // tp, gpu % tp
-
-    @property
-    def gpu_memory_total_bytes(self) -> float:
-        return self.config.engine.gpu.memory_bytes
 
     def gpu_memory_used_bytes(self, replica: int) -> float:
         """Per GPU of ``replica``, what NVML shows: weights + runtime reserve + the whole KV pool.

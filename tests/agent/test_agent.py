@@ -10,6 +10,7 @@ import time
 
 import httpx
 from aiohttp import web
+from local import until
 
 from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig, ScrapeConfig
@@ -38,15 +39,6 @@ async def _metrics(agent: Agent) -> str:
         return (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)).text
 
 
-async def _until(predicate, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError("condition not reached in time")
-
-
 async def test_a_hanging_replica_delays_neither_the_others_nor_the_scrape():
     release = asyncio.Event()
 
@@ -67,7 +59,7 @@ async def test_a_hanging_replica_delays_neither_the_others_nor_the_scrape():
     await agent.start()
     try:
         timed_out = 'kvwatch_target_scrape_errors_total{reason="timeout",replica="stuck"} 1.0'
-        await _until(lambda: _contains(agent, timed_out))
+        await _shown(agent, timed_out)
         seen = agent.state.target("sim-0").last_success_ts
         await asyncio.sleep(1.5)
         assert agent.state.target("sim-0").last_success_ts > seen  # still scraped on schedule
@@ -88,21 +80,26 @@ async def _contains(agent: Agent, text: str) -> bool:
     return text in await _metrics(agent)
 
 
+async def _shown(agent: Agent, text: str) -> None:
+    """Until the agent's /metrics holds ``text`` (15 s: the machine is shared)."""
+    await until(lambda: _contains(agent, text), 15, f"{text} on /metrics", interval_s=0.2)
+
+
 async def test_a_vanished_replica_drops_out_and_comes_back():
     node = await _sim()
     agent = Agent(_config(node), nvml=FakeNvml(2))
     await agent.start()
     try:
-        await _until(lambda: _contains(agent, 'kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="1"'))
+        await _shown(agent, 'kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="1"')
         server = node.servers[1]
         port = int(server.url.rsplit(":", 1)[1])
         await server.stop()
-        await _until(lambda: _contains(agent, 'kvwatch_target_up{backend="vllm",replica="sim-1"} 0.0'))
+        await _shown(agent, 'kvwatch_target_up{backend="vllm",replica="sim-1"} 0.0')
         body = await _metrics(agent)
         assert 'replica="sim-1"' not in body.split("kvwatch_kv_capacity_tokens", 1)[1].split("# HELP", 1)[0]
         assert 'kvwatch_target_scrape_errors_total{reason="connect",replica="sim-1"}' in body
         await server.start("127.0.0.1", port)
-        await _until(lambda: _contains(agent, 'kvwatch_target_up{backend="vllm",replica="sim-1"} 1.0'))
+        await _shown(agent, 'kvwatch_target_up{backend="vllm",replica="sim-1"} 1.0')
     finally:
         await agent.stop()
         await node.stop()
@@ -114,16 +111,16 @@ async def test_gpus_follow_nvml_and_vanish_when_nvml_does():
     agent = Agent(_config(node), nvml=fake)
     await agent.start()
     try:
-        await _until(lambda: _contains(agent, 'kvwatch_collector_success{collector="nvml"} 1.0'))
+        await _shown(agent, 'kvwatch_collector_success{collector="nvml"} 1.0')
         body = await _metrics(agent)
         assert 'kvwatch_replica_gpu_info{dp_rank="",gpu="1"' in body  # config mapping joins GPUs
         import pynvml
 
         fake.fail("nvmlDeviceGetMemoryInfo", pynvml.NVMLError_Unknown)
-        await _until(lambda: _contains(agent, 'kvwatch_gpu_nvml_errors_total{call="nvmlDeviceGetMemoryInfo"'))
+        await _shown(agent, 'kvwatch_gpu_nvml_errors_total{call="nvmlDeviceGetMemoryInfo"')
         fake.clear_failures()
         fake.set_lost(0)
-        await _until(lambda: _contains(agent, 'kvwatch_gpu_lost{container="",gpu="0"'))
+        await _shown(agent, 'kvwatch_gpu_lost{container="",gpu="0"')
         assert 'kvwatch_target_up{backend="vllm",replica="sim-0"} 1.0' in await _metrics(agent)
     finally:
         await agent.stop()

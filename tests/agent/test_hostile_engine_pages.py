@@ -1,4 +1,4 @@
-"""No engine page, however hostile, stalls the agent's event loop (issue #11).
+"""No engine page, however hostile, stalls the agent's event loop.
 
 The agent's real scrape job reads hostile pages served by a separate process (so serving them
 costs this loop nothing), next to a well-behaved simulated replica, while a ticker on the same loop

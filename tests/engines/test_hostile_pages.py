@@ -1,6 +1,6 @@
 """Engine pages an attacker would serve: each is read in linear time, within limits, or refused.
 
-Every case here once hurt a running agent (issue #11): a long line that made the sample regex
+Every case here once hurt a running agent: a long line that made the sample regex
 backtrack for 30 s, 3,200 ranks read quadratically, 20,000 label values exported as 20,000 series,
 duplicates summed, impossible values exported, odd rank labels failing the replica.
 """

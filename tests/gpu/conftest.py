@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,16 +35,6 @@ def collector(fake: FakeNvml, clock: Clock) -> NvmlCollector:
     c = NvmlCollector(fake, now=clock)
     assert c.start()
     return c
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Generous polling wait for thread hand-offs (the machine may be loaded)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class FakeProc:

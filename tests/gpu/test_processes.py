@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from local import wait_until
 
 from kvwatch.gpu.processes import ProcReader, read_pid_file
 from kvwatch.model import ProcessInfo
 
-from .conftest import FakeProc, wait_until
+from .conftest import FakeProc
 
 
 def test_nspid_chain_and_parent_are_read(proc: FakeProc):

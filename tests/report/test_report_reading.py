@@ -22,10 +22,6 @@ from . import ledgers
 GOOD = ledgers.line(ledgers.HAND[0])
 
 
-def summary_rows(report):  # the numbers, without the file list
-    return [r for r in report.rows]
-
-
 def test_malformed_lines_are_counted_reported_and_skipped(tmp_path: Path) -> None:
     bad = {
         0: "this is not json",

@@ -2,7 +2,7 @@
 
 h11 splits a head on a bare LF and lets ``Transfer-Encoding`` win over ``Content-Length``, so a
 header value holding ``\\nTransfer-Encoding: chunked`` that a proxy forwards byte for byte frames
-the body differently here than in the proxy: the request smuggling of issue #11. Every answer
+the body differently here than in the proxy: request smuggling (RFC 9112 section 11.2). Every answer
 names the request target it answers, after ``delay`` seconds, so a test sees which response went
 to which client through kvwatch's shared upstream pool.
 """

@@ -94,7 +94,7 @@ def test_chunked_decoder_refuses_garbage(bad: bytes) -> None:
         ChunkedDecoder().feed(bad)
 
 
-# -- RFC 9112 grammar (issue #11: what an engine's parser could read differently is refused) -------
+# -- RFC 9112 grammar (what an engine's parser could read differently is refused) -------------------
 
 
 @pytest.mark.parametrize("line", [

@@ -351,7 +351,7 @@ async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness,
     finally:
         gc.unfreeze()
     assert len(default_otlp.records) == 3 * copies
-    # decoded on the loop (before #11) this stalled 602 ms with the fast sink; in a thread 45-69 ms of
+    # decoded on the loop (as it once was) this stalled 602 ms with the fast sink; in a thread 45-69 ms of
     # CPU per tick (the thread's pure Python holds the GIL in 5 ms turns, and a full GC walks its
     # records); in the worker process 12-18 ms. The bound is on the CPU this process spends while
     # one tick waits: wall lateness on a shared 2-core machine is mostly the scheduler's

@@ -1,4 +1,4 @@
-"""Hostile input at the proxy (issue #11): what an attacker sends is refused the way RFC 9112, nginx
+"""Hostile input at the proxy: what an attacker sends is refused the way RFC 9112, nginx
 and Envoy refuse it, and never wedges the loop, reaches the engine, or cross-wires responses."""
 
 from __future__ import annotations

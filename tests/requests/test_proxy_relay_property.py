@@ -1,4 +1,4 @@
-"""Property (issue #11): whatever an engine streams, and whatever kvwatch's accounting does with it,
+"""Property: whatever an engine streams, and whatever kvwatch's accounting does with it,
 the client receives the engine's bytes, in order, less only the usage chunk kvwatch asked for.
 
 Checked twice: on the pure usage relay (``proxy/relay.py``), fed the stream cut into random reads;

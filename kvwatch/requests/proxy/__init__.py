@@ -47,11 +47,11 @@ from kvwatch.requests.proxy.seams import (
     SHED,
     TIMED_OUT,
     USAGE_REFUSED,
-    Count,
     MeterFactory,
     Sink,
 )
 from kvwatch.requests.proxy.server import ProxyServer, UpstreamAddress, start_proxy
+from kvwatch.selfmetrics import Count
 
 __all__ = ["ACCEPT_ERRORS", "ACCOUNTING_ERRORS", "REFUSED", "REFUSED_CLIENT_GONE", "SHED", "TIMED_OUT",
            "USAGE_REFUSED", "Count", "MeterFactory", "ProxyServer", "Sink", "UpstreamAddress", "start_proxy"]

@@ -1,7 +1,8 @@
 """What the proxy's pieces need of the rest of the agent, typed: counters, meters, sinks.
 
-The agent passes ``NodeState.count`` and ``RequestMeter``; tests pass their own. These Protocols say
-exactly which calls the proxy makes, so either is checked against them.
+The agent passes ``NodeState.count`` and ``RequestMeter``; tests pass their own. These Protocols (and
+``selfmetrics.Count``, the one counter type every source takes) say exactly which calls the proxy
+makes, so either is checked against them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,6 @@ SHED = "kvwatch_proxy_requests_shed"  # reason: buffer (proxy.max_buffered_bytes
 ACCEPT_ERRORS = "kvwatch_proxy_accept_errors"
 REFUSED = "kvwatch_proxy_requests_refused"  # status: what kvwatch answered while reading the request
 REFUSED_CLIENT_GONE = "kvwatch_proxy_refusals_undelivered"  # status: the client left before the answer
-
-
-class Count(Protocol):
-    """``NodeState.count``: add ``amount`` to the self-metric ``family`` with these label values."""
-
-    def __call__(self, family: str, *labels: str, amount: float = 1) -> None: ...
 
 
 class MeterFactory(Protocol):

@@ -35,10 +35,10 @@ from kvwatch.requests.proxy.seams import (
     TIMED_OUT,
     USAGE_REFUSED,
     Clock,
-    Count,
     MeterFactory,
     Sink,
 )
+from kvwatch.selfmetrics import Count
 
 log = logging.getLogger("kvwatch.requests.proxy")
 
