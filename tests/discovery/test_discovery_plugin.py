@@ -271,3 +271,20 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
         await _until_socket(f"{node_root}{sends_to}", present=False)
     finally:
         await agent.stop()
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("run/kvwatch", "expected an absolute directory"),
+    ("/" + "d" * 60, "at most 60 bytes"),
+])
+def test_a_plugin_dir_that_cannot_hold_a_socket_is_refused(value: str, problem: str) -> None:
+    from kvwatch.config import ConfigError, config_from_mapping
+
+    with pytest.raises(ConfigError, match=problem) as refused:
+        config_from_mapping({"discovery": {"kubernetes": {"vllm_plugin_dir": value}}})
+    assert "discovery.kubernetes.vllm_plugin_dir" in str(refused.value)
+    longest = "/" + "d" * 59  # 60 bytes + "/<uuid>/vllm.sock" (47) = 107, the socket path limit
+    cfg = config_from_mapping({"discovery": {"kubernetes": {"vllm_plugin_dir": longest + "/"}}})
+    assert cfg.discovery.kubernetes.vllm_plugin_dir == longest
+    path = socket_path(longest, UID)
+    assert path is not None and len(path.encode()) == 107
