@@ -262,13 +262,15 @@ def _named_port(containers: Sequence[Mapping[str, Any]], name: str) -> int | Non
 def _command_line(container: Mapping[str, Any]) -> list[str]:
     """The words the container runs: ``command`` + ``args`` with the kubelet's ``$(VAR)`` expansion,
     a shell's ``-c`` script split as it would, its ``$VAR`` / ``${VAR}`` taken from the same env."""
-    env = _literal_env(container)
-    argv = [_kubelet_expand(str(a), env)
-            for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    argv = [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    env = _literal_env(container) if any("$" in a for a in argv) else {}  # most pods: no references
+    argv = [_kubelet_expand(a, env) for a in argv] if env else argv
     script = _shell_script(argv)
     if script is None or len(script) > MAX_SCRIPT_CHARS:
         return argv
-    return _script_command(_SHELL_VAR.sub(lambda m: env.get(m["braced"] or m["bare"], m[0]), script))
+    if env:
+        script = _SHELL_VAR.sub(lambda m: env.get(m["braced"] or m["bare"], m[0]), script)
+    return _script_command(script)
 
 
 def _literal_env(container: Mapping[str, Any]) -> dict[str, str]:
@@ -281,8 +283,6 @@ def _kubelet_expand(arg: str, env: Mapping[str, str]) -> str:
     """``$(VAR)`` from the container's env, ``$$`` -> ``$``, unknown references left as they are: the
     expansion the kubelet applies to ``command`` and ``args`` (kubernetes'
     ``third_party/forked/golang/expansion/expand.go``)."""
-    if "$" not in arg:
-        return arg
     return _KUBELET_VAR.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
