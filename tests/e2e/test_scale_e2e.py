@@ -150,6 +150,13 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_proxy_requests_shed": lambda s: s.replicas * int(s.proxied) * 2,  # buffer, connections
     "kvwatch_proxy_accept_errors": lambda s: s.replicas * int(s.proxied),
     "kvwatch_proxy_usage_injection_refused": lambda s: s.replicas * int(s.proxied),
+    # statuses the proxy answers itself while reading a request: 400, 413, 431, 501, 505, 503
+    "kvwatch_proxy_requests_refused": lambda s: s.replicas * int(s.proxied) * 6,
+    "kvwatch_proxy_refusals_undelivered": lambda s: s.replicas * int(s.proxied) * 6,
+    # only on an out-of-range count: per replica and source, x the five request fields it can be
+    "kvwatch_request_values_dropped": lambda s: ((s.replicas * int(s.proxied) + s.engine_keys) * 5),
+    # terminal_pod, stale_duplicate, mig_unresolved, dra, unknown_device (with pod resources only)
+    "kvwatch_gpu_grants_unattributed": lambda s: 5 * int(s.discovery),
     "kvwatch_config_last_reload_successful": lambda s: int(s.config_reloads),
     "kvwatch_config_last_reload_success_timestamp_seconds": lambda s: int(s.config_reloads),
     "kvwatch_discovery_stale": lambda s: int(s.discovery),
@@ -187,6 +194,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_kv_stranded_tokens": lambda s: s.replicas * s.models_per_replica,  # per model: at most this
     "kvwatch_kv_tier_link_utilization_ratio": lambda s: s.replicas * 2,  # offload, onload
     "kvwatch_kv_tier_link_condition": lambda s: s.replicas * 2 * 3,  # x 3 conditions
+    "kvwatch_kv_tier_recompute_avoided_tokens_per_byte": lambda s: s.replicas,
     # GPUs
     **{name: (lambda s: s.gpus) for name in (
         "kvwatch_gpu", "kvwatch_gpu_lost", "kvwatch_gpu_memory_total_bytes",
