@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import httpx
@@ -149,6 +150,11 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
         ledger=LedgerConfig(path=str(path)))
     agent = Agent(config)
     await agent.start()
+    disk = threading.Event()  # the ledger's disk stalls until the exporter has been refused once
+    ledger = agent._ledger
+    assert ledger is not None
+    write = ledger._write
+    ledger._write = lambda records: (disk.wait(30), write(records))  # type: ignore[method-assign]
     try:
         url = f"http://127.0.0.1:{agent.otlp_port}/v1/traces"
         exporter = await asyncio.create_subprocess_exec(
@@ -159,8 +165,13 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
         async with httpx.AsyncClient() as client:  # fills the ledger's queue four times over
             response = await client.post(url, content=_export(40_000, 0), headers=PROTOBUF, timeout=60)
             assert response.status_code == 200
-        exporter.stdin.write(b"go\n")  # at once: the 40,000 lines take the writer ~0.7 s
+        exporter.stdin.write(b"go\n")
         await exporter.stdin.drain()
+        for _ in range(300):
+            if dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))[("ledger_busy",)]:
+                break
+            await asyncio.sleep(0.05)
+        disk.set()
         assert await asyncio.wait_for(exporter.stdout.readline(), 60) == b"SUCCESS\n"
         await exporter.wait()
         refused = dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))
