@@ -35,6 +35,7 @@ from kvwatch.selfmetrics import Count
 log = logging.getLogger(__name__)
 
 WRITE_ERRORS = "kvwatch_ledger_write_errors"
+MIN_LINES_PER_SECOND = 20_000  # what stop() allows the writer for a backlog (measured: ~55,000)
 _STOP = object()
 
 
@@ -118,10 +119,14 @@ class RequestLedger:
         self._queue.put((record, admitted))
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop: waits ``timeout`` or longer for a long backlog (an
+        admitted export may queue more than 10,000 lines; the writer does ~55,000 a second)."""
         if self._thread is None:
             return
+        with self._lock:
+            backlog = self._waiting + self._admitted
         self._queue.put(_STOP)
-        self._thread.join(timeout)
+        self._thread.join(max(timeout, backlog / MIN_LINES_PER_SECOND))
         self._thread = None
 
     # -- writer thread ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import httpx
@@ -114,3 +115,68 @@ def test_a_burst_of_drops_is_one_log_line(tmp_path: Path, caplog: pytest.LogCapt
             ledger.write(_record(i))
     assert sum(counts) == 498
     assert len(caplog.records) == 1
+
+
+VLLM_PYTHON = Path.home() / ".cache" / "kvwatch-vllm" / "venv" / "bin" / "python"
+#: the OTLP/HTTP exporter vLLM exports its spans with (opentelemetry-exporter-otlp-proto-http, in the
+#: CPU vLLM's venv); it retries 429/502/503/504 and waits the Retry-After it is given
+#: (opentelemetry/exporter/otlp/common/http.py, 1.45.2)
+EXPORTER = """
+import sys
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+kept = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(kept))
+for i in range(5):
+    with provider.get_tracer("t").start_as_current_span("llm_request") as span:
+        span.set_attribute("gen_ai.usage.completion_tokens", 1_000_000 + i)
+        span.set_attribute("gen_ai.latency.e2e", 1.0)
+print("ready", flush=True)
+sys.stdin.readline()
+print(OTLPSpanExporter(endpoint=sys.argv[1]).export(kept.get_finished_spans()).name, flush=True)
+"""
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no CPU vLLM venv (scripts/setup-test-env.sh)")
+async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    config = Config(
+        replicas=(ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:9/metrics", model_name="m"),),
+        listen=LISTEN, nvml=NvmlConfig(fake_gpus=0), otlp=OtlpConfig(listen=LISTEN, max_body_bytes=64 << 20),
+        ledger=LedgerConfig(path=str(path)))
+    agent = Agent(config)
+    await agent.start()
+    disk = threading.Event()  # the ledger's disk stalls until the exporter has been refused once
+    ledger = agent._ledger
+    assert ledger is not None
+    write = ledger._write
+    ledger._write = lambda records: (disk.wait(30), write(records))  # type: ignore[method-assign]
+    try:
+        url = f"http://127.0.0.1:{agent.otlp_port}/v1/traces"
+        exporter = await asyncio.create_subprocess_exec(
+            str(VLLM_PYTHON), "-c", EXPORTER, url, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+        assert exporter.stdin is not None and exporter.stdout is not None
+        assert await asyncio.wait_for(exporter.stdout.readline(), 60) == b"ready\n"
+        async with httpx.AsyncClient() as client:  # fills the ledger's queue four times over
+            response = await client.post(url, content=_export(40_000, 0), headers=PROTOBUF, timeout=60)
+            assert response.status_code == 200
+        exporter.stdin.write(b"go\n")
+        await exporter.stdin.drain()
+        for _ in range(300):
+            if dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))[("ledger_busy",)]:
+                break
+            await asyncio.sleep(0.05)
+        disk.set()
+        assert await asyncio.wait_for(exporter.stdout.readline(), 60) == b"SUCCESS\n"
+        await exporter.wait()
+        refused = dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))
+    finally:
+        await agent.stop()
+    assert refused[("ledger_busy",)] >= 1  # it was refused, waited Retry-After and sent again
+    tokens = [int(line.split('"output_tokens":')[1].split(",")[0]) for line in path.read_text().splitlines()]
+    assert len(tokens) == 40_005 and sorted(tokens)[-5:] == [1_000_000 + i for i in range(5)]
