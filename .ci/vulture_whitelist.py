@@ -20,6 +20,7 @@ _.kv_excluded_requests       # report/summary.py Summary field, written to the J
 _.e2e_p99                    # plan/compare.py Outcome field, the twin's JSON output (sim/loadgen.py fills the same key)
 
 # --- set by kvwatch, read by a library
+_.whitespace_split           # discovery/pods.py: shlex.shlex reads it while splitting a shell script
 _.timestamp_ms               # export/protobuf.py: a field of client_model's Metric message, serialized by protobuf
 _.latencyUsec                # gpu/fake.py: a field of pynvml's c_nvmlFieldValue_t, which the fake fills as NVML does
 _.ullVal                     # gpu/fake.py: a member of pynvml's c_nvmlValue_t union, as NVML fills it
