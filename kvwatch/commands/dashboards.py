@@ -21,10 +21,10 @@ external metrics (up, ALERTS, dcgm-exporter's DCGM_FI_*) before anything is writ
 nothing is written: the committed files are compared with what would be generated, differences
 are printed as a diff and the exit status is 1.
 
-With --native the latency panels read native histograms (histogram_quantile without le,
-histogram_fraction, histogram_count / histogram_sum) for a Prometheus that keeps native histograms
-instead of classic buckets; the dashboards go to dashboards/native by default, with the same uids
-(provision one directory or the other).
+With --native, the Latency by length band dashboard reads native histograms (histogram_quantile
+without le, histogram_fraction, histogram_count / histogram_sum) for a Prometheus that keeps native
+histograms instead of classic buckets: dashboards/native/kvwatch-latency-by-band-native.json by
+default, its own uid, beside the classic one (Node and Fleet read no histograms: they serve both).
 
 Exit status: 0 written / up to date, 1 out of date, 2 a query reads an unknown series."""
 

@@ -190,7 +190,8 @@ def latency_board(opts: Options) -> Board:
 
     native = (" Native-histogram variant (kvwatch dashboards --native): reads the native series a "
               "Prometheus with native histograms on keeps instead of classic buckets." if opts.native else "")
-    return Board(LATENCY_UID, "kvwatch / Latency by length band",
+    return Board(f"{LATENCY_UID}-native" if opts.native else LATENCY_UID,
+                 "kvwatch / Latency by length band" + (" (native histograms)" if opts.native else ""),
                  "TTFT, TPOT and end-to-end latency per output-length band, SLO attainment, burn rates and "
                  f"error budget, outcomes per band, in-flight load and output-length distribution.{native}",
                  variables(("cluster", "node", "model", "replica", "band", "ttft_slo", "tpot_slo"),
