@@ -38,11 +38,12 @@ def rss_bytes() -> int:
     return 0
 
 
-def build_state():
-    """A NodeState as the agent holds it on a busy 8 x H200 node."""
+def build_state(extra_config: dict | None = None):
+    """A NodeState as the agent holds it on a busy 8 x H200 node; ``extra_config``: more config keys
+    (e.g. a metrics profile), read by the config's validator."""
     from kvwatch.agent.derived import update_derived
     from kvwatch.agent.gpu import refresh_gpu_state
-    from kvwatch.config import Config, ReplicaConfig
+    from kvwatch.config import config_from_mapping
     from kvwatch.engines.registry import parse_exposition
     from kvwatch.gpu.fake import FakeNvml
     from kvwatch.gpu.nvml import NvmlCollector
@@ -50,12 +51,11 @@ def build_state():
     from kvwatch.state import NodeState
 
     text = CAPTURE.read_text()
-    replicas = tuple(
-        ReplicaConfig(name=f"replica-{i}", metrics_url=f"http://127.0.0.1:{8000 + i}/metrics",
-                      api_url=f"http://127.0.0.1:{8000 + i}", model_name="Qwen/Qwen3-0.6B",
-                      gpus=(str(i),))
-        for i in range(REPLICAS))
-    config = Config(replicas=replicas)
+    config = config_from_mapping({"replicas": [
+        {"name": f"replica-{i}", "metrics_url": f"http://127.0.0.1:{8000 + i}/metrics",
+         "api_url": f"http://127.0.0.1:{8000 + i}", "model_name": "Qwen/Qwen3-0.6B", "gpus": [str(i)]}
+        for i in range(REPLICAS)], **(extra_config or {})})
+    replicas = config.replicas
     state = NodeState("bench", config.length_bands)
     fake = FakeNvml(GPUS)
     collector = NvmlCollector(fake)

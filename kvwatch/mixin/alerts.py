@@ -16,7 +16,18 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from kvwatch.mixin.promql import FLEET_LABELS, by, eq, nre, one_of, re_, regex_any, selector
+from kvwatch.mixin.promql import (
+    CLASSIC,
+    FLEET_LABELS,
+    HistogramForm,
+    by,
+    eq,
+    nre,
+    one_of,
+    re_,
+    regex_any,
+    selector,
+)
 from kvwatch.mixin.recording import COMPLETION_OUTCOMES
 from kvwatch.mixin.rulefile import CRITICAL, WARNING, Alert, Group
 from kvwatch.mixin.slo import SloFile
@@ -76,7 +87,7 @@ def counter_rose(series: str, window: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
+def kv_alerts(cfg: AlertConfig, form: HistogramForm = CLASSIC) -> tuple[Alert, ...]:
     preempt_10m = "rate(kvwatch_preemptions_total[10m])"
     finished_10m = "sum without (finished_reason) (rate(kvwatch_engine_finished_requests_total[10m]))"
     return (
@@ -113,7 +124,7 @@ def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
             f"KV cache.",
             for_=cfg.for_of("KVWatchRecomputeWaste"),
         ),
-        repeated_preemption_alert(cfg),
+        repeated_preemption_alert(cfg, form),
         Alert(
             "KVWatchKVHeadroomLow",
             f"kvwatch_kv_headroom_seconds < {cfg.headroom_seconds}",
@@ -126,15 +137,20 @@ def kv_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
     )
 
 
-def repeated_preemption_alert(cfg: AlertConfig) -> Alert:
+def repeated_preemption_alert(cfg: AlertConfig, form: HistogramForm = CLASSIC) -> Alert:
     """Requests of a longer band (every band but the shortest, whose name starts at 0) were preempted
     again and again: vLLM preempts the newest request, so a long answer can be evicted and recomputed
     many times. Needs the per-request preemption counts of kvwatch's vLLM plugin."""
     band = 'length_band!~"0-.*|unknown"'
-    count = f"increase(kvwatch_request_preemptions_count{{{band}}}[30m])"
+
+    def increase(series: str) -> str:
+        return f"increase({series}{{{band}}}[30m])"
+
+    family = "kvwatch_request_preemptions"
+    count = form.count(family, increase)
     return Alert(
         "KVWatchLongRequestsPreemptedRepeatedly",
-        f"increase(kvwatch_request_preemptions_sum{{{band}}}[30m]) / {count}\n"
+        f"{form.sum(family, increase)} / {count}\n"
         f"  > {cfg.repeated_preemptions_per_request}\n"
         f"and\n{count} >= {cfg.repeated_preemptions_min_requests}",
         WARNING,
@@ -383,11 +399,12 @@ def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
     )
 
 
-def node_alert_groups(job: str = DEFAULT_JOB, cfg: AlertConfig | None = None) -> tuple[Group, ...]:
+def node_alert_groups(job: str = DEFAULT_JOB, cfg: AlertConfig | None = None,
+                      form: HistogramForm = CLASSIC) -> tuple[Group, ...]:
     """Alerts on one node's series: they run where the node is scraped."""
     cfg = cfg or AlertConfig()
     return (
-        Group("kvwatch-kv.alerts", kv_alerts(cfg)),
+        Group("kvwatch-kv.alerts", kv_alerts(cfg, form)),
         Group("kvwatch-tier.alerts", tier_alerts(cfg)),
         Group("kvwatch-gpu.alerts", gpu_alerts(cfg)),
         Group("kvwatch-self.alerts", self_alerts(job, cfg)),

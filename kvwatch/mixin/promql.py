@@ -10,10 +10,12 @@ generators refuse it. Names from other exporters are allowed only when listed in
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwatch.catalog import BY_NAME, MetricSpec
+from kvwatch.model import LengthBands
+from kvwatch.state import PREBINNED_FAMILIES, RequestStats
 
 #: Series from other exporters that kvwatch's rules and dashboards may query, and why.
 EXTERNAL_METRICS: Mapping[str, str] = {
@@ -33,6 +35,11 @@ TARGET_LABELS = frozenset({"instance", "job", "cluster", "namespace", "pod", "co
 #: Labels kvwatch's fleet-level rules keep when they aggregate across nodes. A label that a
 #: Prometheus does not have (a single-cluster setup without ``cluster``) groups as empty: harmless.
 FLEET_LABELS: tuple[str, ...] = ("cluster",)
+
+#: Histogram families the protobuf exposition also sends as native histograms: every request histogram
+#: ``state.RequestStats`` keeps, but those fed pre-binned (their observations never reach kvwatch).
+NATIVE_FAMILIES: frozenset[str] = frozenset(RequestStats(LengthBands()).bounds) - PREBINNED_FAMILIES
+_CLASSIC_SUFFIXES = ("_bucket", "_count", "_sum")
 
 _RE2_META = re.compile(r"([\\.+*?()|\[\]{}^$])")
 
@@ -99,6 +106,83 @@ def by(labels: Iterable[str]) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# reading a histogram: classic series or the native one
+# --------------------------------------------------------------------------------------------
+
+#: ``rated(series, *extra matchers)``: the range function over one series, e.g. ``rate(x{...}[5m])``
+Rated = Callable[..., str]
+
+
+def _sum_by(grouping: str | None, inner: str) -> str:
+    return f"sum by ({grouping}) ({inner})" if grouping is not None else f"sum({inner})"
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramForm:
+    """How a generated query reads a histogram family.
+
+    Classic: the ``_bucket`` / ``_count`` / ``_sum`` series. Native (``kvwatch rules --native``): for
+    the families in ``NATIVE_FAMILIES``, the one native series per label set read with
+    ``histogram_count`` / ``histogram_sum`` / ``histogram_quantile`` (no ``le``) /
+    ``histogram_fraction``; a Prometheus that ingests the native form of a family keeps no classic
+    series of it (2.42 with ``--enable-feature=native-histograms``), so a native query must not
+    read them. Families without a native form stay classic either way.
+    """
+
+    native: bool = False
+
+    def is_native(self, family: str) -> bool:
+        return self.native and family in NATIVE_FAMILIES
+
+    def count(self, family: str, rated: Rated, grouping: str | None = None) -> str:
+        """Observations (per second for a rate), summed ``by (grouping)`` (None: per series)."""
+        if self.is_native(family):
+            inner = rated(family)
+            return f"histogram_count({_sum_by(grouping, inner) if grouping is not None else inner})"
+        inner = rated(family + "_count")
+        return _sum_by(grouping, inner) if grouping is not None else inner
+
+    def sum(self, family: str, rated: Rated, grouping: str | None = None) -> str:
+        """The sum of the observations, as ``count`` groups it."""
+        if self.is_native(family):
+            inner = rated(family)
+            return f"histogram_sum({_sum_by(grouping, inner) if grouping is not None else inner})"
+        inner = rated(family + "_sum")
+        return _sum_by(grouping, inner) if grouping is not None else inner
+
+    def quantile(self, q: float, family: str, rated: Rated, grouping: str | None) -> str:
+        """``histogram_quantile`` of the sum ``by (grouping)`` (None: across everything selected)."""
+        if self.is_native(family):
+            return f"histogram_quantile({q}, {_sum_by(grouping, rated(family))})"
+        labels = f"le, {grouping}" if grouping is not None else "le"
+        return f"histogram_quantile({q}, sum by ({labels}) ({rated(family + '_bucket')}))"
+
+    def share_at_most(self, threshold: str, family: str, rated: Rated, grouping: str) -> str:
+        """Share of the observations at most ``threshold`` (a PromQL number or a dashboard variable).
+        Classic: exact when the threshold is a bucket boundary. Native: ``histogram_fraction``, exact at
+        a boundary of the native schema, else interpolated within the bucket holding the threshold."""
+        if self.is_native(family):
+            return f"histogram_fraction(-Inf, {threshold}, {_sum_by(grouping, rated(family))})"
+        good = _sum_by(grouping, rated(family + "_bucket", eq("le", threshold)))
+        return f"{good}\n/\n({self.count(family, rated, grouping)} > 0)"
+
+    def count_above(self, threshold: str, family: str, rated: Rated, grouping: str) -> str:
+        """Observations above ``threshold`` (per second for a rate), 0 where there were none at all.
+        Native: the count times ``1 - histogram_fraction`` where the count is positive (the fraction of
+        an empty histogram is NaN, which would poison every sum over time of the result)."""
+        count = self.count(family, rated, grouping)
+        if self.is_native(family):
+            h = _sum_by(grouping, rated(family))
+            return f"({count} > 0) * (1 - histogram_fraction(-Inf, {threshold}, {h}))\nor\n{count}"
+        good = _sum_by(grouping, rated(family + "_bucket", eq("le", threshold)))
+        return f"{count}\n-\n{good}"
+
+
+CLASSIC = HistogramForm()
+NATIVE = HistogramForm(native=True)
+
+
+# --------------------------------------------------------------------------------------------
 # the name check
 # --------------------------------------------------------------------------------------------
 
@@ -157,7 +241,10 @@ def referenced_metrics(expr: str) -> set[str]:
 
 
 def catalog_family(series: str) -> MetricSpec | None:
-    """The catalog family a series name belongs to (``kvwatch_requests_total`` -> kvwatch_requests)."""
+    """The catalog family a series name belongs to (``kvwatch_requests_total`` -> kvwatch_requests; a
+    native histogram's one series is its family's name)."""
+    if series in NATIVE_FAMILIES:
+        return BY_NAME.get(series)
     for suffix in ("_total", "_bucket", "_count", "_sum", "_info", ""):
         if suffix and not series.endswith(suffix):
             continue
@@ -171,13 +258,19 @@ def is_external(name: str) -> bool:
     return name in EXTERNAL_METRICS or any(name.startswith(p) for p in EXTERNAL_PREFIXES)
 
 
-def unknown_names(expr: str, recorded: Iterable[str] = ()) -> list[str]:
+def unknown_names(expr: str, recorded: Iterable[str] = (), native: bool = False) -> list[str]:
     """Names in ``expr`` that are neither exported by kvwatch, recorded by its rules, nor allowed
-    external names; and labels matched on a kvwatch family that the family does not carry."""
+    external names; and labels matched on a kvwatch family that the family does not carry. With
+    ``native``, also the classic series of a family that Prometheus then ingests in native form only."""
     recorded = set(recorded)
     problems: list[str] = []
     for name, labels in referenced_selectors(expr):
         if name in recorded or is_external(name):
+            continue
+        if native and any(name == f + s for f in NATIVE_FAMILIES for s in _CLASSIC_SUFFIXES):
+            problems.append(f"{name} is a classic series of a native histogram: a native-histogram query "
+                            "reads the native series (histogram_count, histogram_sum, histogram_fraction, "
+                            "histogram_quantile without le)")
             continue
         spec = catalog_family(name)
         if spec is None:

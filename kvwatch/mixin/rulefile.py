@@ -140,8 +140,9 @@ def alert_names(files: Iterable[RuleFile]) -> list[str]:
     return list(seen)
 
 
-def name_problems(files: Iterable[RuleFile]) -> list[str]:
-    """Every rule that reads a series kvwatch does not export, record or allow (with where)."""
+def name_problems(files: Iterable[RuleFile], native: bool = False) -> list[str]:
+    """Every rule that reads a series kvwatch does not export, record or allow (with where); with
+    ``native``, also every read of a classic series of a native histogram."""
     files = list(files)
     recorded = recorded_names(files)
     problems = []
@@ -150,5 +151,5 @@ def name_problems(files: Iterable[RuleFile]) -> list[str]:
             for rule in group.rules:
                 what = rule.record if isinstance(rule, Recording) else rule.alert
                 where = f"{f.filename}: {group.name}: {what}"
-                problems += [f"{where}: {p}" for p in unknown_names(rule.expr, recorded)]
+                problems += [f"{where}: {p}" for p in unknown_names(rule.expr, recorded, native)]
     return problems

@@ -26,12 +26,12 @@ A rule goes where every series it reads exists: no file reads what another recor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvwatch.buckets import le_label
 from kvwatch.mixin import alerts, recording
-from kvwatch.mixin.promql import FLEET_LABELS, Match, by, eq, one_of, selector
+from kvwatch.mixin.promql import CLASSIC, FLEET_LABELS, HistogramForm, Match, by, eq, one_of, selector
 from kvwatch.mixin.rulefile import (
     CRITICAL,
     DEFAULT_RUNBOOK_BASE,
@@ -118,10 +118,17 @@ def _sum_rate(series: str, matchers: Iterable[Match], window: str) -> str:
     return f"sum by ({_GROUPING}) (rate({selector(series, *matchers)}[{window}]))"
 
 
-def eligible_rate(obj: Objective, window: str) -> str:
+def _rated(obj: Objective, window: str) -> Callable[..., str]:
+    """``rate(series{the objective's scope, extra}[window])``, for ``HistogramForm``."""
+    def rated(series: str, *extra: Match) -> str:
+        return f"rate({selector(series, *_scope(obj), *extra)}[{window}])"
+    return rated
+
+
+def eligible_rate(obj: Objective, window: str, form: HistogramForm = CLASSIC) -> str:
     """Requests per second the SLI counts (the denominator)."""
     if obj.is_latency:
-        return _sum_rate(f"{obj.family}_count", _scope(obj), window)
+        return form.count(obj.family, _rated(obj, window), _GROUPING)
     outcomes = one_of("outcome", (*obj.good_outcomes, *obj.bad_outcomes))
     return _sum_rate("kvwatch_requests_total", [*_scope(obj), outcomes], window)
 
@@ -133,19 +140,21 @@ def _threshold(obj: Objective) -> float:
     return obj.threshold
 
 
-def error_rate(obj: Objective, window: str) -> str:
+def error_rate(obj: Objective, window: str, form: HistogramForm = CLASSIC) -> str:
     """Bad requests per second. Latency: count minus the ``le=threshold`` bucket (exact, the
-    threshold is a boundary; ``le`` as kvwatch exports it, which is Prometheus 3's normal form).
+    threshold is a boundary; ``le`` as kvwatch exports it, which is Prometheus 3's normal form);
+    native: the count times ``1 - histogram_fraction`` up to the threshold (exact where the threshold
+    is a boundary of the native schema, docs/alerting.md says how far off elsewhere).
     Completion: bad outcomes, or 0 where the band had eligible requests but no bad outcome yet."""
     if obj.is_latency:
-        good = _sum_rate(f"{obj.family}_bucket", [*_scope(obj), eq("le", le_label(_threshold(obj)))], window)
-        return f"{eligible_rate(obj, window)}\n-\n{good}"
+        return form.count_above(le_label(_threshold(obj)), obj.family, _rated(obj, window), _GROUPING)
     bad = _sum_rate("kvwatch_requests_total", [*_scope(obj), one_of("outcome", obj.bad_outcomes)], window)
     return f"{bad}\nor\n0 * {eligible_rate(obj, window)}"
 
 
-def error_ratio(obj: Objective, window: str) -> str:
-    return f"(\n{_indent(error_rate(obj, window))}\n)\n/\n({eligible_rate(obj, window)} > 0)"
+def error_ratio(obj: Objective, window: str, form: HistogramForm = CLASSIC) -> str:
+    return (f"(\n{_indent(error_rate(obj, window, form))}\n)\n/\n"
+            f"({eligible_rate(obj, window, form)} > 0)")
 
 
 def _indent(text: str, by_: str = "  ") -> str:
@@ -165,12 +174,12 @@ def _slo_sel(name: str, obj: Objective) -> str:
     return selector(name, eq("slo", obj.name))
 
 
-def window_rules(obj: Objective) -> Group:
+def window_rules(obj: Objective, form: HistogramForm = CLASSIC) -> Group:
     rules: list[Recording] = []
     for w in WINDOWS:
-        rules.append(Recording(f"kvwatch:slo_requests:rate{w}", eligible_rate(obj, w), _labels(obj)))
-        rules.append(Recording(f"kvwatch:slo_errors:ratio_rate{w}", error_ratio(obj, w), _labels(obj)))
-    rules.append(Recording("kvwatch:slo_errors:rate5m", error_rate(obj, "5m"), _labels(obj)))
+        rules.append(Recording(f"kvwatch:slo_requests:rate{w}", eligible_rate(obj, w, form), _labels(obj)))
+        rules.append(Recording(f"kvwatch:slo_errors:ratio_rate{w}", error_ratio(obj, w, form), _labels(obj)))
+    rules.append(Recording("kvwatch:slo_errors:rate5m", error_rate(obj, "5m", form), _labels(obj)))
     return Group(f"kvwatch-slo-{obj.name}", tuple(rules))
 
 
@@ -226,15 +235,21 @@ def burn_alert(obj: Objective, sev: Severity, period: str) -> Alert:
     return Alert(name, expr, sev.severity, summary, description, for_=sev.for_, labels=_labels(obj))
 
 
-def slo_rule_file(slo: SloFile, source: str = "slo.yaml") -> RuleFile:
-    groups = [window_rules(obj) for obj in slo.objectives]
+def slo_rule_file(slo: SloFile, source: str = "slo.yaml", form: HistogramForm = CLASSIC) -> RuleFile:
+    groups = [window_rules(obj, form) for obj in slo.objectives]
     groups.append(budget_rules(slo))
     groups.append(Group("kvwatch-slo-alerts", tuple(
         burn_alert(obj, sev, slo.period) for obj in slo.objectives for sev in SEVERITIES)))
+    command = "kvwatch rules --native" if form.native else "kvwatch rules"
+    native = ("Native-histogram variant: latency SLIs read the native series (histogram_count,\n"
+              "histogram_fraction) that a Prometheus with native histograms on keeps instead of the\n"
+              "classic ones.\n"
+              if form.native else "")
     header = (f"kvwatch SLO rules: per-band error ratios, error budget and burn-rate alerts. Fleet level:\n"
               f"load this file (with kvwatch-fleet.rules.yaml) where every node's series are.\n"
-              f"Generated by `kvwatch rules` from {source} (relative to this file).\n"
-              f"Do not edit: change the SLO file and re-run `kvwatch rules`.")
+              f"{native}"
+              f"Generated by `{command}` from {source} (relative to this file).\n"
+              f"Do not edit: change the SLO file and re-run `{command}`.")
     return RuleFile(SLO_FILE, header, tuple(groups))
 
 
@@ -243,13 +258,15 @@ def slo_rule_file(slo: SloFile, source: str = "slo.yaml") -> RuleFile:
 # --------------------------------------------------------------------------------------------
 
 
-def node_rule_file(job: str = alerts.DEFAULT_JOB, cfg: AlertConfig | None = None) -> RuleFile:
+def node_rule_file(job: str = alerts.DEFAULT_JOB, cfg: AlertConfig | None = None,
+                   form: HistogramForm = CLASSIC) -> RuleFile:
+    command = "kvwatch rules --native" if form.native else "kvwatch rules"
     header = ("kvwatch node-level rules: recordings per replica and GPU, KV, tier, GPU and kvwatch-health\n"
               "alerts. They read each node's series on its own and keep `instance`: load this file in\n"
               "every Prometheus that scrapes kvwatch agents (docs/scale.md).\n"
-              "Generated by `kvwatch rules`. Do not edit: change kvwatch/mixin/recording.py or\n"
+              f"Generated by `{command}`. Do not edit: change kvwatch/mixin/recording.py or\n"
               "kvwatch/mixin/alerts.py and re-run it.")
-    return RuleFile(NODE_FILE, header, (recording.node_group(), *alerts.node_alert_groups(job, cfg)))
+    return RuleFile(NODE_FILE, header, (recording.node_group(), *alerts.node_alert_groups(job, cfg, form)))
 
 
 def fleet_rule_file(slo: SloFile) -> RuleFile:
@@ -263,10 +280,11 @@ def fleet_rule_file(slo: SloFile) -> RuleFile:
     return RuleFile(FLEET_FILE, header, (recording.fleet_group(), alerts.fleet_alert_group(slo)))
 
 
-def rule_files(slo: SloFile, source: str = "slo.yaml",
-               job: str = alerts.DEFAULT_JOB) -> list[RuleFile]:
-    """Everything ``kvwatch rules`` writes, node level first."""
-    return [node_rule_file(job, slo.alerts), fleet_rule_file(slo), slo_rule_file(slo, source)]
+def rule_files(slo: SloFile, source: str = "slo.yaml", job: str = alerts.DEFAULT_JOB,
+               form: HistogramForm = CLASSIC) -> list[RuleFile]:
+    """Everything ``kvwatch rules`` writes, node level first; ``form`` says how histograms are read
+    (the fleet file reads none)."""
+    return [node_rule_file(job, slo.alerts, form), fleet_rule_file(slo), slo_rule_file(slo, source, form)]
 
 
 def render_rule_files(files: Iterable[RuleFile], runbook_base: str = DEFAULT_RUNBOOK_BASE) -> dict[str, str]:

@@ -163,7 +163,8 @@ def _datasource_uids(node: Any) -> set[str]:
     return set()
 
 
-@pytest.mark.parametrize("dashboard", sorted((ROOT / "dashboards").glob("*.json")), ids=lambda p: p.name)
+# Grafana's file provider reads subfolders too (dashboards/native/)
+@pytest.mark.parametrize("dashboard", sorted((ROOT / "dashboards").rglob("*.json")), ids=lambda p: p.name)
 def test_dashboards_name_only_provisioned_datasources(dashboard: Path) -> None:
     board = json.loads(dashboard.read_text(encoding="utf-8"))
     # File provisioning does not resolve import-time inputs (${DS_PROMETHEUS}).

@@ -185,8 +185,9 @@ class Prometheus:
     def __init__(self, workdir: Path, targets: list[str], *, job: str = "kvwatch", interval: str = "1s",
                  rule_files: Iterable[Path] = SHIPPED_RULES, extra_scrape_configs: Iterable[dict] = (),
                  external_labels: dict[str, str] | None = None, extra_config: dict | None = None,
-                 name: str = "prometheus") -> None:
+                 name: str = "prometheus", extra_args: Iterable[str] = ()) -> None:
         self.workdir = workdir / name
+        self.extra_args = tuple(extra_args)  # e.g. --enable-feature=native-histograms
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -211,7 +212,7 @@ class Prometheus:
                 [prometheus, f"--config.file={self.config_path}",
                  f"--storage.tsdb.path={self.workdir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
+                 "--log.level=warn", *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         proc = self.proc
 

@@ -21,7 +21,11 @@ from kvwatch.mixin.dashboards.scaffold import Board, Options
 
 
 def boards(opts: Options | None = None) -> list[Board]:
+    """The dashboards; with ``opts.native`` only the one that reads histograms (Latency by length band,
+    under its own uid): the Node and Fleet dashboards read none and serve either kind of Prometheus."""
     opts = opts or Options()
+    if opts.native:
+        return [latency_board(opts)]
     return [node_board(opts), latency_board(opts), fleet_board(opts)]
 
 

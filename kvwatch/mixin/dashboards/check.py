@@ -39,14 +39,16 @@ def variable_selectors(board: Board) -> list[str]:
     return out
 
 
-def name_problems(all_boards: Sequence[Board]) -> list[str]:
-    """Every panel or variable query that reads a series kvwatch does not export, record or allow."""
+def name_problems(all_boards: Sequence[Board], native: bool = False) -> list[str]:
+    """Every panel or variable query that reads a series kvwatch does not export, record or allow; with
+    ``native``, also every read of a classic series of a native histogram."""
     recorded = recorded_series()
     problems = []
     for board in all_boards:
         for panel in board.panels:
             for q in g.queries_of(panel):
-                problems += [f"{board.uid}: {panel['title']}: {p}" for p in unknown_names(q.expr, recorded)]
+                found = unknown_names(q.expr, recorded, native)
+                problems += [f"{board.uid}: {panel['title']}: {p}" for p in found]
         for sel in variable_selectors(board):
             problems += [f"{board.uid}: variable: {p}" for p in unknown_names(sel, recorded)]
     return problems

@@ -20,7 +20,7 @@ from kvwatch.mixin.dashboards.scaffold import (
     variables,
 )
 from kvwatch.mixin.grafana import Query
-from kvwatch.mixin.promql import eq
+from kvwatch.mixin.promql import HistogramForm, Match
 
 _LATENCY = (
     ("TTFT", "kvwatch_request_ttft_seconds", "Time to first token: request received -> first content chunk."),
@@ -35,33 +35,36 @@ def PluginQuery(expr: str, legend: str = "") -> Query:  # noqa: N802 (reads as t
     return Query(expr, legend, sparse=True)
 
 
-def _engine_side_panels(lay: g.Layout, s: Scope, band: str) -> None:
+def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm) -> None:
     """What only kvwatch's vLLM plugin sees per band (source="vllm_plugin"; docs/vllm-plugin.md)."""
     plugin = 'source="vllm_plugin"'
+
+    def rated(series: str, *extra: Match | str) -> str:
+        return s.rate(series, plugin, *extra)
     lay.row("Inside the engine, per band (vLLM plugin)")
     for title, family in (("Queue", "kvwatch_request_queue_seconds"),
                           ("Prefill", "kvwatch_request_prefill_seconds"),
                           ("Decode", "kvwatch_request_decode_seconds"),
                           ("End to end (engine)", "kvwatch_request_duration_seconds")):
-        p90 = f"histogram_quantile(0.9, sum by (le, length_band) ({s.rate(family + '_bucket', plugin)}))"
+        p90 = form.quantile(0.9, family, rated, "length_band")
         lay.add(g.timeseries(f"{title} p90, engine clock", [PluginQuery(p90, band)],
                              description=f"{title} p90 per band as vLLM measured it (no proxy needed).",
                              unit="s", min_=0), 6, 8)
-    mean_pre = (f"sum by (length_band) ({s.rate('kvwatch_request_preemptions_sum', plugin)})\n/\n"
-                f"(sum by (length_band) ({s.rate('kvwatch_request_preemptions_count', plugin)}) > 0)")
+    pre = "kvwatch_request_preemptions"
+    mean_pre = (f"{form.sum(pre, rated, 'length_band')}\n/\n"
+                f"({form.count(pre, rated, 'length_band')} > 0)")
     lay.add(g.timeseries("Preemptions per request", [PluginQuery(mean_pre, band)],
                          description="Mean times a finished request of the band was preempted (exact). Long "
                                      "bands far above short ones: KVWatchLongRequestsPreemptedRepeatedly.",
                          min_=0), 8, 8)
     lay.add(g.timeseries("Output / max_tokens p50", [
-        PluginQuery("histogram_quantile(0.5, sum by (le, length_band) "
-              f"({s.rate('kvwatch_request_output_limit_ratio_bucket', plugin)}))", band)],
+        PluginQuery(form.quantile(0.5, "kvwatch_request_output_limit_ratio", rated, "length_band"), band)],
         description="How much of its max_tokens a request used: low values mean limits far above the "
                     "answers (length prediction error).", unit="percentunit", min_=0, max_=1), 8, 8)
+    reuse = "kvwatch_request_prefix_reuse_ratio"
     lay.add(g.timeseries("Prefix reuse per band", [
-        PluginQuery(f"sum by (length_band) ({s.rate('kvwatch_request_prefix_reuse_ratio_sum', plugin)})\n/\n"
-              f"(sum by (length_band) ({s.rate('kvwatch_request_prefix_reuse_ratio_count', plugin)}) > 0)",
-              band)],
+        PluginQuery(f"{form.sum(reuse, rated, 'length_band')}\n/\n"
+                    f"({form.count(reuse, rated, 'length_band')} > 0)", band)],
         description="Mean share of a request's prompt served from the prefix cache.", unit="percentunit",
         min_=0, max_=1), 8, 8)
     lay.add(g.timeseries("Unused max_tokens", [
@@ -75,13 +78,14 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str) -> None:
         description="Tokens re-prefilled per second after preemption, from vLLM's prefix-cache stats "
                     "(replaces the estimate where the plugin runs).", min_=0), 8, 8)
     lay.add(g.timeseries("Step time p90 by batch tokens", [
-        PluginQuery(f"histogram_quantile(0.9, sum by (le, batch_tokens) "
-              f"({s.rate('kvwatch_engine_step_seconds_bucket')}))", "{{batch_tokens}}")],
+        PluginQuery(form.quantile(0.9, "kvwatch_engine_step_seconds", s.rate, "batch_tokens"),
+                    "{{batch_tokens}}")],
         description="Engine step time by tokens scheduled in the step (needs vLLM's "
                     "--enable-logging-iteration-details).", unit="s", min_=0), 8, 8)
 
 
 def latency_board(opts: Options) -> Board:
+    form = opts.form
     s = Scope(("cluster", "node", "model", "replica", "band"))
     fleet = Scope(("cluster", "model", "band"))  # for fleet-level recorded series
     band = "{{length_band}}"
@@ -90,22 +94,23 @@ def latency_board(opts: Options) -> Board:
     for title, family, what in _LATENCY:
         lay.row(f"{title} by output-length band")
         for q in (0.5, 0.9, 0.99):
-            lay.add(g.timeseries(f"{title} p{round(q * 100)}", [Query(quantile(q, family, s), band)],
+            expr = quantile(q, family, s, form=form)
+            lay.add(g.timeseries(f"{title} p{round(q * 100)}", [Query(expr, band)],
                                  description=f"{what} p{round(q * 100)} per band (band = final output "
                                              f"tokens), from kvwatch's histogram.", unit="s", min_=0), 8, 8)
     lay.row("Streaming and SLO attainment")
-    gaps = quantile(0.99, "kvwatch_request_inter_chunk_seconds", s)
+    gaps = quantile(0.99, "kvwatch_request_inter_chunk_seconds", s, form=form)
     lay.add(g.timeseries("Inter-chunk gap p99", [Query(gaps, band)],
                          description="p99 of the gaps between content chunks (a chunk may carry several "
                                      "tokens) per band.", unit="s", min_=0), 8, 8)
     for var, family, label in (("ttft_slo", "kvwatch_request_ttft_seconds", "TTFT"),
                                ("tpot_slo", "kvwatch_request_tpot_seconds", "TPOT")):
-        le_target = eq("le", f"${var}")
-        good = f"sum by (length_band) ({s.rate(family + '_bucket', le_target)})"
-        total = f"sum by (length_band) ({s.rate(family + '_count')})"
-        lay.add(g.bargauge(f"Requests within the {label} target", [Query(f"{good}\n/\n({total} > 0)", band)],
-                           description=f"Share of requests per band with {label} at most ${var} (a bucket "
-                                       f"boundary; pick it above).", unit="percentunit", min_=0, max_=1,
+        share = form.share_at_most(f"${var}", family, s.rate, "length_band")
+        how = ("interpolated within the native bucket holding it unless it is a power of 2 ** (1/8)"
+               if form.is_native(family) else "a bucket boundary; pick it above")
+        lay.add(g.bargauge(f"Requests within the {label} target", [Query(share, band)],
+                           description=f"Share of requests per band with {label} at most ${var} "
+                                       f"({how}).", unit="percentunit", min_=0, max_=1,
                            thresholds=((None, "red"), (0.9, "orange"), (0.99, "green"))), 8, 8)
 
     lay.row("SLO burn and error budget")
@@ -160,25 +165,35 @@ def latency_board(opts: Options) -> Board:
         Query(f"sum by (admission_band) ({s.sel('kvwatch_in_flight_tokens')})", adm)],
         description="Estimated tokens (prompt + generated so far) held by in-flight requests.", stack=True,
         min_=0), 8, 8)
-    lay.add(g.bargauge("Output length distribution", [
-        Query(f"sum by (le) (increase({s.sel('kvwatch_request_output_tokens_bucket')}[$__range]))", "{{le}}",
-              instant=True, heatmap=True)],
-        description="Finished requests by output tokens over the time range (cumulative buckets as "
-                    "counts per bucket).", unit="short"), 8, 8)
-    per_step = f"sum by (le) (increase({s.sel('kvwatch_request_output_tokens_bucket')}[{RATE}]))"
-    lay.add(g.heatmap("Output length over time", Query(per_step, "{{le}}", heatmap=True),
-        description="Finished requests per output-token bucket over time.", unit="short"), 12, 8)
+    tokens = "kvwatch_request_output_tokens"
+    if form.is_native(tokens):  # a native histogram has no le to draw bars or heatmap cells by
+        lay.add(g.timeseries("Output tokens p50 / p90 / p99", [
+            Query(form.quantile(q, tokens, s.rate, None), f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)],
+            description="Output tokens of finished requests, quantiles across the selected bands.",
+            unit="short", min_=0), 8, 8)
+    else:
+        lay.add(g.bargauge("Output length distribution", [
+            Query(f"sum by (le) (increase({s.sel(tokens + '_bucket')}[$__range]))", "{{le}}",
+                  instant=True, heatmap=True)],
+            description="Finished requests by output tokens over the time range (cumulative buckets as "
+                        "counts per bucket).", unit="short"), 8, 8)
+        per_step = f"sum by (le) (increase({s.sel(tokens + '_bucket')}[{RATE}]))"
+        lay.add(g.heatmap("Output length over time", Query(per_step, "{{le}}", heatmap=True),
+            description="Finished requests per output-token bucket over time.", unit="short"), 12, 8)
     lay.add(g.timeseries("Requests with estimated output tokens", [
         Query(f"sum({s.rate('kvwatch_request_output_tokens_estimated_total')})\n/\n"
               f"(sum({s.rate('kvwatch_requests_total')}) > 0)", "estimated")],
         description="Share of requests whose tokens were counted from chunks (no usage arrived): their band "
                     "can be off.", unit="percentunit", min_=0), 12, 8)
 
-    _engine_side_panels(lay, s, band)
+    _engine_side_panels(lay, s, band, form)
 
-    return Board(LATENCY_UID, "kvwatch / Latency by length band",
+    native = (" Native-histogram variant (kvwatch dashboards --native): reads the native series a "
+              "Prometheus with native histograms on keeps instead of classic buckets." if opts.native else "")
+    return Board(f"{LATENCY_UID}-native" if opts.native else LATENCY_UID,
+                 "kvwatch / Latency by length band" + (" (native histograms)" if opts.native else ""),
                  "TTFT, TPOT and end-to-end latency per output-length band, SLO attainment, burn rates and "
-                 "error budget, outcomes per band, in-flight load and output-length distribution.",
+                 f"error budget, outcomes per band, in-flight load and output-length distribution.{native}",
                  variables(("cluster", "node", "model", "replica", "band", "ttft_slo", "tpot_slo"),
                             opts.job),
                  tuple(lay.panels), links())

@@ -12,7 +12,7 @@ from typing import Any
 from kvwatch import buckets
 from kvwatch.catalog import BY_NAME
 from kvwatch.mixin import grafana as g
-from kvwatch.mixin.promql import FLEET_LABELS, Match, catalog_family, selector
+from kvwatch.mixin.promql import CLASSIC, FLEET_LABELS, NATIVE, HistogramForm, Match, catalog_family, selector
 
 #: grafana.com dashboard 12239, NVIDIA's dcgm-exporter dashboard (grafana/dcgm-exporter-dashboard.json)
 DCGM_DASHBOARD_UID = "Oxed_c6Wz"
@@ -51,6 +51,12 @@ TIER_LABELS = ("replica", "model_name", "cluster", "instance")
 class Options:
     dcgm_dashboard_uid: str = DCGM_DASHBOARD_UID
     job: str = DEFAULT_JOB
+    #: read native histograms (``kvwatch dashboards --native``) instead of classic buckets
+    native: bool = False
+
+    @property
+    def form(self) -> HistogramForm:
+        return NATIVE if self.native else CLASSIC
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +97,9 @@ class Board:
                                 variables=self.variables, panels=self.panels, links=self.links)
 
 
-def quantile(q: float, family: str, scope: Scope, by: str = "length_band") -> str:
-    return f"histogram_quantile({q}, sum by (le, {by}) ({scope.rate(family + '_bucket')}))"
+def quantile(q: float, family: str, scope: Scope, by: str = "length_band",
+             form: HistogramForm = CLASSIC) -> str:
+    return form.quantile(q, family, scope.rate, by)
 
 
 def links() -> tuple[dict[str, Any], ...]:
