@@ -8,7 +8,7 @@ families are gauges, a classic histogram's ``+Inf`` bucket is left to ``sample_c
 ``_created`` sample becomes a gauge family of its own, as the text encoder renders it. Request
 histograms kept with native state (``state.DualHistogram``) carry both their classic buckets and
 the native schema, zero bucket, spans and deltas in one message (``kvwatch/native_histogram.py``),
-so rules written on either form work. docs/native-histograms.md says how to scrape it.
+so rules written on either form work. docs/scale.md ("Native histograms") says how to scrape it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
     protobuf = ProtobufEncoder()
 
     async def metrics(request: web.Request) -> web.Response:
-        if wants_protobuf(request.headers.get("Accept", "")):  # native histograms: docs/native-histograms.md
+        if wants_protobuf(request.headers.get("Accept", "")):  # native histograms: docs/scale.md
             body = await asyncio.to_thread(protobuf.encode, registry)
             headers = {"Content-Type": PROTOBUF_CONTENT_TYPE}
         else:
