@@ -41,12 +41,27 @@ def _per_gpu_hour(completed: int, replicas: list[tuple[float, float]], h: float)
     return completed / (8 * max(busy + h * tokens for busy, tokens in replicas) / 3600.0)
 
 
+def full_cache_decode(model: str, mean_tokens: float = 3650.0) -> None:
+    """Tokens per GPU-second of a decode step whose cache is full (sequences of ``mean_tokens``
+    each), DP=8 against TP=8, from the roofline's own constants: why the twin rates them alike."""
+    for tp in (1, 8):
+        config = engine_config(Candidate(model=model, tp=tp, dp=8 // tp))
+        layout = config.step_model()
+        tokens = config.num_gpu_blocks * config.block_size
+        seqs = tokens / mean_tokens
+        step = (config.step_overhead_s + layout.t_dense_weights + tokens * layout.t_kv_per_token
+                + layout.comm_fixed + seqs * layout.comm_per_token)
+        print(f"{model} TP={tp}: full-cache decode step {step * 1e3:.1f} ms for {seqs:,.0f} sequences, "
+              f"{seqs / step / tp:,.0f} tokens per GPU-second")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
+    full_cache_decode("llama-3.1-8b")
     print("| model | DP layout | DP completed/GPU-h (h=0) | TP=8 completed/GPU-h (h=0) "
           "| h* (us per seq per step) |")
     print("|---|---|---|---|---|")

@@ -17,7 +17,7 @@ each GPU sent (tx) and received (rx) over PCIe. Joined per replica and direction
 What the traffic buys (``TierPayback``, per replica, no GPU mapping needed): every token loaded back
 to the GPU (onload) is a token the engine did not recompute, so recompute avoided per byte moved =
 onload tokens per second / (offload + onload bytes per second). Tokens: the family's token counter
-(SGLang HiCache, LMCache hits); else bytes / KV bytes per token (vLLM's offload counts bytes only).
+(SGLang HiCache, LMCache hits, vLLM 0.32+'s host-tier prompt hits); else bytes / KV bytes per token.
 0 when KV moves and nothing comes back (stores never reused); unknown when nothing moved.
 
 Flags (thresholds in ``BusThresholds``):

@@ -101,6 +101,8 @@ OFFLOAD = (
     ("host", "gpu", "vllm:kv_offload_load_bytes_total", "vllm:kv_offload_load_time_total"),
     ("gpu", "host", "vllm:kv_offload_store_bytes_total", "vllm:kv_offload_store_time_total"),
 )
+#: Prompt tokens served from each cache tier (0.32+); ``source="host"`` is the CPU offload tier
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 #: Legacy form (0.16+, still emitted for CPU offloading): transfer_type -> (src, dst)
 OFFLOAD_LEGACY = {"CPU_to_GPU": ("host", "gpu"), "GPU_to_CPU": ("gpu", "host")}
 OFFLOAD_LEGACY_BYTES = "vllm:kv_offload_total_bytes_total"
@@ -131,8 +133,12 @@ def hint(expo: Exposition) -> str:
 
 
 def _offload_traffic(view: RankView) -> list[TierTraffic | None]:
+    # the offload connector's byte counters say what crossed; the prompt tokens it served from the
+    # host tier (0.32+, `source="host"`) are the tokens loaded back instead of recomputed
+    host_hits = view.value(CACHED_BY_SOURCE, source="host")
     out: list[TierTraffic | None] = [
-        traffic("vllm_offload", src, dst, bytes_total=view.value(b), seconds_total=view.value(t))
+        traffic("vllm_offload", src, dst, bytes_total=view.value(b), seconds_total=view.value(t),
+                **({"tokens_total": host_hits} if dst == "gpu" and view.value(b) is not None else {}))
         for src, dst, b, t in OFFLOAD
     ]
     if not any(out):  # the legacy family only where the new one is absent: never count twice

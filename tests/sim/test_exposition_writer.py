@@ -193,3 +193,23 @@ def test_kv_bytes_per_token_reach_kvwatch_through_cache_config_info():
     assert info["kv_cache_memory_bytes"] == str(round(160 * per_gpu))  # 40 blocks x 4 tokens
     (s,) = parse_exposition(render_vllm_metrics(engines, MODEL, created=0.0).decode(), "sim").samples
     assert s.kv_bytes_per_token == pytest.approx(per_gpu)
+
+
+def test_vllm_host_cache_hits_make_the_live_recompute_avoided_ratio_without_a_gpu_map():
+    from kvwatch.derive.tiers import tier_payback, tier_rates
+
+    cfg = small_config(num_gpu_blocks_override=40, max_model_len=150, kv_offload_bytes=2e9)
+    e = SimEngine(cfg)
+    before = parse_exposition(render_vllm_metrics([e], MODEL, created=0.0).decode(), "sim", scraped_at=0.0)
+    for i in range(10):
+        e.submit(f"r{i}", 20 + i, 45, 10 + 8 * i)
+    for _ in range(200):
+        e.step()
+    assert e.stats.external_hits > 0  # preempted requests came back from the CPU tier
+    now = parse_exposition(render_vllm_metrics([e], MODEL, created=0.0).decode(), "sim", scraped_at=10.0)
+    [onload] = [t for t in now.samples[0].tier_traffic if t.family == "vllm_offload" and t.dst_tier == "gpu"]
+    assert onload.tokens_total == e.stats.external_hits  # prompt_tokens_cached_by_source{source="host"}
+    payback = tier_payback("sim", [tier_rates(now.samples[0], before.samples[0])])
+    assert payback is not None
+    moved = e.stats.offload_store_bytes + e.stats.offload_load_bytes
+    assert payback.tokens_per_byte == pytest.approx(e.stats.external_hits / moved)
