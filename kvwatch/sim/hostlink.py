@@ -28,7 +28,7 @@ class HostLink:
     gaps after ``start`` in time order until its bytes are through.
     """
 
-    __slots__ = ("_busy", "_newest", "bytes_per_second", "moved_bytes")
+    __slots__ = ("_busy", "_newest", "bytes_per_second")
 
     def __init__(self, bytes_per_second: float) -> None:
         if not bytes_per_second > 0:
@@ -36,13 +36,11 @@ class HostLink:
         self.bytes_per_second = bytes_per_second
         self._busy: list[list[float]] = []  # [start, end) booked, disjoint, sorted
         self._newest = 0.0
-        self.moved_bytes = 0.0
 
     def transfer(self, start: float, nbytes: float) -> float:
         """Book ``nbytes`` from simulated time ``start``; return when the last byte has crossed."""
         if nbytes <= 0:
             return start
-        self.moved_bytes += nbytes
         busy = self._busy
         need = nbytes / self.bytes_per_second
         i = bisect.bisect_right(busy, start, key=_end)  # first interval ending after start
