@@ -82,6 +82,7 @@ def test_tokens_a_kv_connector_loads_are_not_recomputed(sent):
 def test_the_installed_vllm_records_lookups_once_per_admission(sent):
     result, by_engine = sent
     assert result["installed_has_recorder"] and result["per_admission"] is True
+    assert result["per_admission_before_027"] is False  # the older shape: an upper bound
     assert all(d.get("pa") == 1 for ds in by_engine.values() for d in ds)
 
 

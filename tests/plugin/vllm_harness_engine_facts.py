@@ -113,7 +113,17 @@ release.set()
 holder.join()
 _, status = os.waitpid(child, 0)
 
-print(json.dumps({"negative": negative, "child": child, "child_status": os.waitstatus_to_exitcode(status),
+
+
+class KVCacheManagerBefore027(KVCacheManager):
+    """vLLM 0.26.0's shape: no record_prefix_cache_stats (get_computed_blocks recorded each lookup)."""
+
+    record_prefix_cache_stats = None
+
+
+print(json.dumps({"per_admission_before_027": prefix_stats_per_admission(KVCacheManagerBefore027)
+                  if prefix_stats_per_admission.__code__.co_argcount else None,
+                  "negative": negative, "child": child, "child_status": os.waitstatus_to_exitcode(status),
                   "per_admission": prefix_stats_per_admission(),
                   "installed_has_recorder": hasattr(KVCacheManager, "record_prefix_cache_stats"),
                   "failures": sum(x.failures for x in (off, with_connector, connector_only, errors,

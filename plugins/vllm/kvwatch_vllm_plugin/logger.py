@@ -112,31 +112,41 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
                        default_max_tokens=tuple(d for d in defaults if isinstance(number(d), int)))
 
 
-def prefix_stats_per_admission() -> bool | None:
-    """Whether the installed vLLM records prefix-cache lookups once per admission (a feature test,
-    not a version number: renamed and patched builds carry the version of something else)."""
-    try:
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-    except Exception:
-        return None
-    return callable(getattr(KVCacheManager, "record_prefix_cache_stats", None))
+def prefix_stats_per_admission(manager: Any = None) -> bool | None:
+    """Whether vLLM's ``KVCacheManager`` (the installed one by default) records prefix-cache lookups
+    once per admission: a feature test, not a version number (renamed and patched builds carry the
+    version of something else). vLLM 0.27.0 added ``record_prefix_cache_stats`` for it."""
+    if manager is None:
+        try:
+            from vllm.v1.core.kv_cache_manager import KVCacheManager
+        except Exception:
+            return None
+        manager = KVCacheManager
+    return callable(getattr(manager, "record_prefix_cache_stats", None))
+
+
+#: vLLM's own default limit: ``CompletionRequest.max_tokens`` (/v1/completions, after OpenAI's legacy
+#: API, ``vllm/entrypoints/openai/completion/protocol.py``) and ``SamplingParams.max_tokens`` (offline)
+VLLM_DEFAULT_MAX_TOKENS = 16
 
 
 def client_max_tokens(resolved: Any, prompt_tokens: Any, facts: EngineFacts) -> int | None:
     """The client's ``max_tokens``, where vLLM's resolved limit proves the client set it; else None.
 
     vLLM passes the stat loggers ``SamplingParams.max_tokens`` after its OpenAI server resolved it:
-    ``min(max_model_len - prompt tokens, the client's max_tokens or the generation config's default)``
-    (``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``), and says nowhere whether the
-    client sent one. A limit below the remaining context that is not the server's default can only be
-    the client's; one equal to either may be vLLM's own, so it is unknown (None), as the proxy records a
-    request without max_tokens.
+    ``min(max_model_len - prompt tokens, the client's max_tokens or the generation config's default,
+    the override's max_new_tokens)`` (``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``),
+    where /v1/completions reads a missing max_tokens as 16, and says nowhere whether the client sent
+    one. A limit below the remaining context that is none of the server's defaults can only be the
+    client's; one equal to any of them may be vLLM's own, so it is
+    unknown (None), as the proxy records a request without max_tokens.
     """
     limit = number(resolved)
     prompt = number(prompt_tokens)
     if not isinstance(limit, int) or limit < 1 or facts.max_model_len is None or not isinstance(prompt, int):
         return None
-    if limit >= facts.max_model_len - prompt or limit in facts.default_max_tokens:
+    if limit >= facts.max_model_len - prompt or limit == VLLM_DEFAULT_MAX_TOKENS or \
+            limit in facts.default_max_tokens:
         return None
     return limit
 
