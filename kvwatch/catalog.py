@@ -168,6 +168,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("kvwatch_vllm_plugin_datagrams", "counter", ("replica", "result"),
        "Datagrams received from the vLLM stat-logger plugin, by result (accepted; malformed, oversized, "
        "unknown_version: dropped).", "self"),
+    _m("kvwatch_vllm_plugin_refused_requests", "counter", ("replica", "reason"),
+       "Finished requests in accepted vLLM plugin datagrams that were refused one by one, by reason "
+       "(negative_duration: an older plugin sent vLLM's negative time of a request that never got that "
+       "far; malformed); the rest of their datagram is kept.", "self"),
     _m("kvwatch_vllm_plugin_dropped_datagrams", "counter", ("replica", "dp_rank"),
        "Datagrams the vLLM plugin could not send (no agent listening, or its queue full), as the "
        "engine reports it in the next datagram that gets through.", "plugin"),
@@ -241,8 +245,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "derived"),
     _m("kvwatch_recomputed_tokens", "counter", (*REPLICA, "source"),
        "Tokens recomputed after preemption; source=engine is reported, source=vllm_plugin is exact "
-       "(re-prefilled tokens of resumed requests, from vLLM's prefix-cache stats), source=estimate is "
-       "preemptions x mean live tokens per running request.", "derived"),
+       "(re-prefilled tokens of resumed requests, from vLLM's prefix-cache and KV connector stats), "
+       "source=vllm_plugin_upper_bound is that figure from a vLLM before 0.27.0 (it counts every lookup "
+       "of a resumed request, also those it could not be scheduled after), source=estimate is "
+       "preemptions x mean live tokens per running request (kept beside an upper bound, and where "
+       "vLLM cannot count: prefix caching off without a KV connector).", "derived"),
     _m("kvwatch_engine_step_seconds", "histogram", ("replica", "dp_rank", "batch_tokens"),
        "Engine step time by scheduled tokens in the step (vLLM plugin, --enable-logging-iteration-details).",
        "plugin"),

@@ -418,14 +418,24 @@ class EngineStep:
     elapsed_ms: float | None = None
     preempted: int | None = None  # preemption events in this step
     resumed_requests: int | None = None
-    resumed_queried_tokens: int | None = None
+    resumed_queried_tokens: int | None = None  # None: vLLM did not count (prefix caching off)
     resumed_hit_tokens: int | None = None
+    #: a KV connector's lookups for resumed requests: the tokens the local cache lacked, and what the
+    #: connector loaded of them (OffloadingConnector, LMCache); None without a connector
+    connector_resumed_queried_tokens: int | None = None
+    connector_resumed_hit_tokens: int | None = None
     evictions: tuple[EvictionSample, ...] = ()
     evictions_left_out: int = 0
 
     @property
     def recomputed_tokens(self) -> int | None:
-        """Tokens re-prefilled for resumed requests: looked up minus found in the prefix cache."""
+        """Tokens re-prefilled for resumed requests: looked up minus found, in the local prefix cache
+        and then in the KV connector. With a connector its own lookup is the one that counts (it asks
+        for what the local cache lacked, and with prefix caching off for everything); a local miss the
+        connector loads is not recomputed. None where the engine did not count."""
+        queried, hit = self.connector_resumed_queried_tokens, self.connector_resumed_hit_tokens
+        if queried is not None and hit is not None:
+            return max(0, queried - hit)
         if self.resumed_queried_tokens is None or self.resumed_hit_tokens is None:
             return None
         return max(0, self.resumed_queried_tokens - self.resumed_hit_tokens)
@@ -447,3 +457,6 @@ class PluginLink:
     seq: int | None
     dropped: int | None  # datagrams this engine process could not send so far
     dropped_steps: int | None = None  # the engine steps in them (None: a plugin that does not say)
+    #: True: vLLM records prefix-cache lookups once per admission (0.27.0 on), so the recompute is
+    #: exact; False: once per lookup (older vLLM), an upper bound; None: the plugin does not say
+    per_admission: bool | None = None

@@ -436,6 +436,9 @@ class PluginUnit:
     dropped_steps: SenderCounts = field(default_factory=SenderCounts)
     #: tokens re-prefilled for resumed requests; None until a step said it (unknown, not 0)
     recomputed_tokens: int | None = None
+    #: True once any of them came from a vLLM that records a prefix-cache lookup per lookup, not per
+    #: admission (or from a plugin that does not say which): the figure is then an upper bound
+    recompute_upper_bound: bool = False
     resumed_requests: int = 0
     preemptions: int = 0
     eviction_samples_left_out: int = 0
@@ -451,8 +454,8 @@ class PluginUnit:
 
     def copy(self) -> PluginUnit:
         out = PluginUnit(self.datagrams, self.dropped_datagrams.copy(), self.dropped_steps.copy(),
-                         self.recomputed_tokens, self.resumed_requests, self.preemptions,
-                         self.eviction_samples_left_out, self.last_at)
+                         self.recomputed_tokens, self.recompute_upper_bound, self.resumed_requests,
+                         self.preemptions, self.eviction_samples_left_out, self.last_at)
         out.step_seconds = {k: _copy_histogram(h) for k, h in self.step_seconds.items()}
         out.block_lifetime = _copy_histogram(self.block_lifetime)
         out.block_idle = _copy_histogram(self.block_idle)
@@ -489,13 +492,17 @@ class PluginStats:
             if link.dropped_steps is not None:
                 unit.dropped_steps.note(link.pid, link.dropped_steps)
             if step is not None:
-                self._observe_step(unit, step)
+                self._observe_step(unit, step, link.per_admission)
 
-    def _observe_step(self, unit: PluginUnit, step: EngineStep) -> None:
+    def _observe_step(self, unit: PluginUnit, step: EngineStep, per_admission: bool | None) -> None:
         unit.last_at = step.at
         recomputed = step.recomputed_tokens
         if recomputed is not None:
             unit.recomputed_tokens = (unit.recomputed_tokens or 0) + recomputed
+            # a KV connector's lookups are recorded at admission in every vLLM; the local ones only
+            # from 0.27.0 (before, each retry of a request that could not be scheduled counted again)
+            if step.connector_resumed_queried_tokens is None and per_admission is not True:
+                unit.recompute_upper_bound = True
         unit.resumed_requests += step.resumed_requests or 0
         unit.preemptions += step.preempted or 0
         if step.elapsed_ms is not None and step.batch_tokens is not None:

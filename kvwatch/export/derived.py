@@ -18,11 +18,15 @@ from kvwatch.derive.node import DerivedView, UnitKey
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 
+#: the recompute the vLLM plugin measured: exact, or an upper bound (older vLLM, see PluginUnit)
+PLUGIN_EXACT, PLUGIN_UPPER_BOUND = "vllm_plugin", "vllm_plugin_upper_bound"
 
-def exact_recompute(state: NodeState) -> dict[tuple[str, str | None], int]:
-    """(replica, dp_rank) -> tokens re-prefilled after preemption, where the vLLM plugin said."""
-    return {key: unit.recomputed_tokens for key, unit in state.plugin.snapshot().items()
-            if unit.recomputed_tokens is not None}
+
+def exact_recompute(state: NodeState) -> dict[tuple[str, str | None], tuple[int, str]]:
+    """(replica, dp_rank) -> (tokens re-prefilled after preemption, source label), where the vLLM
+    plugin said; none where vLLM could not count them (prefix caching off, no KV connector)."""
+    return {key: (unit.recomputed_tokens, PLUGIN_UPPER_BOUND if unit.recompute_upper_bound else PLUGIN_EXACT)
+            for key, unit in state.plugin.snapshot().items() if unit.recomputed_tokens is not None}
 
 
 TIER_CONDITIONS = ("offload_pcie_bound", "link_down_trained", "foreign_bus_traffic")
@@ -67,7 +71,7 @@ class DerivedCollector:
 
     @staticmethod
     def _units(view: DerivedView, units: set[UnitKey],
-               exact: dict[tuple[str, str | None], int]) -> Iterator[Metric]:
+               exact: dict[tuple[str, str | None], tuple[int, str]]) -> Iterator[Metric]:
         headroom = spec("kvwatch_kv_headroom_seconds").gauge()
         recomputed = spec("kvwatch_recomputed_tokens").counter()
         for u in view.units:
@@ -77,10 +81,11 @@ class DerivedCollector:
             labels = replica_label_values(s.replica, s.model_name, s.backend, s.dp_rank)
             if u.headroom.seconds is not None:
                 headroom.add_metric(labels, u.headroom.seconds)
-            plugin = exact.get((s.replica, s.dp_rank))
-            if plugin is not None and u.recomputed_source != "engine":
-                recomputed.add_metric([*labels, "vllm_plugin"], float(plugin))  # replaces the estimate
-            elif u.recomputed_tokens is not None:
+            plugin = exact.get((s.replica, s.dp_rank)) if u.recomputed_source != "engine" else None
+            if plugin is not None:
+                recomputed.add_metric([*labels, plugin[1]], float(plugin[0]))
+            # the exact figure replaces the estimate; an upper bound is no better than it: both stay
+            if (plugin is None or plugin[1] == PLUGIN_UPPER_BOUND) and u.recomputed_tokens is not None:
                 recomputed.add_metric([*labels, u.recomputed_source], u.recomputed_tokens)
         yield headroom
         yield recomputed

@@ -28,6 +28,7 @@ _SELF_COUNTERS = (
     ("kvwatch_request_values_dropped", ("replica", "source", "reason")),
     ("kvwatch_ledger_write_errors", ()),
     ("kvwatch_vllm_plugin_datagrams", ("replica", "result")),
+    ("kvwatch_vllm_plugin_refused_requests", ("replica", "reason")),
 )
 #: discovery's counters, exported while Kubernetes discovery is on
 _DISCOVERY_COUNTERS = ("kvwatch_discovery_watch_events", "kvwatch_discovery_watch_errors",

@@ -9,8 +9,10 @@ its drop count). Each socket is read by a thread of its own (the sinks are threa
 
 Datagrams come from a process we do not control: anything over ``MAX_DATAGRAM_BYTES``, not JSON,
 of the wrong shape or of an unknown version is counted (``kvwatch_vllm_plugin_datagrams_total
-{result}``) and dropped; nothing here raises. Parsing is ``json.loads`` of at
-most 64 KiB, linear in the size.
+{result}``) and dropped; a finished request that is wrong is refused alone and counted
+(``kvwatch_vllm_plugin_refused_requests_total{reason}``), its datagram's steps and other requests are
+kept (so step samples + dropped steps still add up to vLLM's iterations); nothing here raises.
+Parsing is ``json.loads`` of at most 64 KiB, linear in the size.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 POLL_S = 0.2  # how often the reader thread looks whether it should stop
 DATAGRAMS = "kvwatch_vllm_plugin_datagrams"
 RESULTS = ("accepted", "malformed", "oversized", "unknown_version")
+#: finished requests refused one by one (the rest of their datagram is kept), by reason
+REFUSED_REQUESTS = "kvwatch_vllm_plugin_refused_requests"
+REFUSAL_REASONS = ("negative_duration", "malformed")
+#: FinishedRequestStats durations: vLLM subtracts timestamps that stay 0.0 when the event never came
+#: (a request that finishes with no token), so an older plugin may send them negative
+DURATION_KEYS = ("e2e", "queue", "prefill", "decode", "inference")
 COLLECTOR = "vllm_plugin"
 
 #: vLLM finish reasons (``FinishReason.__str__``) -> outcome; anything else is completed
@@ -68,6 +76,7 @@ class Decoded:
     records: tuple[RequestRecord, ...]
     #: step counts over MAX_COUNT, left out of their step (``step_<key>``); a record names its own
     dropped_step_values: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # one reason per finished request that was refused
 
 
 def _num(value: Any, what: str) -> float | None:
@@ -101,8 +110,14 @@ def _list(value: Any, what: str) -> list[Any]:
 
 
 def request_record(fields: Mapping[str, Any], replica: str, model_name: str, sent_at: float) -> RequestRecord:
-    """One finished request of a datagram -> RequestRecord; raises DatagramError."""
+    """One finished request of a datagram -> RequestRecord; raises DatagramError (its result is the
+    refusal reason: ``negative_duration``, ``malformed``)."""
     f = _mapping(fields, "a finished request")
+    for key in DURATION_KEYS:
+        value = f.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise DatagramError("negative_duration", f"{key} is negative ({value}): a request that never "
+                                                     "reached that point (an older plugin)")
     reason = f.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise DatagramError("malformed", "reason must be a string or null")
@@ -177,6 +192,8 @@ def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions:
         resumed_requests=count(s.get("pre_req"), "pre_req"),
         resumed_queried_tokens=count(s.get("pre_q"), "pre_q"),
         resumed_hit_tokens=count(s.get("pre_h"), "pre_h"),
+        connector_resumed_queried_tokens=count(s.get("cpre_q"), "cpre_q"),
+        connector_resumed_hit_tokens=count(s.get("cpre_h"), "cpre_h"),
         evictions=_evictions(evictions),
         evictions_left_out=count(left_out, "evx") or 0,
     )
@@ -201,14 +218,24 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     if sent_at is None:
         raise DatagramError("malformed", "t (unix time) is required")
     dp_rank = str(engine)
+    per_admission = body.get("pa")
+    if per_admission not in (None, 0, 1) or isinstance(per_admission, bool):
+        raise DatagramError("malformed", "pa must be 0, 1 or missing")
     link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
-                      _int(body.get("d"), "d"), _int(body.get("ds"), "ds"))
+                      _int(body.get("d"), "d"), _int(body.get("ds"), "ds"),
+                      None if per_admission is None else per_admission == 1)
     dropped: list[str] = []
     steps = tuple(engine_step(raw, replica, dp_rank, sent_at, body.get("ev") if i == 0 else None,
                               body.get("evx") if i == 0 else None, dropped)
                   for i, raw in enumerate(_list(body.get("s"), "s")))
-    records = tuple(request_record(f, replica, model_name, sent_at) for f in _list(body.get("f"), "f"))
-    return Decoded(link, steps, records, tuple(dropped))
+    records: list[RequestRecord] = []
+    refused: list[str] = []
+    for fields in _list(body.get("f"), "f"):  # one bad request costs that request, not the datagram
+        try:
+            records.append(request_record(fields, replica, model_name, sent_at))
+        except DatagramError as exc:
+            refused.append(exc.result)
+    return Decoded(link, steps, tuple(records), tuple(dropped), tuple(refused))
 
 
 class PluginReceiver:
@@ -286,6 +313,8 @@ class PluginReceiver:
         for field in decoded.dropped_step_values:
             with contextlib.suppress(Exception):
                 self.count(VALUES_DROPPED, self.replica, SOURCE, out_of_range(field))
+        for reason in decoded.refused:
+            self._count_refused(reason)
         try:
             for step in decoded.steps or (None,):
                 self.steps(decoded.link, step)
@@ -300,6 +329,12 @@ class PluginReceiver:
     def _count(self, result: str, n: int = 1) -> None:
         try:
             self.count(DATAGRAMS, self.replica, result, amount=n)
+        except Exception:
+            log.exception("vllm plugin: counting failed")
+
+    def _count_refused(self, reason: str, n: int = 1) -> None:
+        try:
+            self.count(REFUSED_REQUESTS, self.replica, reason, amount=n)
         except Exception:
             log.exception("vllm plugin: counting failed")
 
@@ -354,6 +389,8 @@ async def start_receivers(
                                   records, steps, count, report)
         for result in RESULTS:
             receiver._count(result, 0)
+        for reason in REFUSAL_REASONS:
+            receiver._count_refused(reason, 0)
         await receiver.start()
         started.append(receiver)
     return started

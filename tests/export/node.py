@@ -68,7 +68,7 @@ def full_node(replicas: int = 8) -> tuple[NodeState, Config]:
             prompt_tokens=900, output_tokens=out, max_tokens=32000, e2e_seconds=30.0 + i % 300,
             queue_seconds=0.01 * (i % 50), prefill_seconds=0.02 * (i % 30), decode_seconds=29.0 + i % 300,
             preemptions=i % 4, cached_prompt_tokens=128 * (i % 8)))
-        state.plugin.observe(PluginLink(rep, "0", 4000 + i % replicas, i, 0), EngineStep(
+        state.plugin.observe(PluginLink(rep, "0", 4000 + i % replicas, i, 0, per_admission=True), EngineStep(
             rep, "0", T0, ctx_tokens=(i % 3) * 900, gen_tokens=64, elapsed_ms=5.0 + i % 40,
             resumed_queried_tokens=(i % 4) * 100, resumed_hit_tokens=0,
             evictions=(EvictionSample(60.0 + i, 10.0, (1.0 + i % 5,)),)))

@@ -16,8 +16,8 @@ from kvwatch.state import NodeState, PluginStats
 CONFIG = Config(replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),))
 
 
-def link(pid=1, dropped=0, rank="0", dropped_steps=None):
-    return PluginLink("r0", rank, pid, 1, dropped, dropped_steps)
+def link(pid=1, dropped=0, rank="0", dropped_steps=None, per_admission=True):
+    return PluginLink("r0", rank, pid, 1, dropped, dropped_steps, per_admission)
 
 
 def step(**fields):
@@ -142,7 +142,7 @@ def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports()
     scraped(state, 5.0, preemptions_total=3.0)
     [estimate] = [s for s in exposition(state)["kvwatch_recomputed_tokens"] if s.name.endswith("_total")]
     assert estimate.labels["source"] == "estimate" and estimate.value > 0
-    state.plugin.observe(PluginLink("r0", estimate.labels["dp_rank"], 1, 1, 0),
+    state.plugin.observe(PluginLink("r0", estimate.labels["dp_rank"], 1, 1, 0, per_admission=True),
                          EngineStep("r0", estimate.labels["dp_rank"], 5.0, resumed_queried_tokens=900,
                                     resumed_hit_tokens=256))
     [exact] = [s for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"]
@@ -150,3 +150,38 @@ def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports()
     assert (exact.labels["source"], exact.value) == ("vllm_plugin", 644)
     assert {k: v for k, v in exact.labels.items() if k != "source"} == \
         {k: v for k, v in estimate.labels.items() if k != "source"}
+
+
+def _recompute_series(per_admission, **step_fields) -> dict[str, float]:
+    from derive.test_export import PROXIED, exposition, scraped
+
+    state = NodeState("n", DEFAULT_BANDS)
+    scraped(state, 0.0, preemptions_total=0.0)
+    scraped(state, 5.0, preemptions_total=3.0)
+    [estimate] = [s for s in exposition(state)["kvwatch_recomputed_tokens"] if s.name.endswith("_total")]
+    rank = estimate.labels["dp_rank"]
+    state.plugin.observe(PluginLink("r0", rank, 1, 1, 0, per_admission=per_admission),
+                         EngineStep("r0", rank, 5.0, preempted=3, **step_fields))
+    return {s.labels["source"]: s.value for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"]
+            if s.name.endswith("_total")}
+
+
+def test_where_vllm_did_not_count_the_estimate_stays():
+    """Prefix caching off: the plugin sends the lookups as null (it once sent vLLM's zeroed stats)."""
+    assert set(_recompute_series(True, resumed_queried_tokens=None, resumed_hit_tokens=None)) == {"estimate"}
+
+
+def test_an_older_vllm_recompute_is_labelled_an_upper_bound_and_the_estimate_stays():
+    """Before 0.27.0 vLLM recorded each lookup of a resumed request, also those after which it could not
+    be scheduled (0.26.0's KVCacheManager.get_computed_blocks records at lookup time)."""
+    for per_admission in (False, None):  # an older vLLM, or a plugin that does not say
+        series = _recompute_series(per_admission, resumed_queried_tokens=900, resumed_hit_tokens=256)
+        assert series.keys() == {"vllm_plugin_upper_bound", "estimate"}
+        assert series["vllm_plugin_upper_bound"] == 644
+
+
+def test_a_kv_connector_figure_is_exact_in_every_vllm():
+    """vLLM records the connector's lookups after allocation, at admission, in 0.26.0 as in 0.32.0."""
+    series = _recompute_series(None, resumed_queried_tokens=1000, resumed_hit_tokens=400,
+                               connector_resumed_queried_tokens=600, connector_resumed_hit_tokens=500)
+    assert series == {"vllm_plugin": 100}

@@ -78,8 +78,9 @@ def test_many_finished_requests_are_split_below_the_size_limit():
     (json.dumps({**header(), "s": [{"run": -1}]}).encode(), "malformed"),
     (json.dumps({**header(), "s": [{"it": [1, 2]}]}).encode(), "malformed"),
     (json.dumps({**header(), "s": {"run": 1}}).encode(), "malformed"),
-    (json.dumps({**header(), "f": [{"output": "many"}]}).encode(), "malformed"),
-    (json.dumps({**header(), "f": [{"reason": 3}]}).encode(), "malformed"),
+    (json.dumps({**header(), "f": {"output": 1}}).encode(), "malformed"),
+    (json.dumps({**header(), "pa": True}).encode(), "malformed"),
+    (json.dumps({**header(), "s": [{"cpre_q": -5}]}).encode(), "malformed"),
     (json.dumps({**header(), "ev": [[1.0]], "s": [{}]}).encode(), "malformed"),
     (b"[" * 100_000, "oversized"),
     (b"[" * 60_000, "malformed"),  # deep nesting: RecursionError is caught
@@ -88,6 +89,38 @@ def test_bad_datagrams_are_refused_with_a_reason(data, result):
     with pytest.raises(DatagramError) as err:
         decode(data, "r0", "m")
     assert err.value.result == result
+
+
+def test_one_bad_request_costs_that_request_and_keeps_the_steps_and_the_others():
+    """vLLM's negative queue/prefill time of a request that never got a token (an older plugin sent it
+    as is) once dropped its whole datagram: 64 steps and 31 other requests, counted only as malformed."""
+    steps = [{"t": 999.0 + i, "it": [0, 0, 1, 1, 2.0]} for i in range(3)]
+    bad = {**FINISHED, "reason": "error", "prefill": -12201.85, "inference": -12201.85}
+    body = {**header(), "s": steps, "f": [FINISHED, bad, {"reason": 3}, "x", FINISHED]}
+    got = decode(json.dumps(body).encode(), "r0", "m")
+    assert len(got.steps) == 3 and len(got.records) == 2
+    assert got.refused == ("negative_duration", "malformed", "malformed")
+
+
+def test_the_receiver_counts_refused_requests_by_reason(tmp_path):
+    counted: list[tuple] = []
+    steps: list = []
+    receiver = PluginReceiver("r0", str(tmp_path / "x.sock"), "m", lambda r: None,
+                              lambda link, step: steps.append(step),
+                              lambda family, *labels, amount=1: counted.append((family, *labels, amount)))
+    body = {**header(), "s": [{"it": [0, 0, 1, 1, 2.0]}], "f": [{**FINISHED, "queue": -3.0}]}
+    receiver.handle(json.dumps(body).encode())
+    assert ("kvwatch_vllm_plugin_datagrams", "r0", "accepted", 1) in counted
+    assert ("kvwatch_vllm_plugin_refused_requests", "r0", "negative_duration", 1) in counted
+    assert len(steps) == 1 and steps[0].elapsed_ms == 2.0  # the step sample is kept: none went missing
+
+
+def test_connector_lookups_and_the_admission_flag_are_read():
+    body = {**header(pa=1), "s": [{"pre_q": 1000, "pre_h": 400, "cpre_q": 600, "cpre_h": 500}]}
+    got = decode(json.dumps(body).encode(), "r0", "m")
+    assert got.link.per_admission is True and got.steps[0].recomputed_tokens == 100
+    assert decode(json.dumps(header(pa=0)).encode(), "r0", "m").link.per_admission is False
+    assert decode(json.dumps(header()).encode(), "r0", "m").link.per_admission is None
 
 
 def test_sender_counts_drops_when_no_agent_listens(tmp_path):

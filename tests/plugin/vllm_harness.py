@@ -9,6 +9,7 @@ import socket
 import sys
 from types import SimpleNamespace
 
+from vllm.config import CacheConfig
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.stats import (
     FinishedRequestStats,
@@ -23,7 +24,10 @@ socket_path, absent_path = sys.argv[1], sys.argv[2]
 os.environ["KVWATCH_VLLM_SOCKET"] = socket_path
 from kvwatch_vllm_plugin.logger import KvwatchStatLogger  # noqa: E402
 
-logger = KvwatchStatLogger(None, engine_index=1)
+#: the parts of VllmConfig the plugin reads: prefix caching on (vLLM's default), the context length
+CONFIG = SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=True),
+                         model_config=SimpleNamespace(max_model_len=2048))
+logger = KvwatchStatLogger(CONFIG, engine_index=1)
 logger.log_engine_initialized()
 
 prefix = PrefixCacheStats(requests=2, queries=300, hits=128)
@@ -66,7 +70,7 @@ logger.log()
 # vllm/v1/metrics/stats.py, docs/vllm-plugin.md "vLLM versions"): 0.12.0, the first with the
 # stat-logger entry point (no num_cached_tokens, num_preemptions, prompt_token_stats or
 # iteration_details), and 0.26.0 (iteration_details, prompt_token_stats; no num_preemptions)
-older = KvwatchStatLogger(None, engine_index=2)
+older = KvwatchStatLogger(CONFIG, engine_index=2)
 v012_prefix = SimpleNamespace(reset=False, requests=1, queries=40, hits=16, preempted_requests=1,
                               preempted_queries=300, preempted_hits=100)
 v012_finished = SimpleNamespace(finish_reason=FinishReason.LENGTH, e2e_latency=1.5, num_prompt_tokens=40,

@@ -10,7 +10,11 @@ this format, documented in kvwatch's docs/vllm-plugin.md:
 
     {"v": 1, "e": engine index (DP rank), "p": pid, "n": sequence number, "t": unix time,
      "d": datagrams dropped before this one, "ds": the timed engine steps (with "it") in them,
-     "s": [{step: "t" unix time, "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h",
+     "pa": 1 if vLLM records prefix-cache lookups once per admission, 0 if once per lookup (older vLLM:
+           the resumed requests' figures are upper bounds), missing if unknown,
+     "s": [{step: "t" unix time, "run", "wait", "kv", "pc_req", "pc_q", "pc_h", "pre_req", "pre_q", "pre_h"
+           (local prefix cache; null when vLLM does not count it: prefix caching off),
+           "cpre_q", "cpre_h" (a KV connector's lookups for resumed requests, with a connector only),
            "preempted", "gen", "pt_comp", "pt_local", "pt_ext",
            "it": [ctx requests, ctx tokens, generation requests, generation tokens, elapsed ms]}, ...],
      "f": [{finished request: "reason", "e2e", "queue", "prefill", "decode", "inference",
@@ -18,7 +22,9 @@ this format, documented in kvwatch's docs/vllm-plugin.md:
      "ev": [[block lifetime s, idle s, [reuse gaps s, ...]], ...], "evx": eviction events left out}
 
 A value vLLM did not provide is ``null`` (never 0), and a key may be missing: readers treat both as
-unknown. No prompt or output text and no request id is ever put in a datagram.
+unknown. So is a negative duration (vLLM's difference of two timestamps, one of which never happened)
+and a ``max_tokens`` that vLLM may have resolved itself (the client's limit is sent only where it
+provably is the client's). No prompt or output text and no request id is ever put in a datagram.
 """
 
 from __future__ import annotations
@@ -173,6 +179,15 @@ class DatagramSender:
         self.dropped += 1
         self.dropped_steps += entry[1]
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a new lock (the parent's drain thread may have held it at the fork, and
+        that thread does not exist here: the lock would stay taken forever) and a socket of its own.
+        The parent's backlog and counts are the parent's."""
+        self._lock = threading.Lock()
+        self._sock = None
+        self._backlog.clear()
+        self.sent = self.dropped = self.dropped_steps = 0  # a new pid counts its own, from 0
+
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
@@ -206,6 +221,11 @@ class BacklogDrainer:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's thread does not exist in a forked child: the next wake starts one."""
+        self._thread = None
+        self._wake = threading.Event()
 
     def _run(self) -> None:
         while not self._stopped:
