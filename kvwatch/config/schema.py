@@ -181,7 +181,8 @@ class MetricsConfig:
     profile: str = field(default=LEAN_PROFILE, metadata=setting(
         "profile", WORD, "`lean`: request histograms and request-path counters that no shipped alert reads "
         "per replica are per node (empty `replica`), NVLink counters per GPU (empty `link`), "
-        "about 1,900 series on an 8-GPU node (docs/scale.md); `full`: every series per replica and link",
+        "under 2,000 series on the reference 8-GPU node (docs/scale.md); `full`: every series per replica "
+        "and link",
         choices=(LEAN_PROFILE, FULL_PROFILE)))
 
 
