@@ -23,10 +23,12 @@ from kvwatch.config import (
     Config,
     HostPort,
     IntervalsConfig,
+    MetricsConfig,
     NvmlConfig,
     ReplicaConfig,
     parse_host_port,
 )
+from kvwatch.config.schema import LEAN_PROFILE
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.sim.loadgen import LoadGenConfig, LoadGenerator, LoadReport
 from kvwatch.sim.node import NodeConfig, SimNode, h200_node
@@ -53,6 +55,7 @@ class DemoSettings:
     seed: int = 0
     ledger: str | None = None
     scrape_interval_s: float = 1.0
+    metrics_profile: str = LEAN_PROFILE  # metrics.profile of the demo's agent
 
 
 def node_config(settings: DemoSettings) -> NodeConfig:
@@ -85,6 +88,7 @@ def agent_config(settings: DemoSettings, node: SimNode) -> Config:
         intervals=IntervalsConfig(engine_s=interval, gpu_s=interval, process_map_s=5.0),
         nvml=NvmlConfig(enabled=True, fake_gpus=0, events=True),
         ledger=dataclasses.replace(Config().ledger, path=settings.ledger),
+        metrics=MetricsConfig(settings.metrics_profile),
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 
 SCHEMA = 3
 MIN_SCHEMA = -4
@@ -109,6 +110,27 @@ class NativeHistogram:
         out.positive = dict(self.positive)
         out.negative = dict(self.negative)
         return out
+
+
+def merged(histograms: Iterable[NativeHistogram]) -> NativeHistogram:
+    """The sum of native histograms (a node's replicas into one series): every one brought to the
+    coarsest schema among them first, as Prometheus adds histograms of different schemas
+    (``FloatHistogram.Add`` reduces to the smaller one); then held to the bucket limit again."""
+    parts = list(histograms)
+    if not parts:
+        return NativeHistogram()
+    out = NativeHistogram(min(h.schema for h in parts), parts[0].bucket_limit, parts[0].zero_threshold)
+    for h in parts:
+        part = h.copy()
+        while part.schema > out.schema:
+            part._halve_resolution()
+        out.zero_count += part.zero_count
+        for side, buckets in ((out.positive, part.positive), (out.negative, part.negative)):
+            for key, count in buckets.items():
+                side[key] = side.get(key, 0) + count
+    while len(out.positive) + len(out.negative) > out.bucket_limit and out.schema > MIN_SCHEMA:
+        out._halve_resolution()
+    return out
 
 
 def spans_and_deltas(buckets: dict[int, int]) -> tuple[list[tuple[int, int]], list[int]]:

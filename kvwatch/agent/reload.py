@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 #: top-level settings a running agent cannot change (they bind sockets or start sources)
 RESTART_ONLY = ("listen", "node", "length_bands", "nvml", "proxy", "otlp", "sglang_request_files", "ledger",
-                "discovery")
+                "discovery", "metrics")
 
 
 def restart_only_changes(running: Config, new: Config) -> list[str]:

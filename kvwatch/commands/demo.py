@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--view", choices=("auto", "live", "lines", "none"), default="auto",
                         help="live terminal view (auto: live on a terminal, a line every 10 s otherwise)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--metrics-profile", default="lean", choices=("lean", "full"),
+                        help="the agent's metrics.profile (default lean; docs/scale.md)")
 
 
 @dataclass
@@ -110,7 +112,7 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
 
     settings = DemoSettings(replicas=args.replicas, model=args.model, tp=args.tp, speed=args.speed,
                             listen=listen, rate=args.rate, router=args.router, seed=args.seed,
-                            ledger=args.ledger)
+                            ledger=args.ledger, metrics_profile=args.metrics_profile)
     demo = DemoNode(settings)
     try:
         await demo.start()

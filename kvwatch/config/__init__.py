@@ -25,6 +25,7 @@ from kvwatch.config.schema import (
     IntervalsConfig,
     KubernetesDiscoveryConfig,
     LedgerConfig,
+    MetricsConfig,
     NvmlConfig,
     OtlpConfig,
     PodResourcesConfig,
@@ -50,7 +51,8 @@ from kvwatch.config.validate import (
 __all__ = [
     "DEFAULT_LISTEN", "ENV_PREFIX", "MAX_YAML_NODES", "QUOTE_LIMIT", "BoundedSafeLoader", "Config",
     "ConfigError", "DiscoveryConfig", "HostPort", "IntervalsConfig", "KeyPathReader",
-    "KubernetesDiscoveryConfig", "LedgerConfig", "NvmlConfig", "OtlpConfig", "PodResourcesConfig",
+    "KubernetesDiscoveryConfig", "LedgerConfig", "MetricsConfig", "NvmlConfig", "OtlpConfig",
+    "PodResourcesConfig",
     "ProxyConfig", "ReplicaConfig", "ScrapeConfig", "SglangFilesConfig", "VllmPluginSocketConfig",
     "apply_env_overrides", "brief", "config_from_mapping", "env_key_path", "env_variable", "load_config",
     "parse_duration", "parse_host_port", "parse_size", "quoted", "read_env_overrides", "read_yaml_file",

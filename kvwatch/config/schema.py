@@ -38,6 +38,8 @@ from kvwatch.model import BACKENDS, LengthBands, ReplicaSample
 ENV_PREFIX = "KVWATCH_"
 DEFAULT_LISTEN = "0.0.0.0:9477"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: metrics.profile values: how much per-replica detail /metrics carries (docs/scale.md)
+LEAN_PROFILE, FULL_PROFILE = "lean", "full"
 
 __all__ = ["DEFAULT_LISTEN", "ENV_PREFIX", "HostPort"]
 
@@ -174,6 +176,18 @@ class LedgerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """``metrics``: what /metrics carries. Read at start (a reload keeps the running profile)."""
+
+    profile: str = field(default=LEAN_PROFILE, metadata=setting(
+        "profile", WORD, "`lean`: request histograms and request-path counters that no shipped alert reads "
+        "per replica are per node (empty `replica`), NVLink counters per GPU (empty `link`), "
+        "under 2,000 series on the reference 8-GPU node (docs/scale.md); `full`: every series per replica "
+        "and link",
+        choices=(LEAN_PROFILE, FULL_PROFILE)))
+
+
+@dataclass(frozen=True, slots=True)
 class KubernetesDiscoveryConfig:
     """``discovery.kubernetes``: engine pods on this node, listed and watched through the API server."""
 
@@ -262,6 +276,8 @@ class Config:
         "log_level", WORD, "the agent's log level", choices=LOG_LEVELS))
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig, metadata=section(
         "discovery", DiscoveryConfig, "Kubernetes discovery"))
+    metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata=section(
+        "metrics", MetricsConfig, "what /metrics carries"))
 
     def replica(self, name: str) -> ReplicaConfig | None:
         return next((r for r in self.replicas if r.name == name), None)

@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 from kvwatch.catalog import CATALOG, spec
 from kvwatch.config import Config
 from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.export.profile import FOLDED, is_lean
 from kvwatch.model import GpuSample
 from kvwatch.state import NodeState
 
@@ -101,7 +102,7 @@ class GpuCollector:
             out.info("kvwatch_gpu", [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
             out.add("kvwatch_gpu_lost", ident, gpu.lost)
             if not gpu.lost:
-                _gpu_readings(out, gpu, ident, pid_replica)
+                _gpu_readings(out, gpu, ident, pid_replica, per_link=not is_lean(self.config))
         for (index, uuid, xid), count in sorted(dict(state.xid_counts).items()):
             if (index, uuid) in idents:
                 out.add("kvwatch_gpu_xid_errors", [*idents[(index, uuid)], str(xid)], count)
@@ -113,20 +114,33 @@ class GpuCollector:
         yield from out
 
 
-def _gpu_readings(out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str]) -> None:
+def _gpu_readings(out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str],
+                  per_link: bool) -> None:
     for name, attr in _SCALARS:
         out.add(name, ident, getattr(gpu, attr))
     for name, label, attr in _LABELLED:
         out.add(name, [*ident, label], getattr(gpu, attr))
     out.add("kvwatch_gpu_pcie_link_max_bytes_per_second", ident,
             link_bytes_per_second(gpu.pcie_link_gen_current, gpu.pcie_link_width_current))
-    for link in gpu.nvlinks:
-        labels = [*ident, str(link.link)]
-        out.add("kvwatch_gpu_nvlink_active", labels, link.active)
-        out.add("kvwatch_gpu_nvlink_tx_bytes", labels, link.tx_bytes_total)
-        out.add("kvwatch_gpu_nvlink_rx_bytes", labels, link.rx_bytes_total)
+    if per_link:
+        for link in gpu.nvlinks:
+            labels = [*ident, str(link.link)]
+            out.add("kvwatch_gpu_nvlink_active", labels, link.active)
+            out.add("kvwatch_gpu_nvlink_tx_bytes", labels, link.tx_bytes_total)
+            out.add("kvwatch_gpu_nvlink_rx_bytes", labels, link.rx_bytes_total)
+    elif gpu.nvlinks:  # metrics.profile lean: one series per GPU, summed over its links
+        labels = [*ident, FOLDED]
+        out.add("kvwatch_gpu_nvlink_active", labels, _link_sum(gpu, "active"))
+        out.add("kvwatch_gpu_nvlink_tx_bytes", labels, _link_sum(gpu, "tx_bytes_total"))
+        out.add("kvwatch_gpu_nvlink_rx_bytes", labels, _link_sum(gpu, "rx_bytes_total"))
     for reason, active in gpu.clock_event_reasons:
         out.add("kvwatch_gpu_clock_event_active", [*ident, reason], active)
     for proc in gpu.processes:
         out.add("kvwatch_gpu_process_memory_bytes", [*ident, str(proc.pid), pid_replica.get(proc.pid, "")],
                 proc.used_memory_bytes)
+
+
+def _link_sum(gpu: GpuSample, attr: str) -> float | None:
+    """A reading summed over the GPU's links; None (left out) when no link reports it."""
+    values = [float(v) for v in (getattr(link, attr) for link in gpu.nvlinks) if v is not None]
+    return sum(values) if values else None

@@ -32,11 +32,22 @@ from collections.abc import Iterator, Mapping
 from prometheus_client.core import Metric
 
 from kvwatch import buckets
+from kvwatch.buckets import Histogram
 from kvwatch.catalog import spec
 from kvwatch.config import Config
+from kvwatch.export.profile import (
+    ENGINE_SIDE_ONLY_FAMILIES,
+    FOLDED,
+    PER_NODE_REQUEST_FAMILIES,
+    PROXY_SOURCE,
+    is_lean,
+)
 from kvwatch.export.protobuf import NativeHistogramRows
 from kvwatch.model import OUTCOMES
+from kvwatch.native_histogram import merged
 from kvwatch.state import DualHistogram, NodeState
+
+RequestKey = tuple[str, str, str, str]  # replica, model_name, length_band, source
 
 HISTOGRAMS = (
     "kvwatch_request_ttft_seconds",
@@ -58,6 +69,10 @@ class RequestCollector:
     def __init__(self, state: NodeState, config: Config) -> None:
         self.state = state
         self.config = config
+        #: families folded into one series per node (metrics.profile lean: export/profile.py)
+        lean = is_lean(config)
+        self.per_node = PER_NODE_REQUEST_FAMILIES if lean else frozenset()
+        self.engine_side_only = ENGINE_SIDE_ONLY_FAMILIES if lean else frozenset()
 
     def configured_sources(self) -> set[tuple[str, str, str]]:
         """(replica, model_name, source) that will report requests, known before the first one."""
@@ -82,21 +97,25 @@ class RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         hists, outcomes, estimated = self.state.requests.snapshot()
-        keys = sorted(hists)
         for name in HISTOGRAMS:
             catalog = spec(name)
             family = NativeHistogramRows(catalog.name, catalog.help, catalog.labels)
-            for key in keys:
-                h = hists[key][name]
-                if h.count:  # a family this source never observes (queue time at a proxy) stays out
-                    family.add_row(key, buckets.le_labels(h.bounds), h.cumulative_counts(), h.sum)
-                    if isinstance(h, DualHistogram):
-                        family.add_native(key, h.native)
+            of_family = {key: fams[name] for key, fams in hists.items() if fams[name].count
+                         and not (name in self.engine_side_only and key[3] == PROXY_SOURCE)}
+            if name in self.per_node:
+                of_family = _per_node_histograms(of_family)
+            for key, h in sorted(of_family.items()):  # a family a source never observes stays out
+                family.add_row(key, buckets.le_labels(h.bounds), h.cumulative_counts(), h.sum)
+                if isinstance(h, DualHistogram):
+                    family.add_native(key, h.native)
             yield family
         yield self._outcomes(outcomes)
         yield self._per_proxy_band("kvwatch_request_output_tokens_estimated", estimated)
         unused = spec("kvwatch_request_unused_max_tokens").counter()
-        for key, n in sorted(self.state.requests.unused_limit_counts().items()):
+        unused_counts = self.state.requests.unused_limit_counts()
+        if unused.name in self.per_node:
+            unused_counts = _per_node_counts(unused_counts)
+        for key, n in sorted(unused_counts.items()):
             unused.add_metric(list(key), float(n))
         yield unused
         yield self._stalls()
@@ -123,10 +142,11 @@ class RequestCollector:
     def _per_proxy_band(self, name: str, counts: Mapping[tuple[str, str, str, str], int]) -> Metric:
         """A counter only the proxy observes, from zero for every band of each configured proxy
         replica: a rate() over it is 0, not "no data", before the first such request."""
-        values = {(replica, model, band, source): 0.0
+        folded = name in self.per_node
+        values = {(FOLDED if folded else replica, model, band, source): 0.0
                   for replica, model, source in self.configured_sources() if source == "proxy"
                   for band in self.state.bands.all_names}
-        for key, n in counts.items():
+        for key, n in (_per_node_counts(counts) if folded else counts).items():
             values[key] = float(n)
         family = spec(name).counter()
         for key in sorted(values):
@@ -145,11 +165,43 @@ class RequestCollector:
             key = (r.replica, r.model_name, r.admission_band)
             requests[key] += 1
             tokens[key] += r.prompt_tokens_estimate + r.generated_tokens
-        gauge = spec("kvwatch_requests_in_flight").gauge()
-        for key in sorted(requests):
-            gauge.add_metric(list(key), float(requests[key]))
-        yield gauge
-        gauge = spec("kvwatch_in_flight_tokens").gauge()
-        for key in sorted(tokens):
-            gauge.add_metric(list(key), float(tokens[key]))
-        yield gauge
+        for name, counted in (("kvwatch_requests_in_flight", requests), ("kvwatch_in_flight_tokens", tokens)):
+            values = counted
+            if name in self.per_node:
+                values = Counter()
+                for (_replica, model, band), n in counted.items():
+                    values[(FOLDED, model, band)] += n
+            gauge = spec(name).gauge()
+            for key in sorted(values):
+                gauge.add_metric(list(key), float(values[key]))
+            yield gauge
+
+
+def _node_key(key: RequestKey) -> RequestKey:
+    return (FOLDED, *key[1:])
+
+
+def _per_node_counts(counts: Mapping[RequestKey, int]) -> dict[RequestKey, int]:
+    """Counts summed over the node's replicas, per (model_name, length_band, source)."""
+    out: Counter[RequestKey] = Counter()
+    for key, n in counts.items():
+        out[_node_key(key)] += n
+    return dict(out)
+
+
+def _per_node_histograms(hists: Mapping[RequestKey, Histogram]) -> dict[RequestKey, Histogram]:
+    """One family's histograms summed over the node's replicas: classic bins added (every replica
+    has the same bounds), native buckets merged at the coarsest schema among them."""
+    groups: dict[RequestKey, list[Histogram]] = {}
+    for key, h in hists.items():
+        groups.setdefault(_node_key(key), []).append(h)
+    out: dict[RequestKey, Histogram] = {}
+    for key, parts in groups.items():
+        natives = [h.native for h in parts if isinstance(h, DualHistogram)]
+        total: Histogram = DualHistogram(parts[0].bounds) if natives else Histogram(parts[0].bounds)
+        for h in parts:
+            total.merge_bins(h.bounds, h.bins, h.sum)
+        if isinstance(total, DualHistogram):
+            total.native = merged(natives)
+        out[key] = total
+    return out

@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 from kvwatch.export.encode import TextEncoder
 from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE, ProtobufEncoder, wants_protobuf
 
+_MAX_ACCEPT_ENCODING_BYTES = 8192  # aiohttp's own header limit
+
 
 def make_registry(collector: Collector) -> CollectorRegistry:
     """The agent's registry: the node collector, and prometheus_client's process (RSS, CPU, open fds,
@@ -26,6 +28,22 @@ def make_registry(collector: Collector) -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header takes gzip: named (or ``*``) with a q-value above 0."""
+    for item in accept_encoding[:_MAX_ACCEPT_ENCODING_BYTES].split(","):
+        coding, _, params = item.partition(";")
+        if coding.strip().lower() not in ("gzip", "*"):
+            continue
+        name, _, value = params.partition("=")
+        if name.strip().lower() != "q":
+            return True
+        try:
+            return float(value) > 0
+        except ValueError:
+            return False
+    return False
 
 
 def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
@@ -42,7 +60,7 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
         else:
             body = await asyncio.to_thread(encoder.encode, registry)
             headers = {"Content-Type": CONTENT_TYPE_LATEST}
-        if "gzip" in request.headers.get("Accept-Encoding", ""):
+        if accepts_gzip(request.headers.get("Accept-Encoding", "")):
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
         return web.Response(body=body, headers=headers)

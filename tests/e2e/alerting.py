@@ -336,10 +336,11 @@ def _prometheus(workdir: Path, demos: list[Demo], alertmanager: Alertmanager) ->
                       extra_config={"alerting": alerting})
 
 
-def start_alerting_stack(workdir: Path) -> AlertingStack:
-    """Start everything (demos first: they take longest); stop what started if a step fails."""
-    pressure = Demo("pressure", PRESSURE_ARGS, workdir)
-    healthy = Demo("healthy", HEALTHY_ARGS, workdir)
+def start_alerting_stack(workdir: Path, profile: str = "lean") -> AlertingStack:
+    """Start everything (demos first: they take longest); stop what started if a step fails.
+    ``profile``: the demos' metrics.profile."""
+    pressure = Demo("pressure", (*PRESSURE_ARGS, "--metrics-profile", profile), workdir)
+    healthy = Demo("healthy", (*HEALTHY_ARGS, "--metrics-profile", profile), workdir)
     webhook = WebhookReceiver()
     token_file = workdir / "webhook-token"
     token_file.write_text(WEBHOOK_TOKEN)

@@ -21,15 +21,17 @@ class _StackHolder:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.stack: AlertingStack | None = None
+        self.profile = ""
         self.runs = 0
 
-    def get(self) -> AlertingStack:
-        if self.stack is None or self.stack.stopped:
+    def get(self, profile: str) -> AlertingStack:
+        if self.stack is None or self.stack.stopped or self.profile != profile:
             self.stop()
             self.runs += 1
-            workdir = self.workdir / f"run-{self.runs}"
+            workdir = self.workdir / f"run-{self.runs}-{profile}"
             workdir.mkdir()
-            self.stack = start_alerting_stack(workdir)
+            self.stack = start_alerting_stack(workdir, profile)
+            self.profile = profile
         return self.stack
 
     def stop(self) -> None:
@@ -51,10 +53,17 @@ def _alerting_stack_holder(request: pytest.FixtureRequest,
         holder.stop()
 
 
+@pytest.fixture(scope="session", params=["lean", "full"])
+def metrics_profile(request: pytest.FixtureRequest) -> str:
+    """The demos' metrics.profile: every test on the stack runs in both (session scope: pytest runs
+    all of one profile's tests, then the other's, so the stack starts once per profile)."""
+    return request.param
+
+
 @pytest.fixture
-def alerting_stack(_alerting_stack_holder: _StackHolder) -> AlertingStack:
+def alerting_stack(_alerting_stack_holder: _StackHolder, metrics_profile: str) -> AlertingStack:
     """The running stack (started by the first test that asks for it)."""
-    return _alerting_stack_holder.get()
+    return _alerting_stack_holder.get(metrics_profile)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

@@ -51,6 +51,7 @@ REPLICA_FAMILIES = {s.name for s in CATALOG if s.area in ("replica", "derived") 
 def _config(engine_url: str, **extra: Any) -> dict[str, Any]:
     return {
         "node": "e2e-faults",
+        "metrics": {"profile": "full"},  # request series per replica: what these tests count
         "log_level": "info",
         "intervals": {"engine": "0.5s", "gpu": "0.5s"},
         "scrape": {"timeout": "5s", "backoff_max": "1s"},  # a restarted engine is seen within ~1 s

@@ -61,6 +61,7 @@ PRESSURE = "KVWatchKVCachePressure"
 def agent_config(vllm, llama, vllm_metrics_url: str | None = None) -> dict[str, Any]:
     return {
         "node": "e2e-node",
+        "metrics": {"profile": "full"},  # request series per replica: what these tests count
         "log_level": "info",
         "length_bands": list(BANDS.edges),
         "intervals": {"engine": "0.5s"},  # short brackets: vLLM's gauges move every few hundred ms

@@ -32,13 +32,12 @@ import yaml
 from aiohttp import web
 
 from kvwatch import buckets
-from kvwatch.agent import Agent
 from kvwatch.catalog import CATALOG, REJECTED_SAMPLE_REASONS
-from kvwatch.config import config_from_mapping
-from kvwatch.gpu.fake import FakeNvml
-from kvwatch.model import OUTCOMES, InFlightRequest, LengthBands, Outcome, RequestRecord
+from kvwatch.export.profile import ENGINE_SIDE_ONLY_FAMILIES, PER_NODE_REQUEST_FAMILIES
+from kvwatch.model import OUTCOMES, LengthBands
 from kvwatch.state import HISTOGRAM_FAMILIES
 
+from .reference_node import reference_node
 from .stack import (
     ROOT,
     KvwatchRun,
@@ -51,7 +50,6 @@ from .stack import (
     rss_bytes,
 )
 
-CAPTURE = ROOT / "tests/fixtures/engines/captured/vllm-0.13-0.14-v1-lmcache-dynamo-2026-01-2.prom"
 SCALE_DOC = ROOT / "docs/scale.md"
 
 # -- the budget formula (docs/scale.md) ---------------------------------------------------------------
@@ -66,6 +64,8 @@ class NodeShape:
     gpus: int = 8
     gpus_per_replica: int = 1
     models_per_replica: int = 1  # served model names a replica's requests are labelled with
+    node_models: int = 1  # distinct served model names on the node (lean's per-node request series)
+    profile: str = "lean"  # metrics.profile
     proxied: bool = True  # the proxy reports requests (no queue time)
     engine_request_sources: int = 0  # OTLP span / SGLang file sources per replica (with queue time)
     band_edges: tuple[int, ...] = LengthBands().edges
@@ -81,6 +81,9 @@ class NodeShape:
     discovery_event_types: int = 4  # ADDED, MODIFIED, DELETED, BOOKMARK
     discovery_error_reasons: int = 0  # watch error reasons seen; 0 while the API is healthy
     annotation_errors: int = 0  # (pod, annotation) pairs with a malformed annotation
+    refusal_statuses: int = 0  # statuses the proxy answered a request with itself; 0 on a healthy node
+    out_of_range_fields: int = 0  # request fields a source sent over 2^31 (values dropped); 0 on a healthy node
+    plugin_refusal_reasons: int = 0  # reasons the plugin receiver refused a finished request; 0 healthy
     plugin_units: int = 0  # replica units reporting through the vLLM stat-logger plugin
     datagram_results: int = 1  # vllm_plugin datagram results seen per plugin replica ("ok")
     step_batch_buckets: int = 0  # batch-token buckets the plugin's step histogram has filled per unit
@@ -102,6 +105,23 @@ class NodeShape:
         return self.replicas * self.models_per_replica * self.engine_request_sources
 
     @property
+    def lean(self) -> bool:
+        return self.profile == "lean"
+
+    def keys_of(self, family: str, proxy: bool = True, engine: bool = True) -> int:
+        """Request keys (replica x model x source) of a family: per node (node models x source) for
+        the families lean folds."""
+        if self.lean and family in PER_NODE_REQUEST_FAMILIES:
+            sources = int(proxy and self.proxied) + int(engine) * self.engine_request_sources
+            return self.node_models * sources
+        return int(proxy) * self.proxy_keys + int(engine) * self.engine_keys
+
+    @property
+    def nvlink_series(self) -> int:
+        """NVLink series per GPU and family: one per link, or their sum (lean)."""
+        return min(self.nvlinks, 1) if self.lean else self.nvlinks
+
+    @property
     def collectors(self) -> int:
         """engine:<replica>, nvml, gpu_mapping, export_<area> x 5, otlp / SGLang followers."""
         return self.sources + 5
@@ -121,7 +141,8 @@ ENGINE_SIDE_HISTOGRAMS = frozenset({
 def _histogram_series(name: str, shape: NodeShape) -> int:
     bounds = (buckets.output_token_bounds(shape.band_edges) if name == "kvwatch_request_output_tokens"
               else HISTOGRAM_FAMILIES[name])
-    keys = shape.engine_keys if name in ENGINE_SIDE_HISTOGRAMS else shape.proxy_keys + shape.engine_keys
+    proxy = name not in ENGINE_SIDE_HISTOGRAMS and not (shape.lean and name in ENGINE_SIDE_ONLY_FAMILIES)
+    keys = shape.keys_of(name, proxy=proxy)
     return keys * shape.bands * (len(bounds) + 3)  # buckets, +Inf, _sum, _count
 
 
@@ -150,11 +171,11 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_proxy_requests_shed": lambda s: s.replicas * int(s.proxied) * 2,  # buffer, connections
     "kvwatch_proxy_accept_errors": lambda s: s.replicas * int(s.proxied),
     "kvwatch_proxy_usage_injection_refused": lambda s: s.replicas * int(s.proxied),
-    # statuses the proxy answers itself while reading a request: 400, 413, 431, 501, 505, 503
-    "kvwatch_proxy_requests_refused": lambda s: s.replicas * int(s.proxied) * 6,
-    "kvwatch_proxy_refusals_undelivered": lambda s: s.replicas * int(s.proxied) * 6,
-    # only on an out-of-range count: per replica and source, x the five request fields it can be
-    "kvwatch_request_values_dropped": lambda s: ((s.replicas * int(s.proxied) + s.engine_keys) * 5),
+    "kvwatch_proxy_requests_refused": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
+    "kvwatch_proxy_refusals_undelivered": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
+    # only on an out-of-range count: per replica and source, x the request fields that were
+    "kvwatch_request_values_dropped": lambda s: ((s.replicas * int(s.proxied) + s.engine_keys)
+                                                 * s.out_of_range_fields),
     # terminal_pod, stale_duplicate, mig_unresolved, dra, unknown_device (with pod resources only)
     "kvwatch_gpu_grants_unattributed": lambda s: 5 * int(s.discovery),
     "kvwatch_config_last_reload_successful": lambda s: int(s.config_reloads),
@@ -170,6 +191,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     # the vLLM stat-logger plugin (docs/vllm-plugin.md): per reporting unit
     "kvwatch_vllm_plugin_dropped_datagrams": lambda s: s.plugin_units,
     "kvwatch_vllm_plugin_dropped_steps": lambda s: s.plugin_units,
+    "kvwatch_vllm_plugin_refused_requests": lambda s: s.plugin_units * s.plugin_refusal_reasons,
     "kvwatch_engine_step_seconds": lambda s: (s.plugin_units * s.step_batch_buckets
                                               * (len(buckets.STEP_SECONDS) + 3)),
     **{name: (lambda s: s.plugin_units * (len(buckets.KV_BLOCK_SECONDS) + 3)) for name in (
@@ -209,7 +231,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
         "kvwatch_gpu_temperature_celsius", "kvwatch_gpu_clock_hertz", "kvwatch_gpu_ecc_errors",
         "kvwatch_gpu_remapped_rows")},
     "kvwatch_gpu_clock_event_active": lambda s: s.gpus * s.clock_event_reasons,
-    **{name: (lambda s: s.gpus * s.nvlinks) for name in (
+    **{name: (lambda s: s.gpus * s.nvlink_series) for name in (
         "kvwatch_gpu_nvlink_tx_bytes", "kvwatch_gpu_nvlink_rx_bytes", "kvwatch_gpu_nvlink_active")},
     "kvwatch_gpu_xid_errors": lambda s: s.gpus * s.xid_codes,
     "kvwatch_gpu_process_memory_bytes": lambda s: s.gpus * s.processes_per_gpu,
@@ -218,11 +240,13 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     **{name: (lambda s, name=name: _histogram_series(name, s)) for name in HISTOGRAM_FAMILIES},
     "kvwatch_request_output_tokens": lambda s: _histogram_series("kvwatch_request_output_tokens", s),
     "kvwatch_requests": lambda s: (s.proxy_keys + s.engine_keys) * s.bands * len(OUTCOMES),
-    "kvwatch_request_preemption_stalls": lambda s: s.proxy_keys * s.bands,
-    "kvwatch_request_output_tokens_estimated": lambda s: (s.proxy_keys + s.engine_keys) * s.bands,
-    "kvwatch_requests_in_flight": lambda s: s.proxy_keys * s.bands,  # by admission band
-    "kvwatch_in_flight_tokens": lambda s: s.proxy_keys * s.bands,
-    "kvwatch_request_unused_max_tokens": lambda s: (s.proxy_keys + s.engine_keys) * s.bands,
+    "kvwatch_request_preemption_stalls": lambda s: s.keys_of("kvwatch_request_preemption_stalls",
+                                                              engine=False) * s.bands,
+    "kvwatch_request_output_tokens_estimated": lambda s: s.keys_of("kvwatch_request_output_tokens_estimated")
+    * s.bands,
+    **{name: (lambda s, name=name: s.keys_of(name, engine=False) * s.bands)  # by admission band
+       for name in ("kvwatch_requests_in_flight", "kvwatch_in_flight_tokens")},
+    "kvwatch_request_unused_max_tokens": lambda s: s.keys_of("kvwatch_request_unused_max_tokens") * s.bands,
 }
 
 GROUPS = {"self": "kvwatch itself", "replica": "engine replicas", "derived": "derived KV signals",
@@ -245,102 +269,42 @@ def count_by_family(samples: list[Sample]) -> Counter[str]:
     return Counter(family_of(s.name) for s in samples)
 
 
+#: the lean default's target on the reference node (docs/scale.md)
+LEAN_MAX_SERIES = 2_000
+LEAN_MAX_BYTES = 300 * 1024
+
+
 def test_every_catalog_family_has_a_budget_rule_and_the_documented_number_is_the_formulas():
     assert {s.name for s in CATALOG} <= set(RULES), (
         f"families without a series budget: {sorted({s.name for s in CATALOG} - set(RULES))}; "
         "add them to RULES here and to the tables of docs/scale.md")
-    total = sum(series_budget(NodeShape()).values())
-    documented = re.search(r"Budget: ([\d,]+) series per node", SCALE_DOC.read_text())
-    assert documented, "docs/scale.md states no 'Budget: N series per node'"
-    assert int(documented.group(1).replace(",", "")) == total, (
-        f"docs/scale.md says {documented.group(1)} series, the formula gives {total:,}: update the doc")
-    by_area = budget_by_area(NodeShape())
+    doc = SCALE_DOC.read_text()
+    lean, full = NodeShape(), NodeShape(profile="full")
+    documented = re.search(r"Budget: ([\d,]+) series per node in the lean default, ([\d,]+) in the full "
+                           r"profile", doc)
+    assert documented, "docs/scale.md states no 'Budget: N series per node in the lean default, M in ...'"
+    for shape, number in zip((lean, full), documented.groups(), strict=True):
+        total = sum(series_budget(shape).values())
+        assert int(number.replace(",", "")) == total, (
+            f"docs/scale.md says {number} series ({shape.profile}), the formula gives {total:,}: update it")
+    assert sum(series_budget(lean).values()) <= LEAN_MAX_SERIES
+    by_lean, by_full = budget_by_area(lean), budget_by_area(full)
     for area, title in GROUPS.items():
-        assert f"| {title} | {by_area[area]:,} |" in SCALE_DOC.read_text(), (area, by_area[area])
+        row = f"| {title} | {by_lean[area]:,} | {by_full[area]:,} |"
+        assert row in doc, row
 
 
-# -- a full node, served by the real agent ----------------------------------------------------------
+# -- the reference node, served by the real agent ------------------------------------------------------
 
 
-async def _serve_captures(replicas: int) -> tuple[web.AppRunner, str]:
-    """One local server answering /r<i>/metrics with a real vLLM + LMCache + Dynamo capture."""
-    text = CAPTURE.read_text()
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(text=text, content_type="text/plain")
-
-    app = web.Application()
-    app.add_routes([web.get(f"/r{i}/metrics", metrics) for i in range(replicas)])
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-
-
-#: one output length per band (default edges 1k/5k/10k/20k), None = unknown
-BAND_OUTPUTS = (300, 3000, 7000, 15000, 25000, None)
-
-
-def _record(replica: str, outcome: Outcome, output: int | None,
-            gap_bounds: tuple[float, ...]) -> RequestRecord:
-    gaps = [0] * (len(gap_bounds) + 1)
-    gaps[3] = 10
-    return RequestRecord(replica=replica, model_name="qwen3-32b", source="proxy", outcome=outcome,
-                         started_at=time.time(), prompt_tokens=1000, output_tokens=output, max_tokens=32000,
-                         ttft_seconds=0.4, e2e_seconds=60.0, gap_bounds=gap_bounds, gap_counts=tuple(gaps),
-                         gap_sum=0.2, output_tokens_estimated=output is not None)
-
-
-async def test_a_full_8x8_node_stays_within_the_series_budget():
-    shape = NodeShape()
-    runner, base = await _serve_captures(shape.replicas)
-    fake = FakeNvml(shape.gpus)
-    config = config_from_mapping({
-        "node": "full-node", "listen": "127.0.0.1:0",
-        "intervals": {"engine": "0.3s", "gpu": "0.3s", "process_map": "0.3s"},
-        "replicas": [{"name": f"replica-{i}", "backend": "vllm", "metrics_url": f"{base}/r{i}/metrics",
-                      "api_url": f"{base}/r{i}", "proxy_listen": "127.0.0.1:0", "model_name": "qwen3-32b",
-                      "gpus": [str(i)]} for i in range(shape.replicas)],
-    })
-    agent = Agent(config, nvml=fake)
-    await agent.start()
-    try:
-        bands = config.length_bands
-        gap_bounds = agent.state.requests.bounds["kvwatch_request_inter_chunk_seconds"]
-        for replica in config.replicas:
-            for output in BAND_OUTPUTS:
-                for outcome in Outcome:
-                    agent.record(_record(replica.name, outcome, output, gap_bounds))
-            for band in bands.all_names:
-                agent.state.in_flight.start(InFlightRequest(replica.name, "qwen3-32b", band, 1000, 10,
-                                                            time.time(), 16000))
-        for gpu in range(shape.gpus):
-            for p in range(shape.processes_per_gpu):
-                fake.add_process(gpu, 4000 + 10 * gpu + p, 40 << 30)
-            for xid in (13, 79)[: shape.xid_codes]:
-                fake.inject_xid(gpu, xid)
-
-        size = 0
-
-        async def full() -> Counter[str]:
-            nonlocal size
-            async with httpx.AsyncClient() as client:
-                text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)).text
-            size = len(text)
-            return count_by_family(parse(text))
-
-        deadline = time.monotonic() + 30
-        while True:  # two engine scrapes (headroom needs a baseline), a GPU poll, the mapping, the XIDs
-            counts = await full()
-            if counts["kvwatch_kv_headroom_seconds"] == shape.units and counts["kvwatch_gpu_xid_errors"] == \
-                    shape.gpus * shape.xid_codes and counts["kvwatch_replica_gpu"] == shape.replicas:
-                break
-            assert time.monotonic() < deadline, f"node not fully populated: {counts}"
-            await asyncio.sleep(0.3)
-    finally:
-        await agent.stop()
-        await runner.cleanup()
+@pytest.mark.parametrize("profile", ["lean", "full"])
+async def test_the_reference_node_stays_within_the_series_budget(profile: str):
+    shape = NodeShape(profile=profile)
+    async with reference_node(profile, shape.replicas, shape.gpus, shape.processes_per_gpu,
+                              (13, 79)[: shape.xid_codes]) as agent, httpx.AsyncClient() as client:
+        text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)).text
+    counts = count_by_family(parse(text))
+    size = len(text.encode())
     budget = series_budget(shape)
     over = {name: (n, budget[name]) for name, n in counts.items() if n > budget[name]}
     assert not over, f"families over their budget (series, budget): {over}"
@@ -350,8 +314,11 @@ async def test_a_full_8x8_node_stays_within_the_series_budget():
     request_budget = budget_by_area(shape)["request"]
     request_used = sum(n for name, n in counts.items() if _area(name) == "request")
     assert request_used >= 0.9 * request_budget, (request_used, request_budget)
-    print(f"full 8x8 node: {total:,} series (budget {allowed:,}), {size / 1024:.0f} KiB; requests "
+    print(f"{profile} 8x8 node: {total:,} series (budget {allowed:,}), {size / 1024:.0f} KiB; requests "
           f"{request_used:,} of {request_budget:,}; by area {_by_area(counts)}")
+    if profile == "lean":
+        assert total <= LEAN_MAX_SERIES, total
+        assert size <= LEAN_MAX_BYTES, f"{size / 1024:.0f} KiB"
 
 
 def _area(family: str) -> str:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from kvwatch.agent.derived import update_derived
 from kvwatch.agent.gpu import refresh_gpu_state
-from kvwatch.config import Config, ReplicaConfig
+from kvwatch.config import Config, MetricsConfig, ReplicaConfig
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.export.gpus import GpuCollector
@@ -28,11 +28,11 @@ MODEL = "Qwen/Qwen3-0.6B"
 T0 = 1_800_000_000.0
 
 
-def full_node(replicas: int = 8) -> tuple[NodeState, Config]:
+def full_node(replicas: int = 8, profile: str = "full") -> tuple[NodeState, Config]:
     reps = tuple(ReplicaConfig(name=f"replica-{i}", metrics_url=f"http://127.0.0.1:{8000 + i}/metrics",
                                api_url=f"http://127.0.0.1:{8000 + i}", model_name=MODEL, gpus=(str(i),))
                  for i in range(replicas))
-    config = Config(replicas=reps, node="node-a")
+    config = Config(replicas=reps, node="node-a", metrics=MetricsConfig(profile))
     state = NodeState("node-a", config.length_bands)
     fake = FakeNvml(replicas)
     nvml = NvmlCollector(fake, now=lambda: T0)
@@ -81,8 +81,8 @@ def full_node(replicas: int = 8) -> tuple[NodeState, Config]:
     return state, config
 
 
-def full_node_registry(replicas: int = 8) -> CollectorRegistry:
-    return registry_for(*full_node(replicas))
+def full_node_registry(replicas: int = 8, profile: str = "full") -> CollectorRegistry:
+    return registry_for(*full_node(replicas, profile))
 
 
 def registry_for(state: NodeState, config: Config) -> CollectorRegistry:

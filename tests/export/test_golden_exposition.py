@@ -11,24 +11,29 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from kvwatch.export.encode import TextEncoder
 
 from .node import full_node_registry
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "node_two_replicas.prom"
+GOLDENS = Path(__file__).resolve().parent / "golden"
+#: metrics.profile -> its golden file: ``full`` is the exposition from before profiles existed
+GOLDEN = {"full": GOLDENS / "node_two_replicas.prom", "lean": GOLDENS / "node_two_replicas_lean.prom"}
 #: build info carries the Python and bindings versions of the machine running the test
 VOLATILE = re.compile(r"^kvwatch_build_info\{.*\n", re.MULTILINE)
 
 
-def render() -> str:
-    return VOLATILE.sub("", TextEncoder().encode(full_node_registry(replicas=2)).decode())
+def render(profile: str) -> str:
+    return VOLATILE.sub("", TextEncoder().encode(full_node_registry(replicas=2, profile=profile)).decode())
 
 
-def test_exposition_matches_the_golden_file():
-    text = render()
+@pytest.mark.parametrize("profile", sorted(GOLDEN))
+def test_exposition_matches_the_golden_file(profile: str):
+    text = render(profile)
     if os.environ.get("KVWATCH_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(text)
-    golden = GOLDEN.read_text()
+        GOLDEN[profile].write_text(text)
+    golden = GOLDEN[profile].read_text()
     if text != golden:
         import difflib
 
@@ -37,10 +42,11 @@ def test_exposition_matches_the_golden_file():
         raise AssertionError(f"exposition changed (regenerate with KVWATCH_UPDATE_GOLDEN=1):\n{diff[:6000]}")
 
 
-def test_golden_holds_every_catalog_area():
+@pytest.mark.parametrize("profile", sorted(GOLDEN))
+def test_golden_holds_every_catalog_area(profile: str):
     from kvwatch.catalog import CATALOG
 
-    golden = GOLDEN.read_text()
+    golden = GOLDEN[profile].read_text()
     exposed = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}
     areas = {spec.area for spec in CATALOG if set(spec.series_names) & exposed or spec.name in exposed}
     assert areas >= {"self", "replica", "derived", "gpu", "request", "plugin"}

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent.gpu import refresh_gpu_state
 from kvwatch.catalog import CATALOG
+from kvwatch.config import Config, MetricsConfig
 from kvwatch.export.gpus import GpuCollector
 from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
@@ -27,9 +28,10 @@ class _Registered:
         return self.collector.collect()
 
 
-def render(state: NodeState) -> str:
+def render(state: NodeState, profile: str = "full") -> str:
+    """The GPU families; ``full``: NVLink per link (lean sums them: tests/export/test_profiles.py)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Registered(GpuCollector(state)))
+    registry.register(_Registered(GpuCollector(state, Config(metrics=MetricsConfig(profile)))))
     return generate_latest(registry).decode()
 
 

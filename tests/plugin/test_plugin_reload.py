@@ -117,7 +117,8 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         _send(b, 7)
         _send(c, 9)
         body = await _scrape_until(agent, _accepted("r1", 2), _accepted("r2", 1))
-        assert 'model_name="m2",replica="r2",source="vllm_plugin"' in body
+        # kvwatch_requests_total is per replica in both metrics profiles
+        assert 'model_name="m2",outcome="completed",replica="r2",source="vllm_plugin"} 1.0' in body
 
         # a path that cannot be bound (a regular file is there): said so; the others keep running
         blocked = short_dir / "blocked"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -10,16 +11,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch import buckets
-from kvwatch.config import Config, HostPort, ReplicaConfig
+from kvwatch.config import Config, HostPort, MetricsConfig, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, OUTCOMES, InFlightRequest, Outcome, RequestRecord
 from kvwatch.state import NodeState
 
+#: the full profile: every request series per replica (the lean default folds some per node:
+#: tests/export/test_profiles.py)
 CONFIG = Config(replicas=(
     ReplicaConfig("r0", "http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
                   proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny"),
     ReplicaConfig("r1", "http://127.0.0.1:2/metrics"),
-))
+), metrics=MetricsConfig("full"))
 
 
 def record(output: int | None, outcome: Outcome = Outcome.COMPLETED, **kw: object) -> RequestRecord:
@@ -28,9 +31,9 @@ def record(output: int | None, outcome: Outcome = Outcome.COMPLETED, **kw: objec
     return RequestRecord(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def scrape(state: NodeState) -> dict[str, list]:
+def scrape(state: NodeState, profile: str = "full") -> dict[str, list]:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RequestCollector(state, CONFIG))
+    registry.register(RequestCollector(state, dataclasses.replace(CONFIG, metrics=MetricsConfig(profile))))
     text = generate_latest(registry).decode()
     families = {f.name: f.samples for f in text_string_to_metric_families(text)}
     families["_text"] = text  # type: ignore[assignment]
@@ -80,14 +83,17 @@ def test_estimated_outputs_are_counted() -> None:
     assert value(samples, "kvwatch_request_output_tokens_estimated_total", length_band="0-1k") == 1
 
 
-def test_proxy_only_counters_start_at_zero_for_every_band_of_a_proxy_replica() -> None:
+@pytest.mark.parametrize(("profile", "replica"), [("full", "r0"), ("lean", "")])
+def test_proxy_only_counters_start_at_zero_for_every_band_of_a_proxy_replica(profile: str,
+                                                                            replica: str) -> None:
     """Before the first estimated output or stall, a dashboard's rate() over them reads 0, not "no
-    data" (the demo's latency dashboard once showed no data for a whole CI run)."""
-    samples = scrape(NodeState("n", DEFAULT_BANDS))
+    data" (the demo's latency dashboard once showed no data for a whole CI run). Lean: one series
+    per node (empty replica)."""
+    samples = scrape(NodeState("n", DEFAULT_BANDS), profile)
     for name in ("kvwatch_request_output_tokens_estimated", "kvwatch_request_preemption_stalls"):
         series = {(s.labels["replica"], s.labels["source"], s.labels["length_band"]): s.value
                   for s in samples[name] if s.name.endswith("_total")}
-        assert series == {("r0", "proxy", band): 0.0 for band in DEFAULT_BANDS.all_names}, name
+        assert series == {(replica, "proxy", band): 0.0 for band in DEFAULT_BANDS.all_names}, name
 
 
 def test_in_flight_by_admission_band() -> None:
