@@ -82,7 +82,7 @@ class NodeShape:
     discovery_error_reasons: int = 0  # watch error reasons seen; 0 while the API is healthy
     annotation_errors: int = 0  # (pod, annotation) pairs with a malformed annotation
     refusal_statuses: int = 0  # statuses the proxy answered a request with itself; 0 on a healthy node
-    out_of_range_fields: int = 0  # request fields a source sent over 2^31 (values dropped); 0 on a healthy node
+    out_of_range_fields: int = 0  # request fields a source sent over 2^31; 0 on a healthy node
     plugin_refusal_reasons: int = 0  # reasons the plugin receiver refused a finished request; 0 healthy
     plugin_units: int = 0  # replica units reporting through the vLLM stat-logger plugin
     datagram_results: int = 1  # vllm_plugin datagram results seen per plugin replica ("ok")
