@@ -515,13 +515,31 @@ def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
     return proc
 
 
-def _spawn_nginx(port: int, upstream_port: int, workdir: Path) -> subprocess.Popen:
+def _spawn_nginx(port: int, upstream_port: int, workdir: Path, workers: str = "1",
+                 more: Sequence[tuple[int, int]] = ()) -> subprocess.Popen:
+    """nginx as a streaming proxy on ``port`` -> ``upstream_port`` (and each (listen, upstream) pair
+    in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core)."""
     for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
         (workdir / d).mkdir(parents=True, exist_ok=True)
+    routes = [(port, upstream_port), *more]
+    blocks = "".join(f"""
+  upstream engine{i} {{
+    server 127.0.0.1:{up};
+    keepalive 64;
+  }}
+  server {{
+    listen 127.0.0.1:{listen} backlog=1024;
+    location / {{
+      proxy_pass http://engine{i};
+      proxy_buffering off;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}""" for i, (listen, up) in enumerate(routes))
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
 daemon off;
-worker_processes 1;
+worker_processes {workers};
 pid {workdir}/nginx.pid;
 error_log {workdir}/logs/error.log warn;
 events {{ worker_connections 4096; }}
@@ -531,20 +549,7 @@ http {{
   proxy_temp_path {workdir}/proxy;
   fastcgi_temp_path {workdir}/fastcgi;
   uwsgi_temp_path {workdir}/uwsgi;
-  scgi_temp_path {workdir}/scgi;
-  upstream engine {{
-    server 127.0.0.1:{upstream_port};
-    keepalive 64;
-  }}
-  server {{
-    listen 127.0.0.1:{port} backlog=1024;
-    location / {{
-      proxy_pass http://engine;
-      proxy_buffering off;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }}
-  }}
+  scgi_temp_path {workdir}/scgi;{blocks}
 }}
 """)
     proc = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "logs/err.log")])
