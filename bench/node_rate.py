@@ -21,6 +21,7 @@ The sustainable rate is the last step a target passed.
 
   .venv/bin/python bench/node_rate.py                                  # 8 upstreams x 2..64 streams
   .venv/bin/python bench/node_rate.py --start 4 --max-streams 32 --step-seconds 4 --json /tmp/nr.json
+  .venv/bin/python bench/node_rate.py --baseline /tmp/base   # also kvwatch from another checkout
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def _run_role(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(role: str, *extra: str) -> subprocess.Popen:
+def _spawn(role: str, *extra: str, tree: Path = pb.ROOT) -> subprocess.Popen:
+    """A role process, importing kvwatch from ``tree`` (this checkout, or ``--baseline``)."""
     proc = subprocess.Popen([sys.executable, __file__, "--role", role, *extra], stdout=subprocess.PIPE,
-                            text=True, cwd=pb.ROOT, env={**os.environ, "PYTHONPATH": str(pb.ROOT)})
+                            text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("READY"):
         proc.kill()
@@ -214,6 +216,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         time.sleep(0.5)  # nginx forks its workers
         targets = {"direct": (up_ports, []), "nginx": (nginx_ports, pb._children(nginx.pid)),
                    "kvwatch": (kv_ports, pb._children(kvwatch.pid))}
+        if args.baseline:  # the code before a change, interleaved with it in every step
+            base_ports = [pb._free_port() for _ in range(ENGINES)]
+            base = _spawn("kvwatch", "--ports", ",".join(map(str, base_ports)),
+                          "--upstream-ports", ",".join(map(str, up_ports)),
+                          tree=Path(args.baseline).resolve())
+            procs.append(base)
+            targets["kvwatch-baseline"] = (base_ports, pb._children(base.pid))
         for ports, _ in targets.values():  # warm-up: connections, pools, first-call costs
             asyncio.run(_step(ports, 1, 0.1, args.chunks, 0.2))
         alive = {name for name in targets if name != "direct"}
@@ -255,7 +264,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             pb._stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
     print()
-    for name in ("nginx", "kvwatch"):
+    for name in [t for t in targets if t != "direct"]:
         passed = [r for r in rows if r["target"] == name and r["ok"]]
         best = max(passed, key=lambda r: r["chunks_per_s"]) if passed else None
         said = (f"{best['chunks_per_s']:,.0f} chunks/s ({best['streams_per_upstream']} streams per "
@@ -281,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="added per-chunk latency p99 that breaks it")
     p.add_argument("--late-ms", type=float, default=100.0, help="a chunk this late after it was sent is late")
     p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--baseline", help="another checkout whose kvwatch runs as the target kvwatch-baseline")
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     p.add_argument("--ports", help=argparse.SUPPRESS)
     p.add_argument("--upstream-ports", help=argparse.SUPPRESS)

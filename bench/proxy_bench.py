@@ -24,6 +24,8 @@ is complete: TTFT of the requests on reused connections, against direct and ngin
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail
+  .venv/bin/python bench/proxy_bench.py --scenario late-tail --baseline /tmp/base \\
+      --targets direct,nginx,kvwatch-uvloop,kvwatchbase-uvloop         # this checkout against another
 """
 
 from __future__ import annotations
@@ -297,7 +299,11 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         shutil.rmtree(ledger_dir, ignore_errors=True)
 
 
-ROLES = {"upstream": role_upstream, "aiohttp": role_aiohttp, "raw": role_raw, "kvwatch": role_kvwatch}
+#: ``kvwatchbase``: the same role with kvwatch imported from ``--baseline`` (another checkout), so a
+#: change is measured against the code before it in the same run, targets interleaved
+ROLES = {"upstream": role_upstream, "aiohttp": role_aiohttp, "raw": role_raw, "kvwatch": role_kvwatch,
+         "kvwatchbase": role_kvwatch}
+BASELINE_ENV = "KVWATCH_BENCH_BASELINE"
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,8 +512,11 @@ def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
            "--upstream-port", str(upstream_port), *extra]
     if uvloop:
         cmd.append("--uvloop")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    tree = os.environ.get(BASELINE_ENV, "") if role == "kvwatchbase" else str(ROOT)
+    if not tree:
+        raise SystemExit("target kvwatchbase needs --baseline DIR (a checkout of the code to compare)")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tree,
+                            env={**os.environ, "PYTHONPATH": tree})
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("READY"):
         proc.kill()
@@ -809,7 +818,8 @@ def _run_role(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="direct,nginx,kvwatch-uvloop",
-                   help="comma list: direct, nginx, kvwatch[-uvloop], aiohttp[-uvloop], raw[-uvloop]")
+                   help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
+                        "aiohttp[-uvloop], raw[-uvloop]")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=8.0, help="steady phase length per target")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
@@ -825,7 +835,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="streaming: steady, burst and flat phases; late-tail: [DONE] 0.5-2 s before the "
                         "stream ends, clients reuse connections")
     p.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", help="a checkout (e.g. from git worktree or git archive) whose kvwatch the "
+                                      "kvwatchbase[-uvloop] target runs")
     args = p.parse_args(argv)
+    if args.baseline:
+        os.environ[BASELINE_ENV] = str(Path(args.baseline).resolve())
     if args.role:
         return _run_role(args)
     if args.scenario == "late-tail":
