@@ -17,7 +17,7 @@ at the same step) passes ``--max-added-ms`` (5 ms), or a stream loses chunks, or
 its chunks arrive later than ``--late-ms`` after they were sent. Reported per step and target: chunks
 per second delivered, the proxy's CPU per 1,000 chunks (``/proc`` utime + stime, nginx's workers
 included) and against nginx's at the same step, and the cores it used (CPU seconds / wall seconds).
-The sustainable rate is the last step a target passed.
+The sustainable rate is the highest step a target passed.
 
   .venv/bin/python bench/node_rate.py                                  # 8 upstreams x 2..64 streams
   .venv/bin/python bench/node_rate.py --start 4 --max-streams 32 --step-seconds 4 --json /tmp/nr.json
@@ -225,14 +225,15 @@ def orchestrate(args: argparse.Namespace) -> int:
             targets["kvwatch-baseline"] = (base_ports, pb._children(base.pid))
         for ports, _ in targets.values():  # warm-up: connections, pools, first-call costs
             asyncio.run(_step(ports, 1, 0.1, args.chunks, 0.2))
-        alive = {name for name in targets if name != "direct"}
+        alive = True
         streams = args.start
         print("| streams per upstream | target | chunks/s | added chunk p99 ms | CPU ms per 1k chunks | "
               "CPU per chunk x nginx | cores used | verdict |", flush=True)
         print("|---|---|---|---|---|---|---|---|", flush=True)
         while alive and streams <= args.max_streams:
             steps = {name: measure(name, ports, pids, streams, args)
-                     for name, (ports, pids) in targets.items() if name == "direct" or name in alive}
+                     for name, (ports, pids) in targets.items()}
+            alive = False
             direct, nginx_step = steps["direct"], steps.get("nginx")
             for name, step in steps.items():
                 added, ok, why = _verdict(step, direct, args) if name != "direct" else (0.0, True, "baseline")
@@ -248,8 +249,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                        "cores_used": step.cpu_s / step.wall_s if name != "direct" else None,
                        "ok": ok, "verdict": why, "load": os.getloadavg()[0]}
                 rows.append(row)
-                if not ok:
-                    alive.discard(name)
+                alive = alive or (ok and name != "direct")
 
                 def f(v: float | None, fmt: str) -> str:
                     return "-" if v is None else fmt.format(v)
