@@ -24,6 +24,8 @@ is complete: TTFT of the requests on reused connections, against direct and ngin
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail
+  .venv/bin/python bench/proxy_bench.py --scenario late-tail --baseline /tmp/base \\
+      --targets direct,nginx,kvwatch-uvloop,kvwatchbase-uvloop         # this checkout against another
 """
 
 from __future__ import annotations
@@ -297,7 +299,11 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         shutil.rmtree(ledger_dir, ignore_errors=True)
 
 
-ROLES = {"upstream": role_upstream, "aiohttp": role_aiohttp, "raw": role_raw, "kvwatch": role_kvwatch}
+#: ``kvwatchbase``: the same role with kvwatch imported from ``--baseline`` (another checkout), so a
+#: change is measured against the code before it in the same run, targets interleaved
+ROLES = {"upstream": role_upstream, "aiohttp": role_aiohttp, "raw": role_raw, "kvwatch": role_kvwatch,
+         "kvwatchbase": role_kvwatch}
+BASELINE_ENV = "KVWATCH_BENCH_BASELINE"
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,8 +512,11 @@ def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
            "--upstream-port", str(upstream_port), *extra]
     if uvloop:
         cmd.append("--uvloop")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    tree = os.environ.get(BASELINE_ENV, "") if role == "kvwatchbase" else str(ROOT)
+    if not tree:
+        raise SystemExit("target kvwatchbase needs --baseline DIR (a checkout of the code to compare)")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tree,
+                            env={**os.environ, "PYTHONPATH": tree})
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("READY"):
         proc.kill()
@@ -515,13 +524,31 @@ def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
     return proc
 
 
-def _spawn_nginx(port: int, upstream_port: int, workdir: Path) -> subprocess.Popen:
+def _spawn_nginx(port: int, upstream_port: int, workdir: Path, workers: str = "1",
+                 more: Sequence[tuple[int, int]] = ()) -> subprocess.Popen:
+    """nginx as a streaming proxy on ``port`` -> ``upstream_port`` (and each (listen, upstream) pair
+    in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core)."""
     for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
         (workdir / d).mkdir(parents=True, exist_ok=True)
+    routes = [(port, upstream_port), *more]
+    blocks = "".join(f"""
+  upstream engine{i} {{
+    server 127.0.0.1:{up};
+    keepalive 64;
+  }}
+  server {{
+    listen 127.0.0.1:{listen} backlog=1024;
+    location / {{
+      proxy_pass http://engine{i};
+      proxy_buffering off;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}""" for i, (listen, up) in enumerate(routes))
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
 daemon off;
-worker_processes 1;
+worker_processes {workers};
 pid {workdir}/nginx.pid;
 error_log {workdir}/logs/error.log warn;
 events {{ worker_connections 4096; }}
@@ -531,20 +558,7 @@ http {{
   proxy_temp_path {workdir}/proxy;
   fastcgi_temp_path {workdir}/fastcgi;
   uwsgi_temp_path {workdir}/uwsgi;
-  scgi_temp_path {workdir}/scgi;
-  upstream engine {{
-    server 127.0.0.1:{upstream_port};
-    keepalive 64;
-  }}
-  server {{
-    listen 127.0.0.1:{port} backlog=1024;
-    location / {{
-      proxy_pass http://engine;
-      proxy_buffering off;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }}
-  }}
+  scgi_temp_path {workdir}/scgi;{blocks}
 }}
 """)
     proc = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "logs/err.log")])
@@ -804,7 +818,8 @@ def _run_role(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="direct,nginx,kvwatch-uvloop",
-                   help="comma list: direct, nginx, kvwatch[-uvloop], aiohttp[-uvloop], raw[-uvloop]")
+                   help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
+                        "aiohttp[-uvloop], raw[-uvloop]")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=8.0, help="steady phase length per target")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
@@ -820,7 +835,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="streaming: steady, burst and flat phases; late-tail: [DONE] 0.5-2 s before the "
                         "stream ends, clients reuse connections")
     p.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", help="a checkout (e.g. from git worktree or git archive) whose kvwatch the "
+                                      "kvwatchbase[-uvloop] target runs")
     args = p.parse_args(argv)
+    if args.baseline:
+        os.environ[BASELINE_ENV] = str(Path(args.baseline).resolve())
     if args.role:
         return _run_role(args)
     if args.scenario == "late-tail":

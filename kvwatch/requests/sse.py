@@ -38,15 +38,26 @@ class Usage:
     completion_tokens: int | None
 
 
+#: how vLLM and SGLang write a chat token's text (compact JSON): found with one bytes search, where
+#: ``CONTENT``, an alternation that is tried at every quote of the event, takes three times as long
+COMPACT_CONTENT = b'"content":"'
+_QUOTE = 0x22
+
+
 def is_content_bearing(event: bytes) -> bool:
+    """``CONTENT`` matches; a compact ``"content":"`` followed by anything but a quote is a match of it
+    (measured: 0.25 against 0.75 µs on a vLLM chat chunk), anything else asks the regex."""
+    at = event.find(COMPACT_CONTENT)
+    if at >= 0 and at + 11 < len(event) and event[at + 11] != _QUOTE:
+        return True
     return CONTENT.search(event) is not None
 
 
 def count_content_events(events: bytes, separator: bytes) -> int:
     """Content-bearing events among complete events (each ends with ``separator``)."""
     if events.count(separator) == 1:
-        return 1 if CONTENT.search(events) else 0
-    return sum(1 for event in events.split(separator) if event and CONTENT.search(event))
+        return 1 if is_content_bearing(events) else 0
+    return sum(1 for event in events.split(separator) if event and is_content_bearing(event))
 
 
 def finish_reason(events: bytes) -> str | None:

@@ -59,6 +59,23 @@ def test_not_content_bearing(doc: dict, spaces: bool) -> None:
     assert not sse.is_content_bearing(event(doc, spaces))
 
 
+def test_the_compact_search_decides_as_the_regex_does() -> None:
+    """``is_content_bearing`` tries a bytes search for ``"content":"`` before the regex: on every
+    event, including ones built around that marker (at the end, before a quote, twice), both agree."""
+    import random
+
+    rng = random.Random(23)
+    pieces = [b'"content":"', b'"content":""', b'"', b"x", b"\\", b"\n", b'"text":"a"', b":", b" ",
+              b'"tool_calls":[{', b"}", b"\n\n"]
+    cases = [event(doc, spaces) for doc in (*CONTENT_BEARING.values(), *NOT_CONTENT.values())
+             for spaces in (False, True)]
+    cases += [b'"content":"', b'"content":""', b'"content":"""', b'"content":""x"content":"y',
+              b'"content":"" "text":"b"', b'x"content":"\n']
+    cases += [b"".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12))) for _ in range(5000)]
+    for case in cases:
+        assert sse.is_content_bearing(case) is (sse.CONTENT.search(case) is not None), case
+
+
 def test_done_and_comments_are_not_content() -> None:
     assert not sse.is_content_bearing(b"data: [DONE]\n\n")
     assert not sse.is_content_bearing(b": keep-alive\n\n")

@@ -23,8 +23,10 @@ first byte of a request (TTFT starts there, not when a framework's handler runs)
 slow-client timer. Runs on whatever loop the agent runs; uvloop makes it about 20% cheaper.
 
 Per upstream read the hot path is: de-chunk, find the last event boundary, one ``in`` test for
-``"usage"``, write to the client, one regex search per event (``sse.CONTENT``), a bisect for the
-gap. No JSON is parsed per chunk; the usage chunk is parsed once.
+``"usage"``, write to the client, per event a bytes search for compact ``"content":"`` (the ``sse.CONTENT``
+regex where that does not decide), a bisect for the gap. No JSON is parsed per chunk; the usage
+chunk is parsed once. When a response ends, the client connection is handed on first and the
+request's record, sink and in-flight entry follow on the next loop turn.
 
 Per request the work is callback-driven: the request is written to a pooled keep-alive upstream
 connection inside the callback that read its last byte (no task, no connect, no extra loop turn),

@@ -163,7 +163,7 @@ class Exchange:
         self.proxy.spawn(self._connect())
 
     def _end(self, end: End) -> None:
-        """The one way out: record the request, release it, hand the client connection on."""
+        """The one way out: release the request, hand the client connection on, then record it."""
         if self.finished:
             return
         self.finished = True
@@ -178,8 +178,18 @@ class Exchange:
             self.idle_timer = None
         if self.retried and end is End.COMPLETE and self.status is not None and self.status < 400:
             self.proxy.usage_injection_refused()
-        self._finish(end)
+        meter = self.meter
+        if meter is not None and meter.e2e is None:
+            try:
+                meter.on_end(self.proxy.clock())  # e2e ends now, not when the record is built
+            except Exception as exc:
+                self.meter = None
+                self.proxy.accounting_failed("end", exc)
+        # the connection goes on first: its next request (pipelined, or arriving as the client reads
+        # this response's end) is not held behind this one's record, sink, ledger line and in-flight
+        # entry, which run on the next loop turn, once each
         self.conn.exchange_done(self.keep_alive and end is End.COMPLETE and not self.gone)
+        asyncio.get_running_loop().call_soon(self._finish, end)
 
     def abandon(self) -> None:
         """A bug in kvwatch: drop what is in flight and close the client connection."""
@@ -209,11 +219,10 @@ class Exchange:
         return None
 
     def _finish(self, end: End) -> None:
+        """The request's bookkeeping: its record to the sink, its in-flight entry closed."""
         proxy = self.proxy
         if self.meter is not None:
             try:
-                if self.meter.e2e is None:
-                    self.meter.on_end(self.proxy.clock())
                 record = self.meter.record(self.status, end)
             except Exception as exc:
                 proxy.accounting_failed("record", exc)
