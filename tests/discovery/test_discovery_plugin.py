@@ -258,9 +258,10 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
         replica = 'replica="llm/qwen-7d9f8-x2k4q"'
         body = await scrape_until(
             url, f'kvwatch_vllm_plugin_datagrams_total{{{replica},result="accepted"}} 1.0',
-            'kvwatch_request_duration_seconds_count{length_band="0-1k",model_name="other",'
+            # kvwatch_requests_total stays per replica in both metrics profiles
+            'kvwatch_requests_total{length_band="0-1k",model_name="other",outcome="completed",'
             f'{replica},source="vllm_plugin"}} 1.0')
-        assert 'kvwatch_request_duration_seconds_count{length_band="1k-5k",model_name="other",' \
+        assert 'kvwatch_requests_total{length_band="1k-5k",model_name="other",outcome="completed",' \
                f'{replica},source="vllm_plugin"}} 1.0' in body
         assert 'replica="llm/qwen-7d9f8-b8zlm",result=' not in body
 
