@@ -10,7 +10,7 @@ import time
 
 import httpx
 from aiohttp import web
-from local import until
+from local import serve_app, until
 
 from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig, ScrapeConfig
@@ -48,11 +48,7 @@ async def test_a_hanging_replica_delays_neither_the_others_nor_the_scrape():
 
     app = web.Application()
     app.router.add_get("/metrics", hang)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     node = await _sim()
     agent = Agent(_config(node, (ReplicaConfig(name="stuck", metrics_url=f"http://127.0.0.1:{port}/metrics"),)),
                   nvml=FakeNvml(2))
