@@ -3,8 +3,6 @@ token file; and a /metrics poller."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ import pytest
 
 from kvwatch.sim.node import SimNode, h200_node
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
+from tests.local import until
 
 
 @dataclass
@@ -58,16 +57,20 @@ def pytest_configure(config: pytest.Config) -> None:
 async def scrape_until(url: str, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 15.0,
                        show: tuple[str, ...] = ("llm/", "discovery", "reload", "gpu_memory_used")) -> str:
     """Poll ``url`` until every ``present`` line fragment is there and no ``absent`` one."""
-    deadline = time.monotonic() + timeout_s
     body = ""
+
+    async def reached() -> str | None:
+        nonlocal body
+        try:
+            body = (await client.get(url, timeout=2)).text
+        except httpx.HTTPError:
+            body = ""
+        shown = body and all(p in body for p in present) and not any(a in body for a in absent)
+        return body if shown else None
+
     async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                body = (await client.get(url, timeout=2)).text
-            except httpx.HTTPError:
-                body = ""
-            if body and all(p in body for p in present) and not any(a in body for a in absent):
-                return body
-            await asyncio.sleep(0.1)
-    lines = "\n".join(line for line in body.splitlines() if any(s in line for s in show))
-    raise AssertionError(f"not reached: present={present} absent={absent}\n{lines}")
+        try:
+            return await until(reached, timeout_s, f"present={present} absent={absent}", interval_s=0.1)
+        except AssertionError:
+            lines = "\n".join(line for line in body.splitlines() if any(s in line for s in show))
+            raise AssertionError(f"not reached: present={present} absent={absent}\n{lines}") from None

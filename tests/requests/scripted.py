@@ -247,13 +247,3 @@ async def launch_proxy(api_url: str, *, config: ProxyConfig | None = None, model
                                sink or records.append, count, meter_factory=meter_factory,
                                learn_models=learn_models)
     return ProxyHarness(server, records, counters, in_flight, f"http://127.0.0.1:{server.port}")
-
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll until ``predicate()`` holds (generous: the test machine is small and shared)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
