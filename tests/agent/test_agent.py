@@ -10,12 +10,12 @@ import time
 
 import httpx
 from aiohttp import web
-from local import serve_app, until
 
 from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig, ScrapeConfig
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.sim.node import SimNode, h200_node
+from tests.local import serve_app, until
 
 LISTEN = HostPort("127.0.0.1", 0)
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import yaml
-from local import CACHE, SKIP_REAL_ENGINES, unavailable, until
 
 from kvwatch.agent import Agent
 from kvwatch.config import (
@@ -42,7 +41,8 @@ from tests.deploy.test_kubernetes_manifests import (
     _kvwatch_pod,
     build,
 )
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
+from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable, until
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugins" / "vllm"))

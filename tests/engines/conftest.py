@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from aiohttp import web
-from local import free_port, serve_app
+
+from tests.local import free_port, serve_app
 
 from .helpers import page
 

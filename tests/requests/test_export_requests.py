@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -14,6 +13,7 @@ from kvwatch.config import Config, HostPort, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, OUTCOMES, InFlightRequest, Outcome, RequestRecord
 from kvwatch.state import NodeState
+from tests.local import require_tool
 
 CONFIG = Config(replicas=(
     ReplicaConfig("r0", "http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import ClientSession
-from local import free_port, until
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
 from kvwatch.requests.accounting import RequestMeter
 from kvwatch.requests.http1 import frame_chunk
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED
+from tests.local import free_port, until
 
 from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
 

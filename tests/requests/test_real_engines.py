@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 from aiohttp import ClientSession
-from local import free_port, start_llama_server, stop_group, until
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.otlp import start_otlp_receiver
+from tests.local import free_port, start_llama_server, stop_group, until
 
 from .scripted import ProxyHarness, launch_proxy
 
