@@ -13,6 +13,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+from aiohttp import web
+
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """The bench's argument parser: its docstring as the help text, and ``--quick``."""
@@ -43,3 +45,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 def ratio(peer: float, ours: float) -> float:
     """How many times faster kvwatch is than the peer measured in the same run (>1: faster)."""
     return peer / ours if ours else float("inf")
+
+
+async def listen(runner: web.AppRunner) -> int:
+    """One more loopback port for a set-up runner (port 0: the kernel picks); the port bound."""
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return int(runner.addresses[-1][1])  # (host, port) of the socket just bound
