@@ -20,7 +20,7 @@ BENCH = ROOT / "bench"
 #: bench -> the arguments of its quick run (seconds each on a quiet machine; sim_bench ~40 s shared)
 QUICK: dict[str, tuple[str, ...]] = {
     "exposition_parse.py": ("--quick",),
-    "fleet_bench.py": ("--nodes", "1", "--interval", "1", "--window", "3", "--phases", "full"),  # real Prometheus
+    "fleet_bench.py": ("--nodes", "1", "--interval", "1", "--window", "3", "--phases", "full"),
     "nvml_smoke.py": ("--fake", "2", "--quick"),
     "report_bench.py": ("--quick",),
     "plan_bench.py": ("--quick",),
