@@ -19,6 +19,7 @@ BENCH = ROOT / "bench"
 
 #: bench -> the arguments of its quick run (seconds each on a quiet machine; sim_bench ~40 s shared)
 QUICK: dict[str, tuple[str, ...]] = {
+    "discovery_bench.py": (),  # ~3 s as it is
     "exposition_parse.py": ("--quick",),
     "fleet_bench.py": ("--nodes", "1", "--interval", "1", "--window", "3", "--phases", "full"),
     "nvml_smoke.py": ("--fake", "2", "--quick"),
@@ -30,7 +31,6 @@ QUICK: dict[str, tuple[str, ...]] = {
 NO_QUICK_YET = {
     "agent_bench.py": "no --quick yet",
     "cpu_vllm_decode_gaps.py": "drives a running vLLM (bench/cpu_vllm_tp.sh starts it)",
-    "discovery_bench.py": "imports the test suite's fake API server (tests/discovery)",
     "http1_bench.py": "needs --baseline, another checkout's http1.py",
     "kv_signals_accuracy.py": "imports tests/derive/simulated.py",
     "otlp_loop_lag.py": "no --quick yet",
