@@ -18,11 +18,11 @@ import copy
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fake API server's pod builders
+
+from _harness import median_seconds
 
 from kvwatch.config import Config
 from kvwatch.discovery.kube_api import decode_event, split_lines
@@ -49,15 +49,6 @@ def realistic_pod(i: int) -> dict:
     return pod
 
 
-def best_of(fn: Callable[[], None], repeat: int = 7) -> float:
-    runs = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - started)
-    return statistics.median(runs)
-
-
 def main() -> None:
     pods = [realistic_pod(i) for i in range(EVENTS)]
     lines = [json.dumps({"type": "MODIFIED", "object": p}).encode() + b"\n" for p in pods]
@@ -75,14 +66,14 @@ def main() -> None:
             for line in split_lines(buffer, chunk, 4 * 1024 * 1024):
                 decode_event(line)
 
-    t_peer, t_kv = best_of(peer), best_of(kvwatch)
+    t_peer, t_kv = median_seconds(peer, 7), median_seconds(kvwatch, 7)
     print(f"watch events: {EVENTS} x {size / 1024:.1f} KiB pod objects, {CHUNK // 1024} KiB chunks")
     print(f"  json.loads (peer)          {t_peer / EVENTS * 1e6:8.1f} us/event")
     print(f"  split_lines + decode_event {t_kv / EVENTS * 1e6:8.1f} us/event   ratio {t_kv / t_peer:.2f}")
 
     big = make_pod("huge", annotations={"blob": "x" * (4 * 1024 * 1024 - 2048)})
     big_line = json.dumps({"type": "MODIFIED", "object": big}).encode()
-    t_big = best_of(lambda: decode_event(big_line))
+    t_big = median_seconds(lambda: decode_event(big_line), 7)
     print(f"  largest admitted event ({len(big_line) / 2**20:.1f} MiB): {t_big * 1e3:.1f} ms")
 
     from kvwatch.agent.discovery import PodDiscovery
@@ -96,7 +87,7 @@ def main() -> None:
     node_pods = {p["metadata"]["uid"]: p for p in copy.deepcopy(pods[:110])}
     for i, pod in enumerate(node_pods.values()):
         pod["metadata"]["resourceVersion"] = str(1000 + i)
-    t_first = best_of(lambda: (discovery._verdicts.clear(), discovery.on_pods(node_pods)))
+    t_first = median_seconds(lambda: (discovery._verdicts.clear(), discovery.on_pods(node_pods)), 7)
     rounds = 200
     changed = next(iter(node_pods.values()))
 
@@ -105,7 +96,7 @@ def main() -> None:
             changed["metadata"]["resourceVersion"] = str(5000 + n)
             discovery.on_pods(node_pods)
 
-    t_event = best_of(one_event)
+    t_event = median_seconds(one_event, 7)
     print(f"  on_pods, 110 pods (max-pods): first list {t_first * 1e3:.2f} ms, "
           f"then {t_event / rounds * 1e3:.3f} ms per event")
 

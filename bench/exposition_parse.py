@@ -7,17 +7,15 @@ the median time of:
 - ``kvwatch.engines.exposition_parser.parse_text`` (ratio = peer / kvwatch: >1 means kvwatch is faster),
 - ``kvwatch.engines.registry.parse_exposition`` (text -> ReplicaSamples, adapter included).
 
-  .venv/bin/python bench/exposition_parse.py
+  .venv/bin/python bench/exposition_parse.py [--quick]
 """
 
 from __future__ import annotations
 
 import re
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
+from _harness import median_seconds, parser, ratio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.engines.exposition_parser import parse_text
@@ -44,26 +42,19 @@ def eight_ranks(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def median_ms(fn: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
-
-
 def main() -> None:
+    args = parser(__doc__).parse_args()
+    runs = 2 if args.quick else 30
     pages = [(p.name, p.read_text()) for p in PAGES]
     pages.append(("vllm_0_32 x 8 DP ranks (synthetic)", eight_ranks(pages[0][1])))
     print(f"{'page':48} {'bytes':>8} {'prom_client ms':>15} {'kvwatch ms':>11} {'ratio':>6} "
           f"{'+adapter ms':>12}")
     for name, text in pages:
-        runs = 30
-        peer = median_ms(lambda text=text: list(text_string_to_metric_families(text)), runs)
-        ours = median_ms(lambda text=text: parse_text(text), runs)
-        full = median_ms(lambda text=text: parse_exposition(text, "r0", scraped_at=0.0), runs)
-        print(f"{name[:48]:48} {len(text):>8} {peer:>15.2f} {ours:>11.2f} {peer / ours:>6.2f} {full:>12.2f}")
+        peer = median_seconds(lambda text=text: list(text_string_to_metric_families(text)), runs) * 1000
+        ours = median_seconds(lambda text=text: parse_text(text), runs) * 1000
+        full = median_seconds(lambda text=text: parse_exposition(text, "r0", scraped_at=0.0), runs) * 1000
+        print(f"{name[:48]:48} {len(text):>8} {peer:>15.2f} {ours:>11.2f} {ratio(peer, ours):>6.2f} "
+              f"{full:>12.2f}")
 
 
 if __name__ == "__main__":

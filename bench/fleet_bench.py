@@ -40,7 +40,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -49,10 +48,9 @@ from typing import Any
 
 import httpx
 import yaml
-from aiohttp import web
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import listen
 from agent_bench import CAPTURE, REPLICAS, build_state, kvwatch_registry
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_RULES = sorted((ROOT / "alerts").glob("*.rules.yaml"))
@@ -99,9 +97,7 @@ class Exporters:
                                     access_log=None)
         await self.runner.setup()
         for _ in range(self.nodes):
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            self.node_targets.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+            self.node_targets.append(f"127.0.0.1:{await listen(self.runner)}")
         text = CAPTURE.read_text()
 
         async def engine(_request: web.Request) -> web.Response:
@@ -112,9 +108,7 @@ class Exporters:
         self.engine_runner = web.AppRunner(app, access_log=None)
         await self.engine_runner.setup()
         for _ in range(self.nodes * REPLICAS):
-            site = web.TCPSite(self.engine_runner, "127.0.0.1", 0)
-            await site.start()
-            self.engine_targets.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+            self.engine_targets.append(f"127.0.0.1:{await listen(self.engine_runner)}")
 
     async def keep_moving(self, every_s: float) -> None:
         """Refresh the engines' samples and finish a few requests per band, as a busy node would."""

@@ -16,7 +16,6 @@ without a driver it prints one "no NVML library" line and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _harness import parser as bench_parser
 
 from kvwatch.gpu.events import XidWatcher, handle_key
 from kvwatch.gpu.nvml import NvmlCollector
@@ -144,12 +143,14 @@ def time_polls(module: Any, polls: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--fake", type=int, metavar="GPUS", help="use the fake backend with GPUS GPUs")
     parser.add_argument("--polls", type=int, default=20, help="timed polls (default 20)")
     parser.add_argument("--events-seconds", type=float, default=1.0, help="XID watcher run time")
     parser.add_argument("--json", type=Path, help="also write the timings and the call table here")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.polls, args.events_seconds = 2, 0.1
     # quiet until NVML is up: without it the one line below says everything
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
 

@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _harness import percentile as _pct
+
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NGINX = "/usr/sbin/nginx"
@@ -492,13 +494,6 @@ async def reused_connections(port: int, clients: int, requests: int) -> list[int
         await asyncio.sleep(0.05)
     samples = await asyncio.gather(*lanes)
     return [s.ttft_ns for lane in samples for s in lane[1:] if s.ttft_ns is not None]
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Measured, each as wall time:
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -32,13 +31,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _harness import parser as bench_parser
+
+from kvwatch import buckets
+from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord
+from kvwatch.requests.ledger import ledger_line
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kvwatch import buckets  # noqa: E402
-from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord  # noqa: E402
-from kvwatch.requests.ledger import ledger_line  # noqa: E402
 
 REPLICAS = [(f"r{i}", "qwen3-32b" if i < 4 else "llama-3.1-70b") for i in range(8)]
 MAX_TOKENS = 32000
@@ -134,12 +133,14 @@ def time_read_json(data: bytes) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__.split("\n")[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--peer-lines", type=int, default=100_000)
     parser.add_argument("--ledger", type=Path, help="ledger path (written when missing)")
     parser.add_argument("--runs", type=int, default=3, help="kvwatch runs (best and median reported)")
     args = parser.parse_args()
+    if args.quick:
+        args.lines, args.peer_lines, args.runs = 2_000, 1_000, 1
     ledger = args.ledger or Path(tempfile.gettempdir()) / f"kvwatch-bench-ledger-{args.lines}.jsonl"
     if not ledger.exists():
         print(f"writing {args.lines:,}-line ledger to {ledger} ...", file=sys.stderr)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local import CACHE, free_port, start_llama_server, start_vllm, stop_group
+
+from tests.local import CACHE, free_port, start_llama_server, start_vllm, stop_group
 
 
 @dataclass(frozen=True)

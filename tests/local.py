@@ -1,8 +1,9 @@
-"""Loopback ports, waiting for a condition, local processes and external tools, for tests."""
+"""Loopback ports and servers, waiting for a condition, local processes and external tools, for tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import shutil
@@ -11,12 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import httpx
 import pytest
+from aiohttp import web
 
 _GIVEN: set[int] = set()
 
@@ -31,6 +33,29 @@ def free_port() -> int:
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+
+
+async def serve_app(app: web.Application, port: int = 0, **runner_options: Any) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on 127.0.0.1:``port`` (0: a port the kernel picks); the runner and the bound port.
+    ``await runner.cleanup()`` stops it. ``runner_options`` go to ``web.AppRunner``."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[-1][1])  # (host, port) of the socket just bound
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, **runner_options: Any) -> AsyncIterator[str]:
+    """``serve_app`` for one block: yields the base URL (``http://127.0.0.1:PORT``), stops on exit."""
+    runner, port = await serve_app(app, **runner_options)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 T = TypeVar("T")

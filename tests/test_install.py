@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from local import free_port
 from report.ledgers import HAND, write
+
+from tests.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

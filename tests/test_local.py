@@ -7,7 +7,8 @@ import asyncio
 import time
 
 import pytest
-from local import SKIP_MISSING_TOOLS, require_tool, until, wait_until
+
+from tests.local import SKIP_MISSING_TOOLS, require_tool, until, wait_until
 
 
 def test_a_missing_tool_fails_with_how_to_install_it(monkeypatch, tmp_path) -> None:

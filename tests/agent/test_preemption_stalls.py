@@ -24,6 +24,7 @@ from kvwatch.agent.derived import update_derived
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import Outcome, ReplicaSample, RequestRecord
+from tests.local import serve_app
 
 STALLS = "kvwatch_request_preemption_stalls"
 T0 = 1_750_000_000.0
@@ -102,11 +103,8 @@ class FakeVllm:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, port = await serve_app(app, access_log=None)
+        self.url = f"http://127.0.0.1:{port}"
 
     async def metrics(self, request: web.Request) -> web.Response:
         labels = 'engine="0",model_name="tiny"'

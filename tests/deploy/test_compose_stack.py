@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from local import require_tool
 
 from kvwatch.mixin.k8s import RULE_FILE_PATTERNS
+from tests.local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"

@@ -18,11 +18,11 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from local import require_tool
 
 from kvwatch.config import apply_env_overrides, config_from_mapping, parse_host_port
 from kvwatch.discovery.kube_api import POD_VERBS
 from kvwatch.mixin import k8s
+from tests.local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"

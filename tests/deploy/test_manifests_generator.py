@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from local import require_tool
 
 from kvwatch.cli import main as cli
 from kvwatch.mixin.k8s import DASHBOARDS_FILE, LEVEL_LABEL, RULES_FILE, ManifestError, generate
+from tests.local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 

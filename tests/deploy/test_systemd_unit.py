@@ -9,9 +9,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from local import require_tool
 
 from kvwatch.config import load_config
+from tests.local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "kvwatch.service"

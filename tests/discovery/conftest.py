@@ -1,38 +1,15 @@
-"""A small cluster for discovery tests: simulated vLLM servers, a fake API server, a service account
-token file; and a /metrics poller."""
+"""The ``cluster`` fixture for discovery tests (``cluster.py`` holds what it builds)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvwatch.sim.node import SimNode, h200_node
-from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
-
-
-@dataclass
-class Cluster:
-    api: FakeApiServer
-    engines: SimNode
-    token: Path
-
-    @property
-    def ports(self) -> list[int]:
-        """The simulated vLLM servers' ports: what the pods' ``--port`` say, their IP 127.0.0.1."""
-        return [int(url.rsplit(":", 1)[1]) for url in self.engines.replica_urls]
-
-    async def ready_vllm_pod(self, name: str, port: int, **pod) -> str:
-        """A vLLM pod scheduled here, started and Ready (as the kubelet reports it); its uid."""
-        uid = await self.api.create(make_pod(name, containers=[vllm_container(port)], **pod))
-        await self.api.run(uid, "127.0.0.1")
-        await self.api.set_ready(uid)
-        return uid
+from tests.discovery.cluster import Cluster
+from tests.discovery.fake_apiserver import FakeApiServer
 
 
 @pytest.fixture
@@ -53,21 +30,3 @@ async def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engines(n): simulated vLLM servers in the discovery cluster")
-
-
-async def scrape_until(url: str, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 15.0,
-                       show: tuple[str, ...] = ("llm/", "discovery", "reload", "gpu_memory_used")) -> str:
-    """Poll ``url`` until every ``present`` line fragment is there and no ``absent`` one."""
-    deadline = time.monotonic() + timeout_s
-    body = ""
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            try:
-                body = (await client.get(url, timeout=2)).text
-            except httpx.HTTPError:
-                body = ""
-            if body and all(p in body for p in present) and not any(a in body for a in absent):
-                return body
-            await asyncio.sleep(0.1)
-    lines = "\n".join(line for line in body.splitlines() if any(s in line for s in show))
-    raise AssertionError(f"not reached: present={present} absent={absent}\n{lines}")

@@ -53,6 +53,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.local import serve_app
+
 BOOKMARK_FREQUENCY_S = 60.0  # cacher.go defaultBookmarkFrequency
 PRETIMEOUT_BOOKMARK_S = 2.0  # cache_watcher.go: "right before the watcher timeout ... 2s before the deadline"
 BLOCK_TIMEOUT_S = 3.0  # watch_cache.go blockTimeout
@@ -138,11 +140,8 @@ class FakeApiServer:
     async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._pods)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port)
-        await site.start()
-        self.port = self._runner.addresses[-1][1]
+        self._runner, self.port = await serve_app(app, port or self.port, access_log=None,
+                                                  shutdown_timeout=0.1)
         return self.url
 
     @property

@@ -17,7 +17,7 @@ from kvwatch.config import (
     NvmlConfig,
     ScrapeConfig,
 )
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import yaml
-from local import CACHE, SKIP_REAL_ENGINES, unavailable
 
 from kvwatch.agent import Agent
 from kvwatch.config import (
@@ -42,7 +41,8 @@ from tests.deploy.test_kubernetes_manifests import (
     _kvwatch_pod,
     build,
 )
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
+from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable, until
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugins" / "vllm"))
@@ -176,18 +176,16 @@ def _finished(output: int) -> SimpleNamespace:
                            num_preemptions=0)
 
 
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 async def _until_socket(path: str, present: bool = True, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        try:
-            found = stat.S_ISSOCK(os.lstat(path).st_mode)
-        except FileNotFoundError:
-            found = False
-        if found is present:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{path}: socket {'never bound' if present else 'still there'}")
+    await until(lambda: _is_socket(path) is present, timeout_s,
+                f"{path}: socket {'bound' if present else 'removed'}", interval_s=0.05)
 
 
 #: run by the real vLLM venv's python: the plugin as vLLM loads it (vLLM's StatLoggerBase and stats

@@ -32,7 +32,7 @@ from tests.discovery.fake_apiserver import (
     vllm_container,
     with_managed_fields,
 )
-from tests.local import free_port
+from tests.local import free_port, until
 
 
 class Sinks:
@@ -68,15 +68,6 @@ async def watching(server: FakeApiServer, tmp_path, url: str | None = None, **ov
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def names(watch: PodWatch) -> set[str]:

@@ -24,7 +24,7 @@ from kvwatch.derive.gpu_mapping import GpuRef, resolve_device_id
 from kvwatch.discovery.podresources import PodResourcesError, list_grants
 from kvwatch.gpu.fake import FakeNvml, _uuid_for
 from kvwatch.model import GpuGrant
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
 from tests.discovery.fake_kubelet import FakeKubelet
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from kvwatch.derive.gpu_mapping import GpuRef, attributable_grants
 from kvwatch.discovery.podresources import list_grants
 from kvwatch.gpu.fake import FakeNvml, _uuid_for
 from kvwatch.model import GpuGrant
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
 from tests.discovery.fake_apiserver import make_pod, vllm_container
 from tests.discovery.fake_kubelet import DraDevice, FakeKubelet
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.discovery.conftest import Cluster, scrape_until
+from tests.discovery.cluster import Cluster, scrape_until
 from tests.discovery.fake_apiserver import FakeApiServer
 from tests.local import free_port
 

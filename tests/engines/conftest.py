@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from aiohttp import web
-from local import free_port
+
+from tests.local import free_port, serve_app
 
 from .helpers import page
 
@@ -75,11 +76,7 @@ class EngineServer:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/slots", self._slots)
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_app(app, port, handle_signals=False, shutdown_timeout=0.5)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -19,6 +19,7 @@ from kvwatch.discovery.pods import judge_pod
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.requests.accounting import ModelLabels
 from tests.engines import hostile
+from tests.local import serve_app
 
 HOSTILE_MODEL = "evil\x1b[2J\x07\u202ename"
 SHOWN = "evil\\x1b[2J\\x07\\u202ename"  # as kvwatch top shows it
@@ -39,11 +40,7 @@ async def test_metrics_carry_no_raw_control_character_from_an_engine() -> None:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(app)
     listen = HostPort("127.0.0.1", 0)
     replica = ReplicaConfig(name="r0", metrics_url=f"http://127.0.0.1:{port}/metrics")
     agent = Agent(Config(replicas=(replica,), listen=listen, intervals=IntervalsConfig(engine_s=0.5),

@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvwatch.catalog import BY_NAME
@@ -19,6 +18,7 @@ from kvwatch.engines.llamacpp import apply_slots, parse_slots
 from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
+from tests.local import require_tool
 
 from .helpers import LLAMACPP_TINY, only, page, samples
 

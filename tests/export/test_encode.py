@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 
-from local import require_tool
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from kvwatch.export.encode import HistogramRows, TextEncoder
+from tests.local import require_tool
 
 from .node import full_node_registry
 

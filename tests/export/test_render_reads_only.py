@@ -11,7 +11,6 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 import httpx
-from aiohttp import web
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,6 +22,7 @@ from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.export.server import make_registry, metrics_app
 from kvwatch.state import NodeState
+from tests.local import serving
 
 from .node import full_node
 
@@ -74,16 +74,9 @@ def _areas(state: NodeState, config: Any, broken: bool) -> dict[str, Any]:
 
 async def _scrape_twice(state: NodeState, config: Any, broken: bool) -> list[str]:
     registry = make_registry(NodeCollector(state, config, _areas(state, config, broken)))
-    runner = web.AppRunner(metrics_app(registry, lambda: True), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with httpx.AsyncClient() as client:
-            return [(await client.get(f"http://127.0.0.1:{port}/metrics", timeout=10)).text for _ in range(2)]
-    finally:
-        await runner.cleanup()
+    app = metrics_app(registry, lambda: True)
+    async with serving(app, access_log=None) as base, httpx.AsyncClient() as client:
+        return [(await client.get(f"{base}/metrics", timeout=10)).text for _ in range(2)]
 
 
 def _collector_values(text: str, family: str) -> dict[str, float]:

@@ -8,10 +8,10 @@ from collections import Counter
 
 import pynvml
 import pytest
-from local import wait_until
 
 from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.fake import FakeNvml
+from tests.local import wait_until
 
 XID_ONLY = pynvml.nvmlEventTypeXidCriticalError
 

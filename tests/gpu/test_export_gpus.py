@@ -6,7 +6,6 @@ import subprocess
 
 import pynvml
 import pytest
-from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,6 +17,7 @@ from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import NvmlCollector
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
+from tests.local import require_tool
 
 
 class _Registered:

@@ -16,7 +16,7 @@ from kvwatch.gpu.processes import ProcReader
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
 
-from .conftest import Clock, FakeProc
+from .fakes import Clock, FakeProc
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from kvwatch.gpu.fake import MIB, FakeNvml
 from kvwatch.gpu.nvml import CLOCK_EVENT_REASONS, NvmlCollector
 from kvwatch.model import GpuProcess, GpuSample
 
-from .conftest import Clock
+from .fakes import Clock
 
 
 def fields_of(sample: GpuSample) -> dict[str, object]:

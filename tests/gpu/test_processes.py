@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from local import wait_until
 
 from kvwatch.gpu.processes import ProcReader, read_pid_file
 from kvwatch.model import ProcessInfo
+from tests.local import wait_until
 
-from .conftest import FakeProc
+from .fakes import FakeProc
 
 
 def test_nspid_chain_and_parent_are_read(proc: FakeProc):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from local import require_tool
+from tests.local import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"

@@ -13,11 +13,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
-from local import free_port
 
 from kvwatch.mixin.rulefile import alert_names
 from kvwatch.mixin.rules import rule_files
 from kvwatch.mixin.slo import load_slo_file
+from tests.local import free_port
 
 from .helpers import ALERTS, ROOT, run_tool, tool
 

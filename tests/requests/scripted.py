@@ -22,6 +22,7 @@ from kvwatch.model import DEFAULT_BANDS, RequestRecord
 from kvwatch.requests.accounting import RequestMeter
 from kvwatch.requests.proxy import ProxyServer, start_proxy
 from kvwatch.state import InFlightTracker
+from tests.local import serve_app
 
 FIXED_ID = "cmpl-fixed"
 CREATED = 1_700_000_000
@@ -108,11 +109,7 @@ class ScriptedEngine:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_route("*", "/{tail:.*}", self.other)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, port = await serve_app(app, access_log=None)
         self.url = f"http://127.0.0.1:{port}"
         return self.url
 
@@ -250,13 +247,3 @@ async def launch_proxy(api_url: str, *, config: ProxyConfig | None = None, model
                                sink or records.append, count, meter_factory=meter_factory,
                                learn_models=learn_models)
     return ProxyHarness(server, records, counters, in_flight, f"http://127.0.0.1:{server.port}")
-
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll until ``predicate()`` holds (generous: the test machine is small and shared)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)

@@ -24,8 +24,9 @@ from kvwatch.requests.ledger import ledger_line
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.values import MAX_COUNT
 from kvwatch.requests.vllm_plugin import decode
+from tests.local import until
 
-from .scripted import Script, ScriptedEngine, wait_for
+from .scripted import Script, ScriptedEngine
 from .test_otlp import TOKENS, _export, _one_replica, records_from_export
 from .test_otlp import _labels as otlp_labels
 
@@ -54,7 +55,7 @@ async def test_an_absurd_usage_count_through_the_proxy_is_recorded_and_counted(
                 "model": "tiny", "stream": True, "max_tokens": int("9" * 4001),
                 "messages": [{"role": "user", "content": "hi"}]})
             assert response.status_code == 200 and b"Hello" in response.content  # the stream is intact
-            await wait_for(lambda: agent.state.requests.observed == 1)
+            await until(lambda: agent.state.requests.observed == 1)
             text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics")).text
     finally:
         await agent.stop()

@@ -6,7 +6,6 @@ import dataclasses
 import subprocess
 
 import pytest
-from local import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +14,7 @@ from kvwatch.config import Config, HostPort, MetricsConfig, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, OUTCOMES, InFlightRequest, Outcome, RequestRecord
 from kvwatch.state import NodeState
+from tests.local import require_tool
 
 #: the full profile: every request series per replica (the lean default folds some per node:
 #: tests/export/test_profiles.py)

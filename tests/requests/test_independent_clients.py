@@ -43,8 +43,9 @@ import pytest
 
 from kvwatch.model import LengthBands, RequestRecord
 from kvwatch.requests.ledger import ledger_line
+from tests.local import until
 
-from .scripted import ProxyHarness, launch_proxy, wait_for
+from .scripted import ProxyHarness, launch_proxy
 from .wire import requests_on_wire
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
@@ -209,7 +210,7 @@ async def _vllm_bench(proxy: ProxyHarness, out: Path) -> list[dict]:
 
 async def _openai_sequential(proxy: ProxyHarness, out: Path) -> list[dict]:
     """Starts once the bench has more requests in flight than vLLM runs at once."""
-    await wait_for(lambda: len(proxy.in_flight.current()) > 8, timeout=120)
+    await until(lambda: len(proxy.in_flight.current()) > 8, timeout_s=120)
     await run([sys.executable, str(HERE / "openai_load.py"), f"{proxy.url}/v1", str(out), "1",
                json.dumps(OPENAI_LENGTHS), json.dumps(ascii_word_tokens())], timeout_s=180)
     rows = json.loads(out.read_text())
@@ -227,7 +228,7 @@ async def test_independent_clients_and_tcpdump_agree_with_kvwatch(real_vllm, pro
         async with tcpdump(port, pcap):
             bench, sequential = await asyncio.gather(_vllm_bench(proxy, tmp_path / "bench.json"),
                                                      _openai_sequential(proxy, tmp_path / "openai.json"))
-            await wait_for(lambda: len(proxy.records) == total, timeout=10)
+            await until(lambda: len(proxy.records) == total, timeout_s=10)
     records = [r for r in proxy.records if r.endpoint == "completions"]
     assert len(records) == total
     with (tmp_path / "ledger.jsonl").open("w") as ledger:  # what kvwatch saw, beside the clients' files

@@ -13,8 +13,9 @@ from aiohttp import ClientSession
 
 from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord
 from kvwatch.requests.ledger import WRITE_ERRORS, RequestLedger, ledger_line
+from tests.local import until
 
-from .scripted import Script, ScriptedEngine, launch_proxy, wait_for
+from .scripted import Script, ScriptedEngine, launch_proxy
 
 SECRET_PROMPT = "kvwatch-secret-prompt-6b1f9e"
 SECRET_COMPLETION = "kvwatch-secret-completion-41d7"
@@ -128,7 +129,7 @@ async def test_no_prompt_or_completion_text_reaches_the_ledger_or_the_logs(
             assert response.status == 500
         async with http.post(f"{harness.url}/v1/chat/completions", data=SECRET_PROMPT.encode()) as response:
             await response.read()
-        await wait_for(lambda: len(records) == 4)
+        await until(lambda: len(records) == 4)
     finally:
         await harness.server.stop()
         ledger.stop()

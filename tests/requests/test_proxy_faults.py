@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import ClientSession
-from local import free_port
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
 from kvwatch.requests.accounting import RequestMeter
 from kvwatch.requests.http1 import frame_chunk
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED
+from tests.local import free_port, until
 
-from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy, wait_for
+from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -148,7 +148,7 @@ async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSessi
                     async for data in response.content.iter_any():
                         received += data
             assert received.count(b"data: ") == 3  # everything the engine sent, then a cut
-            await wait_for(lambda: len(harness.records) == 1)
+            await until(lambda: len(harness.records) == 1)
             [record] = harness.records
             assert (record.outcome, record.output_tokens) == (Outcome.ERROR, 2)
             assert record.output_tokens_estimated
@@ -202,14 +202,14 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
             seen += 1
             if seen >= 6:
                 break
-        await wait_for(lambda: len(proxy.in_flight.current()) == 1)
+        await until(lambda: len(proxy.in_flight.current()) == 1)
         [live] = proxy.in_flight.current()
         assert (live.admission_band, live.generated_tokens > 0) == ("1k-5k", True)
         response.close()
         left_at = time.perf_counter()
-    await wait_for(lambda: engine.seen[-1].disconnected_at is not None)
+    await until(lambda: engine.seen[-1].disconnected_at is not None)
     assert engine.seen[-1].disconnected_at - left_at < 1.0
-    await wait_for(lambda: len(proxy.records) == 1)
+    await until(lambda: len(proxy.records) == 1)
     [record] = proxy.records
     assert record.outcome is Outcome.ABORTED and record.output_tokens_estimated
     assert 0 < record.output_tokens < 200
@@ -368,7 +368,7 @@ async def test_served_model_names_are_learned_from_the_engine(engine: ScriptedEn
     engine.models = ["served-a"]
     harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
     try:
-        await wait_for(lambda: "served-a" in harness.server.labels.known)
+        await until(lambda: "served-a" in harness.server.labels.known)
         for model in ("served-a", "else", None):
             body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:

@@ -14,9 +14,10 @@ from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
 from kvwatch.requests.http1 import ChunkedDecoder
 from kvwatch.requests.proxy import ACCEPT_ERRORS, SHED
+from tests.local import until
 
 from .h11_engine import h11_engine
-from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy, wait_for
+from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
 from .test_proxy_faults import raw_engine, read_request
 
 
@@ -297,14 +298,14 @@ async def test_buffered_request_bytes_have_a_global_budget(engine: ScriptedEngin
                 b"Content-Length: 900000\r\n\r\n")
         first = await asyncio.open_connection(host, int(port))
         first[1].write(head + b"x" * 700_000)
-        await wait_for(lambda: harness.server.buffered >= 700_000)
+        await until(lambda: harness.server.buffered >= 700_000)
         second = await send_raw(harness.url, head + b"y" * 700_000)
         assert status_of(second) == 503
         assert harness.count(SHED, "r0", "buffer") == 1
         first[1].write(b"x" * 200_000)  # the first request completes within the budget
         assert status_of(await asyncio.wait_for(first[0].read(-1), 5)) == 400  # the engine's: not JSON
         first[1].close()
-        await wait_for(lambda: harness.server.buffered == 0)
+        await until(lambda: harness.server.buffered == 0)
     finally:
         await harness.server.stop()
 
@@ -333,13 +334,13 @@ async def test_connections_per_proxy_are_capped_with_503(engine: ScriptedEngine)
     host, port = harness.url.removeprefix("http://").split(":")
     try:
         idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
-        await wait_for(lambda: len(harness.server.connections) == 2)
+        await until(lambda: len(harness.server.connections) == 2)
         response = await send_raw(harness.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status_of(response) == 503 and b"proxy.max_connections" in response
         assert harness.count(SHED, "r0", "connections") == 1
         for _, writer in idle:
             writer.close()
-        await wait_for(lambda: not harness.server.connections)
+        await until(lambda: not harness.server.connections)
         await still_serving(harness)
     finally:
         await harness.server.stop()
@@ -379,7 +380,7 @@ async def test_an_engine_that_forces_usage_keeps_its_chunk_from_the_first_stream
     for _ in range(3):
         assert events_of(await send_raw(proxy.url, request)) == direct
         assert b"include_usage" in engine.seen[-1].body  # still asked: nothing decided for the replica
-    await wait_for(lambda: len(proxy.records) == 3)
+    await until(lambda: len(proxy.records) == 3)
     assert [(r.output_tokens, r.output_tokens_estimated) for r in proxy.records] == [(2, False)] * 3
 
 
@@ -407,7 +408,7 @@ async def test_a_json_response_read_for_usage_counts_in_the_budget(engine: Scrip
         for harness in (roomy, tight):
             response = await send_raw(harness.url, request)
             assert status_of(response) == 200 and b'"usage"' in response  # the client's bytes, always
-            await wait_for(lambda h=harness: h.server.buffered == 0)
+            await until(lambda h=harness: h.server.buffered == 0)
         assert roomy.records[-1].output_tokens == 2 and not roomy.records[-1].output_tokens_estimated
         assert tight.records[-1].output_tokens is None  # read nothing it had no room for
     finally:

@@ -19,8 +19,9 @@ from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS, RequestRecord
 from kvwatch.requests.proxy import ProxyServer, start_proxy
 from kvwatch.state import InFlightTracker
+from tests.local import until
 
-from .scripted import Script, ScriptedEngine, wait_for
+from .scripted import Script, ScriptedEngine
 from .test_proxy_conformance import CHAT, stream
 
 OFFSET = 1_800_000_000.0
@@ -46,7 +47,7 @@ async def test_longest_gap_and_start_are_dated_on_the_given_wall_clock(dated, ht
     engine.script = Script(contents=[(0.05, "a"), (0.1, "b"), (1.2, "c"), (0.1, "d")])
     seen_by_client = await stream(http, f"http://127.0.0.1:{server.port}/v1/chat/completions",
                                   {**CHAT, "stream": True})
-    await wait_for(lambda: len(records) == 1)
+    await until(lambda: len(records) == 1)
     [record] = records
     [seen] = engine.seen
 

@@ -8,6 +8,7 @@ import asyncio
 from aiohttp import ClientSession
 
 from kvwatch.model import Outcome
+from tests.local import until
 
 from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
 from .test_proxy_faults import CHAT, raw_engine, read_request
@@ -41,7 +42,10 @@ async def test_aborted_exchange_never_returns_its_connection(engine: ScriptedEng
     async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
         await response.content.readline()
         response.close()
-    await asyncio.sleep(0.2)
+    # the exchange is over (its record written) and the engine saw its connection closed
+    await until(lambda: proxy.records and engine.seen[-1].disconnected_at is not None,
+                what="the aborted exchange's record and the engine connection's close")
+    assert [r.outcome for r in proxy.records] == [Outcome.ABORTED]
     assert proxy.server.pool.idle == []
 
 

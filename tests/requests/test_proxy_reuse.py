@@ -19,8 +19,9 @@ from aiohttp import ClientSession
 
 from kvwatch.model import Outcome
 from kvwatch.requests.http1 import frame_chunk
+from tests.local import until
 
-from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy, wait_for
+from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
 from .test_proxy_faults import CHAT, raw_engine, read_request
 
 
@@ -56,7 +57,7 @@ async def test_a_pipelined_request_is_received_at_its_first_byte(engine: Scripte
     finally:
         writer.close()
     assert b'"a"' in first and b"[DONE]" in first and b"[DONE]" in second  # HTTP order kept
-    await wait_for(lambda: len(proxy.records) == 2)
+    await until(lambda: len(proxy.records) == 2)
     one, two = proxy.records
     assert (one.max_tokens, two.max_tokens) == (7, 9)
     assert abs(two.started_at - second_sent) < 0.02  # its first byte, not when the first response ended
@@ -103,7 +104,7 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             def pooled() -> set:
                 return {c.transport.get_extra_info("sockname") for c in harness.server.pool.idle}
 
-            await wait_for(lambda: {received[0][1], received[1][1]} <= pooled(), timeout=3 * tail_s)
+            await until(lambda: {received[0][1], received[1][1]} <= pooled(), timeout_s=3 * tail_s)
         finally:
             await harness.server.stop()
 

@@ -20,13 +20,13 @@ import httpx
 import openai
 import pytest
 from aiohttp import ClientSession
-from local import free_port, start_llama_server, stop_group
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.otlp import start_otlp_receiver
+from tests.local import free_port, start_llama_server, stop_group, until
 
-from .scripted import ProxyHarness, launch_proxy, wait_for
+from .scripted import ProxyHarness, launch_proxy
 
 CHAT = [{"role": "user", "content": "Say something long."}]
 
@@ -57,7 +57,7 @@ def normalized(raw: bytes) -> bytes:
 @pytest.fixture
 async def vllm_proxy(real_vllm) -> AsyncIterator[ProxyHarness]:
     harness = await launch_proxy(real_vllm.base_url, model_name=None, learn_models=True)
-    await wait_for(lambda: "tiny" in harness.server.labels.known, timeout=30)
+    await until(lambda: "tiny" in harness.server.labels.known, timeout_s=30)
     yield harness
     await harness.server.stop()
 
@@ -203,7 +203,7 @@ async def test_client_disconnect_stops_vllm_within_a_second(real_vllm, vllm_prox
         pytest.fail("vLLM finished every request before the client could leave (machine overloaded?)")
     assert rose - left < 1.0, f"vLLM generated for {rose - left:.2f} s after the client left"
     assert metric(await vllm_metrics(real_vllm), "vllm:num_requests_running") == 0
-    await wait_for(lambda: any(r.outcome is Outcome.ABORTED for r in vllm_proxy.records))
+    await until(lambda: any(r.outcome is Outcome.ABORTED for r in vllm_proxy.records))
     record = vllm_proxy.records[-1]
     assert record.outcome is Outcome.ABORTED and 0 < record.output_tokens < 1900
 
@@ -294,7 +294,7 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
         while await _busy_slots(base) != 0:
             assert time.monotonic() - left < 1.0, "llama.cpp slot still busy for a client that left"
             await asyncio.sleep(0.05)
-        await wait_for(lambda: len(harness.records) == 1)
+        await until(lambda: len(harness.records) == 1)
         assert harness.records[0].outcome is Outcome.ABORTED
         generated = await _metric_of(base, "llamacpp:tokens_predicted_total") - predicted
         assert generated < 8000, f"llama.cpp generated {generated:.0f} tokens for a client that left"
@@ -337,7 +337,7 @@ async def test_otlp_spans_from_real_vllm_match_the_proxys_view(traced_vllm: tupl
                     model="tiny", messages=CHAT, max_tokens=max_tokens, stream=True,
                     extra_body={"ignore_eos": True}):
                 pass
-        await wait_for(lambda: len(spans) == 3, timeout=60)  # BatchSpanProcessor exports every ~5 s
+        await until(lambda: len(spans) == 3, timeout_s=60)  # BatchSpanProcessor exports every ~5 s
     finally:
         await client.close()
         await proxy.server.stop()

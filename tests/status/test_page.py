@@ -10,6 +10,7 @@ import aiohttp
 import aiohttp.web
 
 from kvwatch.status.page import CSP
+from tests.local import serving
 
 from .node import populated_state
 from .server import serve
@@ -97,15 +98,8 @@ async def test_routes_mount_next_to_metrics_on_the_agent_app() -> None:
 
     state, cfg = populated_state()
     app = metrics_app(make_registry(One()), lambda: True, extra_routes=make_status_routes(state, cfg))
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    try:
+    async with serving(app) as base:
         page = await get(base + "/")
         metrics = await get(base + "/metrics")
-    finally:
-        await runner.cleanup()
     assert page[0] == 200 and "Replicas: KV cache" in page[2]
     assert metrics[0] == 200 and "kvwatch_test_gauge 1.0" in metrics[2]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from local import require_tool
+
+from tests.local import require_tool
 
 from .node import populated_state, with_usage
 from .server import serve

@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from local import require_tool
 
 from kvwatch.derive.quantiles import histogram_quantile
+from tests.local import require_tool
 
 BOUNDS = (0.1, 0.5, 1.0, 5.0)
 

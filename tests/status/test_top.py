@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from local import free_port
 
 from kvwatch.cli import main
 from kvwatch.status.top import kv_bar, render_text, status_url
 from kvwatch.status.view import build_view
+from tests.local import free_port
 
 from .node import T0, populated_state
 from .server import serve

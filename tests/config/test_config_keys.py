@@ -14,7 +14,7 @@ from kvwatch.config import ConfigError, config_from_mapping, env_variable, load_
 from kvwatch.config.schema import Config
 from kvwatch.config.validate import schema_fields
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def leaf_keys(cls: type = Config, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
