@@ -35,7 +35,8 @@ from typing import Any
 import httpx
 import yaml
 from aiohttp import web
-from local import require_tool
+
+from tests.local import require_tool
 
 from .stack import ROOT, Prometheus, free_port, stop_group, wait_until
 

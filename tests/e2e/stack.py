@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 
 import httpx
 import yaml
-from local import free_port, require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.catalog import BY_NAME
+from tests.local import free_port, require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))

@@ -14,7 +14,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from local import free_port
 
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import fits_by_tp
@@ -23,6 +22,7 @@ from kvwatch.sim.engine import EngineConfig, SimEngine
 from kvwatch.sim.exposition_writer import render_vllm_metrics
 from kvwatch.sim.models import ModelSpec
 from kvwatch.sim.steptime import StepCost
+from tests.local import free_port
 
 from .stack import Prometheus, wait_until
 

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from local import free_port
 
 from kvwatch.cli import main
 from kvwatch.model import LengthBands
@@ -28,6 +27,7 @@ from kvwatch.plan.candidate import CALIBRATED, Candidate
 from kvwatch.plan.inputs import read_workload
 from kvwatch.plan.replay import replay
 from kvwatch.report import build_report
+from tests.local import free_port
 
 from .plan_validation import BANDS, compare, drive, make_trace, peak_kv, preemptions, split_ledger, table
 from .stack import KvwatchRun, Prometheus, parse, total, wait_until

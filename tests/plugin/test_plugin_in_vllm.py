@@ -15,10 +15,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from local import CACHE, SKIP_REAL_ENGINES, unavailable
 
 from kvwatch.model import Outcome
 from kvwatch.requests.vllm_plugin import bind_socket, decode
+from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))

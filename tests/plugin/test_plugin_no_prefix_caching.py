@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local import CACHE, free_port, start_vllm, stop_group
 
 from kvwatch.agent.runtime import Agent
 from kvwatch.config import (
@@ -27,6 +26,7 @@ from kvwatch.config import (
     VllmPluginSocketConfig,
 )
 from plugin.test_plugin_real_engine import agent_metrics, engine_counters, total
+from tests.local import CACHE, free_port, start_vllm, stop_group
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
