@@ -24,7 +24,7 @@ its CPU by task), the wall time of all rule groups' evaluations per cycle
 disk need a compaction (2 h blocks) and are not measured.
 
 ``--profile`` is the exporter's metrics profile; a profile this kvwatch does not know is an error
-(only ``full`` before the lean profile lands).
+(``lean``, the default, or ``full``).
 
 Usage:  flock /tmp/kvwatch-heavy.lock .venv/bin/python bench/fleet_bench.py [--nodes 20]
         [--interval 10] [--window 60] [--profile full] [--phases baseline,full,full-native,vllm]
@@ -81,7 +81,7 @@ class Exporters:
     """N kvwatch node exporters (one shared state) and N x 8 vLLM engine pages, on their own ports."""
 
     def __init__(self, nodes: int, profile: str) -> None:
-        extra = {} if profile == "full" else {"metrics": {"profile": profile}}
+        extra = {"metrics": {"profile": profile}}  # named always: the default is lean
         self.state, self.config, self.refresh = build_state(extra)
         self.nodes = nodes
         self.runner: web.AppRunner | None = None
