@@ -30,6 +30,8 @@ QUICK: dict[str, tuple[str, ...]] = {
 #: benches without a quick run yet, and why (each one is a gap, not a decision)
 NO_QUICK_YET = {
     "agent_bench.py": "no --quick yet",
+    "node_rate.py": "no --quick yet (a ramp of real nginx and proxy runs)",
+    "exposition_size.py": "no --quick yet (its --scrapes 20 run takes a minute)",
     "cpu_vllm_decode_gaps.py": "drives a running vLLM (bench/cpu_vllm_tp.sh starts it)",
     "http1_bench.py": "needs --baseline, another checkout's http1.py",
     "kv_signals_accuracy.py": "imports tests/derive/simulated.py",

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+import time
 from types import SimpleNamespace
 
 from vllm.config import CacheConfig
@@ -110,15 +111,27 @@ for _ in range(100):
     stalled.record(sched, it, engine_idx=0)  # each step finishes requests: sent at once
 waiting = stalled.sender.backlog
 received = []
-for _ in range(100):
+
+
+def read_waiting() -> None:
     while True:
         try:
             received.append(json.loads(stalled_agent.recv(70_000)))
         except BlockingIOError:
-            break
+            return
+
+
+for _ in range(100):
+    read_waiting()
     if not stalled.sender.backlog:
         break
     stalled.log()
+# the backlog can empty (the drain thread sending) between a read and the check: read what it sent
+for _ in range(100):
+    read_waiting()
+    if len(received) >= 100:
+        break
+    time.sleep(0.02)
 print(json.dumps({"older_sent": older.sender.sent, "older_failures": older.failures,
                   "sent": logger.sender.sent, "dropped": logger.sender.dropped, "failures": logger.failures,
                   "absent_sent": absent.sender.sent, "absent_dropped": absent.sender.dropped,
