@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.catalog import BY_NAME
 from tests.local import free_port, require_tool
+from tests.local import wait_until as local_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
@@ -38,22 +38,13 @@ SHIPPED_RULES = tuple(sorted((ROOT / "alerts").glob("*.rules.yaml")))
 T = TypeVar("T")
 
 
+#: what a probe of a server that is still starting may raise: counted as "not yet"
+STARTING = (httpx.HTTPError, OSError, ValueError, KeyError)
+
+
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
-    """Call ``probe`` until it returns something truthy; AssertionError naming ``what`` on timeout.
-    Exceptions from the probe count as "not yet" (a server that is still starting)."""
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while True:
-        try:
-            value = probe()
-            if value:
-                return value
-            last = value
-        except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
-            last = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
-        time.sleep(interval_s)
+    """``tests.local.wait_until`` with the e2e servers' start-up errors counted as "not yet"."""
+    return local_wait_until(probe, timeout_s, what, interval_s, retry_on=STARTING)
 
 
 # -- the exposition, read independently -----------------------------------------------------------
