@@ -19,8 +19,11 @@ from aiohttp import web
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """The bench's argument parser: its docstring as the help text, and ``--quick``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="a few seconds' run that checks the bench works; its figures mean nothing")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few seconds' run that checks the bench works; its figures mean nothing",
+    )
     return p
 
 

@@ -51,10 +51,21 @@ def build_state(extra_config: dict | None = None):
     from kvwatch.state import NodeState
 
     text = CAPTURE.read_text()
-    config = config_from_mapping({"replicas": [
-        {"name": f"replica-{i}", "metrics_url": f"http://127.0.0.1:{8000 + i}/metrics",
-         "api_url": f"http://127.0.0.1:{8000 + i}", "model_name": "Qwen/Qwen3-0.6B", "gpus": [str(i)]}
-        for i in range(REPLICAS)], **(extra_config or {})})
+    config = config_from_mapping(
+        {
+            "replicas": [
+                {
+                    "name": f"replica-{i}",
+                    "metrics_url": f"http://127.0.0.1:{8000 + i}/metrics",
+                    "api_url": f"http://127.0.0.1:{8000 + i}",
+                    "model_name": "Qwen/Qwen3-0.6B",
+                    "gpus": [str(i)],
+                }
+                for i in range(REPLICAS)
+            ],
+            **(extra_config or {}),
+        }
+    )
     replicas = config.replicas
     state = NodeState("bench", config.length_bands)
     fake = FakeNvml(GPUS)
@@ -70,7 +81,11 @@ def build_state(extra_config: dict | None = None):
             result = parse_exposition(text, rep.name, "vllm", scraped_at=now)
             target = state.target(rep.name)
             target.backend, target.up, target.samples, target.last_success_ts = (
-                result.backend, True, tuple(result.samples), now)
+                result.backend,
+                True,
+                tuple(result.samples),
+                now,
+            )
             state.report(f"engine:{rep.name}", True, 0.002, now=now)
         fake.add_pcie_traffic(0, 1 << 20, 1 << 20)
         refresh_gpu_state(collector, state, now)
@@ -83,15 +98,35 @@ def build_state(extra_config: dict | None = None):
         out = edges[i % len(edges)]
         gaps = [0] * 23
         gaps[i % 23] = out - 1
-        state.requests.observe(RequestRecord(
-            replica=rep, model_name="Qwen/Qwen3-0.6B", source="proxy",
-            outcome=list(Outcome)[i % 5], started_at=1e9, prompt_tokens=1000, output_tokens=out,
-            max_tokens=32000, ttft_seconds=0.05 * (i % 40), e2e_seconds=30.0 + i % 300,
-            gap_bounds=state.requests.bounds["kvwatch_request_inter_chunk_seconds"],
-            gap_counts=tuple(gaps), gap_sum=0.03 * out))
+        state.requests.observe(
+            RequestRecord(
+                replica=rep,
+                model_name="Qwen/Qwen3-0.6B",
+                source="proxy",
+                outcome=list(Outcome)[i % 5],
+                started_at=1e9,
+                prompt_tokens=1000,
+                output_tokens=out,
+                max_tokens=32000,
+                ttft_seconds=0.05 * (i % 40),
+                e2e_seconds=30.0 + i % 300,
+                gap_bounds=state.requests.bounds["kvwatch_request_inter_chunk_seconds"],
+                gap_counts=tuple(gaps),
+                gap_sum=0.03 * out,
+            )
+        )
     for i in range(64):
-        state.in_flight.start(InFlightRequest(replicas[i % REPLICAS].name, "Qwen/Qwen3-0.6B",
-                                              bands.names[i % len(bands.names)], 1000, 0, 1e9, 16000))
+        state.in_flight.start(
+            InFlightRequest(
+                replicas[i % REPLICAS].name,
+                "Qwen/Qwen3-0.6B",
+                bands.names[i % len(bands.names)],
+                1000,
+                0,
+                1e9,
+                16000,
+            )
+        )
     for kind in ("kvwatch_otlp_spans",):
         state.count(kind, "request")
     return state, config, scrape_all
@@ -105,8 +140,12 @@ def kvwatch_registry(state, config):
     from kvwatch.export.requests import RequestCollector
     from kvwatch.export.server import make_registry
 
-    areas = {"replicas": ReplicaCollector(state, config), "derived": DerivedCollector(state, config),
-             "gpus": GpuCollector(state, config), "requests": RequestCollector(state, config)}
+    areas = {
+        "replicas": ReplicaCollector(state, config),
+        "derived": DerivedCollector(state, config),
+        "gpus": GpuCollector(state, config),
+        "requests": RequestCollector(state, config),
+    }
     return make_registry(NodeCollector(state, config, areas))
 
 
@@ -154,9 +193,11 @@ def time_renders(render, samples: int) -> list[float]:
 
 
 def bare_python_rss() -> int:
-    code = "import prometheus_client, pathlib;" \
-           "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() " \
-           "if l.startswith('VmRSS')][0].split()[1])"
+    code = (
+        "import prometheus_client, pathlib;"
+        "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
+        "if l.startswith('VmRSS')][0].split()[1])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip()) * 1024
 
@@ -185,13 +226,18 @@ def soak(scrapes: int) -> dict:
             rss_marks.append(rss_bytes())
     cpu = time.process_time() - cpu0
     gc.collect()
-    return {"rss_start": rss_start, "rss_end": rss_bytes(), "rss_marks": rss_marks,
-            "cpu_per_scrape_incl_updates": cpu / scrapes}
+    return {
+        "rss_start": rss_start,
+        "rss_end": rss_bytes(),
+        "rss_marks": rss_marks,
+        "cpu_per_scrape_incl_updates": cpu / scrapes,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--scrapes", type=int, default=10_000)
     parser.add_argument("--render-samples", type=int, default=300)
     parser.add_argument("--soak-child", action="store_true", help=argparse.SUPPRESS)
@@ -220,8 +266,13 @@ def main() -> None:
     theirs = time_renders(lambda: generate_latest(peer), args.render_samples)
     cpu_peer = (time.process_time() - cpu0) / args.render_samples
 
-    child = subprocess.run([sys.executable, __file__, "--soak-child", "--scrapes", str(args.scrapes)],
-                           capture_output=True, text=True, check=True, cwd=ROOT)
+    child = subprocess.run(
+        [sys.executable, __file__, "--soak-child", "--scrapes", str(args.scrapes)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     soaked = json.loads(child.stdout)
     bare = bare_python_rss()
 
@@ -229,18 +280,21 @@ def main() -> None:
         values = sorted(values)
         return 1000 * values[min(len(values) - 1, int(q * len(values)))]
 
-    print(f"exposition: {len(body) / 1024:.0f} KiB, series: {kinds} "
-          f"(peer {len(peer_body) / 1024:.0f} KiB)")
-    print(f"render median: kvwatch {ms(ours, 0.5):.2f} ms, peer {ms(theirs, 0.5):.2f} ms, "
-          f"ratio {statistics.median(ours) / statistics.median(theirs):.2f}x")
+    print(f"exposition: {len(body) / 1024:.0f} KiB, series: {kinds} (peer {len(peer_body) / 1024:.0f} KiB)")
+    print(
+        f"render median: kvwatch {ms(ours, 0.5):.2f} ms, peer {ms(theirs, 0.5):.2f} ms, "
+        f"ratio {statistics.median(ours) / statistics.median(theirs):.2f}x"
+    )
     print(f"render p99:    kvwatch {ms(ours, 0.99):.2f} ms, peer {ms(theirs, 0.99):.2f} ms")
     print(f"CPU per scrape (render only): kvwatch {cpu_ours * 1000:.2f} ms, peer {cpu_peer * 1000:.2f} ms")
     print(f"CPU per scrape incl. state updates (soak): {soaked['cpu_per_scrape_incl_updates'] * 1000:.2f} ms")
     mib = 1 / (1 << 20)
-    print(f"RSS: bare python+prometheus_client {bare * mib:.1f} MiB; kvwatch after setup "
-          f"{soaked['rss_start'] * mib:.1f} MiB, "
-          f"after {args.scrapes} scrapes {soaked['rss_end'] * mib:.1f} MiB "
-          f"(marks: {', '.join(f'{m * mib:.1f}' for m in soaked['rss_marks'])})")
+    print(
+        f"RSS: bare python+prometheus_client {bare * mib:.1f} MiB; kvwatch after setup "
+        f"{soaked['rss_start'] * mib:.1f} MiB, "
+        f"after {args.scrapes} scrapes {soaked['rss_end'] * mib:.1f} MiB "
+        f"(marks: {', '.join(f'{m * mib:.1f}' for m in soaked['rss_marks'])})"
+    )
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
 
 

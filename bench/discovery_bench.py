@@ -35,16 +35,26 @@ CHUNK = 16 * 1024
 def realistic_pod(i: int) -> dict:
     container = vllm_container(8000)
     container["env"] = [{"name": f"VAR_{k}", "value": "x" * 40} for k in range(30)]
-    container["resources"] = {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
-                              "requests": {"nvidia.com/gpu": "1", "cpu": "8"}}
+    container["resources"] = {
+        "limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
+        "requests": {"nvidia.com/gpu": "1", "cpu": "8"},
+    }
     container["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 5}
     container["volumeMounts"] = [{"name": f"v{k}", "mountPath": f"/mnt/v{k}"} for k in range(6)]
-    pod = make_pod(f"qwen-{i}", labels={"app": "qwen", "pod-template-hash": "7d9f8c6b5"},
-                   annotations={"kubectl.kubernetes.io/restartedAt": "2026-12-01T18:00:00Z"},
-                   containers=[container])
+    pod = make_pod(
+        f"qwen-{i}",
+        labels={"app": "qwen", "pod-template-hash": "7d9f8c6b5"},
+        annotations={"kubectl.kubernetes.io/restartedAt": "2026-12-01T18:00:00Z"},
+        containers=[container],
+    )
     pod["spec"]["volumes"] = [{"name": f"v{k}", "emptyDir": {}} for k in range(6)]
-    pod["metadata"]["managedFields"] = [{"manager": "kubelet", "operation": "Update", "fieldsV1": {
-        "f:status": {f"f:c{k}": {} for k in range(40)}}}]
+    pod["metadata"]["managedFields"] = [
+        {
+            "manager": "kubelet",
+            "operation": "Update",
+            "fieldsV1": {"f:status": {f"f:c{k}": {} for k in range(40)}},
+        }
+    ]
     pod["status"].update(phase="Running", podIP=f"10.1.0.{i % 250}", conditions=_conditions(True))
     return pod
 
@@ -53,7 +63,7 @@ def main() -> None:
     pods = [realistic_pod(i) for i in range(EVENTS)]
     lines = [json.dumps({"type": "MODIFIED", "object": p}).encode() + b"\n" for p in pods]
     stream = b"".join(lines)
-    chunks = [stream[i:i + CHUNK] for i in range(0, len(stream), CHUNK)]
+    chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
     size = statistics.mean(len(line) for line in lines)
 
     def peer() -> None:
@@ -81,8 +91,9 @@ def main() -> None:
     from kvwatch.model import LengthBands
     from kvwatch.state import NodeState
 
-    config = Config(node="node-a", discovery=DiscoveryConfig(KubernetesDiscoveryConfig(enabled=True,
-                                                                                      api_url="http://x")))
+    config = Config(
+        node="node-a", discovery=DiscoveryConfig(KubernetesDiscoveryConfig(enabled=True, api_url="http://x"))
+    )
     discovery = PodDiscovery(config, NodeState("node-a", LengthBands()), lambda replicas: None)
     node_pods = {p["metadata"]["uid"]: p for p in copy.deepcopy(pods[:110])}
     for i, pod in enumerate(node_pods.values()):
@@ -97,8 +108,10 @@ def main() -> None:
             discovery.on_pods(node_pods)
 
     t_event = median_seconds(one_event, 7)
-    print(f"  on_pods, 110 pods (max-pods): first list {t_first * 1e3:.2f} ms, "
-          f"then {t_event / rounds * 1e3:.3f} ms per event")
+    print(
+        f"  on_pods, 110 pods (max-pods): first list {t_first * 1e3:.2f} ms, "
+        f"then {t_event / rounds * 1e3:.3f} ms per event"
+    )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,17 @@ def main() -> None:
     runs = 2 if args.quick else 30
     pages = [(p.name, p.read_text()) for p in PAGES]
     pages.append(("vllm_0_32 x 8 DP ranks (synthetic)", eight_ranks(pages[0][1])))
-    print(f"{'page':48} {'bytes':>8} {'prom_client ms':>15} {'kvwatch ms':>11} {'ratio':>6} "
-          f"{'+adapter ms':>12}")
+    print(
+        f"{'page':48} {'bytes':>8} {'prom_client ms':>15} {'kvwatch ms':>11} {'ratio':>6} {'+adapter ms':>12}"
+    )
     for name, text in pages:
         peer = median_seconds(lambda text=text: list(text_string_to_metric_families(text)), runs) * 1000
         ours = median_seconds(lambda text=text: parse_text(text), runs) * 1000
         full = median_seconds(lambda text=text: parse_exposition(text, "r0", scraped_at=0.0), runs) * 1000
-        print(f"{name[:48]:48} {len(text):>8} {peer:>15.2f} {ours:>11.2f} {ratio(peer, ours):>6.2f} "
-              f"{full:>12.2f}")
+        print(
+            f"{name[:48]:48} {len(text):>8} {peer:>15.2f} {ours:>11.2f} {ratio(peer, ours):>6.2f} "
+            f"{full:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,7 @@ from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE
 from tests.e2e.reference_node import reference_node
 
 #: what Prometheus 2.42 sends (scrape/scrape.go): gzip, and the text exposition unless asked for protobuf
-ACCEPT = {"text": "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
-          "protobuf": PROTOBUF_CONTENT_TYPE}
+ACCEPT = {"text": "text/plain;version=0.0.4;q=0.5,*/*;q=0.1", "protobuf": PROTOBUF_CONTENT_TYPE}
 
 
 async def _scrape(client: httpx.AsyncClient, url: str, accept: str, encoding: str) -> tuple[int, int, float]:
@@ -59,9 +58,11 @@ async def _profile(profile: str, scrapes: int) -> list[str]:
                 wire, decoded, _ = runs[-1]
                 timed[encoding] = statistics.median(r[2] for r in runs)
                 ratio = f"{timed[encoding] / timed['identity']:.2f}x" if encoding == "gzip" else "1.00x"
-                rows.append(f"| {profile} | {series:,} | {exposition} | {encoding} | "
-                            f"{wire / 1024:,.0f} KiB | {decoded / wire:.1f} | "
-                            f"{timed[encoding] * 1000:.0f} ms ({ratio}) |")
+                rows.append(
+                    f"| {profile} | {series:,} | {exposition} | {encoding} | "
+                    f"{wire / 1024:,.0f} KiB | {decoded / wire:.1f} | "
+                    f"{timed[encoding] * 1000:.0f} ms ({ratio}) |"
+                )
     return rows
 
 
@@ -70,8 +71,10 @@ async def main() -> None:
     parser.add_argument("--scrapes", type=int, default=20, help="GETs per (profile, exposition, encoding)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the XID warnings; 0.3 s polls skip runs on a busy machine
-    print("| profile | series | exposition | Content-Encoding | bytes on the wire | decoded / wire | "
-          "scrape (median) |")
+    print(
+        "| profile | series | exposition | Content-Encoding | bytes on the wire | decoded / wire | "
+        "scrape (median) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for profile in ("lean", "full"):
         for row in await _profile(profile, args.scrapes):

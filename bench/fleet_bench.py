@@ -93,8 +93,9 @@ class Exporters:
         from kvwatch.export.server import metrics_app
 
         self.refresh(time.time())
-        self.runner = web.AppRunner(metrics_app(kvwatch_registry(self.state, self.config), lambda: True),
-                                    access_log=None)
+        self.runner = web.AppRunner(
+            metrics_app(kvwatch_registry(self.state, self.config), lambda: True), access_log=None
+        )
         await self.runner.setup()
         for _ in range(self.nodes):
             self.node_targets.append(f"127.0.0.1:{await listen(self.runner)}")
@@ -124,12 +125,23 @@ class Exporters:
                     i += 1
                     bins = [0] * (len(gaps) + 1)
                     bins[i % len(bins)] = out - 1
-                    self.state.requests.observe(RequestRecord(
-                        replica=rep.name, model_name="Qwen/Qwen3-0.6B", source="proxy",
-                        outcome=list(Outcome)[i % 5], started_at=time.time(), prompt_tokens=1000,
-                        output_tokens=out, max_tokens=32000, ttft_seconds=0.05 * (i % 40),
-                        e2e_seconds=30.0 + i % 300, gap_bounds=gaps, gap_counts=tuple(bins),
-                        gap_sum=0.03 * out))
+                    self.state.requests.observe(
+                        RequestRecord(
+                            replica=rep.name,
+                            model_name="Qwen/Qwen3-0.6B",
+                            source="proxy",
+                            outcome=list(Outcome)[i % 5],
+                            started_at=time.time(),
+                            prompt_tokens=1000,
+                            output_tokens=out,
+                            max_tokens=32000,
+                            ttft_seconds=0.05 * (i % 40),
+                            e2e_seconds=30.0 + i % 300,
+                            gap_bounds=gaps,
+                            gap_counts=tuple(bins),
+                            gap_sum=0.03 * out,
+                        )
+                    )
 
     async def stop(self) -> None:
         for runner in (self.runner, self.engine_runner):
@@ -149,23 +161,33 @@ class Prometheus:
         job = "vllm" if phase.kind == "vllm" else "kvwatch"
         rules = [] if phase.kind == "vllm" else (NATIVE_RULES if phase.native else SHIPPED_RULES)
         interval = f"{interval_s}s"
-        config = {"global": {"scrape_interval": interval, "evaluation_interval": interval,
-                             "scrape_timeout": interval},
-                  "rule_files": [str(p) for p in rules],
-                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}] if targets
-                  else []}
+        config = {
+            "global": {
+                "scrape_interval": interval,
+                "evaluation_interval": interval,
+                "scrape_timeout": interval,
+            },
+            "rule_files": [str(p) for p in rules],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}]
+            if targets
+            else [],
+        }
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        self.args = [shutil.which("prometheus") or "/usr/bin/prometheus",
-                     f"--config.file={self.workdir / 'prometheus.yml'}",
-                     f"--storage.tsdb.path={self.workdir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
-                     *(["--enable-feature=native-histograms"] if phase.native else [])]
+        self.args = [
+            shutil.which("prometheus") or "/usr/bin/prometheus",
+            f"--config.file={self.workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+            *(["--enable-feature=native-histograms"] if phase.native else []),
+        ]
         self.proc: subprocess.Popen | None = None
 
     async def start(self) -> None:
         log = (self.workdir / "prometheus.log").open("wb")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + 180
         async with httpx.AsyncClient() as client:
             while True:
@@ -209,8 +231,9 @@ class Prometheus:
                 self.proc.wait(timeout=10)
 
 
-async def run_phase(phase: Phase, exporters: Exporters, workdir: Path, interval_s: int,
-                    window_s: int) -> dict[str, Any]:
+async def run_phase(
+    phase: Phase, exporters: Exporters, workdir: Path, interval_s: int, window_s: int
+) -> dict[str, Any]:
     by_kind = {"baseline": [], "kvwatch": exporters.node_targets, "vllm": exporters.engine_targets}
     targets = by_kind[phase.kind]
     prom = Prometheus(workdir, phase, targets, interval_s)
@@ -230,12 +253,15 @@ async def run_phase(phase: Phase, exporters: Exporters, workdir: Path, interval_
 
         scraped = f'{{job="{job}", __name__!~"ALERTS.*"}}'
         out = {
-            "phase": phase.name, "targets": len(targets), "prometheus_start_s": round(started_s, 1),
+            "phase": phase.name,
+            "targets": len(targets),
+            "prometheus_start_s": round(started_s, 1),
             "head_series": own1.get("prometheus_tsdb_head_series", 0.0),
             "scraped_series": await prom.query(f"count({scraped})"),
             "recorded_series": await prom.query('count({__name__=~"kvwatch:.+"})'),
             "rss_bytes": proc_rss(prom.proc.pid),
-            "cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0,
+            "cpu_s": cpu1 - cpu0,
+            "wall_s": wall1 - wall0,
             "rule_eval_s": delta("prometheus_rule_group_duration_seconds_sum"),
             "rule_evals": delta("prometheus_rule_group_duration_seconds_count"),
             "scrapes": delta("prometheus_target_interval_length_seconds_count"),
@@ -249,12 +275,15 @@ async def run_phase(phase: Phase, exporters: Exporters, workdir: Path, interval_
 
 def report(results: list[dict[str, Any]], nodes: int) -> str:
     base = next((r for r in results if r["phase"] == "baseline"), None)
-    lines = [f"{nodes} nodes; per node = above the baseline phase, divided by the nodes "
-             "(vllm: a node = 8 engines)", "",
-             "| phase | scraped series / node | recorded series / node | head series | RSS MiB | "
-             "RSS / node MiB | CPU % of a core | CPU ms / node / interval | rule eval ms / cycle | "
-             "scrape ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{nodes} nodes; per node = above the baseline phase, divided by the nodes "
+        "(vllm: a node = 8 engines)",
+        "",
+        "| phase | scraped series / node | recorded series / node | head series | RSS MiB | "
+        "RSS / node MiB | CPU % of a core | CPU ms / node / interval | rule eval ms / cycle | "
+        "scrape ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         per_node = nodes if r["targets"] else 1
         rss_node = (r["rss_bytes"] - base["rss_bytes"]) / per_node / 2**20 if base and r["targets"] else 0.0
@@ -266,7 +295,8 @@ def report(results: list[dict[str, Any]], nodes: int) -> str:
             f"{r['recorded_series'] / per_node:,.0f} | {r['head_series']:,.0f} | "
             f"{r['rss_bytes'] / 2**20:,.0f} | {rss_node:.1f} | {100 * r['cpu_s'] / r['wall_s']:.1f} | "
             f"{cpu_node:.1f} | {1000 * r['rule_eval_s'] / cycles:.1f} | "
-            f"{1000 * r['scrape_duration_avg_s']:.1f} |")
+            f"{1000 * r['scrape_duration_avg_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -276,9 +306,12 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     mover = asyncio.create_task(exporters.keep_moving(min(5.0, args.interval / 2)))
     results = []
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-fleet-bench-"))
-    phases = {"baseline": Phase("baseline", "baseline"), args.profile: Phase(args.profile, "kvwatch"),
-              f"{args.profile}-native": Phase(f"{args.profile}-native", "kvwatch", native=True),
-              "vllm": Phase("vllm", "vllm")}
+    phases = {
+        "baseline": Phase("baseline", "baseline"),
+        args.profile: Phase(args.profile, "kvwatch"),
+        f"{args.profile}-native": Phase(f"{args.profile}-native", "kvwatch", native=True),
+        "vllm": Phase("vllm", "vllm"),
+    }
     try:
         for name in args.phases.replace("full", args.profile).split(","):
             result = await run_phase(phases[name], exporters, workdir, args.interval, args.window)
@@ -293,8 +326,9 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--interval", type=int, default=10, help="scrape and rule evaluation interval, s")
     parser.add_argument("--window", type=int, default=60, help="measurement window per phase, s")

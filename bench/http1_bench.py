@@ -21,13 +21,17 @@ from types import ModuleType
 from kvwatch.requests import http1
 
 #: a vLLM chat chunk as it arrives from the engine, one per read
-EVENT = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-         b'"model":"bench","choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,'
-         b'"finish_reason":null}]}\n\n')
-REQUEST_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
-                b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
-                b"Content-Type: application/json\r\nUser-Agent: OpenAI/Python 1.55.0\r\n"
-                b"X-Stainless-Lang: python\r\nAuthorization: Bearer sk-x\r\nContent-Length: 120")
+EVENT = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
+REQUEST_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+    b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
+    b"Content-Type: application/json\r\nUser-Agent: OpenAI/Python 1.55.0\r\n"
+    b"X-Stainless-Lang: python\r\nAuthorization: Bearer sk-x\r\nContent-Length: 120"
+)
 
 
 def load(path: Path) -> ModuleType:
@@ -54,8 +58,9 @@ def measure(module: ModuleType, number: int, repeat: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, required=True,
-                   help="another checkout's kvwatch/requests/http1.py")
+    p.add_argument(
+        "--baseline", type=Path, required=True, help="another checkout's kvwatch/requests/http1.py"
+    )
     p.add_argument("--number", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=7)
     args = p.parse_args()

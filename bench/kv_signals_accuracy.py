@@ -83,8 +83,10 @@ def fragmentation_report(run: sim.Run, views) -> str:
             else:
                 errors.append(estimate - true_fragmentation(truth))
     truths = [true_fragmentation(t) for s in run.scrapes for t in s.truth]
-    return (f"  fragmentation  |error| <= {max(map(abs, errors)):.1e}; withheld {withheld}/{total}; "
-            f"true range {min(truths):.4f}..{max(truths):.4f}")
+    return (
+        f"  fragmentation  |error| <= {max(map(abs, errors)):.1e}; withheld {withheld}/{total}; "
+        f"true range {min(truths):.4f}..{max(truths):.4f}"
+    )
 
 
 def stranded_report(run: sim.Run, views) -> str:
@@ -103,11 +105,15 @@ def recompute_report(run: sim.Run, views) -> str:
     for i, truth in enumerate(run.scrapes[-1].truth):
         unit = next(u for u in views[-1].units if u.sample.replica == f"r{i}")
         if truth.recomputed_tokens:
-            parts.append(f"r{i} estimate/truth {unit.recomputed_tokens / truth.recomputed_tokens:.2f} "
-                         f"({truth.preemptions} preemptions)")
+            parts.append(
+                f"r{i} estimate/truth {unit.recomputed_tokens / truth.recomputed_tokens:.2f} "
+                f"({truth.preemptions} preemptions)"
+            )
     early = views[1].overcommit[0].overcommit.requests if views[1].overcommit else None
-    return (f"  recompute  {'; '.join(parts) or 'no preemption'}; over-committed at t=10 s: {early}, "
-            f"ever preempted: {run.preempted_requests}")
+    return (
+        f"  recompute  {'; '.join(parts) or 'no preemption'}; over-committed at t=10 s: {early}, "
+        f"ever preempted: {run.preempted_requests}"
+    )
 
 
 def cost_report() -> str:
@@ -125,8 +131,10 @@ def cost_report() -> str:
         started = time.perf_counter()
         view = derive_node(view, NodeInputs(samples=tuple(samples), proxied={"r0"}), n * 5.0)
         derive_s += time.perf_counter() - started
-    return (f"cost per scrape: derive_node {derive_s / 200 * 1e6:.0f} us, parsing the page "
-            f"{parse_s / 200 * 1e6:.0f} us (ratio {derive_s / parse_s:.3f})")
+    return (
+        f"cost per scrape: derive_node {derive_s / 200 * 1e6:.0f} us, parsing the page "
+        f"{parse_s / 200 * 1e6:.0f} us (ratio {derive_s / parse_s:.3f})"
+    )
 
 
 def main() -> int:
@@ -135,10 +143,16 @@ def main() -> int:
         run = make()
         views = derive_each(run)
         first_full = [f[0] if f else None for f in run.full_at]
-        print(f"{name}  ({len(run.scrapes)} scrapes x {len(run.scrapes[0].truth)} replicas, "
-              f"first full {first_full}, {time.perf_counter() - started:.1f} s)")
-        for line in (headroom_report(run, views), fragmentation_report(run, views),
-                     stranded_report(run, views), recompute_report(run, views)):
+        print(
+            f"{name}  ({len(run.scrapes)} scrapes x {len(run.scrapes[0].truth)} replicas, "
+            f"first full {first_full}, {time.perf_counter() - started:.1f} s)"
+        )
+        for line in (
+            headroom_report(run, views),
+            fragmentation_report(run, views),
+            stranded_report(run, views),
+            recompute_report(run, views),
+        ):
             print(line)
     print(cost_report())
     return 0

@@ -57,8 +57,10 @@ async def role_upstreams(args: argparse.Namespace) -> None:
     pb._Upstream.chunks = args.chunks
     pb._Upstream.interval = 1.0 / args.tokens_per_s
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(pb._Upstream, "127.0.0.1", int(p), backlog=4096)
-               for p in args.ports.split(",")]
+    servers = [
+        await loop.create_server(pb._Upstream, "127.0.0.1", int(p), backlog=4096)
+        for p in args.ports.split(",")
+    ]
     print("READY", flush=True)
     try:
         await asyncio.Event().wait()
@@ -86,11 +88,25 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
 
     proxies = []
     for i, (listen, up) in enumerate(zip(args.ports.split(","), args.upstream_ports.split(","), strict=True)):
-        replica = ReplicaConfig(name=f"gpu{i}", metrics_url=f"http://127.0.0.1:{up}/metrics",
-                                api_url=f"http://127.0.0.1:{up}",
-                                proxy_listen=parse_host_port(f"127.0.0.1:{listen}"), model_name="bench")
-        proxies.append(await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), DEFAULT_BANDS,
-                                         state.in_flight, sink, state.count, learn_models=False))
+        replica = ReplicaConfig(
+            name=f"gpu{i}",
+            metrics_url=f"http://127.0.0.1:{up}/metrics",
+            api_url=f"http://127.0.0.1:{up}",
+            proxy_listen=parse_host_port(f"127.0.0.1:{listen}"),
+            model_name="bench",
+        )
+        proxies.append(
+            await start_proxy(
+                replica,
+                ProxyConfig(),
+                frozenset({"bench"}),
+                DEFAULT_BANDS,
+                state.in_flight,
+                sink,
+                state.count,
+                learn_models=False,
+            )
+        )
     print("READY", flush=True)
     try:
         await asyncio.Event().wait()
@@ -120,8 +136,13 @@ def _run_role(args: argparse.Namespace) -> int:
 
 def _spawn(role: str, *extra: str, tree: Path = pb.ROOT) -> subprocess.Popen:
     """A role process, importing kvwatch from ``tree`` (this checkout, or ``--baseline``)."""
-    proc = subprocess.Popen([sys.executable, __file__, "--role", role, *extra], stdout=subprocess.PIPE,
-                            text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", role, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("READY"):
         proc.kill()
@@ -146,8 +167,9 @@ class Step:
     latencies_ns: list[int]
 
 
-async def _step(ports: list[int], streams: int, seconds: float, chunks_per_stream: int,
-                stream_s: float) -> tuple[int, int, int, list[int], float]:
+async def _step(
+    ports: list[int], streams: int, seconds: float, chunks_per_stream: int, stream_s: float
+) -> tuple[int, int, int, list[int], float]:
     latencies: list[int] = []
     chunks = expected = failed = 0
     deadline = time.monotonic() + seconds
@@ -178,7 +200,8 @@ def measure(target: str, ports: list[int], pids: list[int], streams: int, args: 
     async def run() -> Step:
         c0 = pb._cpu_seconds(pids)
         chunks, expected, failed, latencies, wall = await _step(
-            ports, streams, args.step_seconds, args.chunks, args.chunks / args.tokens_per_s)
+            ports, streams, args.step_seconds, args.chunks, args.chunks / args.tokens_per_s
+        )
         return Step(target, streams, chunks, expected, failed, wall, pb._cpu_seconds(pids) - c0, latencies)
 
     return asyncio.run(run())
@@ -202,62 +225,100 @@ def orchestrate(args: argparse.Namespace) -> int:
     nginx_ports = [pb._free_port() for _ in range(ENGINES)]
     kv_ports = [pb._free_port() for _ in range(ENGINES)]
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-node-rate-"))
-    upstreams = _spawn("upstreams", "--ports", ",".join(map(str, up_ports)), "--chunks", str(args.chunks),
-                       "--tokens-per-s", str(args.tokens_per_s))
+    upstreams = _spawn(
+        "upstreams",
+        "--ports",
+        ",".join(map(str, up_ports)),
+        "--chunks",
+        str(args.chunks),
+        "--tokens-per-s",
+        str(args.tokens_per_s),
+    )
     procs: list[subprocess.Popen | None] = [upstreams]
     rows = []
     try:
-        nginx = pb._spawn_nginx(nginx_ports[0], up_ports[0], workdir / "nginx", workers="auto",
-                                more=list(zip(nginx_ports[1:], up_ports[1:], strict=True)))
+        nginx = pb._spawn_nginx(
+            nginx_ports[0],
+            up_ports[0],
+            workdir / "nginx",
+            workers="auto",
+            more=list(zip(nginx_ports[1:], up_ports[1:], strict=True)),
+        )
         procs.append(nginx)
-        kvwatch = _spawn("kvwatch", "--ports", ",".join(map(str, kv_ports)),
-                         "--upstream-ports", ",".join(map(str, up_ports)))
+        kvwatch = _spawn(
+            "kvwatch",
+            "--ports",
+            ",".join(map(str, kv_ports)),
+            "--upstream-ports",
+            ",".join(map(str, up_ports)),
+        )
         procs.append(kvwatch)
         time.sleep(0.5)  # nginx forks its workers
-        targets = {"direct": (up_ports, []), "nginx": (nginx_ports, pb._children(nginx.pid)),
-                   "kvwatch": (kv_ports, pb._children(kvwatch.pid))}
+        targets = {
+            "direct": (up_ports, []),
+            "nginx": (nginx_ports, pb._children(nginx.pid)),
+            "kvwatch": (kv_ports, pb._children(kvwatch.pid)),
+        }
         if args.baseline:  # the code before a change, interleaved with it in every step
             base_ports = [pb._free_port() for _ in range(ENGINES)]
-            base = _spawn("kvwatch", "--ports", ",".join(map(str, base_ports)),
-                          "--upstream-ports", ",".join(map(str, up_ports)),
-                          tree=Path(args.baseline).resolve())
+            base = _spawn(
+                "kvwatch",
+                "--ports",
+                ",".join(map(str, base_ports)),
+                "--upstream-ports",
+                ",".join(map(str, up_ports)),
+                tree=Path(args.baseline).resolve(),
+            )
             procs.append(base)
             targets["kvwatch-baseline"] = (base_ports, pb._children(base.pid))
         for ports, _ in targets.values():  # warm-up: connections, pools, first-call costs
             asyncio.run(_step(ports, 1, 0.1, args.chunks, 0.2))
         alive = True
         streams = args.start
-        print("| streams per upstream | target | chunks/s | added chunk p99 ms | CPU ms per 1k chunks | "
-              "CPU per chunk x nginx | cores used | verdict |", flush=True)
+        print(
+            "| streams per upstream | target | chunks/s | added chunk p99 ms | CPU ms per 1k chunks | "
+            "CPU per chunk x nginx | cores used | verdict |",
+            flush=True,
+        )
         print("|---|---|---|---|---|---|---|---|", flush=True)
         while alive and streams <= args.max_streams:
-            steps = {name: measure(name, ports, pids, streams, args)
-                     for name, (ports, pids) in targets.items()}
+            steps = {
+                name: measure(name, ports, pids, streams, args) for name, (ports, pids) in targets.items()
+            }
             alive = False
             direct, nginx_step = steps["direct"], steps.get("nginx")
             for name, step in steps.items():
                 added, ok, why = _verdict(step, direct, args) if name != "direct" else (0.0, True, "baseline")
                 per_k = 1e6 * step.cpu_s / step.chunks if step.chunks and name != "direct" else None
-                nginx_per_k = (1e6 * nginx_step.cpu_s / nginx_step.chunks
-                               if nginx_step and nginx_step.chunks else None)
-                row = {"streams_per_upstream": streams, "target": name,
-                       "chunks_per_s": step.chunks / step.wall_s,
-                       "added_chunk_p99_ms": added if name != "direct" else None,
-                       "chunk_p99_ms": pb._ms(pb._pct(step.latencies_ns, 99)),
-                       "cpu_ms_per_1k_chunks": per_k,
-                       "cpu_vs_nginx": per_k / nginx_per_k if per_k and nginx_per_k else None,
-                       "cores_used": step.cpu_s / step.wall_s if name != "direct" else None,
-                       "ok": ok, "verdict": why, "load": os.getloadavg()[0]}
+                nginx_per_k = (
+                    1e6 * nginx_step.cpu_s / nginx_step.chunks if nginx_step and nginx_step.chunks else None
+                )
+                row = {
+                    "streams_per_upstream": streams,
+                    "target": name,
+                    "chunks_per_s": step.chunks / step.wall_s,
+                    "added_chunk_p99_ms": added if name != "direct" else None,
+                    "chunk_p99_ms": pb._ms(pb._pct(step.latencies_ns, 99)),
+                    "cpu_ms_per_1k_chunks": per_k,
+                    "cpu_vs_nginx": per_k / nginx_per_k if per_k and nginx_per_k else None,
+                    "cores_used": step.cpu_s / step.wall_s if name != "direct" else None,
+                    "ok": ok,
+                    "verdict": why,
+                    "load": os.getloadavg()[0],
+                }
                 rows.append(row)
                 alive = alive or (ok and name != "direct")
 
                 def f(v: float | None, fmt: str) -> str:
                     return "-" if v is None else fmt.format(v)
 
-                print(f"| {streams} | {name} | {row['chunks_per_s']:,.0f} | "
-                      f"{f(row['added_chunk_p99_ms'], '{:+.2f}')} "
-                      f"| {f(per_k, '{:.1f}')} | {f(row['cpu_vs_nginx'], '{:.2f}')} | "
-                      f"{f(row['cores_used'], '{:.2f}')} | {why} |", flush=True)
+                print(
+                    f"| {streams} | {name} | {row['chunks_per_s']:,.0f} | "
+                    f"{f(row['added_chunk_p99_ms'], '{:+.2f}')} "
+                    f"| {f(per_k, '{:.1f}')} | {f(row['cpu_vs_nginx'], '{:.2f}')} | "
+                    f"{f(row['cores_used'], '{:.2f}')} | {why} |",
+                    flush=True,
+                )
             streams *= 2
     finally:
         for proc in procs[::-1]:
@@ -267,12 +328,20 @@ def orchestrate(args: argparse.Namespace) -> int:
     for name in [t for t in targets if t != "direct"]:
         passed = [r for r in rows if r["target"] == name and r["ok"]]
         best = max(passed, key=lambda r: r["chunks_per_s"]) if passed else None
-        said = (f"{best['chunks_per_s']:,.0f} chunks/s ({best['streams_per_upstream']} streams per "
-                f"upstream), {best['cores_used']:.2f} cores") if best else "below the first step"
+        said = (
+            (
+                f"{best['chunks_per_s']:,.0f} chunks/s ({best['streams_per_upstream']} streams per "
+                f"upstream), {best['cores_used']:.2f} cores"
+            )
+            if best
+            else "below the first step"
+        )
         print(f"{name}: sustainable {said}")
-    print(f"{ENGINES} upstreams x streams x {args.tokens_per_s:.0f} tokens/s, {args.chunks} chunks per "
-          f"stream, {args.step_seconds:.0f} s per step; "
-          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"{ENGINES} upstreams x streams x {args.tokens_per_s:.0f} tokens/s, {args.chunks} chunks per "
+        f"stream, {args.step_seconds:.0f} s per step; "
+        f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
@@ -280,14 +349,16 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens-per-s", type=float, default=50.0,
-                   help="each stream's pace (an engine's decode rate)")
+    p.add_argument(
+        "--tokens-per-s", type=float, default=50.0, help="each stream's pace (an engine's decode rate)"
+    )
     p.add_argument("--chunks", type=int, default=100, help="content chunks per stream")
     p.add_argument("--start", type=int, default=2, help="streams in flight per upstream at the first step")
     p.add_argument("--max-streams", type=int, default=64, help="the ramp stops after this step")
     p.add_argument("--step-seconds", type=float, default=4.0, help="how long each target runs per step")
-    p.add_argument("--max-added-ms", type=float, default=5.0,
-                   help="added per-chunk latency p99 that breaks it")
+    p.add_argument(
+        "--max-added-ms", type=float, default=5.0, help="added per-chunk latency p99 that breaks it"
+    )
     p.add_argument("--late-ms", type=float, default=100.0, help="a chunk this late after it was sent is late")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--baseline", help="another checkout whose kvwatch runs as the target kvwatch-baseline")

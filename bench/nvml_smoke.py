@@ -81,8 +81,9 @@ def _summary(value: Any, limit: int = 70) -> str:
     if hasattr(value, "_fields_"):
         text = ", ".join(f"{f}={getattr(value, f)}" for f, *_ in value._fields_ if f != "version")
     elif hasattr(value, "_length_") and len(value) and hasattr(value[0], "nvmlReturn"):
-        text = " ".join(f"{fv.fieldId}/{fv.scopeId}:{'ok' if fv.nvmlReturn == 0 else fv.nvmlReturn}"
-                        for fv in value)
+        text = " ".join(
+            f"{fv.fieldId}/{fv.scopeId}:{'ok' if fv.nvmlReturn == 0 else fv.nvmlReturn}" for fv in value
+        )
     elif isinstance(value, list):
         first = f": {vars(value[0])}" if value and hasattr(value[0], "__dict__") else ""
         text = f"{len(value)} item(s){first}"
@@ -103,8 +104,10 @@ def print_table(records: list[tuple[str, int | None, str, float, str]]) -> None:
         text = " ".join(f"{k}={v}" for k, v in sorted(outcomes.items()))
         latencies = [us for _, _, us, _ in rows]
         sample = next((v for _, o, _, v in rows if o == "ok" and v), "")
-        print(f"{call:58} {len(rows):>4} {text:28} {statistics.median(latencies):>8.1f} "
-              f"{max(latencies):>8.1f}  {sample}")
+        print(
+            f"{call:58} {len(rows):>4} {text:28} {statistics.median(latencies):>8.1f} "
+            f"{max(latencies):>8.1f}  {sample}"
+        )
 
 
 def time_polls(module: Any, polls: int) -> dict[str, float]:
@@ -137,8 +140,9 @@ def time_polls(module: Any, polls: int) -> dict[str, float]:
         "kvwatch_poll_ms_max": max(kvwatch_ms),
         "peer_poll_ms_median": statistics.median(peer_ms),
     }
-    result["ratio_kvwatch_to_peer"] = (result["kvwatch_poll_ms_median"]
-                                       / max(result["peer_poll_ms_median"], 1e-9))
+    result["ratio_kvwatch_to_peer"] = result["kvwatch_poll_ms_median"] / max(
+        result["peer_poll_ms_median"], 1e-9
+    )
     return result
 
 
@@ -187,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
     timings = time_polls(module, args.polls)
     if timings:
-        print(f"\nfull poll of {timings['gpus']} GPU(s): median {timings['kvwatch_poll_ms_median']:.2f} ms "
-              f"(max {timings['kvwatch_poll_ms_max']:.2f} ms); peer (memory+utilization only) "
-              f"{timings['peer_poll_ms_median']:.3f} ms; ratio {timings['ratio_kvwatch_to_peer']:.1f}x")
+        print(
+            f"\nfull poll of {timings['gpus']} GPU(s): median {timings['kvwatch_poll_ms_median']:.2f} ms "
+            f"(max {timings['kvwatch_poll_ms_max']:.2f} ms); peer (memory+utilization only) "
+            f"{timings['peer_poll_ms_median']:.3f} ms; ratio {timings['ratio_kvwatch_to_peer']:.1f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps({"timings": timings, "calls": traced.records}, indent=1))
     return 0

@@ -37,9 +37,14 @@ from kvwatch.gpu.fake import FakeNvml
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_EXPORT = ROOT / "tests" / "requests" / "fixtures" / "vllm-0.32-otlp-llm-request-spans.bin"
-KEPT = ("gen_ai.latency.time_to_first_token", "gen_ai.latency.e2e", "gen_ai.latency.time_in_queue",
-        "gen_ai.usage.prompt_tokens",
-        "gen_ai.usage.completion_tokens", "gen_ai.request.max_tokens")
+KEPT = (
+    "gen_ai.latency.time_to_first_token",
+    "gen_ai.latency.e2e",
+    "gen_ai.latency.time_in_queue",
+    "gen_ai.usage.prompt_tokens",
+    "gen_ai.usage.completion_tokens",
+    "gen_ai.request.max_tokens",
+)
 
 SENDER = textwrap.dedent("""
     import json, sys, threading, time, urllib.request
@@ -114,19 +119,32 @@ async def _line(stream: asyncio.StreamReader) -> dict:
 
 async def run(exports: int, seconds: float) -> dict[str, dict]:
     replica = ReplicaConfig("r0", "http://127.0.0.1:9/metrics", model_name="tiny")  # never up: no scrape cost
-    config = Config(replicas=(replica,), listen=HostPort("127.0.0.1", 0), nvml=NvmlConfig(fake_gpus=0),
-                    otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0"))
+    config = Config(
+        replicas=(replica,),
+        listen=HostPort("127.0.0.1", 0),
+        nvml=NvmlConfig(fake_gpus=0),
+        otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0"),
+    )
     body = spans_export(55_000)
     print(f"55k-span export: {len(body) / 1e6:.1f} MB; gzip bomb: 4.0 MB -> 4 GiB", file=sys.stderr)
-    phases = [("idle", seconds, "", "identity", 0), ("55k spans", seconds, body.hex(), "identity", exports),
-              ("gzip bomb", seconds, gzip_bomb(4_000_000).hex(), "gzip", exports)]
+    phases = [
+        ("idle", seconds, "", "identity", 0),
+        ("55k spans", seconds, body.hex(), "identity", exports),
+        ("gzip bomb", seconds, gzip_bomb(4_000_000).hex(), "gzip", exports),
+    ]
     agent = Agent(config, nvml=FakeNvml(1))
     await agent.start()
     freeze_start_up_heap()
     sender = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SENDER, f"http://127.0.0.1:{agent.port}/metrics",
-        f"http://127.0.0.1:{agent.otlp_port}/v1/traces", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, limit=1 << 26)
+        sys.executable,
+        "-c",
+        SENDER,
+        f"http://127.0.0.1:{agent.port}/metrics",
+        f"http://127.0.0.1:{agent.otlp_port}/v1/traces",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        limit=1 << 26,
+    )
     assert sender.stdin is not None and sender.stdout is not None
     sender.stdin.write(json.dumps(phases).encode() + b"\n")
     ticks: dict[str, list[tuple[float, float]]] = {}
@@ -148,11 +166,15 @@ async def run(exports: int, seconds: float) -> dict[str, dict]:
         cpu = max(c for c, _ in ticks[name])
         late = max(w for _, w in ticks[name])
         metrics = sorted(answered["metrics_s"])
-        results[name] = {"worst_tick_cpu_ms": cpu * 1000, "worst_tick_late_ms": late * 1000,
-                         "metrics_p50_ms": statistics.median(metrics) * 1000,
-                         "metrics_p99_ms": metrics[int(0.99 * (len(metrics) - 1))] * 1000,
-                         "metrics_max_ms": metrics[-1] * 1000, "statuses": answered["statuses"],
-                         "ticks": len(ticks[name])}
+        results[name] = {
+            "worst_tick_cpu_ms": cpu * 1000,
+            "worst_tick_late_ms": late * 1000,
+            "metrics_p50_ms": statistics.median(metrics) * 1000,
+            "metrics_p99_ms": metrics[int(0.99 * (len(metrics) - 1))] * 1000,
+            "metrics_max_ms": metrics[-1] * 1000,
+            "statuses": answered["statuses"],
+            "ticks": len(ticks[name]),
+        }
     return results
 
 
@@ -163,14 +185,18 @@ def main() -> None:
     args = parser.parse_args()
     results = asyncio.run(run(args.exports, args.seconds))
     idle = results["idle"]
-    print(f"{'phase':<10} {'tick CPU ms':>12} {'x idle':>7} {'tick late ms':>13} {'/metrics p50':>13} "
-          f"{'p99':>7} {'max':>7} {'x idle(max)':>11}  answers")
+    print(
+        f"{'phase':<10} {'tick CPU ms':>12} {'x idle':>7} {'tick late ms':>13} {'/metrics p50':>13} "
+        f"{'p99':>7} {'max':>7} {'x idle(max)':>11}  answers"
+    )
     for name, r in results.items():
         cpu_ratio = r["worst_tick_cpu_ms"] / idle["worst_tick_cpu_ms"]
-        print(f"{name:<10} {r['worst_tick_cpu_ms']:>12.1f} {cpu_ratio:>7.1f} "
-              f"{r['worst_tick_late_ms']:>13.0f} {r['metrics_p50_ms']:>13.1f} {r['metrics_p99_ms']:>7.1f} "
-              f"{r['metrics_max_ms']:>7.1f} {r['metrics_max_ms'] / idle['metrics_max_ms']:>11.1f}  "
-              f"{r['statuses']}")
+        print(
+            f"{name:<10} {r['worst_tick_cpu_ms']:>12.1f} {cpu_ratio:>7.1f} "
+            f"{r['worst_tick_late_ms']:>13.0f} {r['metrics_p50_ms']:>13.1f} {r['metrics_p99_ms']:>7.1f} "
+            f"{r['metrics_max_ms']:>7.1f} {r['metrics_max_ms'] / idle['metrics_max_ms']:>11.1f}  "
+            f"{r['statuses']}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,24 @@ def ascii_word_tokens() -> list[int]:
     """Whole ASCII-word tokens only: the first streamed event then always has text (see
     tests/requests/test_independent_clients.py, "Why allowed_token_ids")."""
     vocab = json.loads((MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"]
-    return sorted(i for token, i in vocab.items()
-                  if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha())
+    return sorted(
+        i
+        for token, i in vocab.items()
+        if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha()
+    )
 
 
 async def run(argv: list[str], env: dict[str, str], timeout_s: float) -> str:
     """A child process, off the event loop (the OTLP receiver keeps serving meanwhile)."""
-    proc = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True,
-                                   env={**os.environ, **env}, timeout=timeout_s, check=False)
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        argv,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=timeout_s,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[0]} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc.stdout
@@ -80,38 +90,87 @@ def pair(rows: list[dict], spans: list[RequestRecord]) -> list[tuple[dict, Reque
 
 def summary(values: list[float]) -> dict[str, float]:
     ms = [v * 1e3 for v in values]
-    return {"median_ms": round(statistics.median(ms), 1), "min_ms": round(min(ms), 1),
-            "max_ms": round(max(ms), 1), "max_abs_ms": round(max(abs(v) for v in ms), 1)}
+    return {
+        "median_ms": round(statistics.median(ms), 1),
+        "min_ms": round(min(ms), 1),
+        "max_ms": round(max(ms), 1),
+        "max_abs_ms": round(max(abs(v) for v in ms), 1),
+    }
 
 
 async def measure(requests: int) -> dict:
     port, otlp_port = free_port(), free_port()
     spans: list[RequestRecord] = []
     base = f"http://127.0.0.1:{port}"
-    config = Config(replicas=(ReplicaConfig("r0", f"{base}/metrics", api_url=base, model_name="tiny"),),
-                    otlp=OtlpConfig(listen=HostPort("127.0.0.1", otlp_port)))
+    config = Config(
+        replicas=(ReplicaConfig("r0", f"{base}/metrics", api_url=base, model_name="tiny"),),
+        otlp=OtlpConfig(listen=HostPort("127.0.0.1", otlp_port)),
+    )
     receiver = await start_otlp_receiver(config, spans.append, lambda *a, **k: None)
     with tempfile.TemporaryDirectory(prefix="kvwatch-otlp-bench-") as tmp:
         log = Path(tmp) / "vllm.log"
-        out = await run(["bash", str(ROOT / "scripts" / "engines" / "vllm-cpu" / "vllm-cpu.sh"), str(port)],
-                        {"VENV": str(VENV), "LOG": str(log), "WAIT_S": "400",
-                         "EXTRA_ARGS": f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces",
-                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "r0"},
-                        timeout_s=480)
+        out = await run(
+            ["bash", str(ROOT / "scripts" / "engines" / "vllm-cpu" / "vllm-cpu.sh"), str(port)],
+            {
+                "VENV": str(VENV),
+                "LOG": str(log),
+                "WAIT_S": "400",
+                "EXTRA_ARGS": f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_SERVICE_NAME": "r0",
+            },
+            timeout_s=480,
+        )
         pgid = int(out.strip().splitlines()[-1])
         try:
             result = Path(tmp) / "bench.json"
             extra = {"allowed_token_ids": ascii_word_tokens(), "temperature": 0}
-            command = [str(VENV / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", base,
-                       "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer", str(MODEL_DIR),
-                       "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "80",
-                       "--random-range-ratio", "0.7", "--num-prompts", str(requests),
-                       "--max-concurrency", str(IN_FLIGHT), "--request-rate", "30", "--ignore-eos",
-                       "--seed", "12", "--extra-body", json.dumps(extra), "--save-result", "--save-detailed",
-                       "--result-dir", tmp, "--result-filename", result.name]
+            command = [
+                str(VENV / "bin" / "vllm"),
+                "bench",
+                "serve",
+                "--backend",
+                "vllm",
+                "--base-url",
+                base,
+                "--endpoint",
+                "/v1/completions",
+                "--model",
+                "tiny",
+                "--tokenizer",
+                str(MODEL_DIR),
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "80",
+                "--random-range-ratio",
+                "0.7",
+                "--num-prompts",
+                str(requests),
+                "--max-concurrency",
+                str(IN_FLIGHT),
+                "--request-rate",
+                "30",
+                "--ignore-eos",
+                "--seed",
+                "12",
+                "--extra-body",
+                json.dumps(extra),
+                "--save-result",
+                "--save-detailed",
+                "--result-dir",
+                tmp,
+                "--result-filename",
+                result.name,
+            ]
             before = len(spans)
-            await run(command, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                                "VLLM_TARGET_DEVICE": "cpu"}, timeout_s=300)
+            await run(
+                command,
+                {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+                timeout_s=300,
+            )
             deadline = time.monotonic() + 60  # vLLM's BatchSpanProcessor exports about every 5 s
             while len(spans) - before < requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
@@ -119,9 +178,12 @@ async def measure(requests: int) -> dict:
         finally:
             os.killpg(pgid, signal.SIGTERM)
             await receiver.stop()
-    rows = [{"output_tokens": n, "ttft": t, "e2e": e, "start": s}
-            for n, t, e, s in zip(bench["output_lens"], bench["ttfts"], bench["latencies"],
-                                  bench["start_times"], strict=True)]
+    rows = [
+        {"output_tokens": n, "ttft": t, "e2e": e, "start": s}
+        for n, t, e, s in zip(
+            bench["output_lens"], bench["ttfts"], bench["latencies"], bench["start_times"], strict=True
+        )
+    ]
     pairs = pair(rows, spans[before:])
     return {
         "requests": len(pairs),

@@ -48,10 +48,14 @@ def bench_replay(count: int) -> None:
     result = replay(w, c, None, bands=DEFAULT_BANDS)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = result.node
-    print(f"replay {count:,} requests on {c.dp} replicas: {wall:.1f} s wall, {cpu:.1f} s CPU "
-          f"({n.sim_seconds:,.0f} simulated s, {n.samples:,} KV samples, {n.preemptions:,} preemptions)")
-    print(f"  peer (bare run_headless, same requests): {peer_wall:.1f} s wall, {peer_cpu:.1f} s CPU; "
-          f"plan's own overhead x{cpu / peer_cpu:.2f}")
+    print(
+        f"replay {count:,} requests on {c.dp} replicas: {wall:.1f} s wall, {cpu:.1f} s CPU "
+        f"({n.sim_seconds:,.0f} simulated s, {n.samples:,} KV samples, {n.preemptions:,} preemptions)"
+    )
+    print(
+        f"  peer (bare run_headless, same requests): {peer_wall:.1f} s wall, {peer_cpu:.1f} s CPU; "
+        f"plan's own overhead x{cpu / peer_cpu:.2f}"
+    )
 
 
 def bench_sweep(count: int, candidates: int) -> None:
@@ -72,15 +76,20 @@ def bench_sweep(count: int, candidates: int) -> None:
     t0 = time.perf_counter()
     evaluate_all(grid[:4], w, slo.objectives, slo.bands, None, jobs=1)
     wall1_4 = time.perf_counter() - t0
-    print(f"sweep {len(grid)} candidates x {count:,} requests in 2 processes: {wall2:.1f} s wall "
-          f"({sum(e.wall_seconds for e in two):.1f} s of replays; {os.cpu_count()} CPUs here)")
-    print(f"  peer: the first 4 candidates in one process {wall1_4:.1f} s -> "
-          f"{wall1_4 / 4 * len(grid):.0f} s projected for {len(grid)} serially")
+    print(
+        f"sweep {len(grid)} candidates x {count:,} requests in 2 processes: {wall2:.1f} s wall "
+        f"({sum(e.wall_seconds for e in two):.1f} s of replays; {os.cpu_count()} CPUs here)"
+    )
+    print(
+        f"  peer: the first 4 candidates in one process {wall1_4:.1f} s -> "
+        f"{wall1_4 / 4 * len(grid):.0f} s projected for {len(grid)} serially"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     scale = 10 if args.quick else 1

@@ -31,8 +31,10 @@ RATE = 50.0
 
 def _capacity(model: str, tp: int, dp: int, count: int) -> tuple[int, list[tuple[float, float]]]:
     spec = WorkloadSpec.profile("reasoning", rate=RATE, patience=Patience(first_token_s=None), seed=16)
-    engines = [SimEngine(engine_config(Candidate(model=model, tp=tp, dp=dp)), name=str(i), keep_finished=0)
-               for i in range(dp)]
+    engines = [
+        SimEngine(engine_config(Candidate(model=model, tp=tp, dp=dp)), name=str(i), keep_finished=0)
+        for i in range(dp)
+    ]
     report = run_headless(engines, list(generate(spec, count=count)), RouterSpec("least_loaded"))
     return report.completed, [(e.stats.busy_seconds, float(e.stats.generation_tokens)) for e in engines]
 
@@ -49,21 +51,31 @@ def full_cache_decode(model: str, mean_tokens: float = 3650.0) -> None:
         layout = config.step_model()
         tokens = config.num_gpu_blocks * config.block_size
         seqs = tokens / mean_tokens
-        step = (config.step_overhead_s + layout.t_dense_weights + tokens * layout.t_kv_per_token
-                + layout.comm_fixed + seqs * layout.comm_per_token)
-        print(f"{model} TP={tp}: full-cache decode step {step * 1e3:.1f} ms for {seqs:,.0f} sequences, "
-              f"{seqs / step / tp:,.0f} tokens per GPU-second")
+        step = (
+            config.step_overhead_s
+            + layout.t_dense_weights
+            + tokens * layout.t_kv_per_token
+            + layout.comm_fixed
+            + seqs * layout.comm_per_token
+        )
+        print(
+            f"{model} TP={tp}: full-cache decode step {step * 1e3:.1f} ms for {seqs:,.0f} sequences, "
+            f"{seqs / step / tp:,.0f} tokens per GPU-second"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
     full_cache_decode("llama-3.1-8b")
-    print("| model | DP layout | DP completed/GPU-h (h=0) | TP=8 completed/GPU-h (h=0) "
-          "| h* (us per seq per step) |")
+    print(
+        "| model | DP layout | DP completed/GPU-h (h=0) | TP=8 completed/GPU-h (h=0) "
+        "| h* (us per seq per step) |"
+    )
     print("|---|---|---|---|---|")
     models = (("llama-3.1-8b", 4000, 1), ("qwen3-32b", 2000, 1), ("llama-3.1-70b", 1000, 2))
     for model, count, dp_tp in models:
@@ -82,8 +94,11 @@ def main() -> None:
                 else:
                     hi = mid
             star = f"{hi * 1e6:,.1f}"
-        print(f"| {model} | TP={dp_tp} x DP={8 // dp_tp} | {_per_gpu_hour(dp_done, dp_reps, 0.0):,.1f} | "
-              f"{_per_gpu_hour(tp_done, tp_reps, 0.0):,.1f} | {star} |", flush=True)
+        print(
+            f"| {model} | TP={dp_tp} x DP={8 // dp_tp} | {_per_gpu_hour(dp_done, dp_reps, 0.0):,.1f} | "
+            f"{_per_gpu_hour(tp_done, tp_reps, 0.0):,.1f} | {star} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -55,18 +55,26 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 NGINX = "/usr/sbin/nginx"
 
 #: the role chunk's id carries the upstream's receive time of the request (perf_counter_ns)
-ROLE_CHUNK = (b'data: {"id":"chatcmpl-%d","object":"chat.completion.chunk","created":1700000000,'
-              b'"model":"bench","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-              b'"logprobs":null,"finish_reason":null}]}\n\n')
-CONTENT_CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-                 b'"model":"bench","choices":[{"index":0,"delta":{"content":"%d"},"logprobs":null,'
-                 b'"finish_reason":null}]}\n\n')
-FINISH_CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-                b'"model":"bench","choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
-                b'"finish_reason":"stop","stop_reason":null}]}\n\n')
-USAGE_CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-               b'"model":"bench","choices":[],"usage":{"prompt_tokens":12,"total_tokens":%d,'
-               b'"completion_tokens":%d}}\n\n')
+ROLE_CHUNK = (
+    b'data: {"id":"chatcmpl-%d","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+CONTENT_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":"%d"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
+FINISH_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
+    b'"finish_reason":"stop","stop_reason":null}]}\n\n'
+)
+USAGE_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[],"usage":{"prompt_tokens":12,"total_tokens":%d,'
+    b'"completion_tokens":%d}}\n\n'
+)
 DONE = b"data: [DONE]\n\n"
 
 
@@ -123,8 +131,8 @@ class _Upstream(asyncio.Protocol):
         length = int(m.group(1)) if m else 0
         if len(self.buf) < end + 4 + length:
             return
-        body = self.buf[end + 4:end + 4 + length]
-        self.buf = self.buf[end + 4 + length:]
+        body = self.buf[end + 4 : end + 4 + length]
+        self.buf = self.buf[end + 4 + length :]
         close = re.search(r"(?im)^connection:\s*close", head) is not None
         asyncio.get_running_loop().create_task(self.stream(body, time.perf_counter_ns(), close))
 
@@ -132,8 +140,10 @@ class _Upstream(asyncio.Protocol):
         t = self.transport
         assert t is not None
         usage = b'"include_usage":true' in body or b'"include_usage": true' in body
-        t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                b"transfer-encoding: chunked\r\n\r\n" + _frame(ROLE_CHUNK % received_ns))
+        t.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + _frame(ROLE_CHUNK % received_ns)
+        )
         loop = asyncio.get_running_loop()
         start = loop.time()
         for i in range(self.chunks):
@@ -178,8 +188,17 @@ async def role_upstream(args: argparse.Namespace) -> None:
 # role: bare relays (stack comparison, no accounting)
 # --------------------------------------------------------------------------------------------
 
-HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
-       "content-length", "proxy-connection"}
+HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+    "proxy-connection",
+}
 
 
 async def role_aiohttp(args: argparse.Namespace) -> None:
@@ -193,10 +212,12 @@ async def role_aiohttp(args: argparse.Namespace) -> None:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        async with session.request(request.method, upstream + request.path_qs, data=body,
-                                   headers=headers) as up:
-            resp = web.StreamResponse(status=up.status, headers={
-                k: v for k, v in up.headers.items() if k.lower() not in HOP})
+        async with session.request(
+            request.method, upstream + request.path_qs, data=body, headers=headers
+        ) as up:
+            resp = web.StreamResponse(
+                status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in HOP}
+            )
             await resp.prepare(request)
             async for data in up.content.iter_any():
                 await resp.write(data)
@@ -252,8 +273,9 @@ class _RawDown(asyncio.Protocol):
 
     async def forward(self, request: bytes) -> None:
         loop = asyncio.get_running_loop()
-        self.up, _ = await loop.create_connection(lambda: _RawUp(self.transport), "127.0.0.1",
-                                                  self.upstream_port)
+        self.up, _ = await loop.create_connection(
+            lambda: _RawUp(self.transport), "127.0.0.1", self.upstream_port
+        )
         self.up.write(request)
 
     def connection_lost(self, exc) -> None:
@@ -279,9 +301,13 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
     from kvwatch.state import NodeState
 
     state = NodeState("bench", DEFAULT_BANDS)
-    replica = ReplicaConfig(name="bench", metrics_url=f"http://127.0.0.1:{args.upstream_port}/metrics",
-                            api_url=f"http://127.0.0.1:{args.upstream_port}",
-                            proxy_listen=parse_host_port(f"127.0.0.1:{args.port}"), model_name="bench")
+    replica = ReplicaConfig(
+        name="bench",
+        metrics_url=f"http://127.0.0.1:{args.upstream_port}/metrics",
+        api_url=f"http://127.0.0.1:{args.upstream_port}",
+        proxy_listen=parse_host_port(f"127.0.0.1:{args.port}"),
+        model_name="bench",
+    )
     ledger_dir = tempfile.mkdtemp(prefix="kvwatch-bench-ledger-")
     ledger = RequestLedger(os.path.join(ledger_dir, "requests.jsonl"), DEFAULT_BANDS, counter=state.count)
     ledger.start()
@@ -290,8 +316,9 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         state.requests.observe(record)
         ledger.write(record)
 
-    proxy = await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), DEFAULT_BANDS,
-                              state.in_flight, sink, state.count)
+    proxy = await start_proxy(
+        replica, ProxyConfig(), frozenset({"bench"}), DEFAULT_BANDS, state.in_flight, sink, state.count
+    )
     _ready(args.port)
     try:
         await asyncio.Event().wait()
@@ -303,8 +330,13 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
 
 #: ``kvwatchbase``: the same role with kvwatch imported from ``--baseline`` (another checkout), so a
 #: change is measured against the code before it in the same run, targets interleaved
-ROLES = {"upstream": role_upstream, "aiohttp": role_aiohttp, "raw": role_raw, "kvwatch": role_kvwatch,
-         "kvwatchbase": role_kvwatch}
+ROLES = {
+    "upstream": role_upstream,
+    "aiohttp": role_aiohttp,
+    "raw": role_raw,
+    "kvwatch": role_kvwatch,
+    "kvwatchbase": role_kvwatch,
+}
 BASELINE_ENV = "KVWATCH_BENCH_BASELINE"
 
 
@@ -331,8 +363,8 @@ class _Client(asyncio.Protocol):
         now = time.perf_counter_ns()
         data = self.tail + data
         cut = data.rfind(b"\n\n")
-        self.tail = data[cut + 2:] if cut >= 0 else data
-        stamps = _STAMP.findall(data[:cut + 2]) if cut >= 0 else []
+        self.tail = data[cut + 2 :] if cut >= 0 else data
+        stamps = _STAMP.findall(data[: cut + 2]) if cut >= 0 else []
         if self.sample.upstream_received_ns is None and (m := _RECEIVED.search(data)):
             self.sample.upstream_received_ns = int(m.group(1))
         if stamps and self.sample.ttft_ns is None:
@@ -356,20 +388,25 @@ class _Stream:
     latencies_ns: list[int] = field(default_factory=list)
 
 
-REQUEST_BODY = (b'{"model":"bench","messages":[{"role":"user","content":"benchmark prompt"}],'
-                b'"stream":true,"max_tokens":256}')
+REQUEST_BODY = (
+    b'{"model":"bench","messages":[{"role":"user","content":"benchmark prompt"}],'
+    b'"stream":true,"max_tokens":256}'
+)
 
 
 async def one_stream(port: int) -> _Stream:
     loop = asyncio.get_running_loop()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-               b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-               % (port, len(REQUEST_BODY), REQUEST_BODY))
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+        % (port, len(REQUEST_BODY), REQUEST_BODY)
+    )
     done = loop.create_future()
     sample = _Stream()
     sent = time.perf_counter_ns()
-    transport, _ = await loop.create_connection(lambda: _Client(request, sent, done, sample),
-                                                "127.0.0.1", port)
+    transport, _ = await loop.create_connection(
+        lambda: _Client(request, sent, done, sample), "127.0.0.1", port
+    )
     try:
         await asyncio.wait_for(done, 120)
     finally:
@@ -456,8 +493,11 @@ class _KeepAliveClient(asyncio.Protocol):
         self.buf += data
         if sample.upstream_received_ns is None and (m := _RECEIVED.search(self.buf)):
             sample.upstream_received_ns = int(m.group(1))
-        if sample.ttft_ns is None and sample.upstream_received_ns is not None and \
-                (stamp := _STAMP.search(self.buf)):
+        if (
+            sample.ttft_ns is None
+            and sample.upstream_received_ns is not None
+            and (stamp := _STAMP.search(self.buf))
+        ):
             sample.ttft_ns = now - self.sent_ns - (int(stamp.group(1)) - sample.upstream_received_ns)
         if self.buf.endswith(b"\r\n0\r\n\r\n"):  # the response is complete
             self.buf = b""
@@ -474,14 +514,17 @@ class _KeepAliveClient(asyncio.Protocol):
 async def reused_connections(port: int, clients: int, requests: int) -> list[int]:
     """TTFT of every request after each client's first (those go on a reused connection)."""
     loop = asyncio.get_running_loop()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-               b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-               % (port, len(REQUEST_BODY), REQUEST_BODY))
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (port, len(REQUEST_BODY), REQUEST_BODY)
+    )
 
     async def one_client() -> list[_Stream]:
         done = loop.create_future()
         transport, protocol = await loop.create_connection(
-            lambda: _KeepAliveClient(request, requests, done), "127.0.0.1", port)
+            lambda: _KeepAliveClient(request, requests, done), "127.0.0.1", port
+        )
         try:
             await asyncio.wait_for(done, 120)
         finally:
@@ -501,17 +544,28 @@ async def reused_connections(port: int, clients: int, requests: int) -> list[int
 # --------------------------------------------------------------------------------------------
 
 
-def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
-           uvloop: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--role", role, "--port", str(port),
-           "--upstream-port", str(upstream_port), *extra]
+def _spawn(
+    role: str, port: int, upstream_port: int, extra: Sequence[str] = (), uvloop: bool = False
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--upstream-port",
+        str(upstream_port),
+        *extra,
+    ]
     if uvloop:
         cmd.append("--uvloop")
     tree = os.environ.get(BASELINE_ENV, "") if role == "kvwatchbase" else str(ROOT)
     if not tree:
         raise SystemExit("target kvwatchbase needs --baseline DIR (a checkout of the code to compare)")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tree,
-                            env={**os.environ, "PYTHONPATH": tree})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": tree}
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("READY"):
         proc.kill()
@@ -519,14 +573,16 @@ def _spawn(role: str, port: int, upstream_port: int, extra: Sequence[str] = (),
     return proc
 
 
-def _spawn_nginx(port: int, upstream_port: int, workdir: Path, workers: str = "1",
-                 more: Sequence[tuple[int, int]] = ()) -> subprocess.Popen:
+def _spawn_nginx(
+    port: int, upstream_port: int, workdir: Path, workers: str = "1", more: Sequence[tuple[int, int]] = ()
+) -> subprocess.Popen:
     """nginx as a streaming proxy on ``port`` -> ``upstream_port`` (and each (listen, upstream) pair
     in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core)."""
     for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
         (workdir / d).mkdir(parents=True, exist_ok=True)
     routes = [(port, upstream_port), *more]
-    blocks = "".join(f"""
+    blocks = "".join(
+        f"""
   upstream engine{i} {{
     server 127.0.0.1:{up};
     keepalive 64;
@@ -539,7 +595,9 @@ def _spawn_nginx(port: int, upstream_port: int, workdir: Path, workers: str = "1
       proxy_http_version 1.1;
       proxy_set_header Connection "";
     }}
-  }}""" for i, (listen, up) in enumerate(routes))
+  }}"""
+        for i, (listen, up) in enumerate(routes)
+    )
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
 daemon off;
@@ -580,6 +638,7 @@ class Result:
 
 def _measure(target: str, port: int, pids: list[int], args) -> Result:
     """Runs the phases against ``port`` (the upstreams are the same for every target)."""
+
     async def run() -> Result:
         await asyncio.gather(*(one_stream(port) for _ in range(8)))  # warm-up
         c0 = _cpu_seconds(pids)
@@ -632,8 +691,9 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
         targets.insert(0, "direct")
     _use_uvloop(True)
     up_port = _free_port()
-    upstream = _spawn("upstream", up_port, 0, ["--chunks", "20", "--interval", "0.01", "--tail", "0.5,2.0"],
-                      uvloop=True)
+    upstream = _spawn(
+        "upstream", up_port, 0, ["--chunks", "20", "--interval", "0.01", "--tail", "0.5,2.0"], uvloop=True
+    )
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
     ttfts: dict[str, list[int]] = {name: [] for name in targets}
     try:
@@ -654,19 +714,28 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|")
     rows = []
     for name, values in ttfts.items():
-        row = {"target": name, "requests": len(values), "ttft_p50_ms": _ms(_pct(values, 50)),
-               "ttft_p99_ms": _ms(_pct(values, 99)), "added_ttft_p50_ms": _ms(_pct(values, 50) - base[50]),
-               "added_ttft_p99_ms": _ms(_pct(values, 99) - base[99]),
-               "p99_vs_nginx_ms": _ms(_pct(values, 99) - nginx[99]) if nginx else None}
+        row = {
+            "target": name,
+            "requests": len(values),
+            "ttft_p50_ms": _ms(_pct(values, 50)),
+            "ttft_p99_ms": _ms(_pct(values, 99)),
+            "added_ttft_p50_ms": _ms(_pct(values, 50) - base[50]),
+            "added_ttft_p99_ms": _ms(_pct(values, 99) - base[99]),
+            "p99_vs_nginx_ms": _ms(_pct(values, 99) - nginx[99]) if nginx else None,
+        }
         rows.append(row)
         vs_nginx = "-" if row["p99_vs_nginx_ms"] is None else f"{row['p99_vs_nginx_ms']:+.3f}"
-        print(f"| {name} | {len(values)} | {row['ttft_p50_ms']:.3f} | {row['ttft_p99_ms']:.3f} | "
-              f"{row['added_ttft_p50_ms']:+.3f} | {row['added_ttft_p99_ms']:+.3f} | {vs_nginx} |")
+        print(
+            f"| {name} | {len(values)} | {row['ttft_p50_ms']:.3f} | {row['ttft_p99_ms']:.3f} | "
+            f"{row['added_ttft_p50_ms']:+.3f} | {row['added_ttft_p99_ms']:+.3f} | {vs_nginx} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\n{args.rounds} round(s) x 16 clients x 6 sequential requests on one keep-alive connection each "
-          f"(TTFT of the 5 on a reused connection); upstream: 20 chunks x 10 ms, [DONE], then 0.5-2 s before "
-          f"the last-chunk marker; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n{args.rounds} round(s) x 16 clients x 6 sequential requests on one keep-alive connection each "
+        f"(TTFT of the 5 on a reused connection); upstream: 20 chunks x 10 ms, [DONE], then 0.5-2 s before "
+        f"the last-chunk marker; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+    )
     return 0
 
 
@@ -703,8 +772,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         _stop(flat)
         shutil.rmtree(workdir, ignore_errors=True)
     per_round = [_rows(results) for results in rounds]
-    rows = [{key: (_median([r[i][key] for r in per_round]) if key != "target" else value)
-             for key, value in row.items()} for i, row in enumerate(per_round[0])]
+    rows = [
+        {
+            key: (_median([r[i][key] for r in per_round]) if key != "target" else value)
+            for key, value in row.items()
+        }
+        for i, row in enumerate(per_round[0])
+    ]
     _print(rows, args)
     return 0
 
@@ -764,12 +838,20 @@ def _rows(results: list[Result]) -> list[dict]:
 def _print(rows: list[dict], args: argparse.Namespace) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    cols = [("target", "{}"), ("added_ttft_p50_ms", "{:.3f}"), ("added_ttft_p99_ms", "{:.3f}"),
-            ("added_chunk_p50_ms", "{:.3f}"), ("added_chunk_p99_ms", "{:.3f}"),
-            ("added_burst_ttft_p99_ms", "{:.2f}"), ("steady_chunks_per_cpu_s", "{:,.0f}"),
-            ("flat_chunks_per_cpu_s", "{:,.0f}"), ("steady_cpu_ms_per_1k_chunks", "{:.1f}"),
-            ("steady_cpu_vs_nginx", "{:.2f}"), ("flat_cpu_vs_nginx", "{:.2f}"),
-            ("burst_added_vs_nginx", "{:.2f}")]
+    cols = [
+        ("target", "{}"),
+        ("added_ttft_p50_ms", "{:.3f}"),
+        ("added_ttft_p99_ms", "{:.3f}"),
+        ("added_chunk_p50_ms", "{:.3f}"),
+        ("added_chunk_p99_ms", "{:.3f}"),
+        ("added_burst_ttft_p99_ms", "{:.2f}"),
+        ("steady_chunks_per_cpu_s", "{:,.0f}"),
+        ("flat_chunks_per_cpu_s", "{:,.0f}"),
+        ("steady_cpu_ms_per_1k_chunks", "{:.1f}"),
+        ("steady_cpu_vs_nginx", "{:.2f}"),
+        ("flat_cpu_vs_nginx", "{:.2f}"),
+        ("burst_added_vs_nginx", "{:.2f}"),
+    ]
     print("| " + " | ".join(c for c, _ in cols) + " |")
     print("|" + "---|" * len(cols))
     for row in rows:
@@ -779,10 +861,12 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
             cells.append("-" if v is None else fmt.format(v))
         print("| " + " | ".join(cells) + " |")
     direct = rows[0]
-    print(f"\nmedians of {args.rounds} interleaved round(s); steady: {args.streams} streams x 200 chunks x "
-          f"10 ms, {args.seconds:.0f} s; burst: 3 x {args.streams}; flat: 2 x {args.streams} streams x 200 "
-          f"chunks unpaced; direct path TTFT p50/p99 {direct['ttft_p50_ms']:.3f}/{direct['ttft_p99_ms']:.3f} "
-          f"ms; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\nmedians of {args.rounds} interleaved round(s); steady: {args.streams} streams x 200 chunks x "
+        f"10 ms, {args.seconds:.0f} s; burst: 3 x {args.streams}; flat: 2 x {args.streams} streams x 200 "
+        f"chunks unpaced; direct path TTFT p50/p99 {direct['ttft_p50_ms']:.3f}/{direct['ttft_p99_ms']:.3f} "
+        f"ms; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+    )
 
 
 def _run_role(args: argparse.Namespace) -> int:
@@ -812,9 +896,12 @@ def _run_role(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default="direct,nginx,kvwatch-uvloop",
-                   help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
-                        "aiohttp[-uvloop], raw[-uvloop]")
+    p.add_argument(
+        "--targets",
+        default="direct,nginx,kvwatch-uvloop",
+        help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
+        "aiohttp[-uvloop], raw[-uvloop]",
+    )
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=8.0, help="steady phase length per target")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
@@ -826,12 +913,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=200, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--tail", help=argparse.SUPPRESS)
-    p.add_argument("--scenario", choices=("streaming", "late-tail"), default="streaming",
-                   help="streaming: steady, burst and flat phases; late-tail: [DONE] 0.5-2 s before the "
-                        "stream ends, clients reuse connections")
+    p.add_argument(
+        "--scenario",
+        choices=("streaming", "late-tail"),
+        default="streaming",
+        help="streaming: steady, burst and flat phases; late-tail: [DONE] 0.5-2 s before the "
+        "stream ends, clients reuse connections",
+    )
     p.add_argument("--uvloop", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--baseline", help="a checkout (e.g. from git worktree or git archive) whose kvwatch the "
-                                      "kvwatchbase[-uvloop] target runs")
+    p.add_argument(
+        "--baseline",
+        help="a checkout (e.g. from git worktree or git archive) whose kvwatch the "
+        "kvwatchbase[-uvloop] target runs",
+    )
     args = p.parse_args(argv)
     if args.baseline:
         os.environ[BASELINE_ENV] = str(Path(args.baseline).resolve())

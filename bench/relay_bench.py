@@ -30,12 +30,15 @@ from kvwatch.requests.proxy.exchange import Exchange
 from kvwatch.state import InFlightTracker
 
 #: a vLLM chat chunk as it arrives from the engine, one per read
-EVENT = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-         b'"model":"bench","choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,'
-         b'"finish_reason":null}]}\n\n')
+EVENT = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
 BODY = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"stream":true}'
-RESPONSE = parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                               b"transfer-encoding: chunked")
+RESPONSE = parse_response_head(
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+)
 
 
 class Sink(asyncio.Transport):
@@ -56,12 +59,25 @@ def load(path: Path) -> ModuleType:
 
 
 def exchange_factory(server_cls: Any, conn_cls: Any, exchange_cls: Any) -> Callable[[], Any]:
-    replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="bench")
-    server = server_cls(replica, ProxyConfig(), ModelLabels((), "bench"), DEFAULT_BANDS, InFlightTracker(),
-                        lambda record: None, lambda *a, **k: None)
-    head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                              % len(BODY))
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url="http://127.0.0.1:1/metrics",
+        api_url="http://127.0.0.1:1",
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name="bench",
+    )
+    server = server_cls(
+        replica,
+        ProxyConfig(),
+        ModelLabels((), "bench"),
+        DEFAULT_BANDS,
+        InFlightTracker(),
+        lambda record: None,
+        lambda *a, **k: None,
+    )
+    head = parse_request_head(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(BODY)
+    )
 
     def make() -> Any:
         conn = conn_cls(server)
@@ -102,8 +118,10 @@ async def run(baseline: ModuleType, chunks: int, streams: int, repeat: int) -> N
             best[name] = min(best[name], per_chunk_ns(make, chunks, streams))
     print("| per relayed chunk (on_body + flush) | baseline | this checkout | ratio |")
     print("|---|---|---|---|")
-    print(f"| vLLM chat chunk, one per read, metered, usage asked | {best['baseline']:,.0f} ns | "
-          f"{best['this checkout']:,.0f} ns | {best['this checkout'] / best['baseline']:.2f} |")
+    print(
+        f"| vLLM chat chunk, one per read, metered, usage asked | {best['baseline']:,.0f} ns | "
+        f"{best['this checkout']:,.0f} ns | {best['this checkout'] / best['baseline']:.2f} |"
+    )
 
 
 def main() -> None:

@@ -50,12 +50,23 @@ def _record(rng: np.random.Generator, started_at: float) -> RequestRecord:
     wanted = max(1, int(rng.exponential(6300)))
     fate = rng.random()
     if fate < 0.005:
-        return RequestRecord(replica, model, "proxy", Outcome.REJECTED, started_at, endpoint="chat",
-                             streaming=True, status_code=429, max_tokens=MAX_TOKENS,
-                             e2e_seconds=float(rng.uniform(0.001, 0.01)), chunks=0)
+        return RequestRecord(
+            replica,
+            model,
+            "proxy",
+            Outcome.REJECTED,
+            started_at,
+            endpoint="chat",
+            streaming=True,
+            status_code=429,
+            max_tokens=MAX_TOKENS,
+            e2e_seconds=float(rng.uniform(0.001, 0.01)),
+            chunks=0,
+        )
     output = min(wanted, MAX_TOKENS)
-    outcome, finish, status = ((Outcome.TRUNCATED, "length", 200) if wanted >= MAX_TOKENS
-                               else (Outcome.COMPLETED, "stop", 200))
+    outcome, finish, status = (
+        (Outcome.TRUNCATED, "length", 200) if wanted >= MAX_TOKENS else (Outcome.COMPLETED, "stop", 200)
+    )
     if fate < 0.035:
         output, outcome, finish = max(1, int(output * rng.random())), Outcome.ABORTED, None
     elif fate < 0.045:
@@ -69,11 +80,26 @@ def _record(rng: np.random.Generator, started_at: float) -> RequestRecord:
     for slot, n in zip((4, 5, 6, 8), spread, strict=True):
         counts[slot] += int(n)
     return RequestRecord(
-        replica, model, "proxy", outcome, started_at, endpoint="chat", streaming=True, status_code=status,
-        finish_reason=finish, prompt_tokens=prompt, output_tokens=output,
-        output_tokens_estimated=bool(rng.random() < 0.002), max_tokens=MAX_TOKENS, ttft_seconds=ttft,
-        e2e_seconds=e2e, chunks=chunks, gap_bounds=GAP_BOUNDS, gap_counts=tuple(counts),
-        gap_sum=e2e - ttft)
+        replica,
+        model,
+        "proxy",
+        outcome,
+        started_at,
+        endpoint="chat",
+        streaming=True,
+        status_code=status,
+        finish_reason=finish,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        output_tokens_estimated=bool(rng.random() < 0.002),
+        max_tokens=MAX_TOKENS,
+        ttft_seconds=ttft,
+        e2e_seconds=e2e,
+        chunks=chunks,
+        gap_bounds=GAP_BOUNDS,
+        gap_counts=tuple(counts),
+        gap_sum=e2e - ttft,
+    )
 
 
 def write_ledger(path: Path, lines: int, seed: int = 7) -> None:
@@ -83,16 +109,28 @@ def write_ledger(path: Path, lines: int, seed: int = 7) -> None:
     with tmp.open("w", encoding="utf-8") as fh:
         for i in range(lines):
             t += float(rng.exponential(0.05))
-            fh.write(json.dumps(ledger_line(_record(rng, round(t, 6)), DEFAULT_BANDS),
-                                separators=(",", ":")) + "\n")
+            fh.write(
+                json.dumps(ledger_line(_record(rng, round(t, 6)), DEFAULT_BANDS), separators=(",", ":"))
+                + "\n"
+            )
             if i and i % 200_000 == 0:
                 print(f"  written {i:,} lines", file=sys.stderr)
     tmp.replace(path)
 
 
 def time_kvwatch(ledger: Path, out: Path, jobs: int | None = None) -> float:
-    cmd = [sys.executable, "-m", "kvwatch", "report", str(ledger), "--csv", str(out / "bands.csv"),
-           "--html", str(out / "report.html"), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvwatch",
+        "report",
+        str(ledger),
+        "--csv",
+        str(out / "bands.csv"),
+        "--html",
+        str(out / "report.html"),
+        "--quiet",
+    ]
     if jobs is not None:
         cmd += ["--jobs", str(jobs)]
     start = time.perf_counter()
@@ -117,10 +155,21 @@ def time_json_loads(data: bytes) -> float:
 
     start = time.perf_counter()
     records = [json.loads(line) for line in data.splitlines() if line.strip()]
-    df = pd.DataFrame.from_records(records, columns=["replica", "length_band", "outcome", "ttft_seconds",
-                                                     "tpot_seconds", "e2e_seconds", "output_tokens"])
-    df.groupby(["replica", "length_band"])[["ttft_seconds", "tpot_seconds", "e2e_seconds",
-                                            "output_tokens"]].quantile([0.5, 0.9, 0.99])
+    df = pd.DataFrame.from_records(
+        records,
+        columns=[
+            "replica",
+            "length_band",
+            "outcome",
+            "ttft_seconds",
+            "tpot_seconds",
+            "e2e_seconds",
+            "output_tokens",
+        ],
+    )
+    df.groupby(["replica", "length_band"])[
+        ["ttft_seconds", "tpot_seconds", "e2e_seconds", "output_tokens"]
+    ].quantile([0.5, 0.9, 0.99])
     return time.perf_counter() - start
 
 
@@ -156,15 +205,23 @@ def main() -> int:
     best, median = runs[0], runs[len(runs) // 2]
     per_line_us = median / args.lines * 1e6
     print(f"ledger: {args.lines:,} lines, {size_mib:,.0f} MiB ({ledger})")
-    print(f"kvwatch report (subprocess, csv+html): best {best:.2f} s, median {median:.2f} s "
-          f"of {args.runs} ({per_line_us:.2f} us/line); target < 10 s: {'met' if median < 10 else 'MISSED'}")
-    print(f"kvwatch report --jobs 1 (one process): best {single[0]:.2f} s, "
-          f"median {single[len(single) // 2]:.2f} s")
-    for name, seconds in (("json.loads per line + groupby", loads_s), ("pandas.read_json(lines=True)",
-                                                                        read_json_s)):
+    print(
+        f"kvwatch report (subprocess, csv+html): best {best:.2f} s, median {median:.2f} s "
+        f"of {args.runs} ({per_line_us:.2f} us/line); target < 10 s: {'met' if median < 10 else 'MISSED'}"
+    )
+    print(
+        f"kvwatch report --jobs 1 (one process): best {single[0]:.2f} s, "
+        f"median {single[len(single) // 2]:.2f} s"
+    )
+    for name, seconds in (
+        ("json.loads per line + groupby", loads_s),
+        ("pandas.read_json(lines=True)", read_json_s),
+    ):
         per_line = seconds / peer_lines * 1e6
-        print(f"peer {name}: {per_line:.2f} us/line on {peer_lines:,} lines "
-              f"(~{per_line * args.lines / 1e6:.1f} s for the ledger), {per_line / per_line_us:.1f}x kvwatch")
+        print(
+            f"peer {name}: {per_line:.2f} us/line on {peer_lines:,} lines "
+            f"(~{per_line * args.lines / 1e6:.1f} s for the ledger), {per_line / per_line_us:.1f}x kvwatch"
+        )
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -161,9 +161,7 @@ def main() -> None:
     n = 10_000 if args.quick else 100_000
     print(f"2. headless demo workload, {n} requests, 8 replicas")
     h = headless(n)
-    print(
-        f"   wall {h['wall_s']:.1f} s (cpu {h['cpu_s']:.1f} s), {h['steps']} steps, {h['sim_s']:.0f} sim s"
-    )
+    print(f"   wall {h['wall_s']:.1f} s (cpu {h['cpu_s']:.1f} s), {h['steps']} steps, {h['sim_s']:.0f} sim s")
     print(
         f"   {h['us_per_step']:.2f} us/step (all costs included), {h['us_per_request']:.0f} us/request, "
         f"{h['sim_s_per_wall_s']:.0f} sim s per wall s, preemptions {h['preemptions']}, "

@@ -94,8 +94,14 @@ def plugin_cost(step_ms: float, steps: int) -> dict:
     tmp.mkdir(exist_ok=True)
     sock = tmp / "present.sock"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run([str(VENV / "bin" / "python"), "-c", IN_VLLM, str(sock), str(tmp / "absent.sock"),
-                           str(steps)], capture_output=True, text=True, env=env, timeout=600, check=True)
+    proc = subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", IN_VLLM, str(sock), str(tmp / "absent.sock"), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
     sock.unlink(missing_ok=True)
     tmp.rmdir()
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -108,13 +114,48 @@ def agent_cost(n: int = 10_000) -> dict:
     from kvwatch.requests.vllm_plugin import decode
     from kvwatch.state import PluginStats, RequestStats
 
-    finished = {"reason": "stop", "e2e": 5.0, "queue": 0.1, "prefill": 0.2, "decode": 4.7, "inference": 4.9,
-                "prompt": 900, "output": 700, "cached": 128, "max_tokens": 1000, "preemptions": 1}
-    step = {"run": 8, "wait": 2, "kv": 0.8, "pc_req": 0, "pc_q": 0, "pc_h": 0, "pre_req": 0, "pre_q": 0,
-            "pre_h": 0, "preempted": 0, "gen": 8, "pt_comp": 0, "pt_local": 0, "pt_ext": 0,
-            "it": [0, 0, 8, 8, 20.0]}
-    datagrams = [wire.dumps(wire.encode({"v": 1, "e": 0, "p": 1, "n": i, "t": 1e9 + i, "d": 0}, [step],
-                                        [finished] if i % 10 == 0 else [], [], 0)[0]) for i in range(n)]
+    finished = {
+        "reason": "stop",
+        "e2e": 5.0,
+        "queue": 0.1,
+        "prefill": 0.2,
+        "decode": 4.7,
+        "inference": 4.9,
+        "prompt": 900,
+        "output": 700,
+        "cached": 128,
+        "max_tokens": 1000,
+        "preemptions": 1,
+    }
+    step = {
+        "run": 8,
+        "wait": 2,
+        "kv": 0.8,
+        "pc_req": 0,
+        "pc_q": 0,
+        "pc_h": 0,
+        "pre_req": 0,
+        "pre_q": 0,
+        "pre_h": 0,
+        "preempted": 0,
+        "gen": 8,
+        "pt_comp": 0,
+        "pt_local": 0,
+        "pt_ext": 0,
+        "it": [0, 0, 8, 8, 20.0],
+    }
+    datagrams = [
+        wire.dumps(
+            wire.encode(
+                {"v": 1, "e": 0, "p": 1, "n": i, "t": 1e9 + i, "d": 0},
+                [step],
+                [finished] if i % 10 == 0 else [],
+                [],
+                0,
+            )[0]
+        )
+        for i in range(n)
+    ]
     plugin, requests = PluginStats(), RequestStats(DEFAULT_BANDS)
     t0 = time.process_time()
     for d in datagrams:
@@ -141,21 +182,48 @@ def series_per_replica() -> dict:
     from kvwatch.state import BATCH_TOKEN_BANDS, NodeState
 
     def count(with_plugin: bool) -> int:
-        cfg = Config(replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="m"),),
-                     vllm_plugin_sockets=(VllmPluginSocketConfig("r0", "/run/kvwatch/r0.sock"),)
-                     if with_plugin else ())
+        cfg = Config(
+            replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="m"),),
+            vllm_plugin_sockets=(VllmPluginSocketConfig("r0", "/run/kvwatch/r0.sock"),)
+            if with_plugin
+            else (),
+        )
         state = NodeState("n", cfg.length_bands)
         if with_plugin:
             for out in (500, 3000, 7000, 15000, 25000):
-                state.requests.observe(RequestRecord(
-                    "r0", "m", "vllm_plugin", Outcome.COMPLETED, 0.0, prompt_tokens=900, output_tokens=out,
-                    max_tokens=32000, e2e_seconds=30.0, queue_seconds=0.1, prefill_seconds=0.2,
-                    decode_seconds=29.0, preemptions=1, cached_prompt_tokens=100))
-            for tokens in (8, 32, 128, 512, 2000, 8000, 20000)[:len(BATCH_TOKEN_BANDS.names)]:
-                state.plugin.observe(PluginLink("r0", "0", 1, 1, 0), EngineStep(
-                    "r0", "0", 0.0, ctx_tokens=tokens, gen_tokens=0, elapsed_ms=10.0,
-                    resumed_queried_tokens=0, resumed_hit_tokens=0,
-                    evictions=(EvictionSample(10.0, 1.0, (1.0,)),)))
+                state.requests.observe(
+                    RequestRecord(
+                        "r0",
+                        "m",
+                        "vllm_plugin",
+                        Outcome.COMPLETED,
+                        0.0,
+                        prompt_tokens=900,
+                        output_tokens=out,
+                        max_tokens=32000,
+                        e2e_seconds=30.0,
+                        queue_seconds=0.1,
+                        prefill_seconds=0.2,
+                        decode_seconds=29.0,
+                        preemptions=1,
+                        cached_prompt_tokens=100,
+                    )
+                )
+            for tokens in (8, 32, 128, 512, 2000, 8000, 20000)[: len(BATCH_TOKEN_BANDS.names)]:
+                state.plugin.observe(
+                    PluginLink("r0", "0", 1, 1, 0),
+                    EngineStep(
+                        "r0",
+                        "0",
+                        0.0,
+                        ctx_tokens=tokens,
+                        gen_tokens=0,
+                        elapsed_ms=10.0,
+                        resumed_queried_tokens=0,
+                        resumed_hit_tokens=0,
+                        evictions=(EvictionSample(10.0, 1.0, (1.0,)),),
+                    ),
+                )
         registry = CollectorRegistry(auto_describe=False)
         for c in (RequestCollector(state, cfg), PluginCollector(state, cfg)):
             registry.register(c)
@@ -176,20 +244,28 @@ def main() -> int:
     for name in ("present", "absent"):
         us = cost[name] * 1e6
         share = us / 1000 / step_ms * 100
-        print(f"plugin record(), agent {name}: {us:.1f} us per step = {share:.3f}% of a step"
-              f" (dropped {cost[name + '_dropped']})")
+        print(
+            f"plugin record(), agent {name}: {us:.1f} us per step = {share:.3f}% of a step"
+            f" (dropped {cost[name + '_dropped']})"
+        )
     if cost.get("vllm_logging_logger"):
-        print(f"peer, vLLM's LoggingStatLogger.record: {cost['vllm_logging_logger'] * 1e6:.1f} us per step "
-              f"(plugin / peer = {cost['present'] / cost['vllm_logging_logger']:.2f}x)")
+        print(
+            f"peer, vLLM's LoggingStatLogger.record: {cost['vllm_logging_logger'] * 1e6:.1f} us per step "
+            f"(plugin / peer = {cost['present'] / cost['vllm_logging_logger']:.2f}x)"
+        )
     else:
         print(f"peer not measured: {cost.get('peer_error')}")
     agent = agent_cost()
     ratio = agent["agent_cpu_s"] / agent["json_loads_s"]
-    print(f"agent: {agent['agent_cpu_s'] * 1000:.0f} ms CPU per 10,000 datagrams ({agent['bytes']:.0f} B "
-          f"each, 1 in 10 with a finished request) = {ratio:.1f}x json.loads alone")
+    print(
+        f"agent: {agent['agent_cpu_s'] * 1000:.0f} ms CPU per 10,000 datagrams ({agent['bytes']:.0f} B "
+        f"each, 1 in 10 with a finished request) = {ratio:.1f}x json.loads alone"
+    )
     series = series_per_replica()
-    print(f"series per replica (requests + plugin areas, traffic in every band): {series['without']} "
-          f"without, {series['with']} with the plugin: {series['added']} added")
+    print(
+        f"series per replica (requests + plugin areas, traffic in every band): {series['without']} "
+        f"without, {series['with']} with the plugin: {series['added']} added"
+    )
     return 0
 
 

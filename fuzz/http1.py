@@ -54,8 +54,12 @@ def check_request_head(data: bytes) -> None:
     check_head_fields(head.headers)
     forwarded = http1.render_head(head.method + b" " + head.target + b" " + head.version, head.headers)
     again = http1.parse_request_head(forwarded[:-4])
-    assert (again.method, again.target, again.version, again.headers) == \
-        (head.method, head.target, head.version, head.headers)
+    assert (again.method, again.target, again.version, again.headers) == (
+        head.method,
+        head.target,
+        head.version,
+        head.headers,
+    )
     for check in (head.content_length, head.chunked):
         with contextlib.suppress(HttpError):
             check()
@@ -74,8 +78,9 @@ def check_response_head(data: bytes) -> None:
     assert (again.status, again.reason, again.headers) == (head.status, head.reason, head.headers)
 
 
-def decode(pieces: list[bytes], max_body: int | None = None,
-           from_client: bool = False) -> tuple[bytes, bool, bytes] | str:
+def decode(
+    pieces: list[bytes], max_body: int | None = None, from_client: bool = False
+) -> tuple[bytes, bool, bytes] | str:
     decoder = ChunkedDecoder(max_body, from_client=from_client)
     out = bytearray()
     try:
@@ -90,7 +95,7 @@ CLIENT_BODY_LIMIT = 64  # small, so that fuzzed sizes cross it
 
 
 def check_chunked(data: bytes) -> None:
-    bytewise = [data[i:i + 1] for i in range(len(data))]
+    bytewise = [data[i : i + 1] for i in range(len(data))]
     whole = decode([data])
     assert whole == decode(bytewise), whole
     # a client's body: the strict grammar and the body limit, the same however the input is split

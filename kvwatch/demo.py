@@ -60,8 +60,9 @@ class DemoSettings:
 
 def node_config(settings: DemoSettings) -> NodeConfig:
     gpus = settings.replicas * settings.tp
-    cfg = h200_node(settings.model, tp=settings.tp, gpus=gpus, speed=settings.speed,
-                    enable_prefix_caching=False)
+    cfg = h200_node(
+        settings.model, tp=settings.tp, gpus=gpus, speed=settings.speed, enable_prefix_caching=False
+    )
     return dataclasses.replace(cfg, tick_s=settings.tick_s, seed=settings.seed)
 
 
@@ -120,14 +121,22 @@ class DemoNode:
         self._sync_gpus(0.0)
         config = agent_config(self.settings, self.node)
         epoch = time.time()
-        self.agent = Agent(config, nvml=self.fake, route_factories=[make_status_routes],
-                           clock=lambda: epoch + self.node.now(), proxy_clock=self.node.now)
+        self.agent = Agent(
+            config,
+            nvml=self.fake,
+            route_factories=[make_status_routes],
+            clock=lambda: epoch + self.node.now(),
+            proxy_clock=self.node.now,
+        )
         await self.agent.start()
         proxies = self.agent.proxy_ports
         base_urls = [f"http://127.0.0.1:{proxies[r.name]}" for r in config.replicas]
         self.loadgen = LoadGenerator(
-            base_urls, model=self.node.config.model_name, router=router_spec(self.settings),
-            config=LoadGenConfig(speed=self.settings.speed, seed=self.settings.seed))
+            base_urls,
+            model=self.node.config.model_name,
+            router=router_spec(self.settings),
+            config=LoadGenConfig(speed=self.settings.speed, seed=self.settings.seed),
+        )
         self._tasks.append(asyncio.create_task(self._gpu_sync_loop(), name="kvwatch-demo-gpus"))
 
     async def run(self, duration_s: float | None, stop: asyncio.Event | None = None) -> LoadReport:
@@ -179,8 +188,12 @@ class DemoNode:
         for gpu in range(node.config.gpus):
             replica, _rank = node.gpu_replica(gpu)
             device = fake.gpu(gpu)
-            device.memory_used_bytes = int(min(node.gpu_memory_used_bytes(replica),
-                                               device.memory_total_bytes - device.memory_reserved_bytes))
+            device.memory_used_bytes = int(
+                min(
+                    node.gpu_memory_used_bytes(replica),
+                    device.memory_total_bytes - device.memory_reserved_bytes,
+                )
+            )
             tx, rx = node.pcie_bytes(replica)
             seen_tx, seen_rx = self._pcie_seen.get(gpu, (0.0, 0.0))
             fake.add_pcie_traffic(gpu, int(max(tx - seen_tx, 0)), int(max(rx - seen_rx, 0)))

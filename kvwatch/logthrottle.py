@@ -24,8 +24,9 @@ DEFAULT_INTERVAL_S = 60.0
 class LogThrottle:
     """At most one log line per key per ``interval_s``; the next one says how many were held back."""
 
-    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval_s = interval_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -37,8 +38,15 @@ class LogThrottle:
         with self._lock:
             return self._held.get(key, 0)
 
-    def log(self, logger: logging.Logger, level: int, key: Hashable, msg: str, *args: object,
-            exc_info: BaseException | bool | None = None) -> bool:
+    def log(
+        self,
+        logger: logging.Logger,
+        level: int,
+        key: Hashable,
+        msg: str,
+        *args: object,
+        exc_info: BaseException | bool | None = None,
+    ) -> bool:
         """Log ``msg % args`` unless a line of ``key`` went out within the interval; True if logged."""
         now = self.clock()
         with self._lock:

@@ -28,15 +28,23 @@ SCHEMA = 3
 MIN_SCHEMA = -4
 BUCKET_LIMIT = 160
 ZERO_THRESHOLD = 2.938735877055719e-39  # 2 ** -128
-RELATIVE_ERROR = 2 ** (2.0 ** -SCHEMA) - 1
+RELATIVE_ERROR = 2 ** (2.0**-SCHEMA) - 1
 
 # client_golang's nativeHistogramBounds for the positive schemas kvwatch can be at: the lower
 # boundaries of each bucket within one power of two, as fractions in [0.5, 1) of math.frexp
 _FRACTION_BOUNDS: dict[int, tuple[float, ...]] = {
     1: (0.5, 0.7071067811865475),
     2: (0.5, 0.5946035575013605, 0.7071067811865475, 0.8408964152537144),
-    3: (0.5, 0.5452538663326288, 0.5946035575013605, 0.6484197773255048,
-        0.7071067811865475, 0.7711054127039704, 0.8408964152537144, 0.9170040432046711),
+    3: (
+        0.5,
+        0.5452538663326288,
+        0.5946035575013605,
+        0.6484197773255048,
+        0.7071067811865475,
+        0.7711054127039704,
+        0.8408964152537144,
+        0.9170040432046711,
+    ),
 }
 
 
@@ -67,8 +75,9 @@ class NativeHistogram:
 
     __slots__ = ("bucket_limit", "negative", "positive", "schema", "zero_count", "zero_threshold")
 
-    def __init__(self, schema: int = SCHEMA, bucket_limit: int = BUCKET_LIMIT,
-                 zero_threshold: float = ZERO_THRESHOLD) -> None:
+    def __init__(
+        self, schema: int = SCHEMA, bucket_limit: int = BUCKET_LIMIT, zero_threshold: float = ZERO_THRESHOLD
+    ) -> None:
         self.schema = schema
         self.bucket_limit = bucket_limit
         self.zero_threshold = zero_threshold

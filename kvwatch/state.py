@@ -163,8 +163,14 @@ class NodeState:
         return [s for t in list(self.targets.values()) if t.up for s in t.samples]
 
     # -- collectors -----------------------------------------------------------------------------
-    def report(self, collector: str, success: bool, duration_s: float, error: str | None = None,
-               now: float | None = None) -> None:
+    def report(
+        self,
+        collector: str,
+        success: bool,
+        duration_s: float,
+        error: str | None = None,
+        now: float | None = None,
+    ) -> None:
         status = self.collectors.setdefault(collector, CollectorStatus())
         status.success = success
         status.duration_s = duration_s
@@ -248,7 +254,8 @@ class RequestStats:
         if hists is None:
             hists = self.histograms[key] = {
                 name: Histogram(b) if name in PREBINNED_FAMILIES else DualHistogram(b)
-                for name, b in self.bounds.items()}
+                for name, b in self.bounds.items()
+            }
         return hists
 
     def observe(self, record: RequestRecord, stalled: bool | None = None) -> str:
@@ -273,7 +280,8 @@ class RequestStats:
                 hists["kvwatch_request_output_tokens"].observe(record.output_tokens)
             if record.gap_counts:
                 hists["kvwatch_request_inter_chunk_seconds"].merge_bins(
-                    record.gap_bounds, record.gap_counts, record.gap_sum)
+                    record.gap_bounds, record.gap_counts, record.gap_sum
+                )
             self._observe_engine_facts(hists, key, record)
             self.outcomes[(*key, record.outcome.value)] += 1
             if record.output_tokens_estimated:
@@ -283,8 +291,9 @@ class RequestStats:
             self.observed += 1
         return band
 
-    def _observe_engine_facts(self, hists: dict[str, Histogram], key: tuple[str, str, str, str],
-                              record: RequestRecord) -> None:
+    def _observe_engine_facts(
+        self, hists: dict[str, Histogram], key: tuple[str, str, str, str], record: RequestRecord
+    ) -> None:
         """What only an engine-side source knows per request (the vLLM plugin; OTLP partly)."""
         if record.prefill_seconds is not None:
             hists["kvwatch_request_prefill_seconds"].observe(record.prefill_seconds)
@@ -298,15 +307,22 @@ class RequestStats:
                 self.unused_limit_tokens[key] += max(0, record.max_tokens - record.output_tokens)
         if record.cached_prompt_tokens is not None and record.prompt_tokens:
             hists["kvwatch_request_prefix_reuse_ratio"].observe(
-                min(1.0, record.cached_prompt_tokens / record.prompt_tokens))
+                min(1.0, record.cached_prompt_tokens / record.prompt_tokens)
+            )
 
-    def snapshot(self) -> tuple[dict[tuple[str, str, str, str], dict[str, Histogram]],
-                                dict[tuple[str, str, str, str, str], int],
-                                dict[tuple[str, str, str, str], int]]:
+    def snapshot(
+        self,
+    ) -> tuple[
+        dict[tuple[str, str, str, str], dict[str, Histogram]],
+        dict[tuple[str, str, str, str, str], int],
+        dict[tuple[str, str, str, str], int],
+    ]:
         """Copies for exporters (scrape must not hold the lock while rendering)."""
         with self._lock:
-            hists = {key: {name: _copy_histogram(h) for name, h in fams.items()}
-                     for key, fams in self.histograms.items()}
+            hists = {
+                key: {name: _copy_histogram(h) for name, h in fams.items()}
+                for key, fams in self.histograms.items()
+            }
             return hists, dict(self.outcomes), dict(self.estimated)
 
     def outcome_counts(self) -> dict[tuple[str, str, str, str, str], int]:
@@ -380,9 +396,17 @@ class InFlightTracker:
             for handle, req in self._requests.items():
                 per_chunk = self._tokens_per_chunk.get(req.replica, 1.0)
                 generated = round(self._chunks.get(handle, 0) * per_chunk)
-                out.append(InFlightRequest(req.replica, req.model_name, req.admission_band,
-                                           req.prompt_tokens_estimate, generated, req.started_at,
-                                           req.max_tokens))
+                out.append(
+                    InFlightRequest(
+                        req.replica,
+                        req.model_name,
+                        req.admission_band,
+                        req.prompt_tokens_estimate,
+                        generated,
+                        req.started_at,
+                        req.max_tokens,
+                    )
+                )
             return out
 
 
@@ -453,9 +477,17 @@ class PluginUnit:
         return self.dropped_datagrams.total
 
     def copy(self) -> PluginUnit:
-        out = PluginUnit(self.datagrams, self.dropped_datagrams.copy(), self.dropped_steps.copy(),
-                         self.recomputed_tokens, self.recompute_upper_bound, self.resumed_requests,
-                         self.preemptions, self.eviction_samples_left_out, self.last_at)
+        out = PluginUnit(
+            self.datagrams,
+            self.dropped_datagrams.copy(),
+            self.dropped_steps.copy(),
+            self.recomputed_tokens,
+            self.recompute_upper_bound,
+            self.resumed_requests,
+            self.preemptions,
+            self.eviction_samples_left_out,
+            self.last_at,
+        )
         out.step_seconds = {k: _copy_histogram(h) for k, h in self.step_seconds.items()}
         out.block_lifetime = _copy_histogram(self.block_lifetime)
         out.block_idle = _copy_histogram(self.block_idle)

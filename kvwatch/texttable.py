@@ -14,8 +14,9 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1,
     pad = " " * gap
 
     def line(cells: Sequence[str]) -> str:
-        out = [c.ljust(w) if i < left else c.rjust(w)
-               for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        out = [
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
         return pad.join(out).rstrip()
 
     return "\n".join([line(headers), *(line(r) for r in rows)])

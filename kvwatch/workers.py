@@ -94,7 +94,7 @@ class WorkerProcess:
                     proc.stdin.write(len(body).to_bytes(_LENGTH, "big"))
                     view = memoryview(body)
                     for start in range(0, len(body), _PIECE):
-                        proc.stdin.write(view[start:start + _PIECE])
+                        proc.stdin.write(view[start : start + _PIECE])
                         await proc.stdin.drain()
                     await proc.stdin.drain()
                     while size := int.from_bytes(await proc.stdout.readexactly(_LENGTH), "big"):
@@ -102,16 +102,23 @@ class WorkerProcess:
                         await asyncio.sleep(0)  # a big result comes in frames: the loop runs between
             except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
                 await self._kill()
-                why = f"did not answer within {self.deadline_s:g}s" if isinstance(exc, TimeoutError) \
+                why = (
+                    f"did not answer within {self.deadline_s:g}s"
+                    if isinstance(exc, TimeoutError)
                     else f"died ({type(exc).__name__})"
+                )
                 raise WorkerFailedError(f"kvwatch's parsing worker process {why}") from None
         return frames
 
     async def _started(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvwatch.workers",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                sys.executable,
+                "-m",
+                "kvwatch.workers",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
         return self._proc
 
     async def _kill(self) -> None:

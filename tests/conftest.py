@@ -53,8 +53,11 @@ def real_vllm() -> Iterator[RealEngine]:
         log = CACHE / "kvwatch-vllm" / f"vllm-test-{port}.log"
         otlp = f"--otlp-traces-endpoint http://127.0.0.1:{otlp_port}/v1/traces"
         # this tree's plugin, not the copy setup-test-env.sh once installed into the venv
-        env = {"KVWATCH_VLLM_SOCKET": socket_path, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-               "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "plugins" / "vllm")}
+        env = {
+            "KVWATCH_VLLM_SOCKET": socket_path,
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"),
+        }
         pid = start_vllm(port, log, f"{PLUGIN_ENGINE_ARGS} {otlp}", env)
         base = f"http://127.0.0.1:{port}"
         try:

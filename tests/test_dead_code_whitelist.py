@@ -28,9 +28,13 @@ def whitelist_entries(text: str) -> list[tuple[str, str]]:
 
 def test_every_whitelist_entry_has_a_reason_and_a_name_that_still_exists() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vulture"]
-    sources = [p for path in config["paths"] if (ROOT / path) != WHITELIST
-               for p in ([ROOT / path] if (ROOT / path).is_file() else sorted((ROOT / path).rglob("*.py")))
-               if not any(part in str(p.relative_to(ROOT)) for part in config["exclude"])]
+    sources = [
+        p
+        for path in config["paths"]
+        if (ROOT / path) != WHITELIST
+        for p in ([ROOT / path] if (ROOT / path).is_file() else sorted((ROOT / path).rglob("*.py")))
+        if not any(part in str(p.relative_to(ROOT)) for part in config["exclude"])
+    ]
     text = "\n".join(p.read_text(encoding="utf-8") for p in sources)
     entries = whitelist_entries(WHITELIST.read_text(encoding="utf-8"))
     assert entries

@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_references_are_current():  # docs/metrics.md and docs/config.md
-    result = subprocess.run([sys.executable, "-m", "kvwatch", "docs", "--check"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "docs", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
 
 
@@ -57,25 +63,33 @@ def backticked_repository_paths(text: str, top: set[str]) -> list[str]:
 
 def test_backticked_repository_paths_in_readme_and_docs_exist():
     top = {p.name for p in ROOT.iterdir()} - {".venv", ".git"}
-    missing = [f"{page.relative_to(ROOT)}: `{path}`"
-               for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-               for path in backticked_repository_paths(page.read_text(), top)
-               if not (ROOT / path).exists()]
+    missing = [
+        f"{page.relative_to(ROOT)}: `{path}`"
+        for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+        for path in backticked_repository_paths(page.read_text(), top)
+        if not (ROOT / path).exists()
+    ]
     assert not missing, missing
 
 
 def test_the_path_check_sees_paths_and_passes_over_what_is_not_one():
     top = {"kvwatch", "tests", "README.md"}
-    text = ("`kvwatch/sim/node.py` and `tests/sim/`, `kvwatch/state.py:120`, `README.md`; not "
-            "`vllm/v1/metrics/stats.py`, `kvwatch run`, `tests/**/*.py`, `kvwatch.catalog`\n"
-            "```sh\ncat `kvwatch/gone.py`\n```\n")
+    text = (
+        "`kvwatch/sim/node.py` and `tests/sim/`, `kvwatch/state.py:120`, `README.md`; not "
+        "`vllm/v1/metrics/stats.py`, `kvwatch run`, `tests/**/*.py`, `kvwatch.catalog`\n"
+        "```sh\ncat `kvwatch/gone.py`\n```\n"
+    )
     assert backticked_repository_paths(text, top) == [
-        "kvwatch/sim/node.py", "tests/sim/", "kvwatch/state.py", "README.md"]
+        "kvwatch/sim/node.py",
+        "tests/sim/",
+        "kvwatch/state.py",
+        "README.md",
+    ]
 
 
 def test_readme_opens_with_the_two_set_up_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
-    block = lines[lines.index("```sh") + 1: lines.index("```sh") + 3]
+    block = lines[lines.index("```sh") + 1 : lines.index("```sh") + 3]
     assert block[0].endswith("kvwatch demo")
     assert "setup-test-env.sh" in block[1] and "pytest" in block[1]
     assert "scripts/setup-test-env.sh" in (ROOT / ".ci" / "run").read_text()

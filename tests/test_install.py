@@ -38,27 +38,45 @@ def readme_install_command() -> str:
 @pytest.mark.slow
 def test_kvwatch_report_works_after_the_readme_install(tmp_path: Path) -> None:
     command = readme_install_command().replace("-e '.[fast]'", f"-e '{ROOT}[fast]'")
-    install = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600, check=False)
+    install = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     ledger = write(tmp_path / "ledger.jsonl", HAND)
-    report = subprocess.run([str(tmp_path / ".venv" / "bin" / "kvwatch"), "report", str(ledger)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    report = subprocess.run(
+        [str(tmp_path / ".venv" / "bin" / "kvwatch"), "report", str(ledger)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert report.returncode == 0, report.stderr[-3000:]
     assert "0-1k" in report.stdout and "5k-10k" in report.stdout, report.stdout
 
 
 def test_the_daemon_maps_neither_pandas_nor_numpy(tmp_path: Path) -> None:
     listen, proxy = free_port(), free_port()
-    config = {"listen": f"127.0.0.1:{listen}",
-              "replicas": [{"name": "r0", "metrics_url": f"http://127.0.0.1:{free_port()}/metrics",
-                            "api_url": f"http://127.0.0.1:{free_port()}",
-                            "proxy_listen": f"127.0.0.1:{proxy}", "model_name": "tiny"}],
-              "ledger": {"path": str(tmp_path / "ledger.jsonl")}}
+    config = {
+        "listen": f"127.0.0.1:{listen}",
+        "replicas": [
+            {
+                "name": "r0",
+                "metrics_url": f"http://127.0.0.1:{free_port()}/metrics",
+                "api_url": f"http://127.0.0.1:{free_port()}",
+                "proxy_listen": f"127.0.0.1:{proxy}",
+                "model_name": "tiny",
+            }
+        ],
+        "ledger": {"path": str(tmp_path / "ledger.jsonl")},
+    }
     path = tmp_path / "kvwatch.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "kvwatch", "run", "--config", str(path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(path)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -51,11 +51,20 @@ def imports(path: Path) -> set[str]:
                 found.update(f"kvwatch.{a.name}" for a in node.names)
             else:
                 found.add(node.module)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and MODULE_STRING.fullmatch(node.value) and ":" in node.value:
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and MODULE_STRING.fullmatch(node.value)
+            and ":" in node.value
+        ):
             found.add(node.value.split(":")[0])
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) in IMPORT_CALLS and node.args \
-                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in IMPORT_CALLS
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             found.add(node.args[0].value)
     return found
 
@@ -68,10 +77,15 @@ def exists(target: str, package: Path) -> bool:
         return True
     init = package / "__init__.py"
     name = target.rsplit(".", maxsplit=1)[-1]
-    return target.count(".") == 1 and init.is_file() and any(
-        (isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store))
-        or (isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name)
-        for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))))
+    return (
+        target.count(".") == 1
+        and init.is_file()
+        and any(
+            (isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store))
+            or (isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name)
+            for node in ast.walk(ast.parse(init.read_text(encoding="utf-8")))
+        )
+    )
 
 
 def upward_imports(package: Path, unit_layer: dict[str, str], allowed: dict[str, set[str]]) -> list[str]:
@@ -91,8 +105,11 @@ def upward_imports(package: Path, unit_layer: dict[str, str], allowed: dict[str,
 
 def test_every_module_has_a_layer_and_every_layer_is_named():
     unit_layer, allowed = layer_table((ROOT / "docs/architecture.md").read_text(encoding="utf-8"))
-    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py") or (p / "__init__.py").exists()}
+    units = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py") or (p / "__init__.py").exists()
+    }
     assert units == set(unit_layer), "docs/architecture.md's layer table and kvwatch/ list different modules"
     assert set().union(*allowed.values()) <= set(allowed)
 
@@ -106,8 +123,9 @@ def test_upward_and_sideways_imports_are_caught_even_inside_functions(tmp_path):
     package = tmp_path / "kvwatch"
     (package / "engines").mkdir(parents=True)
     (package / "model.py").write_text("def f():\n    from kvwatch.state import NodeState\n")
-    (package / "engines" / "vllm.py").write_text("from kvwatch.engines import base\n"
-                                                 "import kvwatch.gpu.nvml\n")
+    (package / "engines" / "vllm.py").write_text(
+        "from kvwatch.engines import base\nimport kvwatch.gpu.nvml\n"
+    )
     (package / "derive.py").write_text("from kvwatch import model, config\n")
     for module in ("__init__", "state", "model", "config", "engines/__init__", "engines/base", "gpu/nvml"):
         (package / f"{module}.py").parent.mkdir(parents=True, exist_ok=True)
@@ -127,8 +145,9 @@ def test_a_misspelled_module_and_a_string_named_upward_handler_are_caught(tmp_pa
         (package / f"{module}.py").touch()
     (package / "__init__.py").write_text('__version__ = "1"\n')
     (package / "derive.py").write_text("from kvwatch import modle, __version__\nimport kvwatch.model\n")
-    (package / "workers.py").write_text('HANDLERS = {"page": "kvwatch.engines.page_worker:answer"}\n'
-                                        'LOGGER = "kvwatch.workers"\n')
+    (package / "workers.py").write_text(
+        'HANDLERS = {"page": "kvwatch.engines.page_worker:answer"}\nLOGGER = "kvwatch.workers"\n'
+    )
     (package / "tasks.py").write_text("import importlib\nimportlib.import_module('kvwatch.engines')\n")
     table = layer_table((ROOT / "docs/architecture.md").read_text(encoding="utf-8"))
     assert upward_imports(package, *table) == [

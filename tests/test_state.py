@@ -11,8 +11,16 @@ from kvwatch.state import Histogram, InFlightTracker, RequestStats
 
 
 def record(**overrides) -> RequestRecord:
-    fields = {"replica": "r0", "model_name": "m", "source": "proxy", "outcome": Outcome.COMPLETED,
-              "started_at": 0.0, "output_tokens": 6000, "ttft_seconds": 0.5, "e2e_seconds": 60.5}
+    fields = {
+        "replica": "r0",
+        "model_name": "m",
+        "source": "proxy",
+        "outcome": Outcome.COMPLETED,
+        "started_at": 0.0,
+        "output_tokens": 6000,
+        "ttft_seconds": 0.5,
+        "e2e_seconds": 60.5,
+    }
     return RequestRecord(**(fields | overrides))
 
 

@@ -23,4 +23,3 @@ def fastest(run: Callable[[], object], under_s: float, tries: int = TRIES) -> fl
         if best < under_s:
             break
     return best
-

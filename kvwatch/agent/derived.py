@@ -42,8 +42,9 @@ def node_inputs(state: NodeState, config: Config) -> NodeInputs:
     )
 
 
-def update_derived(state: NodeState, config: Config, now: float,
-                   settings: DerivedSettings | None = None) -> DerivedView:
+def update_derived(
+    state: NodeState, config: Config, now: float, settings: DerivedSettings | None = None
+) -> DerivedView:
     """Recompute the derived view from the current state and store it; returns the new view."""
     view = derive_node(state.derived, node_inputs(state, config), now, settings or DerivedSettings())
     state.derived = view

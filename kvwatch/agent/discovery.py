@@ -34,18 +34,25 @@ log = logging.getLogger(__name__)
 
 
 def replica_config(engine: PodEngine) -> ReplicaConfig:
-    return ReplicaConfig(name=engine.replica, metrics_url=engine.metrics_url, backend=engine.backend,
-                         model_name=engine.model_name)
+    return ReplicaConfig(
+        name=engine.replica,
+        metrics_url=engine.metrics_url,
+        backend=engine.backend,
+        model_name=engine.model_name,
+    )
 
 
 class PodDiscovery:
     """Runs the pod watch and hands ``set_replicas`` the discovered replicas after each change."""
 
-    def __init__(self, config: Config, state: NodeState,
-                 set_replicas: Callable[[tuple[ReplicaConfig, ...]], None],
-                 environ: Mapping[str, str] | None = None,
-                 set_plugin_sockets: Callable[[tuple[VllmPluginSocketConfig, ...]], None] | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        config: Config,
+        state: NodeState,
+        set_replicas: Callable[[tuple[ReplicaConfig, ...]], None],
+        environ: Mapping[str, str] | None = None,
+        set_plugin_sockets: Callable[[tuple[VllmPluginSocketConfig, ...]], None] | None = None,
+    ) -> None:
         self.config = config
         self.state = state
         self._set_replicas = set_replicas
@@ -59,8 +66,15 @@ class PodDiscovery:
         #: uid -> (resourceVersion, verdict): a pod is judged again only when it changed
         self._verdicts: dict[str, tuple[str, PodVerdict]] = {}
         self._stale = True
-        self.watch = PodWatch(config.discovery.kubernetes, config.node, self.on_pods, state.count,
-                              state.report, environ=environ, on_stale=self.on_stale)
+        self.watch = PodWatch(
+            config.discovery.kubernetes,
+            config.node,
+            self.on_pods,
+            state.count,
+            state.report,
+            environ=environ,
+            on_stale=self.on_stale,
+        )
         self._task: asyncio.Task[Any] | None = None
         state.discovery = DiscoveryStatus()
 
@@ -98,8 +112,11 @@ class PodDiscovery:
         for uid, pod in pods.items():
             version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             cached = self._verdicts.get(uid)
-            verdict = cached[1] if cached is not None and cached[0] == version and version \
+            verdict = (
+                cached[1]
+                if cached is not None and cached[0] == version and version
                 else judge_pod(pod, recognise)
+            )
             verdicts[uid] = (version, verdict)
             engine = verdict.engine
             if engine is not None and (engine.ready or uid in self._targets):
@@ -114,8 +131,10 @@ class PodDiscovery:
         self._log_readiness(ready)
         self._ready = ready
         self.state.terminal_pods = frozenset(
-            pod_key(pod) for pod in pods.values()
-            if isinstance(pod.get("status"), Mapping) and pod["status"].get("phase") in TERMINAL_PHASES)
+            pod_key(pod)
+            for pod in pods.values()
+            if isinstance(pod.get("status"), Mapping) and pod["status"].get("phase") in TERMINAL_PHASES
+        )
         self._log_problems(problems)
         self._problems = problems
         replicas.sort(key=lambda r: r.name)
@@ -139,8 +158,9 @@ class PodDiscovery:
             self._set_plugin_sockets(sockets)
 
     def _publish(self) -> None:
-        self.state.discovery = DiscoveryStatus(self._stale, tuple(r.name for r in self._replicas),
-                                               dict(self._problems), dict(self._ready))
+        self.state.discovery = DiscoveryStatus(
+            self._stale, tuple(r.name for r in self._replicas), dict(self._problems), dict(self._ready)
+        )
 
     def _log_readiness(self, ready: dict[str, bool]) -> None:
         for name, now in sorted(ready.items()):

@@ -44,8 +44,12 @@ WORKER_PARSE_BYTES = 256 * 1024
 
 #: cumulative ReplicaSample fields: one going backwards means the engine restarted
 COUNTER_FIELDS = (
-    "preemptions_total", "recomputed_tokens_total", "prompt_tokens_total", "generation_tokens_total",
-    "prefix_cache_queries_total", "prefix_cache_hits_total",
+    "preemptions_total",
+    "recomputed_tokens_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
 )
 
 
@@ -80,29 +84,48 @@ def counters_reset(previous: Iterable[ReplicaSample], current: Iterable[ReplicaS
 
 
 def page_limits(scrape_cfg: ScrapeConfig) -> Limits:
-    return Limits(max_line_length=scrape_cfg.max_line_length, max_series=scrape_cfg.max_series,
-                  max_label_values=scrape_cfg.max_label_values, max_ranks=scrape_cfg.max_ranks,
-                  rank_labels=RANK_LABELS)
+    return Limits(
+        max_line_length=scrape_cfg.max_line_length,
+        max_series=scrape_cfg.max_series,
+        max_label_values=scrape_cfg.max_label_values,
+        max_ranks=scrape_cfg.max_ranks,
+        rank_labels=RANK_LABELS,
+    )
 
 
-async def _parse_here(text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
-                      scraped_at: float) -> ParseResult:
+async def _parse_here(
+    text: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig, scraped_at: float
+) -> ParseResult:
     """Parse in slices on the loop (other replicas and proxied streams keep moving), then run the
     adapter in a worker thread: its work is bounded by the page limits, and off the loop."""
     expo = await run_sliced(parse_steps(text, page_limits(scrape_cfg)), scrape_cfg.parse_budget_s)
     return await asyncio.to_thread(parse_families, expo, replica_cfg.name, replica_cfg.backend, scraped_at)
 
 
-async def _parse(body: bytes, content_type: str, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
-                 scraped_at: float, worker: WorkerProcess | None) -> ParseResult:
+async def _parse(
+    body: bytes,
+    content_type: str,
+    replica_cfg: ReplicaConfig,
+    scrape_cfg: ScrapeConfig,
+    scraped_at: float,
+    worker: WorkerProcess | None,
+) -> ParseResult:
     """A large page goes to the worker process (its objects would make the agent's garbage
     collections pause the loop for tenths of a second), a small one is parsed here."""
     where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
     try:
         if worker is not None and len(body) > WORKER_PARSE_BYTES:
-            return await parse_in_worker(worker, body, content_type, replica_cfg.name,
-                                         replica_cfg.metrics_url, replica_cfg.backend, scraped_at,
-                                         page_limits(scrape_cfg), scrape_cfg.parse_budget_s)
+            return await parse_in_worker(
+                worker,
+                body,
+                content_type,
+                replica_cfg.name,
+                replica_cfg.metrics_url,
+                replica_cfg.backend,
+                scraped_at,
+                page_limits(scrape_cfg),
+                scrape_cfg.parse_budget_s,
+            )
         text = metrics_text(body, content_type, replica=replica_cfg.name, url=replica_cfg.metrics_url)
         return await _parse_here(text, replica_cfg, scrape_cfg, scraped_at)
     except ScrapeError:
@@ -119,8 +142,9 @@ async def _parse(body: bytes, content_type: str, replica_cfg: ReplicaConfig, scr
         raise ScrapeError("no_engine_metrics", f"{where}: {exc}") from None
     except Exception as exc:  # an adapter bug must not take the agent down; it shows as malformed
         log.debug("adapter failed on %s: %s", where, type(exc).__name__)
-        raise ScrapeError("malformed", f"{where} could not be read by the {replica_cfg.backend} adapter: "
-                                       f"{brief_error(exc)}") from None
+        raise ScrapeError(
+            "malformed", f"{where} could not be read by the {replica_cfg.backend} adapter: {brief_error(exc)}"
+        ) from None
 
 
 def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tuple[ReplicaSample, ...]:
@@ -130,20 +154,35 @@ def _with_model(samples: Iterable[ReplicaSample], model_name: str | None) -> tup
     return tuple(s if s.model_name else dataclasses.replace(s, model_name=model_name) for s in samples)
 
 
-async def _extra_page(client: httpx.AsyncClient, page: ExtraPage, replica_cfg: ReplicaConfig,
-                      scrape_cfg: ScrapeConfig, target: TargetState,
-                      samples: tuple[ReplicaSample, ...]) -> tuple[ReplicaSample, ...]:
+async def _extra_page(
+    client: httpx.AsyncClient,
+    page: ExtraPage,
+    replica_cfg: ReplicaConfig,
+    scrape_cfg: ScrapeConfig,
+    target: TargetState,
+    samples: tuple[ReplicaSample, ...],
+) -> tuple[ReplicaSample, ...]:
     url = page.url(replica_cfg.metrics_url, replica_cfg.slots_url)
     try:
-        body, _ = await fetch_body(client, url, replica=replica_cfg.name, accept=page.accept,
-                                   timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
-                                   max_bytes=scrape_cfg.max_response_bytes)
+        body, _ = await fetch_body(
+            client,
+            url,
+            replica=replica_cfg.name,
+            accept=page.accept,
+            timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
+            max_bytes=scrape_cfg.max_response_bytes,
+        )
         completed = page.apply(body, samples)
     except (ScrapeError, ValueError) as exc:
         error = f"{url}: {exc}"
         if target.extra_page_error is None:
-            log.warning("replica %s: %s failed (%s); %s, target stays up", replica_cfg.name, page.path,
-                        error, page.lost)
+            log.warning(
+                "replica %s: %s failed (%s); %s, target stays up",
+                replica_cfg.name,
+                page.path,
+                error,
+                page.lost,
+            )
         target.extra_page_error = error
         return samples
     if target.extra_page_error is not None:
@@ -167,19 +206,29 @@ def _failed(target: TargetState, err: ScrapeError, started: float, backoff_max_s
     target.last_error = str(err)
 
 
-def _succeeded(target: TargetState, result: ParseResult, samples: tuple[ReplicaSample, ...],
-               started: float) -> None:
+def _succeeded(
+    target: TargetState, result: ParseResult, samples: tuple[ReplicaSample, ...], started: float
+) -> None:
     reset = counters_reset(target.previous_samples, samples)
     if reset:
         target.restarts += 1
-        log.warning("replica %s: engine restart detected (counters went backwards: %s)",
-                    target.name, "; ".join(reset[:3]))
+        log.warning(
+            "replica %s: engine restart detected (counters went backwards: %s)",
+            target.name,
+            "; ".join(reset[:3]),
+        )
     if not target.up:
         hint = samples[0].version_hint if samples else None
         failures = target.consecutive_failures
         after = f" after {failures} failed scrape(s)" if failures else ""
-        log.info("replica %s up%s: %s, %d replica sample(s), %s", target.name, after, result.backend,
-                 len(samples), hint)
+        log.info(
+            "replica %s up%s: %s, %d replica sample(s), %s",
+            target.name,
+            after,
+            result.backend,
+            len(samples),
+            hint,
+        )
     target.backend = result.backend
     target.rejected_samples.update(dict(result.rejected))
     target.samples = samples
@@ -191,9 +240,14 @@ def _succeeded(target: TargetState, result: ParseResult, samples: tuple[ReplicaS
     target.backoff_until = None
 
 
-async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, scrape_cfg: ScrapeConfig,
-                        state: NodeState, now: Callable[[], float] = time.time,
-                        worker: WorkerProcess | None = None) -> None:
+async def scrape_target(
+    client: httpx.AsyncClient,
+    replica_cfg: ReplicaConfig,
+    scrape_cfg: ScrapeConfig,
+    state: NodeState,
+    now: Callable[[], float] = time.time,
+    worker: WorkerProcess | None = None,
+) -> None:
     """Scrape one replica and update ``state.target(name)`` and ``state.report("engine:<name>")``.
 
     ``worker`` parses pages over ``WORKER_PARSE_BYTES`` (without one, every page is parsed here).
@@ -207,9 +261,13 @@ async def scrape_target(client: httpx.AsyncClient, replica_cfg: ReplicaConfig, s
         return
     clock = time.perf_counter()
     try:
-        body, content_type = await fetch_body(client, replica_cfg.metrics_url, replica=replica_cfg.name,
-                                              timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
-                                              max_bytes=scrape_cfg.max_response_bytes)
+        body, content_type = await fetch_body(
+            client,
+            replica_cfg.metrics_url,
+            replica=replica_cfg.name,
+            timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
+            max_bytes=scrape_cfg.max_response_bytes,
+        )
         result = await _parse(body, content_type, replica_cfg, scrape_cfg, started, worker)
     except ScrapeError as err:
         target.scrape_duration_s = time.perf_counter() - clock

@@ -73,8 +73,9 @@ def xid_recorder(state: NodeState) -> Callable[[int, str, int], None]:
     return on_xid
 
 
-def replica_targets(config: Config, notes: list[str],
-                    granted: dict[str, tuple[str, ...]] | None = None) -> list[ReplicaTarget]:
+def replica_targets(
+    config: Config, notes: list[str], granted: dict[str, tuple[str, ...]] | None = None
+) -> list[ReplicaTarget]:
     """Configured replicas with their engine PID (``pid``, else read from ``pid_file`` now) and the
     devices the kubelet granted to the pod a discovered replica (``namespace/pod``) is."""
     granted = granted or {}
@@ -90,9 +91,13 @@ def replica_targets(config: Config, notes: list[str],
     return targets
 
 
-def refresh_mapping(config: Config, state: NodeState, proc: ProcessTree | None = None,
-                    seen_notes: set[str] | None = None,
-                    mig_parent: Callable[[str], str | None] | None = None) -> GpuMapping:
+def refresh_mapping(
+    config: Config,
+    state: NodeState,
+    proc: ProcessTree | None = None,
+    seen_notes: set[str] | None = None,
+    mig_parent: Callable[[str], str | None] | None = None,
+) -> GpuMapping:
     """Recompute replica -> GPUs and pid -> replica from config, /proc and the last NVML poll.
 
     Notes (a missing PID, an unknown GPU in config, ...) are logged once each while they persist

@@ -32,8 +32,18 @@ from kvwatch.state import ConfigReloadStatus
 log = logging.getLogger(__name__)
 
 #: top-level settings a running agent cannot change (they bind sockets or start sources)
-RESTART_ONLY = ("listen", "node", "length_bands", "nvml", "proxy", "otlp", "sglang_request_files", "ledger",
-                "discovery", "metrics")
+RESTART_ONLY = (
+    "listen",
+    "node",
+    "length_bands",
+    "nvml",
+    "proxy",
+    "otlp",
+    "sglang_request_files",
+    "ledger",
+    "discovery",
+    "metrics",
+)
 
 
 def restart_only_changes(running: Config, new: Config) -> list[str]:
@@ -51,8 +61,10 @@ def applicable(running: Config, new: Config) -> Config:
     by_name = {r.name: r for r in running.replicas}
     replicas = tuple(
         dataclasses.replace(r, proxy_listen=by_name[r.name].proxy_listen, api_url=by_name[r.name].api_url)
-        if r.name in by_name else dataclasses.replace(r, proxy_listen=None)
-        for r in new.replicas)
+        if r.name in by_name
+        else dataclasses.replace(r, proxy_listen=None)
+        for r in new.replicas
+    )
     return dataclasses.replace(new, replicas=replicas, **kept)
 
 
@@ -72,10 +84,17 @@ class ConfigReloader:
     ``seen`` the fingerprint of the file the running config came from.
     """
 
-    def __init__(self, path: str, running: Callable[[], Config], apply: Callable[[Config], None],
-                 status: ConfigReloadStatus, adjust: Callable[[Config], Config] = lambda c: c,
-                 poll_s: float = 2.0, clock: Callable[[], float] = time.time,
-                 seen: tuple[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        running: Callable[[], Config],
+        apply: Callable[[Config], None],
+        status: ConfigReloadStatus,
+        adjust: Callable[[Config], Config] = lambda c: c,
+        poll_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        seen: tuple[str, bytes] | None = None,
+    ) -> None:
         self.path = path
         self._running = running
         self._apply = apply

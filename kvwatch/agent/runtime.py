@@ -86,9 +86,16 @@ class Agent:
     durations with (the demo passes the simulator's clocks for both).
     """
 
-    def __init__(self, config: Config, *, nvml: NvmlLibrary | None = None, proc: ProcessTree | None = None,
-                 route_factories: Iterable[RouteFactory] = (), clock: Callable[[], float] = time.time,
-                 proxy_clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        nvml: NvmlLibrary | None = None,
+        proc: ProcessTree | None = None,
+        route_factories: Iterable[RouteFactory] = (),
+        clock: Callable[[], float] = time.time,
+        proxy_clock: Callable[[], float] = time.perf_counter,
+    ):
         #: the running config: the file's replicas plus those discovered (``set_discovered_replicas``)
         self.config = config
         self._base_config = config
@@ -174,8 +181,9 @@ class Agent:
         if self._scheduler is not None:
             self._sync_scrape_jobs()
         if self._started:
-            task = asyncio.get_running_loop().create_task(self._sync_plugin_receivers(),
-                                                          name="vllm-plugin-sockets")
+            task = asyncio.get_running_loop().create_task(
+                self._sync_plugin_receivers(), name="vllm-plugin-sockets"
+            )
             self._plugin_syncs.add(task)
             task.add_done_callback(self._plugin_syncs.discard)
 
@@ -194,8 +202,14 @@ class Agent:
             if name in self._jobs:
                 continue
             self._scheduler.add_job(
-                self._scrape, "interval", args=[replica], seconds=interval,
-                id=f"engine:{name}", next_run_time=_now_dt(), max_instances=1, coalesce=True,
+                self._scrape,
+                "interval",
+                args=[replica],
+                seconds=interval,
+                id=f"engine:{name}",
+                next_run_time=_now_dt(),
+                max_instances=1,
+                coalesce=True,
                 misfire_grace_time=max(1, int(interval)),
             )
             self._jobs[name] = (replica, interval)
@@ -205,8 +219,12 @@ class Agent:
             return
         from kvwatch.agent.discovery import PodDiscovery
 
-        self._discovery = PodDiscovery(self.config, self.state, self.set_discovered_replicas,
-                                       set_plugin_sockets=self.set_discovered_plugin_sockets)
+        self._discovery = PodDiscovery(
+            self.config,
+            self.state,
+            self.set_discovered_replicas,
+            set_plugin_sockets=self.set_discovered_plugin_sockets,
+        )
         await self._discovery.start()
 
     async def stop(self) -> None:
@@ -273,8 +291,9 @@ class Agent:
     @_ends_quietly_on_shutdown
     async def _scrape(self, replica: ReplicaConfig) -> None:
         assert self._client is not None
-        await scrape_target(self._client, replica, self.config.scrape, self.state, now=self.clock,
-                            worker=self._worker)
+        await scrape_target(
+            self._client, replica, self.config.scrape, self.state, now=self.clock, worker=self._worker
+        )
         if self._jobs.get(replica.name, (None,))[0] != replica:  # dropped or replaced meanwhile
             if replica.name not in self._jobs:
                 self.state.drop_target(replica.name)
@@ -305,18 +324,39 @@ class Agent:
             if not started:
                 self._xid = None
         assert self._scheduler is not None
-        self._scheduler.add_job(self._poll_gpus, "interval", seconds=cfg.intervals.gpu_s, id="nvml",
-                                next_run_time=_now_dt(), max_instances=1, coalesce=True)
-        self._scheduler.add_job(self._map_gpus, "interval", seconds=cfg.intervals.process_map_s,
-                                id="gpu_mapping", next_run_time=_now_dt(), max_instances=1, coalesce=True)
+        self._scheduler.add_job(
+            self._poll_gpus,
+            "interval",
+            seconds=cfg.intervals.gpu_s,
+            id="nvml",
+            next_run_time=_now_dt(),
+            max_instances=1,
+            coalesce=True,
+        )
+        self._scheduler.add_job(
+            self._map_gpus,
+            "interval",
+            seconds=cfg.intervals.process_map_s,
+            id="gpu_mapping",
+            next_run_time=_now_dt(),
+            max_instances=1,
+            coalesce=True,
+        )
 
     def _start_pod_resources(self) -> None:
         settings = self.config.discovery.pod_resources
         if not settings.enabled:
             return
         assert self._scheduler is not None
-        self._scheduler.add_job(self._poll_pod_resources, "interval", seconds=settings.interval_s,
-                                id="pod_resources", next_run_time=_now_dt(), max_instances=1, coalesce=True)
+        self._scheduler.add_job(
+            self._poll_pod_resources,
+            "interval",
+            seconds=settings.interval_s,
+            id="pod_resources",
+            next_run_time=_now_dt(),
+            max_instances=1,
+            coalesce=True,
+        )
 
     @_ends_quietly_on_shutdown
     async def _poll_pod_resources(self) -> None:
@@ -328,8 +368,10 @@ class Agent:
         try:
             grants = await list_grants(settings.socket, settings.resource_names, settings.timeout_s)
         except PodResourcesError as exc:
-            if self.state.collectors.get("pod_resources", None) is None \
-                    or self.state.collectors["pod_resources"].success:
+            if (
+                self.state.collectors.get("pod_resources", None) is None
+                or self.state.collectors["pod_resources"].success
+            ):
                 log.warning("%s; GPU -> pod labels keep the last answer", exc)
             self.state.report("pod_resources", False, time.perf_counter() - started, str(exc))
             return
@@ -359,8 +401,9 @@ class Agent:
     async def _map_gpus(self) -> None:
         started = time.perf_counter()
         try:
-            await asyncio.to_thread(refresh_mapping, self.config, self.state, self._proc,
-                                    self._mapping_notes, self._mig_parent)
+            await asyncio.to_thread(
+                refresh_mapping, self.config, self.state, self._proc, self._mapping_notes, self._mig_parent
+            )
         except Exception as exc:
             log.exception("replica -> GPU mapping failed")
             self.state.report("gpu_mapping", False, time.perf_counter() - started, repr(exc))
@@ -374,11 +417,20 @@ class Agent:
             return
         from kvwatch.requests.ledger import RequestLedger
 
-        self._ledger = RequestLedger(ledger_cfg.path, self.config.length_bands, ledger_cfg.max_bytes,
-                                     ledger_cfg.backups, counter=self.state.count)
+        self._ledger = RequestLedger(
+            ledger_cfg.path,
+            self.config.length_bands,
+            ledger_cfg.max_bytes,
+            ledger_cfg.backups,
+            counter=self.state.count,
+        )
         self._ledger.start()
-        log.info("request ledger: %s (max %d bytes x %d files)", ledger_cfg.path, ledger_cfg.max_bytes,
-                 ledger_cfg.backups + 1)
+        log.info(
+            "request ledger: %s (max %d bytes x %d files)",
+            ledger_cfg.path,
+            ledger_cfg.max_bytes,
+            ledger_cfg.backups + 1,
+        )
 
     def record(self, record: RequestRecord, admitted: bool = False) -> None:
         """The sink every request source hands finished requests to.
@@ -408,20 +460,36 @@ class Agent:
             from kvwatch.requests.proxy import start_proxy
 
             for replica in proxied:
-                self._proxies.append(await start_proxy(
-                    replica, cfg.proxy, cfg.known_models, cfg.length_bands, self.state.in_flight,
-                    self.record, self.state.count, clock=self.proxy_clock, wall_clock=self.clock))
+                self._proxies.append(
+                    await start_proxy(
+                        replica,
+                        cfg.proxy,
+                        cfg.known_models,
+                        cfg.length_bands,
+                        self.state.in_flight,
+                        self.record,
+                        self.state.count,
+                        clock=self.proxy_clock,
+                        wall_clock=self.clock,
+                    )
+                )
         if cfg.otlp.listen is not None:
             from kvwatch.requests.otlp import start_otlp_receiver
 
-            self._otlp = await start_otlp_receiver(cfg, self._record_admitted, self.state.count,
-                                                   self.state.report, worker=self._worker,
-                                                   ledger=self._ledger)
+            self._otlp = await start_otlp_receiver(
+                cfg,
+                self._record_admitted,
+                self.state.count,
+                self.state.report,
+                worker=self._worker,
+                ledger=self._ledger,
+            )
         for files in cfg.sglang_request_files:
             from kvwatch.requests.sglang_files import start_follower
 
-            self._followers.append(await start_follower(files, cfg, self.record, self.state.count,
-                                                             self.state.report))
+            self._followers.append(
+                await start_follower(files, cfg, self.record, self.state.count, self.state.report)
+            )
         await self._sync_plugin_receivers(at_start=True)
 
     def _wanted_plugin_sockets(self) -> dict[str, tuple[str, str]]:
@@ -459,9 +527,14 @@ class Agent:
                     continue
                 entry = VllmPluginSocketConfig(replica, path)
                 try:
-                    started = await start_receivers([entry], {replica: model}, self.record,
-                                                    self.state.plugin.observe, self.state.count,
-                                                    self.state.report)
+                    started = await start_receivers(
+                        [entry],
+                        {replica: model},
+                        self.record,
+                        self.state.plugin.observe,
+                        self.state.count,
+                        self.state.report,
+                    )
                 except OSError as exc:
                     if at_start:
                         raise
@@ -492,8 +565,9 @@ class Agent:
         server = site._server  # aiohttp exposes the bound socket only here
         sockets = getattr(server, "sockets", None) or []
         self._site_port = sockets[0].getsockname()[1] if sockets else cfg.listen.port
-        log.info("kvwatch listening on %s:%d (/metrics, /-/healthy, /-/ready)", cfg.listen.host,
-                 self._site_port)
+        log.info(
+            "kvwatch listening on %s:%d (/metrics, /-/healthy, /-/ready)", cfg.listen.host, self._site_port
+        )
 
 
 def _now_dt() -> datetime:

@@ -37,6 +37,8 @@ def main(args: argparse.Namespace) -> int:
         if cfg.discovery.pod_resources.enabled:
             found.append(f"GPU owners from {cfg.discovery.pod_resources.socket}")
         discovery = f"; discovery: {', '.join(found)}" if found else ""
-        print(f"{args.file}: OK ({len(cfg.replicas)} replica(s): {names}; listen {cfg.listen}; "
-              f"bands {', '.join(cfg.length_bands.names)}{discovery})")
+        print(
+            f"{args.file}: OK ({len(cfg.replicas)} replica(s): {names}; listen {cfg.listen}; "
+            f"bands {', '.join(cfg.length_bands.names)}{discovery})"
+        )
     return 0

@@ -32,19 +32,34 @@ Exit status: 0 written / up to date, 1 out of date, 2 a query reads an unknown s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvwatch.mixin.dashboards.scaffold import DCGM_DASHBOARD_UID, DEFAULT_JOB
 
-    parser.add_argument("--out", default=None, metavar="DIR",
-                        help="directory for the dashboard JSON (default: dashboards, with --native "
-                             "dashboards/native)")
-    parser.add_argument("--native", action="store_true",
-                        help="read native histograms instead of classic buckets (docs/dashboards.md)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; fail with a diff when the files in --out are out of date")
-    parser.add_argument("--dcgm-dashboard-uid", default=DCGM_DASHBOARD_UID, metavar="UID",
-                        help="uid of the dcgm-exporter dashboard the GPU links open (default: %(default)s, "
-                             "grafana.com dashboard 12239)")
-    parser.add_argument("--job", default=DEFAULT_JOB,
-                        help="default of the Job variable: the kvwatch targets' job label "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="directory for the dashboard JSON (default: dashboards, with --native dashboards/native)",
+    )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="read native histograms instead of classic buckets (docs/dashboards.md)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; fail with a diff when the files in --out are out of date",
+    )
+    parser.add_argument(
+        "--dcgm-dashboard-uid",
+        default=DCGM_DASHBOARD_UID,
+        metavar="UID",
+        help="uid of the dcgm-exporter dashboard the GPU links open (default: %(default)s, "
+        "grafana.com dashboard 12239)",
+    )
+    parser.add_argument(
+        "--job",
+        default=DEFAULT_JOB,
+        help="default of the Job variable: the kvwatch targets' job label (default: %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -58,7 +73,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = args.out or ("dashboards/native" if args.native else "dashboards")
     native = " --native" if args.native else ""
-    regenerate = command_line(f"kvwatch dashboards{native} --out {out}", [
-        ("--dcgm-dashboard-uid", args.dcgm_dashboard_uid, DCGM_DASHBOARD_UID),
-        ("--job", args.job, DEFAULT_JOB)])
+    regenerate = command_line(
+        f"kvwatch dashboards{native} --out {out}",
+        [
+            ("--dcgm-dashboard-uid", args.dcgm_dashboard_uid, DCGM_DASHBOARD_UID),
+            ("--job", args.job, DEFAULT_JOB),
+        ],
+    )
     return write_or_check(Path(out), render_dashboards(opts), args.check, regenerate)

@@ -39,29 +39,65 @@ Ctrl-C or --duration ends it cleanly and prints a summary."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvwatch.sim.models import MODELS
 
-    parser.add_argument("--replicas", type=int, default=8, metavar="N",
-                        help="data-parallel replicas (default 8: one per H200)")
-    parser.add_argument("--model", default="qwen3-32b", choices=sorted(MODELS),
-                        help="model preset (default qwen3-32b)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=8,
+        metavar="N",
+        help="data-parallel replicas (default 8: one per H200)",
+    )
+    parser.add_argument(
+        "--model", default="qwen3-32b", choices=sorted(MODELS), help="model preset (default qwen3-32b)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica (default 1)")
-    parser.add_argument("--duration", type=float, default=None, metavar="S",
-                        help="stop after S wall seconds (default: run until Ctrl-C)")
-    parser.add_argument("--listen", default="127.0.0.1:9477", metavar="HOST:PORT",
-                        help="where the agent serves /metrics and the status page (default 127.0.0.1:9477)")
-    parser.add_argument("--speed", type=float, default=20.0, metavar="X",
-                        help="simulated seconds per wall second (default 20)")
-    parser.add_argument("--rate", type=float, default=None, metavar="R",
-                        help="requests per simulated second for the whole node (default 1.0)")
-    parser.add_argument("--router", default="skewed",
-                        choices=("skewed", "least_loaded", "round_robin", "random"),
-                        help="how requests are spread (default skewed: strands capacity)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop after S wall seconds (default: run until Ctrl-C)",
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:9477",
+        metavar="HOST:PORT",
+        help="where the agent serves /metrics and the status page (default 127.0.0.1:9477)",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=20.0,
+        metavar="X",
+        help="simulated seconds per wall second (default 20)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="requests per simulated second for the whole node (default 1.0)",
+    )
+    parser.add_argument(
+        "--router",
+        default="skewed",
+        choices=("skewed", "least_loaded", "round_robin", "random"),
+        help="how requests are spread (default skewed: strands capacity)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed, same workload)")
     parser.add_argument("--ledger", metavar="PATH", help="also write the request ledger (JSONL) here")
-    parser.add_argument("--view", choices=("auto", "live", "lines", "none"), default="auto",
-                        help="live terminal view (auto: live on a terminal, a line every 10 s otherwise)")
+    parser.add_argument(
+        "--view",
+        choices=("auto", "live", "lines", "none"),
+        default="auto",
+        help="live terminal view (auto: live on a terminal, a line every 10 s otherwise)",
+    )
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--metrics-profile", default="lean", choices=("lean", "full"),
-                        help="the agent's metrics.profile (default lean; docs/scale.md)")
+    parser.add_argument(
+        "--metrics-profile",
+        default="lean",
+        choices=("lean", "full"),
+        help="the agent's metrics.profile (default lean; docs/scale.md)",
+    )
 
 
 @dataclass
@@ -77,11 +113,13 @@ class StoryTracker:
         for replica in view.replicas:
             for unit in replica.units:
                 if unit.kv_usage_ratio is not None:
-                    self.peak_usage[replica.name] = max(self.peak_usage.get(replica.name, 0.0),
-                                                        unit.kv_usage_ratio)
+                    self.peak_usage[replica.name] = max(
+                        self.peak_usage.get(replica.name, 0.0), unit.kv_usage_ratio
+                    )
                 if unit.requests_waiting is not None:
-                    self.peak_waiting[replica.name] = max(self.peak_waiting.get(replica.name, 0.0),
-                                                          unit.requests_waiting)
+                    self.peak_waiting[replica.name] = max(
+                        self.peak_waiting.get(replica.name, 0.0), unit.requests_waiting
+                    )
                 if self.first_preemption_at is None and (unit.preemptions_total or 0) > 0:
                     self.first_preemption_at = elapsed_s
         for stranded in view.stranded:
@@ -110,9 +148,18 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
     from kvwatch.status.top import render_text
     from kvwatch.status.view import build_view
 
-    settings = DemoSettings(replicas=args.replicas, model=args.model, tp=args.tp, speed=args.speed,
-                            listen=listen, rate=args.rate, router=args.router, seed=args.seed,
-                            ledger=args.ledger, metrics_profile=args.metrics_profile)
+    settings = DemoSettings(
+        replicas=args.replicas,
+        model=args.model,
+        tp=args.tp,
+        speed=args.speed,
+        listen=listen,
+        rate=args.rate,
+        router=args.router,
+        seed=args.seed,
+        ledger=args.ledger,
+        metrics_profile=args.metrics_profile,
+    )
     demo = DemoNode(settings)
     try:
         await demo.start()
@@ -126,8 +173,11 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
     mode = args.view
     if mode == "auto":
         mode = "live" if sys.stdout.isatty() else "lines"
-    print(f"kvwatch demo: {settings.replicas} x {settings.model} on simulated H200s at {settings.speed:g}x "
-          f"speed; metrics {url}/metrics, status page {url}/", flush=True)
+    print(
+        f"kvwatch demo: {settings.replicas} x {settings.model} on simulated H200s at {settings.speed:g}x "
+        f"speed; metrics {url}/metrics, status page {url}/",
+        flush=True,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -169,8 +219,10 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
 
 def _header(demo: DemoNode, elapsed_s: float, url: str) -> str:
     sim_min = demo.node.sim_time / 60
-    return (f"kvwatch demo  wall {elapsed_s:5.0f} s  simulated {sim_min:6.1f} min  "
-            f"speed {demo.node.achieved_speed:4.1f}x  {url}/")
+    return (
+        f"kvwatch demo  wall {elapsed_s:5.0f} s  simulated {sim_min:6.1f} min  "
+        f"speed {demo.node.achieved_speed:4.1f}x  {url}/"
+    )
 
 
 def _one_line(view: StatusView) -> str:
@@ -178,8 +230,10 @@ def _one_line(view: StatusView) -> str:
     for replica in view.replicas:
         for unit in replica.units:
             usage = unit.kv_usage_ratio
-            parts.append(f"{replica.name}:{'-' if usage is None else f'{usage:.0%}'}"
-                         f"/w{0 if unit.requests_waiting is None else int(unit.requests_waiting)}")
+            parts.append(
+                f"{replica.name}:{'-' if usage is None else f'{usage:.0%}'}"
+                f"/w{0 if unit.requests_waiting is None else int(unit.requests_waiting)}"
+            )
     return " ".join(parts)
 
 
@@ -189,12 +243,15 @@ def _fmt_s(value: float | None) -> str:
     return f"{value:.2f}s" if value < 100 else f"{value:.0f}s"
 
 
-def _summary(demo: DemoNode, view: StatusView, story: StoryTracker, report: LoadReport, elapsed_s: float,
-             speed: float) -> str:
+def _summary(
+    demo: DemoNode, view: StatusView, story: StoryTracker, report: LoadReport, elapsed_s: float, speed: float
+) -> str:
     from kvwatch import texttable
 
-    lines = [f"kvwatch demo summary: {elapsed_s:.0f} s wall = {demo.node.sim_time / 60:.1f} simulated minutes"
-             f" ({speed:.1f}x), {report.sent} requests sent"]
+    lines = [
+        f"kvwatch demo summary: {elapsed_s:.0f} s wall = {demo.node.sim_time / 60:.1f} simulated minutes"
+        f" ({speed:.1f}x), {report.sent} requests sent"
+    ]
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
     if outcomes:
         lines.append(f"  client outcomes: {outcomes}")
@@ -202,22 +259,37 @@ def _summary(demo: DemoNode, view: StatusView, story: StoryTracker, report: Load
         usage = ", ".join(f"{name} {peak:.0%}" for name, peak in sorted(story.peak_usage.items()))
         lines.append(f"  peak KV usage: {usage}")
     total_preemptions = sum(u.preemptions_total or 0 for r in view.replicas for u in r.units)
-    lines.append(f"  preemptions: {total_preemptions:.0f}"
-                 + (f" (first seen after {story.first_preemption_at:.0f} s)"
-                    if story.first_preemption_at is not None else ""))
+    lines.append(
+        f"  preemptions: {total_preemptions:.0f}"
+        + (
+            f" (first seen after {story.first_preemption_at:.0f} s)"
+            if story.first_preemption_at is not None
+            else ""
+        )
+    )
     if story.peak_waiting:
         worst = max(story.peak_waiting.items(), key=lambda kv: kv[1])
         lines.append(f"  longest queue: {worst[0]} with {worst[1]:.0f} waiting")
-    lines.append(f"  peak stranded KV: {story.peak_stranded:,.0f} tokens free on idle replicas "
-                 "while another queued")
+    lines.append(
+        f"  peak stranded KV: {story.peak_stranded:,.0f} tokens free on idle replicas while another queued"
+    )
     rows = [r for r in view.band_rows if r.replica == "(all)" and r.requests]
     if rows:
         headers = ("band", "requests", "completed", "aborted", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
         table = []
         for r in rows:
-            table.append((r.band, str(r.requests), _pct(r.completed_ratio), _pct(r.aborted_ratio),
-                          _fmt_s(r.ttft_p50_seconds), _fmt_s(r.ttft_p99_seconds),
-                          _fmt_s(r.tpot_p50_seconds), _fmt_s(r.tpot_p99_seconds)))
+            table.append(
+                (
+                    r.band,
+                    str(r.requests),
+                    _pct(r.completed_ratio),
+                    _pct(r.aborted_ratio),
+                    _fmt_s(r.ttft_p50_seconds),
+                    _fmt_s(r.ttft_p99_seconds),
+                    _fmt_s(r.tpot_p50_seconds),
+                    _fmt_s(r.tpot_p99_seconds),
+                )
+            )
         lines.append("  latency by output-length band (simulated seconds, measured by kvwatch's proxy):")
         lines.extend("    " + line for line in texttable.render(headers, table).splitlines())
     return "\n".join(lines)

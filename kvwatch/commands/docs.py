@@ -47,8 +47,12 @@ def reference() -> str:
             labels = ", ".join(spec.labels) or "-"
             lines.append(f"| {shown} | {spec.kind} | {labels} | {spec.help} |")
         lines.append("")
-    lines += ["### Request histogram buckets (upper bounds; `+Inf` implied)", "",
-              "| histogram | bucket boundaries |", "|---|---|"]
+    lines += [
+        "### Request histogram buckets (upper bounds; `+Inf` implied)",
+        "",
+        "| histogram | bucket boundaries |",
+        "|---|---|",
+    ]
     layouts = (
         ("kvwatch_request_ttft_seconds", buckets.TTFT_SECONDS),
         ("kvwatch_request_tpot_seconds", buckets.TPOT_SECONDS),
@@ -66,10 +70,13 @@ def reference() -> str:
     )
     for name, bounds in layouts:
         lines.append(f"| `{name}` | {', '.join(f'{b:g}' for b in bounds)} |")
-    lines += ["", "`kvwatch_request_output_tokens` also gets every configured length-band edge as a "
-              "boundary.", "",
-              "`kvwatch_engine_step_seconds` is labelled `batch_tokens` by the step's scheduled tokens "
-              "(context + generation): " + ", ".join(f"`{n}`" for n in _batch_bands()) + "."]
+    lines += [
+        "",
+        "`kvwatch_request_output_tokens` also gets every configured length-band edge as a boundary.",
+        "",
+        "`kvwatch_engine_step_seconds` is labelled `batch_tokens` by the step's scheduled tokens "
+        "(context + generation): " + ", ".join(f"`{n}`" for n in _batch_bands()) + ".",
+    ]
     return "\n".join(lines)
 
 
@@ -92,9 +99,12 @@ def render(current: str, generated: str) -> str:
 def main(args: argparse.Namespace) -> int:
     from kvwatch.config import reference as config_reference
 
-    stale = [_update(Path(args.file), "# kvwatch metrics\n", reference(), args.check),
-             _update(Path(args.config_file), "# kvwatch configuration\n", config_reference.reference(),
-                     args.check)]
+    stale = [
+        _update(Path(args.file), "# kvwatch metrics\n", reference(), args.check),
+        _update(
+            Path(args.config_file), "# kvwatch configuration\n", config_reference.reference(), args.check
+        ),
+    ]
     return 1 if any(stale) else 0
 
 
@@ -105,8 +115,9 @@ def _update(path: Path, empty: str, generated: str, check: bool) -> bool:
     if wanted == current:
         return False
     if check:
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
-                                                   str(path), "generated"))
+        sys.stdout.writelines(
+            difflib.unified_diff(current.splitlines(True), wanted.splitlines(True), str(path), "generated")
+        )
         print(f"{path} is stale: run `kvwatch docs`", file=sys.stderr)
         return True
     path.write_text(wanted, encoding="utf-8")

@@ -40,13 +40,19 @@ REPLICA = "inspect"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="metrics URL, file path, or - for stdin")
-    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                        help="engine adapter to use (default: detect from the page)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help="engine adapter to use (default: detect from the page)",
+    )
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for a URL (default 10)")
-    parser.add_argument("--slots-url", metavar="URL",
-                        help="llama.cpp /slots URL (default: derived from SOURCE)")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for a URL (default 10)"
+    )
+    parser.add_argument(
+        "--slots-url", metavar="URL", help="llama.cpp /slots URL (default: derived from SOURCE)"
+    )
 
 
 def _is_url(source: str) -> bool:
@@ -67,8 +73,9 @@ async def _fetch(url: str, timeout_s: float, slots_url: str | None, backend: str
             return text, None
         where = llamacpp.EXTRA_PAGE.url(url, slots_url)
         try:
-            body, _ = await fetch_body(client, where, replica="", timeout_s=timeout_s,
-                                       max_bytes=limit, accept=ACCEPT_JSON)
+            body, _ = await fetch_body(
+                client, where, replica="", timeout_s=timeout_s, max_bytes=limit, accept=ACCEPT_JSON
+            )
             return text, llamacpp.parse_slots(body)
         except (ScrapeError, llamacpp.SlotsError) as exc:
             return text, f"{where}: {exc}"
@@ -83,13 +90,19 @@ def _read(source: str) -> str:
 def _replica_doc(sample: ReplicaSample) -> dict[str, object]:
     from kvwatch.engines.base import missing_fields
 
-    doc = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)
-           if f.name not in ("tier_traffic", "histograms", "finished_requests_total")}
+    doc = {
+        f.name: getattr(sample, f.name)
+        for f in dataclasses.fields(sample)
+        if f.name not in ("tier_traffic", "histograms", "finished_requests_total")
+    }
     doc["finished_requests_total"] = dict(sample.finished_requests_total)
     doc["tier_traffic"] = [dataclasses.asdict(t) for t in sample.tier_traffic]
     doc["histograms"] = {
-        name: {"count": h.count, "sum": h.sum,
-               "buckets": list(zip(h.bounds, h.cumulative_counts, strict=True))}
+        name: {
+            "count": h.count,
+            "sum": h.sum,
+            "buckets": list(zip(h.bounds, h.cumulative_counts, strict=True)),
+        }
         for name, h in sample.histograms
     }
     doc["missing"] = missing_fields(sample)
@@ -110,29 +123,50 @@ def _print_text(source: str, result: ParseResult, slots: Slots) -> None:
     if isinstance(slots, str):
         print(f"slots    unavailable: {slots}")
     elif slots is not None:
-        print(f"slots    {len(slots)}: " + ", ".join(
-            f"#{s.slot_id} {'busy' if s.is_processing else 'idle'} {_num(s.tokens_in_use)}/{_num(s.n_ctx)}"
-            for s in slots))
+        print(
+            f"slots    {len(slots)}: "
+            + ", ".join(
+                f"#{s.slot_id} {'busy' if s.is_processing else 'idle'} "
+                f"{_num(s.tokens_in_use)}/{_num(s.n_ctx)}"
+                for s in slots
+            )
+        )
     for i, s in enumerate(result.samples, 1):
         print()
-        print(f"[{i}] model {s.model_name or '-'}  dp_rank {s.dp_rank or '-'}  "
-              f"({s.version_hint or 'no hint'})")
+        print(
+            f"[{i}] model {s.model_name or '-'}  dp_rank {s.dp_rank or '-'}  ({s.version_hint or 'no hint'})"
+        )
         blocks = f" ({s.num_gpu_blocks} blocks x {s.block_size})" if s.num_gpu_blocks and s.block_size else ""
         print(f"    KV capacity   {_num(s.kv_capacity_tokens)} tokens{blocks}, dtype {s.cache_dtype or '-'}")
-        print(f"    occupancy     {_num(s.kv_usage_ratio, '{:.1%}')}; used blocks {_num(s.kv_used_blocks)}, "
-              f"used tokens {_num(s.kv_used_tokens)}, evictable {_num(s.kv_evictable_tokens)}, "
-              f"live {_num(s.live_tokens)}")
-        print(f"    requests      running {_num(s.requests_running)}, waiting {_num(s.requests_waiting)}, "
-              f"paused/swapped {_num(s.requests_swapped_or_paused)}")
-        print(f"    preemptions   {_num(s.preemptions_total)} "
-              f"(recomputed tokens {_num(s.recomputed_tokens_total)})")
-        print(f"    tokens        prompt {_num(s.prompt_tokens_total)}, "
-              f"generation {_num(s.generation_tokens_total)}, "
-              f"prefix cache {_num(s.prefix_cache_hits_total)} hit of {_num(s.prefix_cache_queries_total)}")
+        print(
+            f"    occupancy     {_num(s.kv_usage_ratio, '{:.1%}')}; used blocks {_num(s.kv_used_blocks)}, "
+            f"used tokens {_num(s.kv_used_tokens)}, evictable {_num(s.kv_evictable_tokens)}, "
+            f"live {_num(s.live_tokens)}"
+        )
+        print(
+            f"    requests      running {_num(s.requests_running)}, waiting {_num(s.requests_waiting)}, "
+            f"paused/swapped {_num(s.requests_swapped_or_paused)}"
+        )
+        print(
+            f"    preemptions   {_num(s.preemptions_total)} "
+            f"(recomputed tokens {_num(s.recomputed_tokens_total)})"
+        )
+        print(
+            f"    tokens        prompt {_num(s.prompt_tokens_total)}, "
+            f"generation {_num(s.generation_tokens_total)}, "
+            f"prefix cache {_num(s.prefix_cache_hits_total)} hit of {_num(s.prefix_cache_queries_total)}"
+        )
         for t in s.tier_traffic:
-            amounts = ", ".join(f"{_num(v)} {unit}" for unit, v in (
-                ("bytes", t.bytes_total), ("tokens", t.tokens_total), ("blocks", t.blocks_total),
-                ("s", t.seconds_total)) if v is not None)
+            amounts = ", ".join(
+                f"{_num(v)} {unit}"
+                for unit, v in (
+                    ("bytes", t.bytes_total),
+                    ("tokens", t.tokens_total),
+                    ("blocks", t.blocks_total),
+                    ("s", t.seconds_total),
+                )
+                if v is not None
+            )
             print(f"    tier          {t.family}: {t.src_tier} -> {t.dst_tier}: {amounts}")
         if s.histograms:
             print("    histograms    " + ", ".join(f"{name} (n={h.count:g})" for name, h in s.histograms))

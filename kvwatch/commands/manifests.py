@@ -19,10 +19,12 @@ what the sources generate (CI runs this), 0 when they are up to date."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alerts", default="alerts", help="rule files directory (default: %(default)s)")
-    parser.add_argument("--dashboards", default="dashboards",
-                        help="dashboards directory (default: %(default)s)")
-    parser.add_argument("--out", default="deploy/kubernetes/monitoring",
-                        help="where the manifests go (default: %(default)s)")
+    parser.add_argument(
+        "--dashboards", default="dashboards", help="dashboards directory (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--out", default="deploy/kubernetes/monitoring", help="where the manifests go (default: %(default)s)"
+    )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files are stale")
 
 
@@ -31,8 +33,9 @@ def main(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if not out.is_dir():
-        print(f"--out {out}: no such directory (run from the repository root, or pass --out)",
-              file=sys.stderr)
+        print(
+            f"--out {out}: no such directory (run from the repository root, or pass --out)", file=sys.stderr
+        )
         return 1
     try:
         files = generate(Path(args.alerts), Path(args.dashboards))
@@ -47,9 +50,13 @@ def main(args: argparse.Namespace) -> int:
             continue
         stale.append(path)
         if args.check:
-            diff = difflib.unified_diff((current or "").splitlines(keepends=True),
-                                        text.splitlines(keepends=True),
-                                        fromfile=f"{path} (in tree)", tofile=f"{path} (generated)", n=1)
+            diff = difflib.unified_diff(
+                (current or "").splitlines(keepends=True),
+                text.splitlines(keepends=True),
+                fromfile=f"{path} (in tree)",
+                tofile=f"{path} (generated)",
+                n=1,
+            )
             sys.stdout.writelines(list(diff)[:40])
         else:
             path.write_text(text, encoding="utf-8")

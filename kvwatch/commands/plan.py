@@ -108,10 +108,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     cmp_ = sub.add_parser("compare", help="sweep candidate configurations against per-band SLOs")
     cmp_.add_argument("inputs", nargs="*", metavar="LEDGER_OR_TRACE", help=_NO_TRACE)
-    cmp_.add_argument("--slo", default="alerts/slo.yaml", metavar="FILE",
-                      help="SLO file (default alerts/slo.yaml, as kvwatch rules)")
     cmp_.add_argument(
-        "--gpus", default=8, type=int, metavar="N",
+        "--slo",
+        default="alerts/slo.yaml",
+        metavar="FILE",
+        help="SLO file (default alerts/slo.yaml, as kvwatch rules)",
+    )
+    cmp_.add_argument(
+        "--gpus",
+        default=8,
+        type=int,
+        metavar="N",
         help="the most GPUs a candidate may use (default 8: the demo's node)",
     )
     cmp_.add_argument("--model", default=None, metavar="PRESET", help="model preset (default: the demo's)")
@@ -128,12 +135,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
     cmp_.add_argument(
-        "--calibrated-on", choices=("h100", "h200", "b200"), metavar="GPU",
+        "--calibrated-on",
+        choices=("h100", "h200", "b200"),
+        metavar="GPU",
         help="the GPU type the calibration was measured on (with a preset --model): those candidates "
         "are timed by the fit of their layout where the calibration observed it, else by the roofline",
     )
-    cmp_.add_argument("--price", metavar="TYPE=PRICE,...",
-                      help="price per GPU-hour by type, e.g. h100=2.5,h200=3.5,b200=6 (default 1 each)")
+    cmp_.add_argument(
+        "--price",
+        metavar="TYPE=PRICE,...",
+        help="price per GPU-hour by type, e.g. h100=2.5,h200=3.5,b200=6 (default 1 each)",
+    )
     cmp_.add_argument("--html", metavar="OUT", help="write the comparison as HTML (attainment vs GPUs)")
     cmp_.set_defaults(_plan=_compare)
 
@@ -201,8 +213,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.step_samples:
         source, window = "step_samples", f"file {args.step_samples}"
         if sources.is_datagram_file(args.step_samples):
-            capacity = (shape.num_gpu_blocks * shape.block_size
-                        if shape.num_gpu_blocks and shape.block_size else None)
+            capacity = (
+                shape.num_gpu_blocks * shape.block_size if shape.num_gpu_blocks and shape.block_size else None
+            )
             obs = sources.read_plugin_datagrams(args.step_samples, capacity)
             if capacity is None:
                 notes.append("no --engine-url: KV usage cannot become tokens, per_kv_token_s is not fitted")
@@ -235,9 +248,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise FitError(f"--tp must be >= 1, got {args.tp}")
     fits = fits_by_tp([o if o.tp is not None else dataclasses.replace(o, tp=args.tp) for o in obs])
     if None in fits and len(fits) > 1:
-        raise FitError(
-            "some observations carry a TP degree and some do not: pass --tp for those that do not"
-        )
+        raise FitError("some observations carry a TP degree and some do not: pass --tp for those that do not")
     main_tp = next(iter(fits))  # the lowest degree
     if len(fits) > 1:
         notes.append(f"one fit per TP degree: {', '.join(f'TP={tp}' for tp in fits)}")
@@ -279,8 +290,13 @@ def _replay(args: argparse.Namespace) -> int:
     if args.candidate:
         candidate = load_candidate(args.candidate)
     elif calibration is not None:
-        candidate = Candidate(name="calibrated engine", model=CALIBRATED, dp=1, step_model=CALIBRATED,
-                              tp=calibration.engine.tensor_parallel_size or 1)
+        candidate = Candidate(
+            name="calibrated engine",
+            model=CALIBRATED,
+            dp=1,
+            step_model=CALIBRATED,
+            tp=calibration.engine.tensor_parallel_size or 1,
+        )
     else:
         candidate = Candidate(name="demo default node")
     recorded = _recorded(args.inputs, workload.kind) if args.inputs else None

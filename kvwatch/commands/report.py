@@ -28,19 +28,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="LEDGER", help="ledger files, globs or trace files")
     parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
     parser.add_argument("--csv", metavar="OUT", help="write one CSV row per length band x replica")
-    parser.add_argument("--bands", metavar="EDGES",
-                        help="band edges in output tokens, e.g. 1000,5000,10000,20000 or 1k,5k "
-                             "(default: the ledger's own bands, else 1k,5k,10k,20k)")
-    parser.add_argument("--replica", action="append", default=[], metavar="R",
-                        help="only this replica (repeatable)")
-    parser.add_argument("--trace-format", default="auto",
-                        choices=("auto", "ledger", "azure", "burstgpt", "mooncake"),
-                        help="input format (default: detected from the first lines)")
-    parser.add_argument("--progress", action="store_true",
-                        help="show a progress bar on stderr even when it is not a terminal")
-    parser.add_argument("--jobs", type=int, metavar="N",
-                        help="processes reading JSON lines (default: 1 below 64 MiB of input, "
-                             "else every CPU)")
+    parser.add_argument(
+        "--bands",
+        metavar="EDGES",
+        help="band edges in output tokens, e.g. 1000,5000,10000,20000 or 1k,5k "
+        "(default: the ledger's own bands, else 1k,5k,10k,20k)",
+    )
+    parser.add_argument(
+        "--replica", action="append", default=[], metavar="R", help="only this replica (repeatable)"
+    )
+    parser.add_argument(
+        "--trace-format",
+        default="auto",
+        choices=("auto", "ledger", "azure", "burstgpt", "mooncake"),
+        help="input format (default: detected from the first lines)",
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="show a progress bar on stderr even when it is not a terminal"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="processes reading JSON lines (default: 1 below 64 MiB of input, else every CPU)",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not print the text report")
 
 
@@ -54,9 +65,14 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         bands = parse_band_edges(args.bands) if args.bands else None
-        report = build_report(args.inputs, bands=bands, replicas=args.replica,
-                              trace_format=args.trace_format, progress=args.progress,
-                              jobs=args.jobs)
+        report = build_report(
+            args.inputs,
+            bands=bands,
+            replicas=args.replica,
+            trace_format=args.trace_format,
+            progress=args.progress,
+            jobs=args.jobs,
+        )
     except ReportError as exc:
         print(f"kvwatch report: {exc}", file=sys.stderr)
         return 1

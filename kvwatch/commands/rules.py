@@ -38,18 +38,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvwatch.mixin.alerts import DEFAULT_JOB
     from kvwatch.mixin.rulefile import DEFAULT_RUNBOOK_BASE
 
-    parser.add_argument("--slo", default="alerts/slo.yaml", metavar="FILE",
-                        help="SLO file (default: %(default)s)")
-    parser.add_argument("--out", default=None, metavar="DIR",
-                        help="directory for the rule files (default: alerts, with --native alerts/native)")
-    parser.add_argument("--native", action="store_true",
-                        help="read native histograms instead of classic buckets (docs/alerting.md)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; fail with a diff when the files in --out are out of date")
-    parser.add_argument("--runbook-base", default=DEFAULT_RUNBOOK_BASE, metavar="URL",
-                        help="base of every alert's runbook_url (default: %(default)s)")
-    parser.add_argument("--job", default=DEFAULT_JOB,
-                        help="Prometheus job label of the kvwatch targets (default: %(default)s)")
+    parser.add_argument(
+        "--slo", default="alerts/slo.yaml", metavar="FILE", help="SLO file (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="directory for the rule files (default: alerts, with --native alerts/native)",
+    )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="read native histograms instead of classic buckets (docs/alerting.md)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; fail with a diff when the files in --out are out of date",
+    )
+    parser.add_argument(
+        "--runbook-base",
+        default=DEFAULT_RUNBOOK_BASE,
+        metavar="URL",
+        help="base of every alert's runbook_url (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--job",
+        default=DEFAULT_JOB,
+        help="Prometheus job label of the kvwatch targets (default: %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,7 +90,10 @@ def main(args: argparse.Namespace) -> int:
     if refused("rules", name_problems(files, native=args.native)):
         return 2
     native = " --native" if args.native else ""
-    regenerate = command_line(f"kvwatch rules{native} --slo {args.slo} --out {out}", [
-        ("--runbook-base", args.runbook_base, DEFAULT_RUNBOOK_BASE), ("--job", args.job, DEFAULT_JOB)])
-    return write_or_check(Path(out), render_rule_files(files, args.runbook_base), args.check, regenerate,
-                          retired=RETIRED_FILES)
+    regenerate = command_line(
+        f"kvwatch rules{native} --slo {args.slo} --out {out}",
+        [("--runbook-base", args.runbook_base, DEFAULT_RUNBOOK_BASE), ("--job", args.job, DEFAULT_JOB)],
+    )
+    return write_or_check(
+        Path(out), render_rule_files(files, args.runbook_base), args.check, regenerate, retired=RETIRED_FILES
+    )

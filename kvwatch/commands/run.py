@@ -36,11 +36,16 @@ ledger is flushed. Validate a config first with `kvwatch check-config FILE`."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", metavar="FILE",
-                        help="YAML config (default: environment KVWATCH_CONFIG, else no replicas)")
+    parser.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML config (default: environment KVWATCH_CONFIG, else no replicas)",
+    )
     parser.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        help="override the config's log_level")
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), help="override the config's log_level"
+    )
 
 
 def configure_logging(level: str) -> None:
@@ -86,7 +91,11 @@ def raise_open_files_limit() -> tuple[int, int]:
         except (ValueError, OSError) as exc:
             logging.getLogger("kvwatch").warning(
                 "could not raise the open-files limit from %d to %d (%s); the proxy's connections are "
-                "bounded by it", soft, wanted, exc)
+                "bounded by it",
+                soft,
+                wanted,
+                exc,
+            )
     return soft, hard
 
 
@@ -124,9 +133,13 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, path, adjust, hangups, loaded))
 
 
-async def _serve(config: Config, path: str | None = None,
-                 adjust: Callable[[Config], Config] = lambda c: c, hangups: list[int] | None = None,
-                 loaded: tuple[str, bytes] | None = None) -> int:
+async def _serve(
+    config: Config,
+    path: str | None = None,
+    adjust: Callable[[Config], Config] = lambda c: c,
+    hangups: list[int] | None = None,
+    loaded: tuple[str, bytes] | None = None,
+) -> int:
     from kvwatch.agent import Agent
     from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.agent.reload import ConfigReloader
@@ -140,8 +153,14 @@ async def _serve(config: Config, path: str | None = None,
     agent = Agent(config, route_factories=[make_status_routes])
     reloader = None
     if path is not None:
-        reloader = ConfigReloader(path, lambda: agent.file_config, agent.apply_config,
-                                  agent.state.config_reload, adjust, seen=loaded)
+        reloader = ConfigReloader(
+            path,
+            lambda: agent.file_config,
+            agent.apply_config,
+            agent.state.config_reload,
+            adjust,
+            seen=loaded,
+        )
         reloader.loaded()
     try:
         await agent.start()

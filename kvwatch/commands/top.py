@@ -25,12 +25,19 @@ status 1 when --once cannot reach the agent."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     port = DEFAULT_LISTEN.rsplit(":", 1)[1]
-    parser.add_argument("--url", default=f"http://127.0.0.1:{port}",
-                        help="agent base URL or its /status.json (default: %(default)s)")
+    parser.add_argument(
+        "--url",
+        default=f"http://127.0.0.1:{port}",
+        help="agent base URL or its /status.json (default: %(default)s)",
+    )
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
-    parser.add_argument("--width", type=int, default=None,
-                        help="cut lines to this many columns (default: the terminal's; none when piped)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="cut lines to this many columns (default: the terminal's; none when piped)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent")
 
 

@@ -22,8 +22,9 @@ from kvwatch.config.validate import ConfigError, KeyPathReader, brief, join, sch
 MAX_YAML_NODES = 100_000
 
 
-def config_from_mapping(data: Any, source: str = "config",
-                        variables: Mapping[str, str] | None = None) -> Config:
+def config_from_mapping(
+    data: Any, source: str = "config", variables: Mapping[str, str] | None = None
+) -> Config:
     """Validate a parsed YAML document; raise ConfigError listing every problem.
 
     ``variables`` maps a key path set from the environment to its variable, so that a problem at or
@@ -34,8 +35,9 @@ def config_from_mapping(data: Any, source: str = "config",
     if cfg is not None:
         _cross_checks(r, data, cfg)
     if r.problems:
-        raise ConfigError([(_name_variable(path, variables or {}), reason) for path, reason in r.problems],
-                          source)
+        raise ConfigError(
+            [(_name_variable(path, variables or {}), reason) for path, reason in r.problems], source
+        )
     assert cfg is not None  # a None section always comes with a problem
     return cfg
 
@@ -50,19 +52,26 @@ def _cross_checks(r: KeyPathReader, data: Any, cfg: Config) -> None:
         if rep["name"] is not None:
             seen[rep["name"]] = i
         if rep["proxy_listen"] is not None and rep["api_url"] is None:
-            r.problem(f"replicas[{i}].proxy_listen",
-                      "needs api_url: the engine's OpenAI base URL to forward to")
+            r.problem(
+                f"replicas[{i}].proxy_listen", "needs api_url: the engine's OpenAI base URL to forward to"
+            )
     listens = [rep["proxy_listen"] for _, rep in replicas if rep["proxy_listen"] is not None]
     ports = [hp.port for hp in listens if hp.port]
     if len(ports) != len(set(ports)):
         r.problem("replicas", "two replicas use the same proxy_listen port")
     proxy, otlp = cfg.proxy, cfg.otlp
     if proxy.max_buffered_bytes < proxy.max_body_bytes:
-        r.problem("proxy.max_buffered_bytes", f"must be at least proxy.max_body_bytes "
-                  f"({proxy.max_body_bytes}), or a body within that limit could never be buffered")
+        r.problem(
+            "proxy.max_buffered_bytes",
+            f"must be at least proxy.max_body_bytes "
+            f"({proxy.max_body_bytes}), or a body within that limit could never be buffered",
+        )
     if otlp.max_decompressed_bytes < otlp.max_body_bytes:
-        r.problem("otlp.max_decompressed_bytes", f"must be at least otlp.max_body_bytes "
-                  f"({otlp.max_body_bytes}), or an uncompressed export within that limit would be refused")
+        r.problem(
+            "otlp.max_decompressed_bytes",
+            f"must be at least otlp.max_body_bytes "
+            f"({otlp.max_body_bytes}), or an uncompressed export within that limit would be refused",
+        )
     if otlp.replica is not None and otlp.replica not in seen:
         r.problem("otlp.replica", f"no replica named {otlp.replica!r}")
     for i, files in _partial_entries(data, Config, "sglang_request_files"):
@@ -91,8 +100,11 @@ def _partial_entries(data: Any, cls: type, key: str) -> list[tuple[int, dict[str
     if not isinstance(node, list):
         return []
     item_cls = schema_fields(cls)[key].metadata["entries"]
-    return [(i, KeyPathReader().values(item, "", item_cls)) for i, item in enumerate(node)
-            if isinstance(item, Mapping) and item]
+    return [
+        (i, KeyPathReader().values(item, "", item_cls))
+        for i, item in enumerate(node)
+        if isinstance(item, Mapping) and item
+    ]
 
 
 def _name_variable(path: str, variables: Mapping[str, str]) -> str:
@@ -110,7 +122,7 @@ def _name_variable(path: str, variables: Mapping[str, str]) -> str:
 
 def env_key_path(name: str) -> tuple[str, ...]:
     """``KVWATCH_DISCOVERY__KUBERNETES__ENABLED`` -> ``("discovery", "kubernetes", "enabled")``."""
-    return tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__") if p)
+    return tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
 
 
 def env_variable(path: tuple[str, ...]) -> str:
@@ -123,26 +135,29 @@ def _resolve(parts: tuple[str, ...]) -> str | None:
     cls: type = Config
     for depth, part in enumerate(parts):
         keyed = schema_fields(cls)
-        where = ".".join(parts[:depth + 1])
+        where = ".".join(parts[: depth + 1])
         f = keyed.get(part)
         if f is None:
             return f"no config key {brief(where)} (known keys here: {', '.join(sorted(keyed))})"
         last = depth == len(parts) - 1
         if "entries" in f.metadata and not last:
-            return (f"{part} entries cannot be set from the environment; list them in the config file, "
-                    f"or set the whole list as {env_variable(parts[:depth + 1])}")
+            return (
+                f"{part} entries cannot be set from the environment; list them in the config file, "
+                f"or set the whole list as {env_variable(parts[: depth + 1])}"
+            )
         if "section" in f.metadata:
             if last:
                 example = env_variable((*parts, next(iter(schema_fields(f.metadata["section"])))))
                 return f"{where} is a section; set one of its keys, e.g. {example}"
             cls = f.metadata["section"]
         elif not last:
-            return f"{'.'.join(parts[:depth + 1])} is a single value, not a section"
+            return f"{'.'.join(parts[: depth + 1])} is a single value, not a section"
     return None
 
 
-def read_env_overrides(environ: Mapping[str, str]) -> tuple[dict[tuple[str, ...], tuple[str, Any]],
-                                                            list[tuple[str, str]]]:
+def read_env_overrides(
+    environ: Mapping[str, str],
+) -> tuple[dict[tuple[str, ...], tuple[str, Any]], list[tuple[str, str]]]:
     """(key path -> (variable, value), problems named by variable) for every ``KVWATCH_*`` variable.
 
     Values are read as YAML scalars (``true``, ``5``, ``[1000, 5000]``). A blank value means the
@@ -168,8 +183,13 @@ def read_env_overrides(environ: Mapping[str, str]) -> tuple[dict[tuple[str, ...]
             problems.append((name, "not a valid YAML value: nested too deeply"))
             continue
         if value is None:
-            problems.append((name, f"{brief(raw.strip())!r} is null; unset the variable to keep the "
-                                   "file's value or the default"))
+            problems.append(
+                (
+                    name,
+                    f"{brief(raw.strip())!r} is null; unset the variable to keep the "
+                    "file's value or the default",
+                )
+            )
             continue
         if parts in found:
             problems.append((name, f"sets the same key as {found[parts][0]}"))

@@ -36,12 +36,16 @@ def _tables(cls: type, path: tuple[str, ...], env: bool) -> list[tuple[str, list
         if "section" in meta:
             nested += _tables(meta["section"], where, env)
         elif "entries" in meta:
-            rows.append(f"| `{prefix}{key}` | list of `{key}[]` entries | `[]` | - | "
-                        f"{variable} (the whole list, as YAML) | {meta['doc']} |")
+            rows.append(
+                f"| `{prefix}{key}` | list of `{key}[]` entries | `[]` | - | "
+                f"{variable} (the whole list, as YAML) | {meta['doc']} |"
+            )
             nested += _tables(meta["entries"], (*path, f"{key}[]"), env=False)
         else:
-            rows.append(f"| `{prefix}{key}` | {meta['kind'].name} | {_default(f)} | {_bounds(meta)} | "
-                        f"{variable} | {meta['doc']} |")
+            rows.append(
+                f"| `{prefix}{key}` | {meta['kind'].name} | {_default(f)} | {_bounds(meta)} | "
+                f"{variable} | {meta['doc']} |"
+            )
     title = f"`{'.'.join(path)}`" if path else "Top level"
     return ([(title, rows)] if rows else []) + nested
 

@@ -70,7 +70,13 @@ class HostPort:
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
-    "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 
@@ -212,8 +218,10 @@ def _plugin_dir(value: Any) -> str:
     if not text.startswith("/"):
         raise ValueError(f"expected an absolute directory, got {quoted(text)}")
     if len(text.encode()) > PLUGIN_DIR_MAX_BYTES:
-        raise ValueError(f"at most {PLUGIN_DIR_MAX_BYTES} bytes (a Unix socket path is at most 107, and "
-                         "<pod uid>/vllm.sock takes 47)")
+        raise ValueError(
+            f"at most {PLUGIN_DIR_MAX_BYTES} bytes (a Unix socket path is at most 107, and "
+            "<pod uid>/vllm.sock takes 47)"
+        )
     return text
 
 
@@ -240,9 +248,16 @@ EDGES = Kind("list of token counts", _edges)
 # --------------------------------------------------------------------------------------------
 
 
-def setting(key: str, kind: Kind, doc: str, *, minimum: float | None = None,
-            choices: tuple[str, ...] | None = None, shown_default: str | None = None,
-            choice_name: str | None = None) -> dict[str, Any]:
+def setting(
+    key: str,
+    kind: Kind,
+    doc: str,
+    *,
+    minimum: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    shown_default: str | None = None,
+    choice_name: str | None = None,
+) -> dict[str, Any]:
     """The metadata of one setting: ``field(default=..., metadata=setting("key", KIND, "doc"))``.
 
     ``choices`` bound a value (or each item of a list); ``choice_name`` names one in errors (default:
@@ -332,8 +347,15 @@ class KeyPathReader:
                 self.problem(join(path, brief(str(key))), f"unknown key (known keys: {hint})")
         return node
 
-    def get(self, node: Mapping[str, Any], key: str, path: str, conv: Callable[[Any], Any],
-            default: Any = None, required: bool = False) -> Any:
+    def get(
+        self,
+        node: Mapping[str, Any],
+        key: str,
+        path: str,
+        conv: Callable[[Any], Any],
+        default: Any = None,
+        required: bool = False,
+    ) -> Any:
         if key not in node or node[key] is None:
             if required:
                 self.problem(join(path, key), "required")
@@ -352,8 +374,9 @@ class KeyPathReader:
             return default_of(f) if read is None else read
         if "entries" in meta:
             return self.entries(node.get(key), join(path, key), meta["entries"])
-        return self.get(node, key, path, lambda raw: read_value(meta, raw),
-                        default=default_of(f), required=is_required(f))
+        return self.get(
+            node, key, path, lambda raw: read_value(meta, raw), default=default_of(f), required=is_required(f)
+        )
 
     def values(self, node: Any, path: str, cls: type, also: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Attribute -> value for every keyed field of ``cls`` found in ``node`` (defaults elsewhere).
@@ -364,8 +387,11 @@ class KeyPathReader:
         """
         keyed = schema_fields(cls)
         m = self.mapping(node, path, {*keyed, *also})
-        return {f.name: self.setting(m, key, path, f) for key, f in keyed.items()
-                if not f.metadata.get("caller_reads")}
+        return {
+            f.name: self.setting(m, key, path, f)
+            for key, f in keyed.items()
+            if not f.metadata.get("caller_reads")
+        }
 
     def section(self, node: Any, path: str, cls: type) -> Any:
         """``node`` read into ``cls``; None when a required key is missing or bad (it was reported)."""
@@ -389,8 +415,11 @@ class KeyPathReader:
         for i, item in enumerate(node):
             where = f"{path}[{i}]"
             if isinstance(item, Mapping) and not item:
-                self.problem(where, "empty entry: needs at least " + ", ".join(
-                    key for key, f in schema_fields(cls).items() if is_required(f)))
+                self.problem(
+                    where,
+                    "empty entry: needs at least "
+                    + ", ".join(key for key, f in schema_fields(cls).items() if is_required(f)),
+                )
                 continue
             entry = self.section(item, where, cls)
             if entry is not None:

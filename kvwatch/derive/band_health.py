@@ -29,8 +29,9 @@ class BandHealth:
     aborted_ratio: float | None
 
 
-def band_health(outcome_counts: Mapping[OutcomeKey, float],
-                group_by: Sequence[str] = ("model_name", "length_band")) -> dict[tuple[str, ...], BandHealth]:
+def band_health(
+    outcome_counts: Mapping[OutcomeKey, float], group_by: Sequence[str] = ("model_name", "length_band")
+) -> dict[tuple[str, ...], BandHealth]:
     """Outcome ratios per group (default: per model and length band, over replicas and sources)."""
     groupable = OUTCOME_KEY_LABELS[:-1]
     unknown = [label for label in group_by if label not in groupable]
@@ -49,14 +50,17 @@ def _health(by_outcome: Mapping[str, float]) -> BandHealth:
     finished = float(sum(by_outcome.values()))
     if finished <= 0:
         return BandHealth(finished, None, None, None)
-    return BandHealth(finished,
-                      by_outcome.get(Outcome.COMPLETED.value, 0.0) / finished,
-                      by_outcome.get(Outcome.TRUNCATED.value, 0.0) / finished,
-                      by_outcome.get(Outcome.ABORTED.value, 0.0) / finished)
+    return BandHealth(
+        finished,
+        by_outcome.get(Outcome.COMPLETED.value, 0.0) / finished,
+        by_outcome.get(Outcome.TRUNCATED.value, 0.0) / finished,
+        by_outcome.get(Outcome.ABORTED.value, 0.0) / finished,
+    )
 
 
-def outcome_increase(current: Mapping[OutcomeKey, float],
-                     earlier: Mapping[OutcomeKey, float]) -> dict[OutcomeKey, float]:
+def outcome_increase(
+    current: Mapping[OutcomeKey, float], earlier: Mapping[OutcomeKey, float]
+) -> dict[OutcomeKey, float]:
     """Counts added since ``earlier`` (a key that went down was reset: its current count)."""
     return {key: counters.increase(earlier.get(key, 0.0), count) or 0.0 for key, count in current.items()}
 
@@ -67,8 +71,9 @@ def chosen_sources(keys: Iterable[Sequence[str]]) -> dict[str, set[str]]:
     seen: dict[str, set[str]] = {}
     for key in keys:
         seen.setdefault(key[0], set()).add(key[3])
-    return {replica: ({PROXY_SOURCE} if PROXY_SOURCE in sources else sources)
-            for replica, sources in seen.items()}
+    return {
+        replica: ({PROXY_SOURCE} if PROXY_SOURCE in sources else sources) for replica, sources in seen.items()
+    }
 
 
 @dataclass(frozen=True, slots=True)

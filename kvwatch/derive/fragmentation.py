@@ -81,8 +81,9 @@ def estimated_live_tokens(requests: Sequence[InFlightRequest], running: float | 
     return float(sum(r.prompt_tokens_estimate + r.generated_tokens for r in held))
 
 
-def fragmentation_ratio(live_tokens: float | None,
-                        allocated_tokens: float | None) -> tuple[float | None, str]:
+def fragmentation_ratio(
+    live_tokens: float | None, allocated_tokens: float | None
+) -> tuple[float | None, str]:
     """``1 - live / allocated`` with the reason when undefined.
 
     Nothing allocated and nothing live is 0 (no slot is wasted).
@@ -100,8 +101,9 @@ def fragmentation_ratio(live_tokens: float | None,
     return max(1.0 - live_tokens / allocated_tokens, 0.0), ""
 
 
-def replica_fragmentation(samples: Sequence[ReplicaSample], in_flight: Sequence[InFlightRequest],
-                          proxied: bool) -> list[Fragmentation]:
+def replica_fragmentation(
+    samples: Sequence[ReplicaSample], in_flight: Sequence[InFlightRequest], proxied: bool
+) -> list[Fragmentation]:
     """Fragmentation of one replica: per DP rank from engine counts, else one proxy estimate.
 
     ``samples`` are the replica's current samples (one per DP rank); ``in_flight`` the proxy's
@@ -110,19 +112,42 @@ def replica_fragmentation(samples: Sequence[ReplicaSample], in_flight: Sequence[
     """
     engine = [engine_live_tokens(s) for s in samples]
     if not proxied or all(live is not None for live in engine):
-        return [_result(s, live, ENGINE if live is not None else None, pool.allocated_tokens(s))
-                for s, live in zip(samples, engine, strict=True)]
+        return [
+            _result(s, live, ENGINE if live is not None else None, pool.allocated_tokens(s))
+            for s, live in zip(samples, engine, strict=True)
+        ]
     unit = samples[0] if len(samples) == 1 else replace(samples[0], dp_rank=None)
     running = counters.total([s.requests_running for s in samples])
     allocated = counters.total([pool.allocated_tokens(s) for s in samples])
     if running is not None and len(in_flight) < running:
-        return [Fragmentation(unit.replica, unit.model_name, unit.backend, unit.dp_rank, None, None,
-                              allocated, None, "the engine runs requests the proxy does not relay")]
+        return [
+            Fragmentation(
+                unit.replica,
+                unit.model_name,
+                unit.backend,
+                unit.dp_rank,
+                None,
+                None,
+                allocated,
+                None,
+                "the engine runs requests the proxy does not relay",
+            )
+        ]
     return [_result(unit, estimated_live_tokens(in_flight, running), PROXY_ESTIMATE, allocated)]
 
 
-def _result(sample: ReplicaSample, live: float | None, source: str | None,
-            allocated: float | None) -> Fragmentation:
+def _result(
+    sample: ReplicaSample, live: float | None, source: str | None, allocated: float | None
+) -> Fragmentation:
     ratio, note = fragmentation_ratio(live, allocated)
-    return Fragmentation(sample.replica, sample.model_name, sample.backend, sample.dp_rank, live, source,
-                         allocated, ratio, note)
+    return Fragmentation(
+        sample.replica,
+        sample.model_name,
+        sample.backend,
+        sample.dp_rank,
+        live,
+        source,
+        allocated,
+        ratio,
+        note,
+    )

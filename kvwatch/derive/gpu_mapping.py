@@ -52,8 +52,12 @@ class GpuMapping:
     notes: tuple[str, ...] = ()
 
 
-def map_replicas(replicas: Sequence[ReplicaTarget], processes: Mapping[int, ProcessInfo],
-                 inventory: Sequence[GpuRef], nvml_pids: Mapping[str, Collection[int]]) -> GpuMapping:
+def map_replicas(
+    replicas: Sequence[ReplicaTarget],
+    processes: Mapping[int, ProcessInfo],
+    inventory: Sequence[GpuRef],
+    nvml_pids: Mapping[str, Collection[int]],
+) -> GpuMapping:
     """Map every replica to its GPUs.
 
     ``processes``: kvwatch-namespace PID -> info, covering each replica's process tree.
@@ -79,7 +83,8 @@ def map_replicas(replicas: Sequence[ReplicaTarget], processes: Mapping[int, Proc
         if refs:
             replica_gpus[rep.name] = tuple(
                 (str(r.index) if r.index >= 0 else "", r.uuid, by)
-                for r in sorted(set(refs), key=lambda r: (r.index, r.uuid)))
+                for r in sorted(set(refs), key=lambda r: (r.index, r.uuid))
+            )
         for proc in tree:
             for pid in proc.all_pids if inner_matched else (proc.pid,):
                 owner = pid_replica.setdefault(pid, rep.name)
@@ -107,6 +112,7 @@ def process_tree(pid: int, processes: Mapping[int, ProcessInfo]) -> list[Process
 # ------------------------------------------------------------------------------------------------
 # the three kinds of evidence
 # ------------------------------------------------------------------------------------------------
+
 
 def _config_gpus(rep: ReplicaTarget, gpus: Sequence[GpuRef], notes: list[str]) -> list[GpuRef]:
     refs = []
@@ -166,16 +172,19 @@ class Attribution:
 def mig_parent_in_id(device_id: str) -> str | None:
     """The GPU UUID inside a pre-R470 MIG id, ``MIG-GPU-<uuid>/<gi>/<ci>`` (dcgm-exporter's
     ``getMIGDeviceInfoForOldDriver``); None for any other id."""
-    rest = device_id[len(MIG_PREFIX):] if device_id.upper().startswith(MIG_PREFIX) else ""
+    rest = device_id[len(MIG_PREFIX) :] if device_id.upper().startswith(MIG_PREFIX) else ""
     parts = rest.split("/")
     if len(parts) == 3 and parts[0].upper().startswith("GPU-") and parts[1].isdigit() and parts[2].isdigit():
         return parts[0]
     return None
 
 
-def attributable_grants(grants: Sequence[GpuGrant], gpus: Sequence[GpuRef],
-                        terminal_pods: Collection[tuple[str, str]] = (),
-                        mig_parents: Mapping[str, str] | None = None) -> Attribution:
+def attributable_grants(
+    grants: Sequence[GpuGrant],
+    gpus: Sequence[GpuRef],
+    terminal_pods: Collection[tuple[str, str]] = (),
+    mig_parents: Mapping[str, str] | None = None,
+) -> Attribution:
     """Grants that may attribute a GPU to a container, and the rest counted by reason.
 
     - a pod in a terminal phase (``terminal_pods``: Succeeded or Failed, from the API server) holds
@@ -233,8 +242,9 @@ def gpu_owners(grants: Sequence[GpuGrant], gpus: Sequence[GpuRef]) -> dict[str, 
     return owners
 
 
-def _pid_gpus(tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef],
-              nvml_pids: Mapping[str, Collection[int]]) -> tuple[list[GpuRef], bool]:
+def _pid_gpus(
+    tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef], nvml_pids: Mapping[str, Collection[int]]
+) -> tuple[list[GpuRef], bool]:
     """GPUs whose NVML process list holds one of the tree's PIDs; True when only the namespaced
     (in-container) PIDs matched."""
     own = {p.pid for p in tree}
@@ -246,8 +256,9 @@ def _pid_gpus(tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef],
     return found, bool(found)
 
 
-def _visible_gpus(name: str, tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef],
-                  notes: list[str]) -> list[GpuRef]:
+def _visible_gpus(
+    name: str, tree: Sequence[ProcessInfo], gpus: Sequence[GpuRef], notes: list[str]
+) -> list[GpuRef]:
     refs: list[GpuRef] = []
     for proc in tree:
         visible = visible_gpus(proc.cuda_visible_devices, proc.nvidia_visible_devices, gpus)
@@ -281,8 +292,7 @@ def visible_gpus(cuda: str | None, nvidia: str | None, gpus: Sequence[GpuRef]) -
             base = _pick(base, nvidia.split(","), notes, "NVIDIA_VISIBLE_DEVICES", stop=False)
     if cuda is not None:
         restricted = True
-        base = _pick(base, cuda.split(",") if cuda.strip() else [], notes, "CUDA_VISIBLE_DEVICES",
-                     stop=True)
+        base = _pick(base, cuda.split(",") if cuda.strip() else [], notes, "CUDA_VISIBLE_DEVICES", stop=True)
     if not restricted:
         return None
     return Visible(tuple(base), tuple(notes))

@@ -86,10 +86,12 @@ def finished_total(sample: ReplicaSample) -> float | None:
 
 def mean_finished_tokens(current: ReplicaSample, previous: ReplicaSample) -> float | None:
     """Mean prompt + output tokens of the requests that finished between the two samples."""
-    prompt = _histogram_mean(current.histogram(PROMPT_TOKENS_HISTOGRAM),
-                             previous.histogram(PROMPT_TOKENS_HISTOGRAM))
-    output = _histogram_mean(current.histogram(GENERATION_TOKENS_HISTOGRAM),
-                             previous.histogram(GENERATION_TOKENS_HISTOGRAM))
+    prompt = _histogram_mean(
+        current.histogram(PROMPT_TOKENS_HISTOGRAM), previous.histogram(PROMPT_TOKENS_HISTOGRAM)
+    )
+    output = _histogram_mean(
+        current.histogram(GENERATION_TOKENS_HISTOGRAM), previous.histogram(GENERATION_TOKENS_HISTOGRAM)
+    )
     if prompt is None or output is None:
         return None
     return prompt + output
@@ -104,16 +106,19 @@ def _histogram_mean(current: HistogramSnapshot | None, previous: HistogramSnapsh
     return (current.sum - previous.sum) / count
 
 
-def kv_growth(current: ReplicaSample, previous: ReplicaSample,
-              include_admissions: bool = True) -> tuple[Growth | None, str]:
+def kv_growth(
+    current: ReplicaSample, previous: ReplicaSample, include_admissions: bool = True
+) -> tuple[Growth | None, str]:
     """Token growth of the pool between two samples of the same unit, or the reason it is unknown."""
     dt = current.scraped_at - previous.scraped_at
     if dt <= 0:
         return None, "samples are not in time order"
     if current.requests_running is None:
         return None, "running requests unknown"
-    reads = [(previous.generation_tokens_total, current.generation_tokens_total),
-             (finished_total(previous), finished_total(current))]
+    reads = [
+        (previous.generation_tokens_total, current.generation_tokens_total),
+        (finished_total(previous), finished_total(current)),
+    ]
     if include_admissions:
         reads.append((previous.prompt_tokens_total, current.prompt_tokens_total))
     if any(counters.was_reset(before, now) for before, now in reads):
@@ -122,8 +127,11 @@ def kv_growth(current: ReplicaSample, previous: ReplicaSample,
     if generated is None:
         return None, "generation token counter missing"
     running_before = previous.requests_running
-    mean_running = current.requests_running if running_before is None else (
-        (running_before + current.requests_running) / 2)
+    mean_running = (
+        current.requests_running
+        if running_before is None
+        else ((running_before + current.requests_running) / 2)
+    )
     per_sequence = generated / dt / mean_running if mean_running > 0 else 0.0
     decode = per_sequence * current.requests_running
     admitted = 0.0
@@ -146,8 +154,9 @@ def kv_growth(current: ReplicaSample, previous: ReplicaSample,
     return Growth(decode, admitted, freed, per_sequence, batch_growth), ""
 
 
-def headroom(current: ReplicaSample, previous: ReplicaSample | None,
-             include_admissions: bool = True) -> Headroom:
+def headroom(
+    current: ReplicaSample, previous: ReplicaSample | None, include_admissions: bool = True
+) -> Headroom:
     """Seconds until the unit's KV pool is full at the growth since ``previous`` (see module doc)."""
     free = pool.free_tokens(current)
     if free is None:

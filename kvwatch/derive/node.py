@@ -138,8 +138,9 @@ def _oldest_of_two(kept: Sequence[T]) -> T | None:
     return kept[0] if len(kept) >= 2 else None
 
 
-def keep_window(history: tuple[T, ...], newest: T, at: Callable[[T], float],
-                window_s: float, max_items: int) -> tuple[T, ...]:
+def keep_window(
+    history: tuple[T, ...], newest: T, at: Callable[[T], float], window_s: float, max_items: int
+) -> tuple[T, ...]:
     """Append ``newest`` (unless it is the last one already) and drop what the window no longer needs.
 
     Keeps every item within ``window_s`` of the newest plus the newest one before that, so the
@@ -156,7 +157,7 @@ def keep_window(history: tuple[T, ...], newest: T, at: Callable[[T], float],
     for i, item in enumerate(items):
         if at(item) <= edge:
             first = i
-    return items[max(first, len(items) - max_items):]
+    return items[max(first, len(items) - max_items) :]
 
 
 def _scraped_at(sample: ReplicaSample) -> float:
@@ -167,15 +168,27 @@ def _sampled_at(gpu: GpuSample) -> float:
     return gpu.sampled_at
 
 
-def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
-                settings: DerivedSettings = DerivedSettings()) -> DerivedView:
+def derive_node(
+    previous: DerivedView | None,
+    inputs: NodeInputs,
+    now: float,
+    settings: DerivedSettings = DerivedSettings(),
+) -> DerivedView:
     """The node's derived signals now, and the memory for the next call."""
     prev = previous or DerivedView(computed_at=now)
-    history = {s.key: keep_window(prev.history.get(s.key, ()), s, _scraped_at, settings.rate_window_s,
-                                  settings.max_history) for s in inputs.samples}
-    gpu_history = {g.uuid: keep_window(prev.gpu_history.get(g.uuid, ()), g, _sampled_at,
-                                       settings.rate_window_s, settings.max_history)
-                   for g in inputs.gpus if not g.lost}
+    history = {
+        s.key: keep_window(
+            prev.history.get(s.key, ()), s, _scraped_at, settings.rate_window_s, settings.max_history
+        )
+        for s in inputs.samples
+    }
+    gpu_history = {
+        g.uuid: keep_window(
+            prev.gpu_history.get(g.uuid, ()), g, _sampled_at, settings.rate_window_s, settings.max_history
+        )
+        for g in inputs.gpus
+        if not g.lost
+    }
     view = DerivedView(now, history=history, gpu_history=gpu_history)
     preemptions = _preemptions(prev, inputs.samples, now, settings)
 
@@ -186,46 +199,90 @@ def derive_node(previous: DerivedView | None, inputs: NodeInputs, now: float,
     for request in inputs.in_flight:
         in_flight.setdefault(request.replica, []).append(request)
 
-    fragmentation = [f for name, samples in by_replica.items()
-                     for f in replica_fragmentation(samples, in_flight.get(name, ()), name in inputs.proxied)]
+    fragmentation = [
+        f
+        for name, samples in by_replica.items()
+        for f in replica_fragmentation(samples, in_flight.get(name, ()), name in inputs.proxied)
+    ]
     recompute = dict(prev.recompute)
     units = []
     for sample in inputs.samples:
         baseline = view.baseline(sample.key)
         estimate = recompute[sample.key] = accumulate_recompute(
-            prev.recompute.get(sample.key, RecomputeEstimate()), sample.preemptions_total,
-            _tokens_per_running(sample, fragmentation))
+            prev.recompute.get(sample.key, RecomputeEstimate()),
+            sample.preemptions_total,
+            _tokens_per_running(sample, fragmentation),
+        )
         value, source = recomputed_tokens(sample, estimate)
-        units.append(UnitSignals(sample, headroom(sample, baseline, settings.include_admissions),
-                                 preemption_rate(sample, baseline), value, source,
-                                 pool.usable_tokens(sample), pool.allocated_tokens(sample),
-                                 pool.free_tokens(sample)))
+        units.append(
+            UnitSignals(
+                sample,
+                headroom(sample, baseline, settings.include_admissions),
+                preemption_rate(sample, baseline),
+                value,
+                source,
+                pool.usable_tokens(sample),
+                pool.allocated_tokens(sample),
+                pool.free_tokens(sample),
+            )
+        )
     baselines = {s.key: b for s in inputs.samples if (b := view.baseline(s.key)) is not None}
     stranded = stranded_capacity(inputs.samples, baselines)
-    overcommit = [o for name, samples in by_replica.items() if name in inputs.proxied
-                  if (o := _replica_overcommit(samples, in_flight.get(name, ()))) is not None]
+    overcommit = [
+        o
+        for name, samples in by_replica.items()
+        if name in inputs.proxied
+        if (o := _replica_overcommit(samples, in_flight.get(name, ()))) is not None
+    ]
     gpu_links = _gpu_links(view, inputs, settings)
-    links = [link for name, samples in by_replica.items()
-             for link in _replica_links(name, samples, view, inputs, gpu_links, settings)]
-    payback = [p for name, samples in by_replica.items()
-               if (p := _replica_payback(name, samples, view, inputs)) is not None]
-    return DerivedView(now, tuple(fragmentation), tuple(units), tuple(overcommit),
-                       tuple(stranded.values()), tuple(links), tuple(gpu_links.values()),
-                       band_outcomes(inputs.outcomes), history, gpu_history, recompute, preemptions,
-                       tuple(payback))
+    links = [
+        link
+        for name, samples in by_replica.items()
+        for link in _replica_links(name, samples, view, inputs, gpu_links, settings)
+    ]
+    payback = [
+        p
+        for name, samples in by_replica.items()
+        if (p := _replica_payback(name, samples, view, inputs)) is not None
+    ]
+    return DerivedView(
+        now,
+        tuple(fragmentation),
+        tuple(units),
+        tuple(overcommit),
+        tuple(stranded.values()),
+        tuple(links),
+        tuple(gpu_links.values()),
+        band_outcomes(inputs.outcomes),
+        history,
+        gpu_history,
+        recompute,
+        preemptions,
+        tuple(payback),
+    )
 
 
-def _preemptions(prev: DerivedView, samples: Sequence[ReplicaSample], now: float,
-                 settings: DerivedSettings) -> dict[UnitKey, tuple[PreemptionWindow, ...]]:
+def _preemptions(
+    prev: DerivedView, samples: Sequence[ReplicaSample], now: float, settings: DerivedSettings
+) -> dict[UnitKey, tuple[PreemptionWindow, ...]]:
     """Every unit's preemption windows after this call (absent units keep theirs until they age out)."""
     keep_since = now - settings.preemption_memory_s
     sampled = {s.key for s in samples}
-    out = {key: fresh for key, kept in prev.preemptions.items() if key not in sampled
-           if (fresh := tuple(w for w in kept if w.end >= keep_since))}
+    out = {
+        key: fresh
+        for key, kept in prev.preemptions.items()
+        if key not in sampled
+        if (fresh := tuple(w for w in kept if w.end >= keep_since))
+    }
     for sample in samples:
         before = prev.history.get(sample.key, ())
-        kept = remember_preemptions(prev.preemptions.get(sample.key, ()), before[-1] if before else None,
-                                    sample, keep_since, settings.max_preemption_windows)
+        kept = remember_preemptions(
+            prev.preemptions.get(sample.key, ()),
+            before[-1] if before else None,
+            sample,
+            keep_since,
+            settings.max_preemption_windows,
+        )
         if kept:
             out[sample.key] = kept
     return out
@@ -243,14 +300,16 @@ def _tokens_per_running(sample: ReplicaSample, fragmentation: Sequence[Fragmenta
     return None if allocated is None else allocated / running
 
 
-def _replica_overcommit(samples: Sequence[ReplicaSample],
-                        requests: Sequence[InFlightRequest]) -> ReplicaOvercommit | None:
+def _replica_overcommit(
+    samples: Sequence[ReplicaSample], requests: Sequence[InFlightRequest]
+) -> ReplicaOvercommit | None:
     capacity = counters.total(pool.usable_tokens(s) for s in samples)
     if capacity is None:
         return None
     first = samples[0]
-    result = overcommitted_requests(requests, capacity, first.block_size,
-                                    counters.total(s.requests_running for s in samples))
+    result = overcommitted_requests(
+        requests, capacity, first.block_size, counters.total(s.requests_running for s in samples)
+    )
     rank = first.dp_rank if len(samples) == 1 else None
     return ReplicaOvercommit(first.replica, first.model_name, first.backend, rank, result)
 
@@ -259,12 +318,21 @@ def _gpu_links(view: DerivedView, inputs: NodeInputs, settings: DerivedSettings)
     """uuid -> PCIe rates and link state of every GPU polled now (none without ``link_bandwidth``)."""
     if inputs.link_bandwidth is None:
         return {}
-    return {g.uuid: gpu_link(g, view.gpu_baseline(g.uuid), inputs.link_bandwidth, settings.bus)
-            for g in sorted(inputs.gpus, key=lambda g: g.index) if not g.lost}
+    return {
+        g.uuid: gpu_link(g, view.gpu_baseline(g.uuid), inputs.link_bandwidth, settings.bus)
+        for g in sorted(inputs.gpus, key=lambda g: g.index)
+        if not g.lost
+    }
 
 
-def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedView, inputs: NodeInputs,
-                   gpu_links: Mapping[str, GpuLink], settings: DerivedSettings) -> list[TierLink]:
+def _replica_links(
+    name: str,
+    samples: Sequence[ReplicaSample],
+    view: DerivedView,
+    inputs: NodeInputs,
+    gpu_links: Mapping[str, GpuLink],
+    settings: DerivedSettings,
+) -> list[TierLink]:
     mapped = inputs.replica_gpus.get(name, ())
     if not mapped or not gpu_links:
         return []
@@ -278,8 +346,9 @@ def _replica_links(name: str, samples: Sequence[ReplicaSample], view: DerivedVie
     return [] if unit_rates is None else tier_links(name, unit_rates, gpus, settings.bus)
 
 
-def _unit_tier_rates(name: str, samples: Sequence[ReplicaSample], view: DerivedView,
-                     inputs: NodeInputs) -> list[list[TierRate]] | None:
+def _unit_tier_rates(
+    name: str, samples: Sequence[ReplicaSample], view: DerivedView, inputs: NodeInputs
+) -> list[list[TierRate]] | None:
     """Tier rates of each DP rank of a replica; None until every rank has a baseline."""
     kv_bytes = inputs.kv_bytes_per_token.get(name)
     mapped = inputs.replica_gpus.get(name, ())
@@ -295,8 +364,9 @@ def _unit_tier_rates(name: str, samples: Sequence[ReplicaSample], view: DerivedV
     return unit_rates
 
 
-def _replica_payback(name: str, samples: Sequence[ReplicaSample], view: DerivedView,
-                     inputs: NodeInputs) -> TierPayback | None:
+def _replica_payback(
+    name: str, samples: Sequence[ReplicaSample], view: DerivedView, inputs: NodeInputs
+) -> TierPayback | None:
     if not any(s.tier_traffic for s in samples):
         return None
     unit_rates = _unit_tier_rates(name, samples, view, inputs)

@@ -40,8 +40,12 @@ def footprint(tokens: float, block_size: int | None) -> float:
     return float(tokens)
 
 
-def overcommitted_requests(requests: Sequence[InFlightRequest], capacity_tokens: float,
-                           block_size: int | None = None, running: float | None = None) -> Overcommit:
+def overcommitted_requests(
+    requests: Sequence[InFlightRequest],
+    capacity_tokens: float,
+    block_size: int | None = None,
+    running: float | None = None,
+) -> Overcommit:
     """Count over-committed running requests of one replica (see module doc)."""
     held = running_requests(requests, running)
     total = 0.0

@@ -38,8 +38,9 @@ def preemption_rate(current: ReplicaSample, previous: ReplicaSample | None) -> f
     """Preemptions per second between two samples of one unit (restart-aware)."""
     if previous is None:
         return None
-    return counters.per_second(previous.preemptions_total, current.preemptions_total,
-                               current.scraped_at - previous.scraped_at)
+    return counters.per_second(
+        previous.preemptions_total, current.preemptions_total, current.scraped_at - previous.scraped_at
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +52,9 @@ class RecomputeEstimate:
     tokens_per_running: float | None = None  # last known mean tokens per running request
 
 
-def accumulate_recompute(state: RecomputeEstimate, preemptions_total: float | None,
-                         tokens_per_running: float | None) -> RecomputeEstimate:
+def accumulate_recompute(
+    state: RecomputeEstimate, preemptions_total: float | None, tokens_per_running: float | None
+) -> RecomputeEstimate:
     """Next estimator state after one sample.
 
     ``tokens_per_running`` is the mean tokens a running request holds at this sample (live tokens,
@@ -100,9 +102,13 @@ def preemption_windows(samples: Sequence[ReplicaSample]) -> list[PreemptionWindo
     return out
 
 
-def remember_preemptions(kept: Sequence[PreemptionWindow], previous: ReplicaSample | None,
-                         current: ReplicaSample, keep_since: float,
-                         max_windows: int) -> tuple[PreemptionWindow, ...]:
+def remember_preemptions(
+    kept: Sequence[PreemptionWindow],
+    previous: ReplicaSample | None,
+    current: ReplicaSample,
+    keep_since: float,
+    max_windows: int,
+) -> tuple[PreemptionWindow, ...]:
     """``kept`` plus the window between two consecutive samples of a unit if preemptions rose in it.
 
     A window that starts where the last one ended extends it (one window per preemption episode);
@@ -118,8 +124,9 @@ def remember_preemptions(kept: Sequence[PreemptionWindow], previous: ReplicaSamp
     return tuple(out[-max_windows:])
 
 
-def gap_overlaps_preemption(gap_seconds: float, gap_ended_at: float, windows: Iterable[PreemptionWindow],
-                            threshold_s: float) -> bool:
+def gap_overlaps_preemption(
+    gap_seconds: float, gap_ended_at: float, windows: Iterable[PreemptionWindow], threshold_s: float
+) -> bool:
     """A gap longer than ``threshold_s`` that overlaps one of the preemption windows."""
     if gap_seconds <= threshold_s:
         return False
@@ -127,8 +134,9 @@ def gap_overlaps_preemption(gap_seconds: float, gap_ended_at: float, windows: It
     return any(start < w.end and gap_ended_at > w.start for w in windows)
 
 
-def request_stalled(record: RequestRecord, windows: Iterable[PreemptionWindow],
-                    threshold_s: float = STALL_THRESHOLD_S) -> bool | None:
+def request_stalled(
+    record: RequestRecord, windows: Iterable[PreemptionWindow], threshold_s: float = STALL_THRESHOLD_S
+) -> bool | None:
     """Whether a finished request's longest gap was a stall; None when its source did not measure it.
 
     ``windows`` are those of the request's replica (every DP rank: the proxy cannot tell which one
@@ -137,4 +145,3 @@ def request_stalled(record: RequestRecord, windows: Iterable[PreemptionWindow],
     if record.max_gap_seconds is None or record.max_gap_ended_at is None:
         return None
     return gap_overlaps_preemption(record.max_gap_seconds, record.max_gap_ended_at, windows, threshold_s)
-

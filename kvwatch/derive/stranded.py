@@ -32,8 +32,9 @@ class Stranded:
     replicas: tuple[str, ...] = ()  # replicas whose samples went into it
 
 
-def stranded_capacity(current: Sequence[ReplicaSample],
-                      previous: Mapping[SampleKey, ReplicaSample]) -> dict[str, Stranded]:
+def stranded_capacity(
+    current: Sequence[ReplicaSample], previous: Mapping[SampleKey, ReplicaSample]
+) -> dict[str, Stranded]:
     """Stranded tokens per model name, for every model with a sample (0 when nothing is stranded).
 
     ``previous`` maps ``ReplicaSample.key`` to an earlier sample of the same unit (the baseline for

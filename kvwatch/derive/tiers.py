@@ -121,8 +121,9 @@ def direction(traffic: TierTraffic) -> str | None:
     return None
 
 
-def transferred_bytes(traffic: TierTraffic, block_size: int | None,
-                      kv_bytes_per_token: float | None) -> float | None:
+def transferred_bytes(
+    traffic: TierTraffic, block_size: int | None, kv_bytes_per_token: float | None
+) -> float | None:
     """Cumulative bytes of a tier counter, converted from tokens or blocks when the shape is known."""
     if traffic.bytes_total is not None:
         return traffic.bytes_total
@@ -135,8 +136,9 @@ def transferred_bytes(traffic: TierTraffic, block_size: int | None,
     return None
 
 
-def transferred_tokens(traffic: TierTraffic, block_size: int | None,
-                       kv_bytes_per_token: float | None) -> float | None:
+def transferred_tokens(
+    traffic: TierTraffic, block_size: int | None, kv_bytes_per_token: float | None
+) -> float | None:
     """Cumulative tokens of a tier counter: counted, else blocks x block size, else bytes / KV bytes
     per token."""
     if traffic.tokens_total is not None:
@@ -148,8 +150,9 @@ def transferred_tokens(traffic: TierTraffic, block_size: int | None,
     return None
 
 
-def tier_rates(current: ReplicaSample, previous: ReplicaSample,
-               kv_bytes_per_token: float | None = None) -> list[TierRate]:
+def tier_rates(
+    current: ReplicaSample, previous: ReplicaSample, kv_bytes_per_token: float | None = None
+) -> list[TierRate]:
     """Bytes (and tokens) per second of each GPU-crossing tier counter of one unit between two samples."""
     dt = current.scraped_at - previous.scraped_at
     before = {(t.family, t.src_tier, t.dst_tier): t for t in previous.tier_traffic}
@@ -161,11 +164,16 @@ def tier_rates(current: ReplicaSample, previous: ReplicaSample,
         old = before.get((traffic.family, traffic.src_tier, traffic.dst_tier))
         rate = tokens = None
         if old is not None:
-            rate = counters.per_second(transferred_bytes(old, previous.block_size, kv_bytes_per_token),
-                                       transferred_bytes(traffic, current.block_size, kv_bytes_per_token), dt)
+            rate = counters.per_second(
+                transferred_bytes(old, previous.block_size, kv_bytes_per_token),
+                transferred_bytes(traffic, current.block_size, kv_bytes_per_token),
+                dt,
+            )
             tokens = counters.per_second(
                 transferred_tokens(old, previous.block_size, kv_bytes_per_token),
-                transferred_tokens(traffic, current.block_size, kv_bytes_per_token), dt)
+                transferred_tokens(traffic, current.block_size, kv_bytes_per_token),
+                dt,
+            )
         out.append(TierRate(traffic.family, way, rate, tokens))
     return out
 
@@ -194,8 +202,12 @@ def tier_payback(replica: str, unit_rates: Sequence[Sequence[TierRate]]) -> Tier
     return TierPayback(replica, avoided, moved)
 
 
-def gpu_link(current: GpuSample, previous: GpuSample | None, link_bandwidth: LinkBandwidth,
-             thresholds: BusThresholds = BusThresholds()) -> GpuLink:
+def gpu_link(
+    current: GpuSample,
+    previous: GpuSample | None,
+    link_bandwidth: LinkBandwidth,
+    thresholds: BusThresholds = BusThresholds(),
+) -> GpuLink:
     """PCIe rates of one GPU between two polls, its link capacity now, and whether it is down-trained."""
     tx = rx = None
     if previous is not None:
@@ -207,8 +219,9 @@ def gpu_link(current: GpuSample, previous: GpuSample | None, link_bandwidth: Lin
     return GpuLink(current.index, current.uuid, tx, rx, capacity, _down_trained(current, tx, rx, thresholds))
 
 
-def _down_trained(gpu: GpuSample, tx: float | None, rx: float | None,
-                  thresholds: BusThresholds) -> bool | None:
+def _down_trained(
+    gpu: GpuSample, tx: float | None, rx: float | None, thresholds: BusThresholds
+) -> bool | None:
     narrower = _below(gpu.pcie_link_width_current, gpu.pcie_link_width_max)
     slower = _below(gpu.pcie_link_gen_current, gpu.pcie_link_gen_max)
     if narrower:
@@ -228,8 +241,12 @@ def _below(current: int | None, maximum: int | None) -> bool | None:
     return current < maximum
 
 
-def tier_links(replica: str, unit_rates: Sequence[Sequence[TierRate]], gpus: Sequence[GpuLink],
-               thresholds: BusThresholds = BusThresholds()) -> list[TierLink]:
+def tier_links(
+    replica: str,
+    unit_rates: Sequence[Sequence[TierRate]],
+    gpus: Sequence[GpuLink],
+    thresholds: BusThresholds = BusThresholds(),
+) -> list[TierLink]:
     """Join a replica's tier rates (one list per DP rank) with its GPUs' links, per direction."""
     if not gpus:
         return []
@@ -239,10 +256,14 @@ def tier_links(replica: str, unit_rates: Sequence[Sequence[TierRate]], gpus: Seq
     out = []
     for way in DIRECTIONS:
         kv = counters.total(unit_kv_rate(rates, way) for rates in unit_rates)
-        pcie = counters.total(g.tx_bytes_per_second if way == OFFLOAD else g.rx_bytes_per_second
-                              for g in gpus)
+        pcie = counters.total(
+            g.tx_bytes_per_second if way == OFFLOAD else g.rx_bytes_per_second for g in gpus
+        )
         bound = None if kv is None or capacity is None else kv >= thresholds.pcie_bound_fraction * capacity
-        foreign = None if kv is None or pcie is None else (
-            pcie > thresholds.foreign_factor * kv + thresholds.foreign_baseline_bytes_per_second)
+        foreign = (
+            None
+            if kv is None or pcie is None
+            else (pcie > thresholds.foreign_factor * kv + thresholds.foreign_baseline_bytes_per_second)
+        )
         out.append(TierLink(replica, way, kv, pcie, capacity, bound, down, foreign))
     return out

@@ -104,8 +104,9 @@ def in_cluster_url(environ: Mapping[str, str]) -> str:
     host = environ.get("KUBERNETES_SERVICE_HOST")
     port = environ.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
-        raise ApiError("config", "not in a cluster: KUBERNETES_SERVICE_HOST is not set; set "
-                                 "discovery.kubernetes.api_url")
+        raise ApiError(
+            "config", "not in a cluster: KUBERNETES_SERVICE_HOST is not set; set discovery.kubernetes.api_url"
+        )
     host = f"[{host}]" if ":" in host else host
     return f"https://{host}:{port}"
 
@@ -137,8 +138,11 @@ def decode_event(line: bytes) -> tuple[str, dict[str, Any]]:
         event = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise StreamError("malformed", f"watch event is not JSON: {exc}") from None
-    if not isinstance(event, dict) or event.get("type") not in EVENT_TYPES \
-            or not isinstance(event.get("object"), dict):
+    if (
+        not isinstance(event, dict)
+        or event.get("type") not in EVENT_TYPES
+        or not isinstance(event.get("object"), dict)
+    ):
         raise StreamError("malformed", "watch line is not an event {type, object}")
     kind, obj = event["type"], event["object"]
     if kind != "ERROR" and not isinstance(obj.get("metadata"), dict):
@@ -185,13 +189,20 @@ def status_error(status: Mapping[str, Any], http_code: int) -> ApiError:
     causes = [c for c in found if isinstance(c, Mapping)] if isinstance(found, list) else []
     if code == 410 or status.get("reason") in ("Expired", "Gone"):
         return GoneError(f"410 {status.get('reason') or 'Gone'} ({message})")
-    if any(c.get("reason") == "ResourceVersionTooLarge" for c in causes) or (code == 504 and (
+    if any(c.get("reason") == "ResourceVersionTooLarge" for c in causes) or (
+        code == 504
+        and (
             any(c.get("message") == "Too large resource version" for c in causes)
-            or "Too large resource version" in message)):
+            or "Too large resource version" in message
+        )
+    ):
         return TooLargeError(f"504 ({message})")
     if code in (401, 403):
-        return ApiError("http_status", f"HTTP {code} from the API server: the service account needs "
-                                       f"{' and '.join(POD_VERBS)} on pods (ClusterRole kvwatch-pod-reader)")
+        return ApiError(
+            "http_status",
+            f"HTTP {code} from the API server: the service account needs "
+            f"{' and '.join(POD_VERBS)} on pods (ClusterRole kvwatch-pod-reader)",
+        )
     return ApiError("http_status", f"HTTP {code} from the API server ({message})")
 
 
@@ -225,11 +236,17 @@ class PodWatch:
     self-metric sinks (NodeState.count / NodeState.report). ``run()`` loops until cancelled.
     """
 
-    def __init__(self, config: KubernetesDiscoveryConfig, node: str,
-                 on_change: Callable[[Pods], None], count: Count,
-                 report: Report, environ: Mapping[str, str] | None = None,
-                 sleep: Callable[[float], Any] = asyncio.sleep,
-                 on_stale: Callable[[bool], None] = lambda stale: None) -> None:
+    def __init__(
+        self,
+        config: KubernetesDiscoveryConfig,
+        node: str,
+        on_change: Callable[[Pods], None],
+        count: Count,
+        report: Report,
+        environ: Mapping[str, str] | None = None,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+        on_stale: Callable[[bool], None] = lambda stale: None,
+    ) -> None:
         self.config = config
         self.node = node
         self.pods: Pods = {}
@@ -247,8 +264,12 @@ class PodWatch:
     # -- the loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
         base = self.config.api_url or in_cluster_url(self._environ)
-        async with httpx.AsyncClient(base_url=base, verify=self._verify(base), follow_redirects=False,
-                                     timeout=httpx.Timeout(10.0, read=30.0)) as client:
+        async with httpx.AsyncClient(
+            base_url=base,
+            verify=self._verify(base),
+            follow_redirects=False,
+            timeout=httpx.Timeout(10.0, read=30.0),
+        ) as client:
             rv: str | None = None
             while True:
                 try:
@@ -285,9 +306,12 @@ class PodWatch:
             return ssl.create_default_context(cafile=ca)
         except (OSError, ssl.SSLError) as exc:
             detail = "does not exist" if not Path(ca).exists() else f"cannot be read as PEM ({exc})"
-            raise ApiError("config", f"discovery.kubernetes.ca_file {ca!r} {detail}; mount the API "
-                                     "server's CA there, or set ca_file: null to trust the system's "
-                                     "CAs") from None
+            raise ApiError(
+                "config",
+                f"discovery.kubernetes.ca_file {ca!r} {detail}; mount the API "
+                "server's CA there, or set ca_file: null to trust the system's "
+                "CAs",
+            ) from None
 
     def _headers(self) -> dict[str, str]:
         """A fresh read of the token each request: projected service account tokens rotate."""
@@ -349,8 +373,9 @@ class PodWatch:
             self._version_unavailable = True
             self._count(RELISTS)
             self._count(WATCH_ERRORS, exc.reason)
-            log.info("kubernetes: list at resourceVersion %s: %s; listing with a consistent read",
-                     version, exc)
+            log.info(
+                "kubernetes: list at resourceVersion %s: %s; listing with a consistent read", version, exc
+            )
             body = await self._get_list(client, "")
         self._version_unavailable = False
         try:
@@ -381,8 +406,9 @@ class PodWatch:
                 await self._check(resp)
                 return await _decoded_body(resp, self.config.max_list_bytes)
         except httpx.HTTPError as exc:
-            raise ApiError("unreachable",
-                           f"API server {client.base_url}: {type(exc).__name__}: {exc}") from None
+            raise ApiError(
+                "unreachable", f"API server {client.base_url}: {type(exc).__name__}: {exc}"
+            ) from None
 
     @staticmethod
     async def _check(resp: httpx.Response) -> None:
@@ -399,13 +425,19 @@ class PodWatch:
     async def _watch(self, client: httpx.AsyncClient, rv: str) -> str:
         """Apply events until the server ends the watch; return the resourceVersion to resume from."""
         timeout = int(self.config.watch_timeout_s * random.uniform(1.0, 2.0))  # as the reflector does
-        params = self._params(watch="1", resourceVersion=rv, allowWatchBookmarks="true",
-                              timeoutSeconds=str(timeout))
+        params = self._params(
+            watch="1", resourceVersion=rv, allowWatchBookmarks="true", timeoutSeconds=str(timeout)
+        )
         started = time.perf_counter()
         applied = 0
         try:
-            async with client.stream("GET", "/api/v1/pods", params=params, headers=self._headers(),
-                                     timeout=httpx.Timeout(10.0, read=timeout + 30.0)) as resp:
+            async with client.stream(
+                "GET",
+                "/api/v1/pods",
+                params=params,
+                headers=self._headers(),
+                timeout=httpx.Timeout(10.0, read=timeout + 30.0),
+            ) as resp:
                 await self._check(resp)
                 self._healthy(started)
                 async for kind, obj in self._events(resp):
@@ -413,8 +445,9 @@ class PodWatch:
                     self.status.resource_version = rv
                     applied += 1
         except httpx.HTTPError as exc:
-            raise ApiError("unreachable",
-                           f"watch on {client.base_url}: {type(exc).__name__}: {exc}") from None
+            raise ApiError(
+                "unreachable", f"watch on {client.base_url}: {type(exc).__name__}: {exc}"
+            ) from None
         if applied == 0 and time.perf_counter() - started < 1.0:
             await self._backoff()  # a server that ends every watch at once must not make this spin
         return rv

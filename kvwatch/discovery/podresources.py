@@ -45,8 +45,16 @@ def grants(pod_resources: Iterable[Any], resource_names: Sequence[str]) -> tuple
             for claim in container.dynamic_resources:
                 for resource in claim.claim_resources:
                     if resource.driver_name in DRA_GPU_DRIVERS:
-                        out.append(GpuGrant(pod.namespace, pod.name, container.name, resource.driver_name,
-                                            f"{resource.pool_name}/{resource.device_name}", dra=True))
+                        out.append(
+                            GpuGrant(
+                                pod.namespace,
+                                pod.name,
+                                container.name,
+                                resource.driver_name,
+                                f"{resource.pool_name}/{resource.device_name}",
+                                dra=True,
+                            )
+                        )
     return tuple(out)
 
 
@@ -61,6 +69,7 @@ async def list_grants(socket: str, resource_names: Sequence[str], timeout_s: flo
             stub = api_pb2_grpc.PodResourcesListerStub(channel)
             response = await stub.List(api_pb2.ListPodResourcesRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
-        raise PodResourcesError(f"kubelet PodResources List on {socket}: {exc.code().name}: "
-                                f"{exc.details()}") from None
+        raise PodResourcesError(
+            f"kubelet PodResources List on {socket}: {exc.code().name}: {exc.details()}"
+        ) from None
     return grants(response.pod_resources, resource_names)

@@ -115,8 +115,9 @@ def is_running(pod: Mapping[str, Any]) -> bool:
     """Running, a pod IP, not terminating: a pod whose containers can answer, ready or not."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    return not meta.get("deletionTimestamp") and status.get("phase") == "Running" \
-        and bool(status.get("podIP"))
+    return (
+        not meta.get("deletionTimestamp") and status.get("phase") == "Running" and bool(status.get("podIP"))
+    )
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
@@ -124,8 +125,9 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
     if not is_running(pod):
         return False
     conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
-               for c in conditions)
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+    )
 
 
 def judge_pod(pod: Mapping[str, Any], recognise: bool = True) -> PodVerdict:
@@ -163,11 +165,19 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
     ip = str((pod.get("status") or {}).get("podIP"))
     host = f"[{ip}]" if ":" in ip else ip
     namespace, name = pod_key(pod)
-    return PodVerdict(PodEngine(
-        namespace=namespace, pod=name, uid=str(meta.get("uid") or ""),
-        metrics_url=f"http://{host}:{port}{path}", backend=backend, model_name=model,
-        recognised_by=kind, container=str(container.get("name")) if container else None,
-        ready=is_ready(pod)))
+    return PodVerdict(
+        PodEngine(
+            namespace=namespace,
+            pod=name,
+            uid=str(meta.get("uid") or ""),
+            metrics_url=f"http://{host}:{port}{path}",
+            backend=backend,
+            model_name=model,
+            recognised_by=kind,
+            container=str(container.get("name")) if container else None,
+            ready=is_ready(pod),
+        )
+    )
 
 
 def _str_map(node: Any) -> dict[str, str]:
@@ -204,8 +214,10 @@ def _backend(annotations: Mapping[str, str], problems: list[tuple[str, str]], ki
 
 
 def _path(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind: str) -> str:
-    key = next((k for k in (PATH, KSERVE_PATH if kind == "kserve" else None, PROM_PATH)
-                if k and annotations.get(k)), None)
+    key = next(
+        (k for k in (PATH, KSERVE_PATH if kind == "kserve" else None, PROM_PATH) if k and annotations.get(k)),
+        None,
+    )
     if key is None:
         return "/metrics"
     raw = annotations[key]
@@ -214,8 +226,13 @@ def _path(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind:
     return raw
 
 
-def _port(annotations: Mapping[str, str], problems: list[tuple[str, str]], kind: str,
-          container: Mapping[str, Any] | None, containers: Sequence[Mapping[str, Any]]) -> int | None:
+def _port(
+    annotations: Mapping[str, str],
+    problems: list[tuple[str, str]],
+    kind: str,
+    container: Mapping[str, Any] | None,
+    containers: Sequence[Mapping[str, Any]],
+) -> int | None:
     raw = annotations.get(PORT) or (annotations.get(KSERVE_PORT) if kind == "kserve" else None)
     if raw is not None:
         text = raw.strip()
@@ -275,8 +292,11 @@ def _command_line(container: Mapping[str, Any]) -> list[str]:
 
 def _literal_env(container: Mapping[str, Any]) -> dict[str, str]:
     """The container's env entries with a literal ``value`` (``valueFrom`` is not in the pod object)."""
-    return {str(e["name"]): str(e["value"]) for e in container.get("env") or []
-            if isinstance(e, Mapping) and isinstance(e.get("name"), str) and isinstance(e.get("value"), str)}
+    return {
+        str(e["name"]): str(e["value"])
+        for e in container.get("env") or []
+        if isinstance(e, Mapping) and isinstance(e.get("name"), str) and isinstance(e.get("value"), str)
+    }
 
 
 def _kubelet_expand(arg: str, env: Mapping[str, str]) -> str:
@@ -342,8 +362,10 @@ def _engine_of(container: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _recognise(labels: Mapping[str, str], containers: Sequence[Mapping[str, Any]],
-               ) -> tuple[str, Mapping[str, Any] | None] | None:
+def _recognise(
+    labels: Mapping[str, str],
+    containers: Sequence[Mapping[str, Any]],
+) -> tuple[str, Mapping[str, Any] | None] | None:
     """(how it was recognised, the engine container), or None for a pod that is no known engine."""
     engine = next((c for c in containers if _engine_of(c)), None)
     if KSERVE_LABEL in labels:

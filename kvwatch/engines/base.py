@@ -73,12 +73,14 @@ class VersionHint:
     hint: str
 
 
-def version_hint(expo: Exposition, table: Sequence[VersionHint], default: str,
-                 facts: frozenset[str] = frozenset()) -> str:
+def version_hint(
+    expo: Exposition, table: Sequence[VersionHint], default: str, facts: frozenset[str] = frozenset()
+) -> str:
     """The first row of ``table`` the page satisfies (rows are ordered most specific first).
 
     ``facts`` are pseudo-names an adapter asserts about the page (``"label:engine"``).
     """
+
     def has(name: str) -> bool:
         return name in facts or expo.has(name)
 
@@ -107,8 +109,13 @@ class RankView:
 
     __slots__ = ("_combos", "_names", "expo", "key", "lowest", "ranked")
 
-    def __init__(self, expo: Exposition, key: Mapping[str, str | None],
-                 lowest: tuple[str, ...] = (), ranked: bool = False) -> None:
+    def __init__(
+        self,
+        expo: Exposition,
+        key: Mapping[str, str | None],
+        lowest: tuple[str, ...] = (),
+        ranked: bool = False,
+    ) -> None:
         self.expo = expo
         self.key = dict(key)
         self.lowest = lowest
@@ -228,8 +235,9 @@ def read_fields(view: RankView, table: Iterable[Field]) -> dict[str, float | Non
     return {f.attr: view.value(*f.names, shared=f.shared) for f in table}
 
 
-def read_histograms(view: RankView, table: Mapping[str, tuple[str, ...]],
-                    shared: bool = False) -> tuple[tuple[str, HistogramSnapshot], ...]:
+def read_histograms(
+    view: RankView, table: Mapping[str, tuple[str, ...]], shared: bool = False
+) -> tuple[tuple[str, HistogramSnapshot], ...]:
     out = []
     for key, names in table.items():
         snap = view.histogram(*names, shared=shared)
@@ -245,11 +253,15 @@ def traffic(family: str, src: str, dst: str, **amounts: float | None) -> TierTra
     return TierTraffic(family, src, dst, **amounts)
 
 
-def rank_keys(expo: Exposition, anchors: Iterable[str], rank_label: str,
-              model_label: str = "model_name") -> list[tuple[str | None, str | None]]:
+def rank_keys(
+    expo: Exposition, anchors: Iterable[str], rank_label: str, model_label: str = "model_name"
+) -> list[tuple[str | None, str | None]]:
     """(model, rank) pairs of the anchor families' series, ordered by model then numeric rank."""
-    found = {(labels.get(model_label), labels.get(rank_label))
-             for name in anchors for labels, _ in expo.series(name)}
+    found = {
+        (labels.get(model_label), labels.get(rank_label))
+        for name in anchors
+        for labels, _ in expo.series(name)
+    }
     return sorted(found, key=lambda k: (k[0] or "", rank_sort_key(k[1])))
 
 
@@ -279,9 +291,20 @@ def as_int(value: str | float | None) -> int | None:
 
 #: ReplicaSample fields an engine may or may not measure (what ``inspect`` lists as missing).
 MEASURED_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in fields(ReplicaSample)
-    if f.name not in ("replica", "backend", "scraped_at", "model_name", "dp_rank", "version_hint",
-                      "finished_requests_total", "tier_traffic", "histograms")
+    f.name
+    for f in fields(ReplicaSample)
+    if f.name
+    not in (
+        "replica",
+        "backend",
+        "scraped_at",
+        "model_name",
+        "dp_rank",
+        "version_hint",
+        "finished_requests_total",
+        "tier_traffic",
+        "histograms",
+    )
 )
 
 

@@ -64,8 +64,10 @@ FRONTEND_HISTOGRAMS: dict[str, tuple[str, ...]] = {
 }
 
 KVSTATS_FIELDS: tuple[Field, ...] = (
-    Field("kv_usage_ratio", ("dynamo_component_gpu_cache_usage_percent",
-                             "dynamo_component_kvstats_gpu_cache_usage_percent")),
+    Field(
+        "kv_usage_ratio",
+        ("dynamo_component_gpu_cache_usage_percent", "dynamo_component_kvstats_gpu_cache_usage_percent"),
+    ),
     Field("kv_used_blocks", ("dynamo_component_kvstats_active_blocks",)),
     Field("num_gpu_blocks", ("dynamo_component_total_blocks", "dynamo_component_kvstats_total_blocks")),
 )
@@ -80,8 +82,11 @@ VERSION_HINTS: tuple[VersionHint, ...] = (
 
 
 def detect(expo: Exposition) -> bool:
-    return (expo.has_prefix(FRONTEND) or any(expo.has(n) for n in KVBM_BLOCKS)
-            or any(expo.has(n) for n in KVSTATS_ANCHORS))
+    return (
+        expo.has_prefix(FRONTEND)
+        or any(expo.has(n) for n in KVBM_BLOCKS)
+        or any(expo.has(n) for n in KVSTATS_ANCHORS)
+    )
 
 
 class _ModelView(RankView):
@@ -114,17 +119,23 @@ def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -
         values = read_fields(view, FRONTEND_FIELDS)
         active = view.value(*FRONTEND_ACTIVE)
         queued = values["requests_waiting"]
-        out.append(sample(
-            replica, BACKEND, scraped_at,
-            model_name=model,
-            version_hint=version,
-            block_size=as_int(view.value("dynamo_frontend_model_kv_cache_block_size")),
-            num_gpu_blocks=as_int(view.value("dynamo_frontend_model_total_kv_blocks")),
-            requests_running=max(active - queued, 0.0) if active is not None and queued is not None else None,
-            finished_requests_total=view.by_label("dynamo_frontend_requests_total", "status"),
-            histograms=read_histograms(view, FRONTEND_HISTOGRAMS),
-            **values,
-        ))
+        out.append(
+            sample(
+                replica,
+                BACKEND,
+                scraped_at,
+                model_name=model,
+                version_hint=version,
+                block_size=as_int(view.value("dynamo_frontend_model_kv_cache_block_size")),
+                num_gpu_blocks=as_int(view.value("dynamo_frontend_model_total_kv_blocks")),
+                requests_running=max(active - queued, 0.0)
+                if active is not None and queued is not None
+                else None,
+                finished_requests_total=view.by_label("dynamo_frontend_requests_total", "status"),
+                histograms=read_histograms(view, FRONTEND_HISTOGRAMS),
+                **values,
+            )
+        )
     return out
 
 
@@ -136,9 +147,18 @@ def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) ->
         view = RankView(expo, {"model": model, "dp_rank": dp_rank}, ranked=ranked)
         values = read_fields(view, KVSTATS_FIELDS)
         blocks = as_int(values.pop("num_gpu_blocks"))
-        out.append(sample(replica, BACKEND, scraped_at, model_name=model,
-                          dp_rank=None if dp_rank in (None, "none") else dp_rank,
-                          version_hint=version, num_gpu_blocks=blocks, **values))
+        out.append(
+            sample(
+                replica,
+                BACKEND,
+                scraped_at,
+                model_name=model,
+                dp_rank=None if dp_rank in (None, "none") else dp_rank,
+                version_hint=version,
+                num_gpu_blocks=blocks,
+                **values,
+            )
+        )
     return out
 
 
@@ -146,19 +166,30 @@ def _kvbm(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
     if not any(expo.has(n) for n in (*KVBM_BLOCKS, *KVBM_BYTES)):
         return []
     view = RankView(expo, {})
-    tiers = [traffic("kvbm", src, dst, blocks_total=view.value(name))
-             for name, (src, dst) in KVBM_BLOCKS.items()]
-    tiers += [traffic("kvbm", src, dst, bytes_total=view.value(name))
-              for name, (src, dst) in KVBM_BYTES.items()]
-    return [sample(replica, BACKEND, scraped_at, version_hint="dynamo KVBM (block counters, no labels)",
-                   tier_traffic=tuple(t for t in tiers if t is not None))]
+    tiers = [
+        traffic("kvbm", src, dst, blocks_total=view.value(name)) for name, (src, dst) in KVBM_BLOCKS.items()
+    ]
+    tiers += [
+        traffic("kvbm", src, dst, bytes_total=view.value(name)) for name, (src, dst) in KVBM_BYTES.items()
+    ]
+    return [
+        sample(
+            replica,
+            BACKEND,
+            scraped_at,
+            version_hint="dynamo KVBM (block counters, no labels)",
+            tier_traffic=tuple(t for t in tiers if t is not None),
+        )
+    ]
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
     version = version_hint(expo, VERSION_HINTS, "dynamo")
-    return [*_frontend(expo, replica, scraped_at, version),
-            *_kvstats(expo, replica, scraped_at, version),
-            *_kvbm(expo, replica, scraped_at)]
+    return [
+        *_frontend(expo, replica, scraped_at, version),
+        *_kvstats(expo, replica, scraped_at, version),
+        *_kvbm(expo, replica, scraped_at),
+    ]
 
 
 def notes(expo: Exposition) -> list[str]:

@@ -50,10 +50,19 @@ from kvwatch.safetext import terminal_safe
 Labels = dict[str, str]
 
 #: Known ``# TYPE`` words (0.0.4 plus OpenMetrics); anything else is malformed.
-TYPES = frozenset({
-    "counter", "gauge", "histogram", "summary", "untyped", "unknown", "info", "stateset",
-    "gaugehistogram",
-})
+TYPES = frozenset(
+    {
+        "counter",
+        "gauge",
+        "histogram",
+        "summary",
+        "untyped",
+        "unknown",
+        "info",
+        "stateset",
+        "gaugehistogram",
+    }
+)
 
 #: Suffixes a family's samples may carry on top of the family name.
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_gcount", "_gsum")
@@ -115,9 +124,14 @@ class Exposition:
 
     __slots__ = ("_by_name", "_groups", "_prefixes", "dropped", "families", "lines")
 
-    def __init__(self, families: dict[str, Family], lines: int,
-                 by_name: dict[str, list[tuple[Labels, float]]] | None = None,
-                 dropped: Counter[str] | None = None, prefixes: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        families: dict[str, Family],
+        lines: int,
+        by_name: dict[str, list[tuple[Labels, float]]] | None = None,
+        dropped: Counter[str] | None = None,
+        prefixes: set[str] | None = None,
+    ) -> None:
         self.families = families
         self.lines = lines
         self.dropped: Counter[str] = dropped if dropped is not None else Counter()
@@ -255,10 +269,12 @@ def _check_ending(text: str) -> None:
     if not text or text.endswith("\n"):
         return
     cut = text.rfind("\n")
-    last = text[cut + 1:]
+    last = text[cut + 1 :]
     if last.strip() and last.strip() != "# EOF":
-        raise ExpositionError(text.count("\n") + 1,
-                              f"body ends without a newline inside {_shown(last)}: the scrape was truncated")
+        raise ExpositionError(
+            text.count("\n") + 1,
+            f"body ends without a newline inside {_shown(last)}: the scrape was truncated",
+        )
 
 
 class _Folder:
@@ -308,8 +324,11 @@ class _Page:
         for raw in lines:
             self.lineno += 1
             if len(raw) > self.max_line:
-                raise ExpositionError(self.lineno, f"line of {len(raw)} characters, over the {self.max_line}"
-                                                   "-character limit (scrape.max_line_length)")
+                raise ExpositionError(
+                    self.lineno,
+                    f"line of {len(raw)} characters, over the {self.max_line}"
+                    "-character limit (scrape.max_line_length)",
+                )
             line = raw[:-1] if raw.endswith("\r") else raw
             if not line or line.isspace():
                 continue
@@ -364,8 +383,9 @@ class _Page:
             _add_prefixes(name, self.prefixes)
         if where is None:
             if len(self.seen) >= self.max_series:
-                raise TooManySeriesError(self.lineno, f"more than {self.max_series} series on one page "
-                                                      "(scrape.max_series)")
+                raise TooManySeriesError(
+                    self.lineno, f"more than {self.max_series} series on one page (scrape.max_series)"
+                )
             self.seen[key] = (len(fam.samples), len(series))
             fam.samples.append((name, labels, value))
             series.append((labels, value))
@@ -381,8 +401,9 @@ class _Page:
         return Exposition(self.families, self.lineno, self.by_name, self.dropped, self.prefixes)
 
 
-def parse_steps(text: str, limits: Limits = DEFAULT_LIMITS,
-                slice_chars: int = 32 * 1024) -> Generator[None, None, Exposition]:
+def parse_steps(
+    text: str, limits: Limits = DEFAULT_LIMITS, slice_chars: int = 32 * 1024
+) -> Generator[None, None, Exposition]:
     """Parse an exposition, yielding after every ~``slice_chars`` of input; returns the Exposition.
 
     Raises ``ExpositionError`` (with line number) on anything malformed.
@@ -431,10 +452,11 @@ def _comment(line: str, lineno: int, families: dict[str, Family]) -> None:
         return
     kind = parts[3].strip().lower() if len(parts) > 3 else ""
     if kind not in TYPES:
-        raise ExpositionError(lineno, f"unknown metric type {_shown(kind)} for {name} (expected one of "
-                                      f"{', '.join(sorted(TYPES))})")
+        raise ExpositionError(
+            lineno,
+            f"unknown metric type {_shown(kind)} for {name} (expected one of {', '.join(sorted(TYPES))})",
+        )
     if fam is None:
         families[name] = Family(name, kind)
     else:
         fam.type = kind
-

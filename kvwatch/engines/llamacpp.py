@@ -55,8 +55,11 @@ PROMPT_PROCESSED = "llamacpp:prompt_tokens_total"
 PROMPT_CACHED = "llamacpp:prompt_tokens_cached_total"
 
 VERSION_HINTS: tuple[VersionHint, ...] = (
-    VersionHint(("llamacpp:kv_cache_usage_ratio",), (),
-                "llama.cpp <= early 2025 (kv_cache_usage_ratio, kv_cache_tokens)"),
+    VersionHint(
+        ("llamacpp:kv_cache_usage_ratio",),
+        (),
+        "llama.cpp <= early 2025 (kv_cache_usage_ratio, kv_cache_tokens)",
+    ),
     VersionHint((PROMPT_CACHED,), (), "llama.cpp 2026 (prompt_tokens_cached_total; KV only on /slots)"),
 )
 DEFAULT_HINT = "llama.cpp 2025 (no KV gauge; KV only on /slots)"
@@ -75,14 +78,18 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
     values = read_fields(view, FIELDS)
     processed, cached = view.value(PROMPT_PROCESSED), view.value(PROMPT_CACHED)
     prompt = processed + cached if processed is not None and cached is not None else processed
-    return [sample(
-        replica, BACKEND, scraped_at,
-        version_hint=version_hint(expo, VERSION_HINTS, DEFAULT_HINT),
-        prompt_tokens_total=prompt,
-        prefix_cache_queries_total=prompt if cached is not None else None,
-        prefix_cache_hits_total=cached,
-        **values,
-    )]
+    return [
+        sample(
+            replica,
+            BACKEND,
+            scraped_at,
+            version_hint=version_hint(expo, VERSION_HINTS, DEFAULT_HINT),
+            prompt_tokens_total=prompt,
+            prefix_cache_queries_total=prompt if cached is not None else None,
+            prefix_cache_hits_total=cached,
+            **values,
+        )
+    ]
 
 
 def _int(value: Any) -> int | None:
@@ -161,6 +168,9 @@ def _with_slots(body: bytes, samples: tuple[ReplicaSample, ...]) -> tuple[Replic
 
 
 #: ``/slots``, fetched after ``/metrics``: the only KV source of newer builds
-EXTRA_PAGE = ExtraPage("/slots", ACCEPT_JSON, _with_slots,
-                       "KV numbers from /slots unavailable (start llama-server with --slots, "
-                       "or set replicas[].slots_url)")
+EXTRA_PAGE = ExtraPage(
+    "/slots",
+    ACCEPT_JSON,
+    _with_slots,
+    "KV numbers from /slots unavailable (start llama-server with --slots, or set replicas[].slots_url)",
+)

@@ -42,8 +42,11 @@ def _model(labels: Labels) -> str | None:
 
 
 def _series(expo: Exposition, name: str, model: str | None) -> list[tuple[Labels, float]]:
-    found = [(lab, v) for lab, v in expo.series(name)
-             if lab.get("role", "worker") == "worker" and not math.isnan(v)]
+    found = [
+        (lab, v)
+        for lab, v in expo.series(name)
+        if lab.get("role", "worker") == "worker" and not math.isnan(v)
+    ]
     models = {_model(lab) for lab, _ in found}
     if len(models) > 1:  # several models on one page: keep this model's only
         found = [(lab, v) for lab, v in found if _model(lab) == model]

@@ -21,8 +21,10 @@ from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, parse_fa
 from kvwatch.workers import WorkerProcess, brief_error
 
 _ERRORS: dict[str, type[Exception]] = {
-    "TooManySeriesError": TooManySeriesError, "ExpositionError": ExpositionError,
-    "BudgetExceededError": BudgetExceededError, "NoEngineMetricsError": NoEngineMetricsError,
+    "TooManySeriesError": TooManySeriesError,
+    "ExpositionError": ExpositionError,
+    "BudgetExceededError": BudgetExceededError,
+    "NoEngineMetricsError": NoEngineMetricsError,
     "ScrapeError": ScrapeError,
 }
 
@@ -31,8 +33,16 @@ class AdapterError(Exception):
     """The adapter raised in the worker (its type name and a short text, never the page)."""
 
 
-def parse_page(body: bytes, content_type: str, replica: str, url: str, backend: str, scraped_at: float,
-               limits: Limits, budget_s: float) -> ParseResult:
+def parse_page(
+    body: bytes,
+    content_type: str,
+    replica: str,
+    url: str,
+    backend: str,
+    scraped_at: float,
+    limits: Limits,
+    budget_s: float,
+) -> ParseResult:
     """Check, parse and adapt one page within ``budget_s`` of CPU (what the worker runs per request)."""
     text = metrics_text(body, content_type, replica=replica, url=url)
     expo = run_budgeted(parse_steps(text, limits), budget_s)
@@ -69,9 +79,19 @@ def _unpack(reply: tuple[Any, ...]) -> ParseResult:
     raise _ERRORS.get(kind, AdapterError)(*args)
 
 
-async def parse_in_worker(worker: WorkerProcess, body: bytes, content_type: str, replica: str, url: str,
-                          backend: str, scraped_at: float, limits: Limits, budget_s: float) -> ParseResult:
+async def parse_in_worker(
+    worker: WorkerProcess,
+    body: bytes,
+    content_type: str,
+    replica: str,
+    url: str,
+    backend: str,
+    scraped_at: float,
+    limits: Limits,
+    budget_s: float,
+) -> ParseResult:
     """``parse_page`` in the worker process; raises what it raises, or ``WorkerFailedError``."""
-    [reply] = await worker.call(answer, (content_type, replica, url, backend, scraped_at, limits,
-                                         budget_s), body)
+    [reply] = await worker.call(
+        answer, (content_type, replica, url, backend, scraped_at, limits, budget_s), body
+    )
     return _unpack(reply)

@@ -80,8 +80,9 @@ def _why_nothing(expo: Exposition, backend: str) -> str:
     return f"expected {wanted}, found {len(names)} other series names: {shown}{hint}"
 
 
-def parse_families(expo: Exposition, replica: str, backend: str = "auto",
-                   scraped_at: float | None = None) -> ParseResult:
+def parse_families(
+    expo: Exposition, replica: str, backend: str = "auto", scraped_at: float | None = None
+) -> ParseResult:
     """Parse an already-parsed page with the given (or detected) backend's adapter."""
     when = time.time() if scraped_at is None else scraped_at
     chosen = detect_backend(expo) if backend == "auto" else backend
@@ -97,8 +98,9 @@ def parse_families(expo: Exposition, replica: str, backend: str = "auto",
     return ParseResult(chosen, samples, notes, tuple(sorted(expo.dropped.items())))
 
 
-def parse_exposition(text: str, replica: str, backend: str = "auto",
-                     scraped_at: float | None = None) -> ParseResult:
+def parse_exposition(
+    text: str, replica: str, backend: str = "auto", scraped_at: float | None = None
+) -> ParseResult:
     """Exposition text -> the replicas on it. Raises ``ExpositionError`` (malformed text) or
     ``NoEngineMetricsError`` (valid text without engine families)."""
     return parse_families(parse_text(text), replica, backend, scraped_at)

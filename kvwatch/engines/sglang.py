@@ -54,7 +54,10 @@ PREFIX = "sglang:"
 COPY_LABELS = ("tp_rank", "pp_rank", "attn_cp_rank", "moe_ep_rank")
 
 ANCHORS = (
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_used_tokens",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:num_used_tokens",
     "sglang:max_total_num_tokens",
 )
 
@@ -89,23 +92,45 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
 
 VERSION_HINTS: tuple[VersionHint, ...] = (
     VersionHint(("sglang:kv_used_tokens",), (), "sglang>=0.5.12 (kv_used/available/evictable_tokens)"),
-    VersionHint(("sglang:max_total_num_tokens", "sglang:num_retracted_requests_total"), (),
-                "sglang 0.5.8-0.5.11 (max_total_num_tokens, retraction counters)"),
-    VersionHint(("sglang:max_total_num_tokens",), (),
-                "sglang 0.5.6-0.5.8 (max_total_num_tokens; retractions only as a per-interval gauge)"),
-    VersionHint(("sglang:num_retracted_reqs",), (),
-                "sglang 0.5.3-0.5.5 (no capacity gauge; retractions only as a per-interval gauge)"),
-    VersionHint(("sglang:total_retracted_reqs",), (),
-                "sglang 0.4.10-0.5.1 (no capacity gauge; retractions only as a per-interval gauge)"),
+    VersionHint(
+        ("sglang:max_total_num_tokens", "sglang:num_retracted_requests_total"),
+        (),
+        "sglang 0.5.8-0.5.11 (max_total_num_tokens, retraction counters)",
+    ),
+    VersionHint(
+        ("sglang:max_total_num_tokens",),
+        (),
+        "sglang 0.5.6-0.5.8 (max_total_num_tokens; retractions only as a per-interval gauge)",
+    ),
+    VersionHint(
+        ("sglang:num_retracted_reqs",),
+        (),
+        "sglang 0.5.3-0.5.5 (no capacity gauge; retractions only as a per-interval gauge)",
+    ),
+    VersionHint(
+        ("sglang:total_retracted_reqs",),
+        (),
+        "sglang 0.4.10-0.5.1 (no capacity gauge; retractions only as a per-interval gauge)",
+    ),
 )
 DEFAULT_HINT = "sglang<=0.4.9 (no capacity gauge, no retraction metrics)"
 
 #: HiCache L1 (GPU) <-> L2 (host): (src, dst, tokens, bytes, duration histogram)
 HICACHE = (
-    ("host", "gpu", "sglang:load_back_tokens_total", "sglang:load_back_bytes_total",
-     "sglang:load_back_duration_seconds"),
-    ("gpu", "host", "sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total",
-     "sglang:hicache_backup_duration_seconds"),
+    (
+        "host",
+        "gpu",
+        "sglang:load_back_tokens_total",
+        "sglang:load_back_bytes_total",
+        "sglang:load_back_duration_seconds",
+    ),
+    (
+        "gpu",
+        "host",
+        "sglang:hicache_backup_tokens_total",
+        "sglang:hicache_backup_bytes_total",
+        "sglang:hicache_backup_duration_seconds",
+    ),
 )
 #: HiCache L2 (host) <-> L3 storage: (direction, tokens counter); the L3 tier from `storage_backend`.
 STORAGE = (("load", "sglang:prefetched_tokens_total"), ("store", "sglang:backuped_tokens_total"))
@@ -134,8 +159,14 @@ def _duration(view: RankView, name: str) -> float | None:
 
 def _tier_traffic(view: RankView) -> list[TierTraffic | None]:
     out = [
-        traffic("sglang_hicache", src, dst, tokens_total=_kv_pool(view, tokens),
-                bytes_total=view.value(bytes_), seconds_total=_duration(view, hist))
+        traffic(
+            "sglang_hicache",
+            src,
+            dst,
+            tokens_total=_kv_pool(view, tokens),
+            bytes_total=view.value(bytes_),
+            seconds_total=_duration(view, hist),
+        )
         for src, dst, tokens, bytes_, hist in HICACHE
     ]
     for direction, name in STORAGE:
@@ -155,8 +186,9 @@ def _prefix_hits(view: RankView) -> float | None:
     return view.value(CACHED_TOKENS)
 
 
-def kv_bytes_per_token(memory_gib: float | None, capacity_tokens: float | None,
-                       page_size: int | None) -> float | None:
+def kv_bytes_per_token(
+    memory_gib: float | None, capacity_tokens: float | None, page_size: int | None
+) -> float | None:
     """``kv_cache_memory_usage_gb x 2^30 / (max_total_num_tokens + page_size)``, per GPU.
 
     The gauge (0.5.12+) is the KV pool's ``mem_usage``: the K and V buffers of one TP rank in GiB
@@ -192,24 +224,29 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         tiers = [t for t in _tier_traffic(view) if t is not None]
         if with_lmcache:
             tiers.extend(lmcache.tier_traffic(expo, model))
-        out.append(sample(
-            replica, BACKEND, scraped_at,
-            model_name=model,
-            dp_rank=dp_rank,
-            version_hint=version,
-            block_size=page,
-            num_gpu_blocks=as_int(view.value("sglang:num_pages")),
-            kv_bytes_per_token=kv_bytes_per_token(view.value(KV_MEMORY_GIB), values["kv_capacity_tokens"],
-                                                  page),
-            finished_requests_total=_finished(view),
-            live_tokens=values["kv_used_tokens"] if page in (None, 1) else None,
-            recomputed_tokens_total=_sum_or_none(*(view.value(n) for n in RETRACTED_TOKENS)),
-            prefix_cache_queries_total=values["prompt_tokens_total"],
-            prefix_cache_hits_total=_prefix_hits(view),
-            tier_traffic=tuple(tiers),
-            histograms=read_histograms(view, HISTOGRAMS),
-            **values,
-        ))
+        out.append(
+            sample(
+                replica,
+                BACKEND,
+                scraped_at,
+                model_name=model,
+                dp_rank=dp_rank,
+                version_hint=version,
+                block_size=page,
+                num_gpu_blocks=as_int(view.value("sglang:num_pages")),
+                kv_bytes_per_token=kv_bytes_per_token(
+                    view.value(KV_MEMORY_GIB), values["kv_capacity_tokens"], page
+                ),
+                finished_requests_total=_finished(view),
+                live_tokens=values["kv_used_tokens"] if page in (None, 1) else None,
+                recomputed_tokens_total=_sum_or_none(*(view.value(n) for n in RETRACTED_TOKENS)),
+                prefix_cache_queries_total=values["prompt_tokens_total"],
+                prefix_cache_hits_total=_prefix_hits(view),
+                tier_traffic=tuple(tiers),
+                histograms=read_histograms(view, HISTOGRAMS),
+                **values,
+            )
+        )
     return out
 
 
@@ -217,11 +254,14 @@ def notes(expo: Exposition) -> list[str]:
     out = []
     dps = {dp for _, dp in ranks(expo)}
     if len(dps) > 1:
-        out.append(f"{len(dps)} data-parallel ranks (dp_rank): tokenizer-side token counters and "
-                   "latency histograms carry no rank and are left out of the per-rank samples")
+        out.append(
+            f"{len(dps)} data-parallel ranks (dp_rank): tokenizer-side token counters and "
+            "latency histograms carry no rank and are left out of the per-rank samples"
+        )
     if expo.has("sglang:num_retracted_reqs") and not expo.has("sglang:num_retracted_requests_total"):
-        out.append("sglang:num_retracted_reqs is a per-interval gauge, not a counter: preemptions_total "
-                   "left None")
+        out.append(
+            "sglang:num_retracted_reqs is a per-interval gauge, not a counter: preemptions_total left None"
+        )
     if expo.has_prefix("dynamo_component_"):
         out.append("Dynamo worker page: KV read from the sglang: families; dynamo_component_* ignored")
     return out

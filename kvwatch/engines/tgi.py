@@ -40,10 +40,14 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
     view = RankView(expo, {})
     success, failure = view.value("tgi_request_success"), view.value("tgi_request_failure")
     finished = tuple((reason, v) for reason, v in (("success", success), ("error", failure)) if v is not None)
-    return [sample(
-        replica, BACKEND, scraped_at,
-        version_hint=VERSION_HINT,
-        finished_requests_total=finished,
-        histograms=read_histograms(view, HISTOGRAMS),
-        **read_fields(view, FIELDS),
-    )]
+    return [
+        sample(
+            replica,
+            BACKEND,
+            scraped_at,
+            version_hint=VERSION_HINT,
+            finished_requests_total=finished,
+            histograms=read_histograms(view, HISTOGRAMS),
+            **read_fields(view, FIELDS),
+        )
+    ]

@@ -67,8 +67,12 @@ def detect(expo: Exposition) -> bool:
 
 
 def _models(expo: Exposition) -> list[str | None]:
-    found = {labels.get("model_name") for fam in expo if fam.name.startswith(PREFIX)
-             for _, labels, _ in fam.samples}
+    found = {
+        labels.get("model_name")
+        for fam in expo
+        if fam.name.startswith(PREFIX)
+        for _, labels, _ in fam.samples
+    }
     return sorted(found, key=lambda m: m or "")
 
 
@@ -82,20 +86,31 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         per_block = as_int(view.value(TOKENS_PER_BLOCK))
         used = values["kv_used_blocks"]
         usage = used / max_blocks if used is not None and max_blocks else view.value(UTILIZATION)
-        out.append(sample(
-            replica, BACKEND, scraped_at,
-            model_name=model,
-            version_hint=version,
-            block_size=per_block,
-            num_gpu_blocks=max_blocks,
-            kv_capacity_tokens=float(max_blocks * per_block) if max_blocks and per_block else None,
-            kv_usage_ratio=usage,
-            prefix_cache_queries_total=(values["prompt_tokens_total"]
-                                        if values["prefix_cache_hits_total"] is not None else None),
-            finished_requests_total=view.by_label("trtllm_request_success_total", "finished_reason"),
-            tier_traffic=tuple(t for t in (traffic("trtllm", src, dst, bytes_total=view.value(name))
-                                           for src, dst, name in TRANSFERS) if t is not None),
-            histograms=read_histograms(view, HISTOGRAMS),
-            **values,
-        ))
+        out.append(
+            sample(
+                replica,
+                BACKEND,
+                scraped_at,
+                model_name=model,
+                version_hint=version,
+                block_size=per_block,
+                num_gpu_blocks=max_blocks,
+                kv_capacity_tokens=float(max_blocks * per_block) if max_blocks and per_block else None,
+                kv_usage_ratio=usage,
+                prefix_cache_queries_total=(
+                    values["prompt_tokens_total"] if values["prefix_cache_hits_total"] is not None else None
+                ),
+                finished_requests_total=view.by_label("trtllm_request_success_total", "finished_reason"),
+                tier_traffic=tuple(
+                    t
+                    for t in (
+                        traffic("trtllm", src, dst, bytes_total=view.value(name))
+                        for src, dst, name in TRANSFERS
+                    )
+                    if t is not None
+                ),
+                histograms=read_histograms(view, HISTOGRAMS),
+                **values,
+            )
+        )
     return out

@@ -47,8 +47,10 @@ FIELDS: tuple[Field, ...] = (
     Field("preemptions_total", ("vllm:num_preemptions_total",)),
     Field("prompt_tokens_total", ("vllm:prompt_tokens_total",)),
     Field("generation_tokens_total", ("vllm:generation_tokens_total",)),
-    Field("prefix_cache_queries_total",
-          ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")),
+    Field(
+        "prefix_cache_queries_total",
+        ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    ),
     Field("prefix_cache_hits_total", ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")),
 )
 
@@ -63,8 +65,12 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
 
 #: Families every vLLM engine rank exposes; their (model_name, engine) pairs are the ranks.
 ANCHORS = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total", "vllm:generation_tokens_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:generation_tokens_total",
 )
 
 CACHE_CONFIG = "vllm:cache_config_info"
@@ -74,27 +80,44 @@ ENGINE_LABEL_FACT = "label:engine"  # pseudo-name: the page carries the `engine`
 VERSION_HINTS: tuple[VersionHint, ...] = (
     VersionHint(("vllm:num_requests_swapped",), (), "vllm V0 engine (num_requests_swapped; <=0.10)"),
     VersionHint(("vllm:cpu_cache_usage_perc",), (), "vllm V0 engine (cpu_cache_usage_perc; <=0.10)"),
-    VersionHint(("vllm:prompt_tokens_cached_by_source_total",), (),
-                "vllm>=0.32 (prompt_tokens_cached_by_source)"),
+    VersionHint(
+        ("vllm:prompt_tokens_cached_by_source_total",), (), "vllm>=0.32 (prompt_tokens_cached_by_source)"
+    ),
     VersionHint(("vllm:request_num_preemptions_count",), (), "vllm>=0.30 (request_num_preemptions)"),
     VersionHint(("vllm:num_requests_waiting_by_reason",), (), "vllm>=0.20 (num_requests_waiting_by_reason)"),
     VersionHint(("vllm:prompt_tokens_by_source_total",), (), "vllm>=0.16 (prompt_tokens_by_source)"),
-    VersionHint(("vllm:kv_cache_usage_perc",),
-                ("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_count"),
-                "vllm>=0.12 (kv_cache_usage_perc; no gpu_cache_usage_perc)"),
-    VersionHint(("vllm:kv_cache_usage_perc", "vllm:time_per_output_token_seconds_count"),
-                ("vllm:gpu_cache_usage_perc",),
-                "vllm 0.11-0.14 (kv_cache_usage_perc; gpu_cache_usage_perc hidden or removed)"),
-    VersionHint(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), (),
-                "vllm 0.9.2-0.11 (both kv_cache_usage_perc and deprecated gpu_cache_usage_perc)"),
-    VersionHint(("vllm:gpu_cache_usage_perc", ENGINE_LABEL_FACT), (),
-                "vllm 0.8.3-0.9.1 (engine label; gpu_cache_usage_perc only)"),
+    VersionHint(
+        ("vllm:kv_cache_usage_perc",),
+        ("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_count"),
+        "vllm>=0.12 (kv_cache_usage_perc; no gpu_cache_usage_perc)",
+    ),
+    VersionHint(
+        ("vllm:kv_cache_usage_perc", "vllm:time_per_output_token_seconds_count"),
+        ("vllm:gpu_cache_usage_perc",),
+        "vllm 0.11-0.14 (kv_cache_usage_perc; gpu_cache_usage_perc hidden or removed)",
+    ),
+    VersionHint(
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        (),
+        "vllm 0.9.2-0.11 (both kv_cache_usage_perc and deprecated gpu_cache_usage_perc)",
+    ),
+    VersionHint(
+        ("vllm:gpu_cache_usage_perc", ENGINE_LABEL_FACT),
+        (),
+        "vllm 0.8.3-0.9.1 (engine label; gpu_cache_usage_perc only)",
+    ),
     VersionHint(("vllm:gpu_cache_usage_perc",), (), "vllm 0.7-0.8.2 (no engine label)"),
 )
 
 #: vLLM secondary offload tiers (``tier`` label) in plain tier words; others count as remote.
-SECONDARY_TIERS = {"fs": "disk", "file": "disk", "disk": "disk", "obj": "object", "object": "object",
-                   "s3": "object"}
+SECONDARY_TIERS = {
+    "fs": "disk",
+    "file": "disk",
+    "disk": "disk",
+    "obj": "object",
+    "object": "object",
+    "s3": "object",
+}
 
 #: Native CPU offloading (0.24+): (src, dst, bytes counter, seconds counter)
 OFFLOAD = (
@@ -137,21 +160,40 @@ def _offload_traffic(view: RankView) -> list[TierTraffic | None]:
     # host tier (0.32+, `source="host"`) are the tokens loaded back instead of recomputed
     host_hits = view.value(CACHED_BY_SOURCE, source="host")
     out: list[TierTraffic | None] = [
-        traffic("vllm_offload", src, dst, bytes_total=view.value(b), seconds_total=view.value(t),
-                **({"tokens_total": host_hits} if dst == "gpu" and view.value(b) is not None else {}))
+        traffic(
+            "vllm_offload",
+            src,
+            dst,
+            bytes_total=view.value(b),
+            seconds_total=view.value(t),
+            **({"tokens_total": host_hits} if dst == "gpu" and view.value(b) is not None else {}),
+        )
         for src, dst, b, t in OFFLOAD
     ]
     if not any(out):  # the legacy family only where the new one is absent: never count twice
         for transfer_type, (src, dst) in OFFLOAD_LEGACY.items():
-            out.append(traffic("vllm_offload_legacy", src, dst,
-                               bytes_total=view.value(OFFLOAD_LEGACY_BYTES, transfer_type=transfer_type),
-                               seconds_total=view.value(OFFLOAD_LEGACY_TIME, transfer_type=transfer_type)))
+            out.append(
+                traffic(
+                    "vllm_offload_legacy",
+                    src,
+                    dst,
+                    bytes_total=view.value(OFFLOAD_LEGACY_BYTES, transfer_type=transfer_type),
+                    seconds_total=view.value(OFFLOAD_LEGACY_TIME, transfer_type=transfer_type),
+                )
+            )
     for direction, bytes_name, time_name in TIERING:
         for tier in sorted({lab["tier"] for lab, _ in view.series(bytes_name) if "tier" in lab}):
             plain = SECONDARY_TIERS.get(tier.lower(), "remote")
             src, dst = (plain, "host") if direction == "read" else ("host", plain)
-            out.append(traffic("vllm_tiering", src, dst, bytes_total=view.value(bytes_name, tier=tier),
-                               seconds_total=view.value(time_name, tier=tier)))
+            out.append(
+                traffic(
+                    "vllm_tiering",
+                    src,
+                    dst,
+                    bytes_total=view.value(bytes_name, tier=tier),
+                    seconds_total=view.value(time_name, tier=tier),
+                )
+            )
     return out
 
 
@@ -177,13 +219,15 @@ def _capacity(view: RankView) -> _Capacity:
         "num_gpu_blocks": num_blocks,
         "kv_capacity_tokens": float(capacity) if capacity is not None else None,
         "cache_dtype": labels.get("cache_dtype"),
-        "kv_bytes_per_token": kv_bytes_per_token(as_int(labels.get("kv_cache_memory_bytes")), num_blocks,
-                                                 block_size),
+        "kv_bytes_per_token": kv_bytes_per_token(
+            as_int(labels.get("kv_cache_memory_bytes")), num_blocks, block_size
+        ),
     }
 
 
-def kv_bytes_per_token(memory_bytes: int | None, num_blocks: int | None,
-                       block_size: int | None) -> float | None:
+def kv_bytes_per_token(
+    memory_bytes: int | None, num_blocks: int | None, block_size: int | None
+) -> float | None:
     """``kv_cache_memory_bytes / (num_gpu_blocks x block_size)``, per GPU; None unless all are known.
 
     ``kv_cache_memory_bytes`` is the per-GPU KV budget given with ``--kv-cache-memory-bytes`` (or a
@@ -213,18 +257,22 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         tiers = [t for t in _offload_traffic(view) if t is not None]
         if with_lmcache:
             tiers.extend(lmcache.tier_traffic(expo, model))
-        out.append(sample(
-            replica, BACKEND, scraped_at,
-            model_name=model,
-            dp_rank=engine,
-            version_hint=version,
-            kv_used_blocks=float(used_blocks) if used_blocks is not None else None,
-            finished_requests_total=view.by_label("vllm:request_success_total", "finished_reason"),
-            tier_traffic=tuple(tiers),
-            histograms=read_histograms(view, HISTOGRAMS),
-            **values,
-            **capacity,
-        ))
+        out.append(
+            sample(
+                replica,
+                BACKEND,
+                scraped_at,
+                model_name=model,
+                dp_rank=engine,
+                version_hint=version,
+                kv_used_blocks=float(used_blocks) if used_blocks is not None else None,
+                finished_requests_total=view.by_label("vllm:request_success_total", "finished_reason"),
+                tier_traffic=tuple(tiers),
+                histograms=read_histograms(view, HISTOGRAMS),
+                **values,
+                **capacity,
+            )
+        )
     return out
 
 

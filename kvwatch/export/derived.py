@@ -25,15 +25,19 @@ PLUGIN_EXACT, PLUGIN_UPPER_BOUND = "vllm_plugin", "vllm_plugin_upper_bound"
 def exact_recompute(state: NodeState) -> dict[tuple[str, str | None], tuple[int, str]]:
     """(replica, dp_rank) -> (tokens re-prefilled after preemption, source label), where the vLLM
     plugin said; none where vLLM could not count them (prefix caching off, no KV connector)."""
-    return {key: (unit.recomputed_tokens, PLUGIN_UPPER_BOUND if unit.recompute_upper_bound else PLUGIN_EXACT)
-            for key, unit in state.plugin.snapshot().items() if unit.recomputed_tokens is not None}
+    return {
+        key: (unit.recomputed_tokens, PLUGIN_UPPER_BOUND if unit.recompute_upper_bound else PLUGIN_EXACT)
+        for key, unit in state.plugin.snapshot().items()
+        if unit.recomputed_tokens is not None
+    }
 
 
 TIER_CONDITIONS = ("offload_pcie_bound", "link_down_trained", "foreign_bus_traffic")
 
 
-def _present(replica: str, model_name: str | None, dp_rank: str | None, units: set[UnitKey],
-             up: set[str]) -> bool:
+def _present(
+    replica: str, model_name: str | None, dp_rank: str | None, units: set[UnitKey], up: set[str]
+) -> bool:
     """A per-rank value needs its rank still scraped; a replica-level one needs the replica up."""
     return (replica, model_name, dp_rank) in units if dp_rank is not None else replica in up
 
@@ -59,8 +63,11 @@ class DerivedCollector:
         live = spec("kvwatch_kv_live_tokens").gauge()
         ratio = spec("kvwatch_kv_fragmentation_ratio").gauge()
         for f in view.fragmentation:
-            if not _present(f.replica, f.model_name, f.dp_rank, units, up) or f.live_tokens is None \
-                    or f.source is None:
+            if (
+                not _present(f.replica, f.model_name, f.dp_rank, units, up)
+                or f.live_tokens is None
+                or f.source is None
+            ):
                 continue
             labels = [*replica_label_values(f.replica, f.model_name, f.backend, f.dp_rank), f.source]
             live.add_metric(labels, f.live_tokens)
@@ -70,8 +77,9 @@ class DerivedCollector:
         yield ratio
 
     @staticmethod
-    def _units(view: DerivedView, units: set[UnitKey],
-               exact: dict[tuple[str, str | None], tuple[int, str]]) -> Iterator[Metric]:
+    def _units(
+        view: DerivedView, units: set[UnitKey], exact: dict[tuple[str, str | None], tuple[int, str]]
+    ) -> Iterator[Metric]:
         headroom = spec("kvwatch_kv_headroom_seconds").gauge()
         recomputed = spec("kvwatch_recomputed_tokens").counter()
         for u in view.units:
@@ -95,8 +103,9 @@ class DerivedCollector:
         family = spec("kvwatch_kv_overcommitted_requests").gauge()
         for o in view.overcommit:
             if _present(o.replica, o.model_name, o.dp_rank, units, up):
-                family.add_metric(replica_label_values(o.replica, o.model_name, o.backend, o.dp_rank),
-                                  o.overcommit.requests)
+                family.add_metric(
+                    replica_label_values(o.replica, o.model_name, o.backend, o.dp_rank), o.overcommit.requests
+                )
         yield family
 
     @staticmethod

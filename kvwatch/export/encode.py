@@ -51,8 +51,9 @@ class HistogramRows(Metric):
         self.labelnames = labelnames
         self.rows: list[tuple[tuple[str, ...], tuple[str, ...], list[float], float]] = []
 
-    def add_row(self, label_values: tuple[str, ...], le_labels: tuple[str, ...],
-                cumulative: list[float], total: float) -> None:
+    def add_row(
+        self, label_values: tuple[str, ...], le_labels: tuple[str, ...], cumulative: list[float], total: float
+    ) -> None:
         """One series: ``le`` strings (``+Inf`` last) with their cumulative counts, and the sum."""
         self.rows.append((label_values, le_labels, cumulative, total))
 
@@ -62,8 +63,10 @@ class HistogramRows(Metric):
         out: list[Sample] = []
         for values, les, counts, total in self.rows:
             labels = dict(zip(self.labelnames, values, strict=True))
-            out.extend(Sample(f"{self.name}_bucket", {**labels, "le": le}, float(c))
-                       for le, c in zip(les, counts, strict=True))
+            out.extend(
+                Sample(f"{self.name}_bucket", {**labels, "le": le}, float(c))
+                for le, c in zip(les, counts, strict=True)
+            )
             out.append(Sample(f"{self.name}_count", labels, float(counts[-1])))
             out.append(Sample(f"{self.name}_sum", labels, float(total)))
         return out
@@ -130,8 +133,9 @@ class TextEncoder:
             append(count_prefix + _go_float(counts[-1]) + "\n")
             append(sum_prefix + floatToGoString(total) + "\n")
 
-    def _row_prefixes(self, metric: HistogramRows, values: tuple[str, ...],
-                      les: tuple[str, ...]) -> tuple[list[str], str, str]:
+    def _row_prefixes(
+        self, metric: HistogramRows, values: tuple[str, ...], les: tuple[str, ...]
+    ) -> tuple[list[str], str, str]:
         key = (metric.name, values, les)
         cached = self._prefixes.get(key)
         if cached is None:

@@ -97,8 +97,11 @@ class GpuCollector:
         owners = dict(state.gpu_owners)
         idents = {}
         for gpu in gpus:
-            ident = idents[(str(gpu.index), gpu.uuid)] = [str(gpu.index), gpu.uuid,
-                                                          *owners.get(gpu.uuid, ("", "", ""))]
+            ident = idents[(str(gpu.index), gpu.uuid)] = [
+                str(gpu.index),
+                gpu.uuid,
+                *owners.get(gpu.uuid, ("", "", "")),
+            ]
             out.info("kvwatch_gpu", [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
             out.add("kvwatch_gpu_lost", ident, gpu.lost)
             if not gpu.lost:
@@ -114,14 +117,18 @@ class GpuCollector:
         yield from out
 
 
-def _gpu_readings(out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str],
-                  per_link: bool) -> None:
+def _gpu_readings(
+    out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str], per_link: bool
+) -> None:
     for name, attr in _SCALARS:
         out.add(name, ident, getattr(gpu, attr))
     for name, label, attr in _LABELLED:
         out.add(name, [*ident, label], getattr(gpu, attr))
-    out.add("kvwatch_gpu_pcie_link_max_bytes_per_second", ident,
-            link_bytes_per_second(gpu.pcie_link_gen_current, gpu.pcie_link_width_current))
+    out.add(
+        "kvwatch_gpu_pcie_link_max_bytes_per_second",
+        ident,
+        link_bytes_per_second(gpu.pcie_link_gen_current, gpu.pcie_link_width_current),
+    )
     if per_link:
         for link in gpu.nvlinks:
             labels = [*ident, str(link.link)]
@@ -136,8 +143,11 @@ def _gpu_readings(out: _Families, gpu: GpuSample, ident: list[str], pid_replica:
     for reason, active in gpu.clock_event_reasons:
         out.add("kvwatch_gpu_clock_event_active", [*ident, reason], active)
     for proc in gpu.processes:
-        out.add("kvwatch_gpu_process_memory_bytes", [*ident, str(proc.pid), pid_replica.get(proc.pid, "")],
-                proc.used_memory_bytes)
+        out.add(
+            "kvwatch_gpu_process_memory_bytes",
+            [*ident, str(proc.pid), pid_replica.get(proc.pid, "")],
+            proc.used_memory_bytes,
+        )
 
 
 def _link_sum(gpu: GpuSample, attr: str) -> float | None:

@@ -33,22 +33,34 @@ from kvwatch.config.schema import LEAN_PROFILE
 FOLDED = ""
 
 #: request families one series per node in lean (docs above)
-PER_NODE_REQUEST_FAMILIES = frozenset({
-    "kvwatch_request_ttft_seconds", "kvwatch_request_tpot_seconds", "kvwatch_request_duration_seconds",
-    "kvwatch_request_inter_chunk_seconds", "kvwatch_request_output_tokens",
-    "kvwatch_request_output_limit_ratio", "kvwatch_request_output_tokens_estimated",
-    "kvwatch_request_preemption_stalls", "kvwatch_request_unused_max_tokens",
-    "kvwatch_requests_in_flight", "kvwatch_in_flight_tokens",
-})
+PER_NODE_REQUEST_FAMILIES = frozenset(
+    {
+        "kvwatch_request_ttft_seconds",
+        "kvwatch_request_tpot_seconds",
+        "kvwatch_request_duration_seconds",
+        "kvwatch_request_inter_chunk_seconds",
+        "kvwatch_request_output_tokens",
+        "kvwatch_request_output_limit_ratio",
+        "kvwatch_request_output_tokens_estimated",
+        "kvwatch_request_preemption_stalls",
+        "kvwatch_request_unused_max_tokens",
+        "kvwatch_requests_in_flight",
+        "kvwatch_in_flight_tokens",
+    }
+)
 
 #: request histograms lean leaves out for the proxy source (kept for engine-side sources)
 ENGINE_SIDE_ONLY_FAMILIES = frozenset({"kvwatch_request_output_limit_ratio"})
 PROXY_SOURCE = "proxy"
 
 #: GPU families one series per GPU in lean: summed over its links
-PER_GPU_NVLINK_FAMILIES = frozenset({
-    "kvwatch_gpu_nvlink_tx_bytes", "kvwatch_gpu_nvlink_rx_bytes", "kvwatch_gpu_nvlink_active",
-})
+PER_GPU_NVLINK_FAMILIES = frozenset(
+    {
+        "kvwatch_gpu_nvlink_tx_bytes",
+        "kvwatch_gpu_nvlink_rx_bytes",
+        "kvwatch_gpu_nvlink_active",
+    }
+)
 
 
 def is_lean(config: Config | None) -> bool:

@@ -26,12 +26,18 @@ from kvwatch.native_histogram import NativeHistogram, spans_and_deltas
 PROTOBUF_MEDIA_TYPE = "application/vnd.google.protobuf"
 PROTOBUF_PARAMS = {"proto": "io.prometheus.client.MetricFamily", "encoding": "delimited"}
 PROTOBUF_CONTENT_TYPE = (
-    "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited")
+    "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited"
+)
 _MAX_ACCEPT_BYTES = 8192  # aiohttp's own header limit; anything longer is not a scraper's header
 
 _TYPES = {
-    "counter": pb.COUNTER, "gauge": pb.GAUGE, "info": pb.GAUGE, "stateset": pb.GAUGE,
-    "histogram": pb.HISTOGRAM, "gaugehistogram": pb.GAUGE_HISTOGRAM, "summary": pb.SUMMARY,
+    "counter": pb.COUNTER,
+    "gauge": pb.GAUGE,
+    "info": pb.GAUGE,
+    "stateset": pb.GAUGE,
+    "histogram": pb.HISTOGRAM,
+    "gaugehistogram": pb.GAUGE_HISTOGRAM,
+    "summary": pb.SUMMARY,
     "unknown": pb.UNTYPED,
 }
 _CREATED = "_created"
@@ -54,8 +60,7 @@ def _media_ranges(accept: str) -> Iterable[tuple[str, dict[str, str], float]]:
             yield media, params, q
 
 
-def _quality(ranges: list[tuple[str, dict[str, str], float]], media: str,
-             required: dict[str, str]) -> float:
+def _quality(ranges: list[tuple[str, dict[str, str], float]], media: str, required: dict[str, str]) -> float:
     """q of the most specific range that matches ``media`` with the ``required`` parameters
     (RFC 9110 12.5.1: ``type/subtype`` over ``type/*`` over ``*/*``)."""
     best, specificity = 0.0, -1
@@ -127,8 +132,10 @@ def _native(h: pb.Histogram, native: NativeHistogram) -> None:
     h.schema = native.schema
     h.zero_threshold = native.zero_threshold
     h.zero_count = native.zero_count
-    for side, span_field, delta_field in ((native.negative, h.negative_span, h.negative_delta),
-                                          (native.positive, h.positive_span, h.positive_delta)):
+    for side, span_field, delta_field in (
+        (native.negative, h.negative_span, h.negative_delta),
+        (native.positive, h.positive_span, h.positive_delta),
+    ):
         spans, deltas = spans_and_deltas(side)
         for offset, length in spans:
             span_field.add(offset=offset, length=length)
@@ -224,5 +231,6 @@ class ProtobufEncoder:
             elif family.type == pb.SUMMARY:
                 m.summary.quantile.add(quantile=float(sample.labels["quantile"]), value=sample.value)
             elif sample.labels.get("le") != "+Inf":
-                m.histogram.bucket.add(cumulative_count=int(sample.value),
-                                       upper_bound=float(sample.labels["le"]))
+                m.histogram.bucket.add(
+                    cumulative_count=int(sample.value), upper_bound=float(sample.labels["le"])
+                )

@@ -48,8 +48,9 @@ TIER_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
-def replica_label_values(replica: str, model_name: str | None, backend: str,
-                         dp_rank: str | None) -> list[str]:
+def replica_label_values(
+    replica: str, model_name: str | None, backend: str, dp_rank: str | None
+) -> list[str]:
     """Values of catalog.REPLICA (replica, model_name, backend, dp_rank); "" for no model or rank."""
     return [replica, model_name or "", backend, dp_rank or ""]
 
@@ -66,8 +67,9 @@ def capacity_bytes(s: ReplicaSample, kv_bytes_per_token: float | None) -> float 
     return s.kv_capacity_tokens * kv_bytes_per_token
 
 
-def per_sample(family: str, samples: list[ReplicaSample],
-               value: Callable[[ReplicaSample], float | None]) -> Metric:
+def per_sample(
+    family: str, samples: list[ReplicaSample], value: Callable[[ReplicaSample], float | None]
+) -> Metric:
     """A gauge or counter family (as the catalog says) with one series per sample that has a value."""
     catalog = spec(family)
     metric = catalog.counter() if catalog.kind == "counter" else catalog.gauge()
@@ -103,8 +105,11 @@ class ReplicaCollector:
         for family, attr in GAUGES:
             yield per_sample(family, samples, attrgetter(attr))
         yield per_sample("kvwatch_kv_free_tokens", samples, pool.free_tokens)
-        yield per_sample("kvwatch_kv_capacity_bytes", samples,
-                         lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)))
+        yield per_sample(
+            "kvwatch_kv_capacity_bytes",
+            samples,
+            lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)),
+        )
 
     def _counters(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in COUNTERS:

@@ -100,8 +100,11 @@ class RequestCollector:
         for name in HISTOGRAMS:
             catalog = spec(name)
             family = NativeHistogramRows(catalog.name, catalog.help, catalog.labels)
-            of_family = {key: fams[name] for key, fams in hists.items() if fams[name].count
-                         and not (name in self.engine_side_only and key[3] == PROXY_SOURCE)}
+            of_family = {
+                key: fams[name]
+                for key, fams in hists.items()
+                if fams[name].count and not (name in self.engine_side_only and key[3] == PROXY_SOURCE)
+            }
             if name in self.per_node:
                 of_family = _per_node_histograms(of_family)
             for key, h in sorted(of_family.items()):  # a family a source never observes stays out
@@ -143,9 +146,12 @@ class RequestCollector:
         """A counter only the proxy observes, from zero for every band of each configured proxy
         replica: a rate() over it is 0, not "no data", before the first such request."""
         folded = name in self.per_node
-        values = {(FOLDED if folded else replica, model, band, source): 0.0
-                  for replica, model, source in self.configured_sources() if source == "proxy"
-                  for band in self.state.bands.all_names}
+        values = {
+            (FOLDED if folded else replica, model, band, source): 0.0
+            for replica, model, source in self.configured_sources()
+            if source == "proxy"
+            for band in self.state.bands.all_names
+        }
         for key, n in (_per_node_counts(counts) if folded else counts).items():
             values[key] = float(n)
         family = spec(name).counter()

@@ -31,8 +31,11 @@ _SELF_COUNTERS = (
     ("kvwatch_vllm_plugin_refused_requests", ("replica", "reason")),
 )
 #: discovery's counters, exported while Kubernetes discovery is on
-_DISCOVERY_COUNTERS = ("kvwatch_discovery_watch_events", "kvwatch_discovery_watch_errors",
-                       "kvwatch_discovery_relists")
+_DISCOVERY_COUNTERS = (
+    "kvwatch_discovery_watch_events",
+    "kvwatch_discovery_watch_errors",
+    "kvwatch_discovery_relists",
+)
 
 
 def _nvml_bindings_version() -> str:
@@ -64,12 +67,15 @@ class SelfCollector:
 
     def collect(self) -> Iterator[Metric]:
         info = spec("kvwatch_build").info()
-        info.add_metric([], {
-            "version": __version__,
-            "python": platform.python_version(),
-            "nvidia_ml_py": _nvml_bindings_version(),
-            "node": self.state.node,
-        })
+        info.add_metric(
+            [],
+            {
+                "version": __version__,
+                "python": platform.python_version(),
+                "nvidia_ml_py": _nvml_bindings_version(),
+                "node": self.state.node,
+            },
+        )
         yield info
 
         success = spec("kvwatch_collector_success").gauge()

@@ -46,8 +46,9 @@ def accepts_gzip(accept_encoding: str) -> bool:
     return False
 
 
-def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
-                extra_routes: Iterable[web.RouteDef] = ()) -> web.Application:
+def metrics_app(
+    registry: CollectorRegistry, ready: Callable[[], bool], extra_routes: Iterable[web.RouteDef] = ()
+) -> web.Application:
     """aiohttp app serving the exposition, ``/-/healthy`` (process alive) and ``/-/ready``."""
 
     encoder = TextEncoder()
@@ -74,10 +75,12 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool],
         return web.Response(status=503, text="kvwatch is starting\n")
 
     app = web.Application(client_max_size=1024 * 1024)
-    app.add_routes([
-        web.get("/metrics", metrics),
-        web.get("/-/healthy", healthy),
-        web.get("/-/ready", is_ready),
-        *extra_routes,
-    ])
+    app.add_routes(
+        [
+            web.get("/metrics", metrics),
+            web.get("/-/healthy", healthy),
+            web.get("/-/ready", is_ready),
+            *extra_routes,
+        ]
+    )
     return app

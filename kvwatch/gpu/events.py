@@ -58,9 +58,13 @@ class XidWatcher:
     NVML it only logs at debug level (the collector already said so once).
     """
 
-    def __init__(self, on_xid: Callable[[int, str, int], None], nvml: NvmlLibrary | None = None,
-                 on_event: Callable[[int, str, str, int], None] | None = None,
-                 wait_timeout_ms: int = WAIT_TIMEOUT_MS) -> None:
+    def __init__(
+        self,
+        on_xid: Callable[[int, str, int], None],
+        nvml: NvmlLibrary | None = None,
+        on_event: Callable[[int, str, str, int], None] | None = None,
+        wait_timeout_ms: int = WAIT_TIMEOUT_MS,
+    ) -> None:
         if nvml is None:
             import pynvml  # nvidia-ml-py's module
 
@@ -192,8 +196,10 @@ class XidWatcher:
         if gpu is None:
             log.warning("NVML event for an unregistered GPU handle (type 0x%x)", data.eventType)
             return
-        label = next((lbl for const, lbl in EVENT_TYPES if getattr(self.nvml, const) == data.eventType),
-                     f"0x{data.eventType:x}")
+        label = next(
+            (lbl for const, lbl in EVENT_TYPES if getattr(self.nvml, const) == data.eventType),
+            f"0x{data.eventType:x}",
+        )
         try:
             if label == "xid":
                 self.on_xid(gpu.index, gpu.uuid, int(data.eventData))
@@ -221,4 +227,3 @@ class XidWatcher:
                 log.debug("nvmlShutdown: %s", exc)
         self._gpus.clear()
         self.registered.clear()
-

@@ -46,25 +46,51 @@ MIB = 1024 * 1024
 # Names of pynvml constants and classes the fake re-exports with the real module's values, so a
 # constant can never drift from the driver's.
 _REEXPORTED = (
-    "NVMLError", "NVMLLibraryMismatchError", "NVML_SUCCESS", "NVML_ERROR_NOT_SUPPORTED",
-    "NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_INVALID_ARGUMENT",
-    "NVML_VALUE_TYPE_DOUBLE", "NVML_VALUE_TYPE_UNSIGNED_INT", "NVML_VALUE_TYPE_UNSIGNED_LONG",
-    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "NVML_VALUE_TYPE_SIGNED_LONG_LONG",
-    "NVML_VALUE_TYPE_SIGNED_INT", "NVML_VALUE_TYPE_UNSIGNED_SHORT",
-    "nvmlMemory_v2", "NVML_TEMPERATURE_GPU", "NVML_CLOCK_SM", "NVML_CLOCK_MEM",
-    "NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC",
+    "NVMLError",
+    "NVMLLibraryMismatchError",
+    "NVML_SUCCESS",
+    "NVML_ERROR_NOT_SUPPORTED",
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_INVALID_ARGUMENT",
+    "NVML_VALUE_TYPE_DOUBLE",
+    "NVML_VALUE_TYPE_UNSIGNED_INT",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG",
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG",
+    "NVML_VALUE_TYPE_SIGNED_INT",
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT",
+    "nvmlMemory_v2",
+    "NVML_TEMPERATURE_GPU",
+    "NVML_CLOCK_SM",
+    "NVML_CLOCK_MEM",
+    "NVML_MEMORY_ERROR_TYPE_CORRECTED",
+    "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
+    "NVML_VOLATILE_ECC",
     "NVML_NVLINK_MAX_LINKS",
-    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP",
-    "NVML_FI_DEV_NVLINK_LINK_COUNT", "NVML_FI_DEV_PCIE_REPLAY_COUNTER",
-    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
-    "NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES", "NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES",
-    "nvmlClocksEventReasonGpuIdle", "nvmlClocksEventReasonApplicationsClocksSetting",
-    "nvmlClocksEventReasonSwPowerCap", "nvmlClocksEventReasonHwSlowdown",
-    "nvmlClocksEventReasonSyncBoost", "nvmlClocksEventReasonSwThermalSlowdown",
-    "nvmlClocksEventReasonHwThermalSlowdown", "nvmlClocksEventReasonHwPowerBrakeSlowdown",
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES",
+    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES",
+    "NVML_FI_DEV_MEMORY_TEMP",
+    "NVML_FI_DEV_NVLINK_LINK_COUNT",
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER",
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+    "NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES",
+    "NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES",
+    "nvmlClocksEventReasonGpuIdle",
+    "nvmlClocksEventReasonApplicationsClocksSetting",
+    "nvmlClocksEventReasonSwPowerCap",
+    "nvmlClocksEventReasonHwSlowdown",
+    "nvmlClocksEventReasonSyncBoost",
+    "nvmlClocksEventReasonSwThermalSlowdown",
+    "nvmlClocksEventReasonHwThermalSlowdown",
+    "nvmlClocksEventReasonHwPowerBrakeSlowdown",
     "nvmlClocksEventReasonDisplayClockSetting",
-    "nvmlEventTypeSingleBitEccError", "nvmlEventTypeDoubleBitEccError", "nvmlEventTypePState",
-    "nvmlEventTypeXidCriticalError", "nvmlEventTypeClock", "nvmlEventTypeGpuUnavailableError",
+    "nvmlEventTypeSingleBitEccError",
+    "nvmlEventTypeDoubleBitEccError",
+    "nvmlEventTypePState",
+    "nvmlEventTypeXidCriticalError",
+    "nvmlEventTypeClock",
+    "nvmlEventTypeGpuUnavailableError",
     "nvmlEventTypeGpuRecoveryAction",
 )
 
@@ -74,15 +100,20 @@ _NOT_AVAILABLE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId outside MIG
 
 # field id -> (value type, reader of a FakeGpu); scoped NVLink fields are handled separately.
 _DEVICE_FIELDS: dict[int, tuple[int, Callable[[FakeGpu], int]]] = {
-    pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
-                                             lambda g: g.pcie_tx_bytes),
-    pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
-                                             lambda g: g.pcie_rx_bytes),
-    pynvml.NVML_FI_DEV_MEMORY_TEMP: (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                                     lambda g: g.memory_temperature_c),
+    pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: (
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+        lambda g: g.pcie_tx_bytes,
+    ),
+    pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: (
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+        lambda g: g.pcie_rx_bytes,
+    ),
+    pynvml.NVML_FI_DEV_MEMORY_TEMP: (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, lambda g: g.memory_temperature_c),
     pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT: (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, lambda g: g.nvlink_links),
-    pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
-                                             lambda g: g.pcie_replays),
+    pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+        lambda g: g.pcie_replays,
+    ),
 }
 _LINK_FIELDS = {
     pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: ("tx", 1024),  # KiB
@@ -94,9 +125,13 @@ _VALUE_MEMBER = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
 }
-_H200_EVENTS = (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
-                | pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypePState
-                | pynvml.nvmlEventTypeClock)
+_H200_EVENTS = (
+    pynvml.nvmlEventTypeXidCriticalError
+    | pynvml.nvmlEventTypeDoubleBitEccError
+    | pynvml.nvmlEventTypeSingleBitEccError
+    | pynvml.nvmlEventTypePState
+    | pynvml.nvmlEventTypeClock
+)
 
 
 def _uuid_for(index: int, prefix: str = "GPU", salt: str = "") -> str:
@@ -152,8 +187,12 @@ class FakeGpu:
 
     processes: dict[int, int | None] = field(default_factory=dict)  # pid as NVML reports it -> bytes
     supported_events: int = _H200_EVENTS
-    unsupported_fields: set[int] = field(default_factory=lambda: {
-        pynvml.NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES, pynvml.NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES})
+    unsupported_fields: set[int] = field(
+        default_factory=lambda: {
+            pynvml.NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES,
+            pynvml.NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES,
+        }
+    )
     field_returns: dict[int, int] = field(default_factory=dict)  # field id -> forced nvmlReturn code
     memory_v2: bool = True  # False: a driver without nvmlDeviceGetMemoryInfo_v2
 
@@ -175,10 +214,15 @@ class FakeGpu:
         self.nvlink_rx_bytes = [0] * links
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "memory_used_bytes" and hasattr(self, "memory_reserved_bytes") \
-                and not 0 <= value <= self.memory_total_bytes - self.memory_reserved_bytes:
-            raise ValueError(f"GPU {self.index}: used memory must be within 0..total - reserved "
-                             f"({self.memory_total_bytes - self.memory_reserved_bytes}), got {value}")
+        if (
+            name == "memory_used_bytes"
+            and hasattr(self, "memory_reserved_bytes")
+            and not 0 <= value <= self.memory_total_bytes - self.memory_reserved_bytes
+        ):
+            raise ValueError(
+                f"GPU {self.index}: used memory must be within 0..total - reserved "
+                f"({self.memory_total_bytes - self.memory_reserved_bytes}), got {value}"
+            )
         super().__setattr__(name, value)
 
     @property
@@ -225,8 +269,9 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
 class FakeNvml:
     """NVML for ``gpus`` fake GPUs; pass it where the ``pynvml`` module would go. Thread-safe."""
 
-    def __init__(self, gpus: int = 8, *, driver_version: str = "550.90.12",
-                 library_missing: bool = False) -> None:
+    def __init__(
+        self, gpus: int = 8, *, driver_version: str = "550.90.12", library_missing: bool = False
+    ) -> None:
         for name in _REEXPORTED:
             setattr(self, name, getattr(pynvml, name))
         for name in dir(pynvml):
@@ -236,8 +281,9 @@ class FakeNvml:
         self._events = threading.Condition(self._lock)
         self._refcount = 0
         self._gpus = [FakeGpu(i, _uuid_for(i)) for i in range(gpus)]
-        self._handles = [ctypes.cast(ctypes.c_void_p(0x7F00_0000 + 0x1000 * i), pynvml.c_nvmlDevice_t)
-                         for i in range(gpus)]
+        self._handles = [
+            ctypes.cast(ctypes.c_void_p(0x7F00_0000 + 0x1000 * i), pynvml.c_nvmlDevice_t) for i in range(gpus)
+        ]
         #: MIG device handle address -> (parent GPU index, MIG UUID), from ``add_mig_device``
         self._mig: dict[int, tuple[int, str]] = {}
         self._failures: dict[str, list[_Failure]] = {}
@@ -262,15 +308,18 @@ class FakeNvml:
     def gpu(self, index: int) -> FakeGpu:
         return self._gpus[index]
 
-    def fail(self, call_name: str, error_cls: type[Exception], gpu: int | None = None,
-             times: int | None = None) -> None:
+    def fail(
+        self, call_name: str, error_cls: type[Exception], gpu: int | None = None, times: int | None = None
+    ) -> None:
         """Make ``call_name`` raise ``error_cls`` (on one GPU's handle, or for every call), ``times``
         times or until ``clear_failures``. ``error_cls``: a ``pynvml.NVMLError_*`` class, or
         ``pynvml.NVMLLibraryMismatchError`` (what pynvml's unversioned calls raise on old drivers)."""
         if call_name not in self.calls:
             raise ValueError(f"FakeNvml has no NVML call {call_name!r} (known: {', '.join(self.calls)})")
-        if not (isinstance(error_cls, type)
-                and issubclass(error_cls, pynvml.NVMLError | pynvml.NVMLLibraryMismatchError)):
+        if not (
+            isinstance(error_cls, type)
+            and issubclass(error_cls, pynvml.NVMLError | pynvml.NVMLLibraryMismatchError)
+        ):
             raise TypeError("error_cls must be a pynvml.NVMLError_* class or NVMLLibraryMismatchError")
         with self._lock:
             self._failures.setdefault(call_name, []).append(_Failure(error_cls, gpu, times))
@@ -305,8 +354,9 @@ class FakeNvml:
     def set_link(self, index: int, gen: int, width: int) -> None:
         g = self._gpus[index]
         if not (1 <= gen <= g.pcie_gen_max and 1 <= width <= g.pcie_width_max):
-            raise ValueError(f"link Gen{gen} x{width} exceeds GPU {index}'s max "
-                             f"Gen{g.pcie_gen_max} x{g.pcie_width_max}")
+            raise ValueError(
+                f"link Gen{gen} x{width} exceeds GPU {index}'s max Gen{g.pcie_gen_max} x{g.pcie_width_max}"
+            )
         with self._lock:
             g.pcie_gen, g.pcie_width = gen, width
 
@@ -350,9 +400,14 @@ class FakeNvml:
             g.ecc_corrected += int(corrected)
             g.ecc_uncorrected += int(uncorrected)
 
-    def set_remapped_rows(self, index: int, correctable: int | None = None,
-                          uncorrectable: int | None = None, pending: bool | None = None,
-                          failure: bool | None = None) -> None:
+    def set_remapped_rows(
+        self,
+        index: int,
+        correctable: int | None = None,
+        uncorrectable: int | None = None,
+        pending: bool | None = None,
+        failure: bool | None = None,
+    ) -> None:
         with self._lock:
             g = self._gpus[index]
             if correctable is not None:
@@ -515,23 +570,35 @@ class FakeNvml:
         g = self._device(handle)
         domain, bus, rest = g.pci_bus_id.split(":")
         return pynvml.nvmlPciInfo_t(
-            busIdLegacy=g.pci_bus_id[4:].encode(), domain=int(domain, 16), bus=int(bus, 16),
-            device=int(rest.split(".")[0], 16), pciDeviceId=0x233510DE, pciSubSystemId=0x18BE10DE,
-            busId=g.pci_bus_id.encode())
+            busIdLegacy=g.pci_bus_id[4:].encode(),
+            domain=int(domain, 16),
+            bus=int(bus, 16),
+            device=int(rest.split(".")[0], 16),
+            pciDeviceId=0x233510DE,
+            pciSubSystemId=0x18BE10DE,
+            busId=g.pci_bus_id.encode(),
+        )
 
     @_api
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         g = self._device(handle)
         if not version:
-            return pynvml.c_nvmlMemory_t(total=g.memory_total_bytes, free=g.memory_free_bytes,
-                                         used=g.memory_used_bytes + g.memory_reserved_bytes)
+            return pynvml.c_nvmlMemory_t(
+                total=g.memory_total_bytes,
+                free=g.memory_free_bytes,
+                used=g.memory_used_bytes + g.memory_reserved_bytes,
+            )
         if not g.memory_v2:
             raise pynvml.NVMLError_FunctionNotFound()
         if version != pynvml.nvmlMemory_v2:
             raise pynvml.NVMLError_ArgumentVersionMismatch()
-        return pynvml.c_nvmlMemory_v2_t(version=version, total=g.memory_total_bytes,
-                                        reserved=g.memory_reserved_bytes, free=g.memory_free_bytes,
-                                        used=g.memory_used_bytes)
+        return pynvml.c_nvmlMemory_v2_t(
+            version=version,
+            total=g.memory_total_bytes,
+            reserved=g.memory_reserved_bytes,
+            free=g.memory_free_bytes,
+            used=g.memory_used_bytes,
+        )
 
     @_api
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
@@ -564,8 +631,9 @@ class FakeNvml:
             fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             fv.value.ullVal = counter[scope] // unit
             return pynvml.NVML_SUCCESS
-        if field_id not in _DEVICE_FIELDS or (field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
-                                             and g.nvlink_links == 0):
+        if field_id not in _DEVICE_FIELDS or (
+            field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT and g.nvlink_links == 0
+        ):
             return pynvml.NVML_ERROR_NOT_SUPPORTED
         value_type, read = _DEVICE_FIELDS[field_id]
         fv.valueType = value_type
@@ -651,8 +719,7 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
         g = self._device(device)
-        return (g.remapped_correctable, g.remapped_uncorrectable, int(g.remap_pending),
-                int(g.remap_failure))
+        return (g.remapped_correctable, g.remapped_uncorrectable, int(g.remap_pending), int(g.remap_failure))
 
     @_api
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
@@ -664,10 +731,17 @@ class FakeNvml:
 
     def _processes(self, handle: Any) -> list[Any]:
         g = self._device(handle)
-        return [pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": used,
-                                           "gpuInstanceId": _NOT_AVAILABLE,
-                                           "computeInstanceId": _NOT_AVAILABLE})
-                for pid, used in g.processes.items()]
+        return [
+            pynvml.nvmlFriendlyObject(
+                {
+                    "pid": pid,
+                    "usedGpuMemory": used,
+                    "gpuInstanceId": _NOT_AVAILABLE,
+                    "computeInstanceId": _NOT_AVAILABLE,
+                }
+            )
+            for pid, used in g.processes.items()
+        ]
 
     @_api
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
@@ -696,9 +770,13 @@ class FakeNvml:
         if not eventSet.pending:
             raise pynvml.NVMLError_Timeout()
         index, event_type, data = eventSet.pending.pop(0)
-        return pynvml.c_nvmlEventData_t(device=self._handles[index], eventType=event_type,
-                                        eventData=data, gpuInstanceId=_NOT_AVAILABLE,
-                                        computeInstanceId=_NOT_AVAILABLE)
+        return pynvml.c_nvmlEventData_t(
+            device=self._handles[index],
+            eventType=event_type,
+            eventData=data,
+            gpuInstanceId=_NOT_AVAILABLE,
+            computeInstanceId=_NOT_AVAILABLE,
+        )
 
     @_api
     def nvmlEventSetFree(self, eventSet: _EventSet) -> None:
@@ -716,4 +794,3 @@ def _non_negative(**values: float) -> None:
 def _not_lower(what: str, old: int, new: int) -> None:
     if new < old:
         raise ValueError(f"{what} only go up: {old} -> {new}")
-

@@ -73,11 +73,11 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, str], ...] = (
 #: What to tell the operator when ``nvmlInit`` fails, by pynvml error class.
 _INIT_HINTS = {
     "NVMLError_LibraryNotFound": "libnvidia-ml.so.1 not found: no NVIDIA driver on this host, or the "
-                                 "container does not run with the NVIDIA runtime",
+    "container does not run with the NVIDIA runtime",
     "NVMLError_DriverNotLoaded": "the NVIDIA kernel driver is not loaded",
     "NVMLError_NoPermission": "no permission to open /dev/nvidia* (see docs/deploy.md#device-permissions)",
     "NVMLError_LibRmVersionMismatch": "libnvidia-ml and the kernel driver differ in version "
-                                      "(driver upgraded without a reboot?)",
+    "(driver upgraded without a reboot?)",
 }
 #: Errors after a good init that mean NVML itself went away: re-init with backoff.
 _GONE = ("NVMLError_Uninitialized", "NVMLError_DriverNotLoaded", "NVMLError_LibRmVersionMismatch")
@@ -89,8 +89,11 @@ _OLDER_CALL: dict[str, tuple[str, bool]] = {
     "nvmlDeviceGetCurrentClocksEventReasons": ("nvmlDeviceGetCurrentClocksThrottleReasons", True),
     "nvmlDeviceGetComputeRunningProcesses": ("nvmlDeviceGetComputeRunningProcesses_v2", True),
 }
-_OLD_DRIVER_ERRORS = ("NVMLError_FunctionNotFound", "NVMLError_ArgumentVersionMismatch",
-                      "NVMLLibraryMismatchError")
+_OLD_DRIVER_ERRORS = (
+    "NVMLError_FunctionNotFound",
+    "NVMLError_ArgumentVersionMismatch",
+    "NVMLLibraryMismatchError",
+)
 
 RETRY_INITIAL_S = 5.0
 RETRY_MAX_S = 300.0
@@ -152,8 +155,13 @@ class NvmlCollector:
     """Polls every GPU through NVML. ``poll()`` and ``process_gpus()`` may be called from worker
     threads; they serialize on one lock."""
 
-    def __init__(self, nvml: NvmlLibrary | None = None, now: Callable[[], float] = time.time,
-                 retry_initial_s: float = RETRY_INITIAL_S, retry_max_s: float = RETRY_MAX_S) -> None:
+    def __init__(
+        self,
+        nvml: NvmlLibrary | None = None,
+        now: Callable[[], float] = time.time,
+        retry_initial_s: float = RETRY_INITIAL_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
         if nvml is None:
             import pynvml  # nvidia-ml-py's module
 
@@ -247,8 +255,12 @@ class NvmlCollector:
         now = self._now()
         self._next_retry = now + self._retry_delay_s
         if reason != self._warned_reason:
-            log.warning("GPU metrics off: %s. Everything else keeps working; retrying NVML every "
-                        "%.0f-%.0f s.", reason, self._retry_initial_s, self._retry_max_s)
+            log.warning(
+                "GPU metrics off: %s. Everything else keeps working; retrying NVML every %.0f-%.0f s.",
+                reason,
+                self._retry_initial_s,
+                self._retry_max_s,
+            )
             self._warned_reason = reason
         else:
             log.debug("NVML still unavailable: %s (next try in %.0f s)", reason, self._retry_delay_s)
@@ -274,8 +286,12 @@ class NvmlCollector:
                 self.report = PollReport(success=False, available=False, error=self._unavailable_reason)
                 return []
             if not self._started and not self._start():
-                self.report = PollReport(success=False, available=False, error=self._unavailable_reason,
-                                         duration_s=time.perf_counter() - started)
+                self.report = PollReport(
+                    success=False,
+                    available=False,
+                    error=self._unavailable_reason,
+                    duration_s=time.perf_counter() - started,
+                )
                 return []
             samples, errors, lost, silent = [], [], [], []
             for dev in self._devices:
@@ -308,14 +324,26 @@ class NvmlCollector:
             values = reader.readings()
         except _GpuLostError:
             return self._blank(dev, lost=True), True, reader.errors
-        sample = GpuSample(index=dev.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
-                           sampled_at=self._now(), **values)
+        sample = GpuSample(
+            index=dev.index,
+            uuid=ident.uuid,
+            name=ident.name,
+            pci_bus_id=ident.pci_bus_id,
+            sampled_at=self._now(),
+            **values,
+        )
         return sample, reader.answered > 0, reader.errors
 
     def _blank(self, dev: _Device, lost: bool) -> GpuSample:
         ident = dev.identity or _Identity("unknown", None, None)
-        return GpuSample(index=dev.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
-                         sampled_at=self._now(), lost=lost)
+        return GpuSample(
+            index=dev.index,
+            uuid=ident.uuid,
+            name=ident.name,
+            pci_bus_id=ident.pci_bus_id,
+            sampled_at=self._now(),
+            lost=lost,
+        )
 
     # ---------------------------------------------------------------------------------------------
     # processes
@@ -360,22 +388,46 @@ class NvmlCollector:
             return name
         if (call, name) not in self._logged_errors:
             self._logged_errors.add((call, name))
-            log.warning("NVML %s failed: %s (%s); that value is left out and counted in "
-                        "kvwatch_gpu_nvml_errors_total", call, exc, name,
-                        exc_info=not isinstance(exc, self.nvml.NVMLError))
+            log.warning(
+                "NVML %s failed: %s (%s); that value is left out and counted in "
+                "kvwatch_gpu_nvml_errors_total",
+                call,
+                exc,
+                name,
+                exc_info=not isinstance(exc, self.nvml.NVMLError),
+            )
         return name
 
 
-def _report(samples: list[GpuSample], errors: list[tuple[str, str]], lost: list[int], silent: list[int],
-            gone: list[str], duration_s: float) -> PollReport:
+def _report(
+    samples: list[GpuSample],
+    errors: list[tuple[str, str]],
+    lost: list[int],
+    silent: list[int],
+    gone: list[str],
+    duration_s: float,
+) -> PollReport:
     if gone:
-        return PollReport(success=False, available=False, duration_s=duration_s,
-                          call_errors=tuple(errors), error=f"NVML stopped answering ({gone[0]})")
+        return PollReport(
+            success=False,
+            available=False,
+            duration_s=duration_s,
+            call_errors=tuple(errors),
+            error=f"NVML stopped answering ({gone[0]})",
+        )
     error = None
     if silent:
         error = f"GPU(s) {', '.join(map(str, silent))} answered no NVML call"
-    return PollReport(success=not silent, available=True, duration_s=duration_s, gpus=len(samples),
-                      lost=tuple(lost), silent=tuple(silent), call_errors=tuple(errors), error=error)
+    return PollReport(
+        success=not silent,
+        available=True,
+        duration_s=duration_s,
+        gpus=len(samples),
+        lost=tuple(lost),
+        silent=tuple(silent),
+        call_errors=tuple(errors),
+        error=error,
+    )
 
 
 def _old_driver(exc: BaseException) -> bool:
@@ -462,9 +514,12 @@ class _DeviceReader:
         if mem is None:
             return {}
         # v1 (older drivers) has no "reserved": its "used" includes what the driver sets aside
-        return {"memory_total_bytes": float(mem.total), "memory_used_bytes": float(mem.used),
-                "memory_reserved_bytes": _float(getattr(mem, "reserved", None)),
-                "memory_free_bytes": float(mem.free)}
+        return {
+            "memory_total_bytes": float(mem.total),
+            "memory_used_bytes": float(mem.used),
+            "memory_reserved_bytes": _float(getattr(mem, "reserved", None)),
+            "memory_free_bytes": float(mem.free),
+        }
 
     def utilization(self) -> dict[str, float]:
         util = self.call("nvmlDeviceGetUtilizationRates")
@@ -474,12 +529,20 @@ class _DeviceReader:
 
     def device_fields(self) -> dict[str, Any]:
         n = self.nvml
-        ids = [n.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, n.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
-               n.NVML_FI_DEV_MEMORY_TEMP, n.NVML_FI_DEV_NVLINK_LINK_COUNT]
+        ids = [
+            n.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+            n.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
+            n.NVML_FI_DEV_MEMORY_TEMP,
+            n.NVML_FI_DEV_NVLINK_LINK_COUNT,
+        ]
         got, _ = self.fields(ids)
         tx, rx, mem_temp, links = (got.get(i) for i in ids)
-        return {"pcie_tx_bytes_total": tx, "pcie_rx_bytes_total": rx, "temperature_memory_celsius": mem_temp,
-                "_link_count": None if links is None else int(links)}
+        return {
+            "pcie_tx_bytes_total": tx,
+            "pcie_rx_bytes_total": rx,
+            "temperature_memory_celsius": mem_temp,
+            "_link_count": None if links is None else int(links),
+        }
 
     def fields(self, ids: list[Any]) -> tuple[dict[Any, float], bool]:
         """``nvmlDeviceGetFieldValues`` with each field's own status checked.
@@ -523,9 +586,15 @@ class _DeviceReader:
         links = range(dev.link_count)
         states = [self.call("nvmlDeviceGetNvLinkState", link) for link in links]
         tx, rx = self._nvlink_traffic(links)
-        return tuple(NvLinkSample(link=link, active=None if state is None else bool(state),
-                                  tx_bytes_total=tx.get(link), rx_bytes_total=rx.get(link))
-                     for link, state in zip(links, states, strict=True))
+        return tuple(
+            NvLinkSample(
+                link=link,
+                active=None if state is None else bool(state),
+                tx_bytes_total=tx.get(link),
+                rx_bytes_total=rx.get(link),
+            )
+            for link, state in zip(links, states, strict=True)
+        )
 
     def _probe_links(self) -> int:
         """Links answering nvmlDeviceGetNvLinkState, for drivers without the link-count field."""
@@ -544,9 +613,14 @@ class _DeviceReader:
         n, dev = self.nvml, self.dev
         if not dev.nvlink_fields_probed:
             all_unsupported = True
-            for fields in ((n.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, n.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-                            _NVLINK_KIB),
-                           (n.NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES, n.NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES, 1)):
+            for fields in (
+                (
+                    n.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                    n.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                    _NVLINK_KIB,
+                ),
+                (n.NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES, n.NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES, 1),
+            ):
                 tx, rx, unsupported = self._link_fields(fields, links)
                 if tx or rx:
                     dev.nvlink_fields, dev.nvlink_fields_probed = fields, True
@@ -559,8 +633,9 @@ class _DeviceReader:
         tx, rx, _ = self._link_fields(dev.nvlink_fields, links)
         return tx, rx
 
-    def _link_fields(self, fields: tuple[int, int, int], links: range
-                     ) -> tuple[dict[int, float], dict[int, float], bool]:
+    def _link_fields(
+        self, fields: tuple[int, int, int], links: range
+    ) -> tuple[dict[int, float], dict[int, float], bool]:
         tx_id, rx_id, unit = fields
         got, unsupported = self.fields([(fid, link) for link in links for fid in (tx_id, rx_id)])
         tx = {link: got[(tx_id, link)] * unit for link in links if (tx_id, link) in got}
@@ -585,25 +660,35 @@ class _DeviceReader:
         }
         mask = self.call("nvmlDeviceGetCurrentClocksEventReasons")
         if mask is not None:
-            out["clock_event_reasons"] = tuple((reason, bool(mask & getattr(n, const)))
-                                               for reason, const in CLOCK_EVENT_REASONS)
+            out["clock_event_reasons"] = tuple(
+                (reason, bool(mask & getattr(n, const))) for reason, const in CLOCK_EVENT_REASONS
+            )
         return out
 
     # -- health --------------------------------------------------------------------------------------
     def ecc(self) -> dict[str, Any]:
         n = self.nvml
         out: dict[str, Any] = {
-            "ecc_corrected_volatile_total": _float(self.call(
-                "nvmlDeviceGetTotalEccErrors", n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC)),
-            "ecc_uncorrected_volatile_total": _float(self.call(
-                "nvmlDeviceGetTotalEccErrors", n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)),
+            "ecc_corrected_volatile_total": _float(
+                self.call(
+                    "nvmlDeviceGetTotalEccErrors", n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC
+                )
+            ),
+            "ecc_uncorrected_volatile_total": _float(
+                self.call(
+                    "nvmlDeviceGetTotalEccErrors", n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
+                )
+            ),
         }
         rows = self.call("nvmlDeviceGetRemappedRows")
         if rows is not None:
             correctable, uncorrectable, pending, failure = rows
-            out.update(remapped_rows_correctable=float(correctable),
-                       remapped_rows_uncorrectable=float(uncorrectable),
-                       remap_pending=bool(pending), remap_failure=bool(failure))
+            out.update(
+                remapped_rows_correctable=float(correctable),
+                remapped_rows_uncorrectable=float(uncorrectable),
+                remap_pending=bool(pending),
+                remap_failure=bool(failure),
+            )
         return out
 
     def processes(self) -> list[GpuProcess]:

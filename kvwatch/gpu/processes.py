@@ -53,8 +53,14 @@ class ProcReader:
             elif key == "PPid" and value.strip().isdigit():
                 ppid = int(value.strip())
         cuda, nvidia = self.visible_devices(pid)
-        return ProcessInfo(pid=pid, ppid=ppid, ns_pids=ns_pids or (pid,), children=self.children(pid, scan),
-                           cuda_visible_devices=cuda, nvidia_visible_devices=nvidia)
+        return ProcessInfo(
+            pid=pid,
+            ppid=ppid,
+            ns_pids=ns_pids or (pid,),
+            children=self.children(pid, scan),
+            cuda_visible_devices=cuda,
+            nvidia_visible_devices=nvidia,
+        )
 
     def visible_devices(self, pid: int) -> tuple[str | None, str | None]:
         """(CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) of the process; None when unset or unreadable."""
@@ -101,7 +107,7 @@ class ProcReader:
         stat = self._read_text(pid, "stat")
         if stat is None:
             return None
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
     def pids(self) -> list[int]:

@@ -59,16 +59,20 @@ CRITICAL_XIDS: Mapping[str, str] = {
 THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
 
 _MODEL = by((*FLEET_LABELS, "model_name"))
-_REPLICA = ("replica {{ $labels.replica }} (model {{ $labels.model_name }}, DP rank "
-            "{{ $labels.dp_rank }}) on {{ $labels.instance }}")
+_REPLICA = (
+    "replica {{ $labels.replica }} (model {{ $labels.model_name }}, DP rank "
+    "{{ $labels.dp_rank }}) on {{ $labels.instance }}"
+)
 _GPU = "GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }}"
 
 
 def _lasting(cfg: AlertConfig, alert: str) -> str:
     """An alert's ``for:`` in words for its description: ``1h30m`` -> ``1 hour 30 minutes``."""
     units = {"s": "second", "m": "minute", "h": "hour", "d": "day", "w": "week", "y": "year"}
-    words = [f"{n} {units[u]}{'' if n == '1' else 's'}"
-             for n, u in re.findall(r"(\d+)([smhdwy])", cfg.for_of(alert) or "0s")]
+    words = [
+        f"{n} {units[u]}{'' if n == '1' else 's'}"
+        for n, u in re.findall(r"(\d+)([smhdwy])", cfg.for_of(alert) or "0s")
+    ]
     return " ".join(words)
 
 
@@ -77,9 +81,7 @@ def counter_rose(series: str, window: str) -> str:
     in it: ``increase()`` cannot see the jump from nothing to 1, and XID series appear with their
     first event. (A Prometheus that starts scraping an agent which already counted XIDs therefore
     alerts once for them.)"""
-    return (f"increase({series}[{window}]) > 0\n"
-            f"or\n"
-            f"({series} > 0 unless {series} offset {window})")
+    return f"increase({series}[{window}]) > 0\nor\n({series} > 0 unless {series} offset {window})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def kv_alerts(cfg: AlertConfig, form: HistogramForm = CLASSIC) -> tuple[Alert, .
             f"and\n{preempt_10m} > {cfg.storm_min_preemptions_per_s}",
             WARNING,
             "A replica preempts requests faster than it finishes them.",
-            f"The engine of {_REPLICA} preempts {{{{ printf \"%.2f\" $value }}}} requests/s, more than one "
+            f'The engine of {_REPLICA} preempts {{{{ printf "%.2f" $value }}}} requests/s, more than one '
             f"for every {round(1 / cfg.storm_preemptions_per_finished)} requests it finishes "
             f"(10 minute rate): "
             f"the KV cache is thrashing.",
@@ -157,7 +159,7 @@ def repeated_preemption_alert(cfg: AlertConfig, form: HistogramForm = CLASSIC) -
         "Long requests are preempted again and again.",
         "Requests of length band {{ $labels.length_band }} on replica {{ $labels.replica }} "
         "(model {{ $labels.model_name }}) on {{ $labels.instance }} were preempted "
-        "{{ printf \"%.1f\" $value }} times each on average over 30 minutes: each preemption throws "
+        '{{ printf "%.1f" $value }} times each on average over 30 minutes: each preemption throws '
         "away their KV cache and recomputes it.",
         for_=cfg.for_of("KVWatchLongRequestsPreemptedRepeatedly"),
     )
@@ -165,8 +167,10 @@ def repeated_preemption_alert(cfg: AlertConfig, form: HistogramForm = CLASSIC) -
 
 def tier_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
     width_low = "kvwatch_gpu_pcie_link_width < kvwatch_gpu_pcie_link_width_max"
-    gen_low = (f"(kvwatch_gpu_pcie_link_generation < kvwatch_gpu_pcie_link_generation_max)\n"
-               f"  and\n  (kvwatch_gpu_utilization_ratio > {cfg.link_busy_utilization})")
+    gen_low = (
+        f"(kvwatch_gpu_pcie_link_generation < kvwatch_gpu_pcie_link_generation_max)\n"
+        f"  and\n  (kvwatch_gpu_utilization_ratio > {cfg.link_busy_utilization})"
+    )
     return (
         Alert(
             "KVWatchKVTierPCIeSaturated",
@@ -322,8 +326,10 @@ def gpu_alerts(cfg: AlertConfig) -> tuple[Alert, ...]:
 
 def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
     up = selector("up", eq("job", job))
-    stale = selector("kvwatch_source_last_success_timestamp_seconds",
-                     nre("source", "|".join(f"{regex_any([p])}.*" for p in PUSH_SOURCES)))
+    stale = selector(
+        "kvwatch_source_last_success_timestamp_seconds",
+        nre("source", "|".join(f"{regex_any([p])}.*" for p in PUSH_SOURCES)),
+    )
     return (
         Alert(
             "KVWatchDown",
@@ -376,7 +382,7 @@ def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchNearFileDescriptorLimit",
-            f'{selector("process_open_fds", eq("job", job))} / {selector("process_max_fds", eq("job", job))}'
+            f"{selector('process_open_fds', eq('job', job))} / {selector('process_max_fds', eq('job', job))}"
             f" > {cfg.open_fds_ratio}",
             WARNING,
             "kvwatch is close to its open-files limit: new proxy clients may be dropped.",
@@ -399,8 +405,9 @@ def self_alerts(job: str, cfg: AlertConfig) -> tuple[Alert, ...]:
     )
 
 
-def node_alert_groups(job: str = DEFAULT_JOB, cfg: AlertConfig | None = None,
-                      form: HistogramForm = CLASSIC) -> tuple[Group, ...]:
+def node_alert_groups(
+    job: str = DEFAULT_JOB, cfg: AlertConfig | None = None, form: HistogramForm = CLASSIC
+) -> tuple[Group, ...]:
     """Alerts on one node's series: they run where the node is scraped."""
     cfg = cfg or AlertConfig()
     return (

@@ -57,11 +57,22 @@ def _thresholds(steps: Sequence[tuple[float | None, str]]) -> dict[str, Any]:
 GREEN = ((None, "green"),)
 
 
-def _panel(kind: str, title: str, queries: Sequence[Query], *, description: str, unit: str = "short",
-           options: dict[str, Any] | None = None, custom: dict[str, Any] | None = None,
-           thresholds: Sequence[tuple[float | None, str]] = GREEN, min_: float | None = None,
-           max_: float | None = None, links: Sequence[dict[str, Any]] = (),
-           transformations: Sequence[dict[str, Any]] = (), decimals: int | None = None) -> dict[str, Any]:
+def _panel(
+    kind: str,
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str,
+    unit: str = "short",
+    options: dict[str, Any] | None = None,
+    custom: dict[str, Any] | None = None,
+    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    min_: float | None = None,
+    max_: float | None = None,
+    links: Sequence[dict[str, Any]] = (),
+    transformations: Sequence[dict[str, Any]] = (),
+    decimals: int | None = None,
+) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": unit, "thresholds": _thresholds(thresholds)}
     if custom is not None:
         defaults["custom"] = custom
@@ -88,10 +99,19 @@ def _panel(kind: str, title: str, queries: Sequence[Query], *, description: str,
     return panel
 
 
-def timeseries(title: str, queries: Sequence[Query], *, description: str, unit: str = "short",
-               stack: bool = False, min_: float | None = None, max_: float | None = None,
-               thresholds: Sequence[tuple[float | None, str]] = GREEN, threshold_lines: bool = False,
-               step: bool = False) -> dict[str, Any]:
+def timeseries(
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str,
+    unit: str = "short",
+    stack: bool = False,
+    min_: float | None = None,
+    max_: float | None = None,
+    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    threshold_lines: bool = False,
+    step: bool = False,
+) -> dict[str, Any]:
     custom = {
         "drawStyle": "line",
         "lineInterpolation": "stepAfter" if step else "linear",
@@ -102,51 +122,128 @@ def timeseries(title: str, queries: Sequence[Query], *, description: str, unit: 
         "stacking": {"group": "A", "mode": "normal" if stack else "none"},
         "thresholdsStyle": {"mode": "dashed" if threshold_lines else "off"},
     }
-    options = {"legend": {"displayMode": "table", "placement": "right", "calcs": ["lastNotNull", "max"],
-                          "showLegend": True},
-               "tooltip": {"mode": "multi", "sort": "desc"}}
-    return _panel("timeseries", title, queries, description=description, unit=unit, options=options,
-                  custom=custom, thresholds=thresholds, min_=min_, max_=max_)
+    options = {
+        "legend": {
+            "displayMode": "table",
+            "placement": "right",
+            "calcs": ["lastNotNull", "max"],
+            "showLegend": True,
+        },
+        "tooltip": {"mode": "multi", "sort": "desc"},
+    }
+    return _panel(
+        "timeseries",
+        title,
+        queries,
+        description=description,
+        unit=unit,
+        options=options,
+        custom=custom,
+        thresholds=thresholds,
+        min_=min_,
+        max_=max_,
+    )
 
 
-def stat(title: str, queries: Sequence[Query], *, description: str, unit: str = "short",
-         thresholds: Sequence[tuple[float | None, str]] = GREEN,
-         decimals: int | None = None) -> dict[str, Any]:
-    options = {"colorMode": "value", "graphMode": "area", "justifyMode": "auto", "textMode": "auto",
-               "orientation": "auto",
-               "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
-    return _panel("stat", title, queries, description=description, unit=unit, options=options,
-                  thresholds=thresholds, decimals=decimals)
+def stat(
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str,
+    unit: str = "short",
+    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    decimals: int | None = None,
+) -> dict[str, Any]:
+    options = {
+        "colorMode": "value",
+        "graphMode": "area",
+        "justifyMode": "auto",
+        "textMode": "auto",
+        "orientation": "auto",
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+    }
+    return _panel(
+        "stat",
+        title,
+        queries,
+        description=description,
+        unit=unit,
+        options=options,
+        thresholds=thresholds,
+        decimals=decimals,
+    )
 
 
-def bargauge(title: str, queries: Sequence[Query], *, description: str, unit: str = "short",
-             thresholds: Sequence[tuple[float | None, str]] = GREEN, min_: float | None = None,
-             max_: float | None = None) -> dict[str, Any]:
-    options = {"displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True,
-               "valueMode": "color", "namePlacement": "auto",
-               "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
-    return _panel("bargauge", title, queries, description=description, unit=unit, options=options,
-                  thresholds=thresholds, min_=min_, max_=max_)
+def bargauge(
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str,
+    unit: str = "short",
+    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    min_: float | None = None,
+    max_: float | None = None,
+) -> dict[str, Any]:
+    options = {
+        "displayMode": "gradient",
+        "orientation": "horizontal",
+        "showUnfilled": True,
+        "valueMode": "color",
+        "namePlacement": "auto",
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+    }
+    return _panel(
+        "bargauge",
+        title,
+        queries,
+        description=description,
+        unit=unit,
+        options=options,
+        thresholds=thresholds,
+        min_=min_,
+        max_=max_,
+    )
 
 
-def table(title: str, queries: Sequence[Query], *, description: str, unit: str = "short",
-          links: Sequence[dict[str, Any]] = (), hide: Iterable[str] = ("Time",),
-          thresholds: Sequence[tuple[float | None, str]] = GREEN) -> dict[str, Any]:
+def table(
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str,
+    unit: str = "short",
+    links: Sequence[dict[str, Any]] = (),
+    hide: Iterable[str] = ("Time",),
+    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+) -> dict[str, Any]:
     """Instant table queries merged into one row per label set; ``hide`` drops columns."""
     transformations = [
         {"id": "merge", "options": {}},
         {"id": "organize", "options": {"excludeByName": dict.fromkeys(hide, True)}},
     ]
     options = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
-    return _panel("table", title, queries, description=description, unit=unit, options=options,
-                  links=links, transformations=transformations, thresholds=thresholds)
+    return _panel(
+        "table",
+        title,
+        queries,
+        description=description,
+        unit=unit,
+        options=options,
+        links=links,
+        transformations=transformations,
+        thresholds=thresholds,
+    )
 
 
 def heatmap(title: str, query: Query, *, description: str, unit: str = "short") -> dict[str, Any]:
-    options = {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges",
-                                                           "steps": 64},
-               "yAxis": {"unit": unit}, "rowsFrame": {"layout": "auto"}, "legend": {"show": True},
-               "tooltip": {"show": True, "yHistogram": True}}
+    options = {
+        "calculate": False,
+        "cellGap": 1,
+        "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+        "yAxis": {"unit": unit},
+        "rowsFrame": {"layout": "auto"},
+        "legend": {"show": True},
+        "tooltip": {"show": True, "yHistogram": True},
+    }
     return _panel("heatmap", title, [query], description=description, unit=unit, options=options)
 
 
@@ -193,35 +290,69 @@ class Layout:
 
 
 def datasource_variable() -> dict[str, Any]:
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+        "regex": "",
+        "options": [],
+    }
 
 
 def query_variable(name: str, label: str, query: str, *, multi: bool = True) -> dict[str, Any]:
     """A label_values() variable with an "All" that matches series without the label too (``.*``)."""
     return {
-        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-        "definition": query, "query": {"query": query, "refId": f"{name}-values"},
-        "refresh": 2, "sort": 1, "multi": multi, "includeAll": True, "allValue": ".*",
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "hide": 0, "regex": "",
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "refresh": 2,
+        "sort": 1,
+        "multi": multi,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "hide": 0,
+        "regex": "",
         "options": [],
     }
 
 
-def custom_variable(name: str, label: str, values: Sequence[str], default: str,
-                    description: str) -> dict[str, Any]:
+def custom_variable(
+    name: str, label: str, values: Sequence[str], default: str, description: str
+) -> dict[str, Any]:
     return {
-        "name": name, "label": label, "type": "custom", "description": description,
-        "query": ",".join(values), "multi": False, "includeAll": False, "hide": 0,
+        "name": name,
+        "label": label,
+        "type": "custom",
+        "description": description,
+        "query": ",".join(values),
+        "multi": False,
+        "includeAll": False,
+        "hide": 0,
         "current": {"selected": True, "text": default, "value": default},
         "options": [{"selected": v == default, "text": v, "value": v} for v in values],
     }
 
 
-def dashboard_json(*, uid: str, title: str, description: str, variables: Sequence[dict[str, Any]],
-                   panels: Sequence[dict[str, Any]], links: Sequence[dict[str, Any]] = (),
-                   tags: Sequence[str] = ("kvwatch",), refresh: str = "30s",
-                   time_from: str = "now-1h") -> dict[str, Any]:
+def dashboard_json(
+    *,
+    uid: str,
+    title: str,
+    description: str,
+    variables: Sequence[dict[str, Any]],
+    panels: Sequence[dict[str, Any]],
+    links: Sequence[dict[str, Any]] = (),
+    tags: Sequence[str] = ("kvwatch",),
+    refresh: str = "30s",
+    time_from: str = "now-1h",
+) -> dict[str, Any]:
     """The dashboard as Grafana stores it, panel ids assigned in order, private keys removed."""
     clean = []
     for i, panel in enumerate(panels, start=1):
@@ -240,10 +371,19 @@ def dashboard_json(*, uid: str, title: str, description: str, variables: Sequenc
         "refresh": refresh,
         "timezone": "",
         "links": list(links),
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
-            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
-            "type": "dashboard"}]},
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
         "templating": {"list": list(variables)},
         "panels": clean,
     }

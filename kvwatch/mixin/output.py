@@ -25,9 +25,14 @@ def stale_files(out_dir: Path, files: Mapping[str, str]) -> dict[str, str]:
             diffs[name] = f"{path}: missing\n"
             continue
         if current != text:
-            diffs[name] = "".join(difflib.unified_diff(
-                current.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (committed)", tofile=f"{path} (generated)"))
+            diffs[name] = "".join(
+                difflib.unified_diff(
+                    current.splitlines(keepends=True),
+                    text.splitlines(keepends=True),
+                    fromfile=f"{path} (committed)",
+                    tofile=f"{path} (generated)",
+                )
+            )
     return diffs
 
 
@@ -58,8 +63,14 @@ def command_line(command: str, options: Iterable[tuple[str, str, str]]) -> str:
     return command + "".join(f" {flag} {value}" for flag, value, default in options if value != default)
 
 
-def write_or_check(out_dir: Path, files: Mapping[str, str], check: bool, regenerate: str,
-                   stdout: TextIO | None = None, retired: Iterable[str] = ()) -> int:
+def write_or_check(
+    out_dir: Path,
+    files: Mapping[str, str],
+    check: bool,
+    regenerate: str,
+    stdout: TextIO | None = None,
+    retired: Iterable[str] = (),
+) -> int:
     """Write ``files`` under ``out_dir`` and remove the ``retired`` ones; with ``check``, write nothing,
     print diffs, exit status 1 when anything differs or a retired file is left. ``regenerate`` is the
     command that fixes a failed check."""

@@ -193,10 +193,23 @@ _GRAFANA_VAR = re.compile(r"\$\{[^}]*\}|\$\w+|\[\[\w+\]\]")
 _SELECTOR = re.compile(r"(?<![\w:])([A-Za-z_:][A-Za-z0-9_:]*)?\s*\{([^{}]*)\}")
 _IDENT = re.compile(r"(?<![\w:.])([A-Za-z_:][A-Za-z0-9_:]*)(?![\w:])(?!\s*\()")
 _MATCHER_LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
-_KEYWORDS = frozenset({
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-    "offset", "inf", "nan",
-})
+_KEYWORDS = frozenset(
+    {
+        "and",
+        "or",
+        "unless",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "offset",
+        "inf",
+        "nan",
+    }
+)
 
 
 def _strip(expr: str) -> str:
@@ -268,15 +281,19 @@ def unknown_names(expr: str, recorded: Iterable[str] = (), native: bool = False)
         if name in recorded or is_external(name):
             continue
         if native and any(name == f + s for f in NATIVE_FAMILIES for s in _CLASSIC_SUFFIXES):
-            problems.append(f"{name} is a classic series of a native histogram: a native-histogram query "
-                            "reads the native series (histogram_count, histogram_sum, histogram_fraction, "
-                            "histogram_quantile without le)")
+            problems.append(
+                f"{name} is a classic series of a native histogram: a native-histogram query "
+                "reads the native series (histogram_count, histogram_sum, histogram_fraction, "
+                "histogram_quantile without le)"
+            )
             continue
         spec = catalog_family(name)
         if spec is None:
-            problems.append(f"{name} is not a kvwatch metric (kvwatch/catalog.py), not recorded by "
-                            "kvwatch's rules and not an allowed external metric "
-                            f"({', '.join([*EXTERNAL_METRICS, *(p + '*' for p in EXTERNAL_PREFIXES)])})")
+            problems.append(
+                f"{name} is not a kvwatch metric (kvwatch/catalog.py), not recorded by "
+                "kvwatch's rules and not an allowed external metric "
+                f"({', '.join([*EXTERNAL_METRICS, *(p + '*' for p in EXTERNAL_PREFIXES)])})"
+            )
             continue
         allowed = set(spec.labels) | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
         for label in labels:

@@ -42,31 +42,43 @@ def node_group() -> Group:
         Recording("kvwatch:preemptions:rate5m", "rate(kvwatch_preemptions_total[5m])"),
         # tokens recomputed after preemption per token of useful work (prefill + decode); `source`
         # says engine-reported or estimated, and a replica reports one of them
-        Recording("kvwatch:recompute_waste:ratio_rate15m",
-                  "max without (source) (rate(kvwatch_recomputed_tokens_total[15m]))\n/\n"
-                  "(\n  rate(kvwatch_prompt_tokens_total[15m]) + rate(kvwatch_generation_tokens_total[15m])\n"
-                  "  > 0\n)"),
+        Recording(
+            "kvwatch:recompute_waste:ratio_rate15m",
+            "max without (source) (rate(kvwatch_recomputed_tokens_total[15m]))\n/\n"
+            "(\n  rate(kvwatch_prompt_tokens_total[15m]) + rate(kvwatch_generation_tokens_total[15m])\n"
+            "  > 0\n)",
+        ),
         # KV bytes leaving the GPU (offload: device -> host/disk/remote) and coming back (onload),
         # per replica: the replica -> GPU map is per replica, so DP ranks are summed
-        Recording("kvwatch:kv_tier_offload_bytes:rate5m",
-                  f"sum without (dp_rank, family, src_tier, dst_tier) (rate({gpu_side}[5m]))"),
-        Recording("kvwatch:kv_tier_onload_bytes:rate5m",
-                  f"sum without (dp_rank, family, src_tier, dst_tier) (rate({to_gpu}[5m]))"),
+        Recording(
+            "kvwatch:kv_tier_offload_bytes:rate5m",
+            f"sum without (dp_rank, family, src_tier, dst_tier) (rate({gpu_side}[5m]))",
+        ),
+        Recording(
+            "kvwatch:kv_tier_onload_bytes:rate5m",
+            f"sum without (dp_rank, family, src_tier, dst_tier) (rate({to_gpu}[5m]))",
+        ),
         # one-direction PCIe bandwidth of the links of a replica's GPUs, via the replica -> GPU map
-        Recording(link,
-                  "sum without (dp_rank, gpu, uuid, mapped_by) (\n"
-                  "  kvwatch_replica_gpu_info\n"
-                  "  * on (instance, uuid) group_left ()\n"
-                  "  kvwatch_gpu_pcie_link_max_bytes_per_second\n"
-                  ")"),
-        Recording("kvwatch:kv_tier_pcie:ratio_rate5m",
-                  f"kvwatch:kv_tier_offload_bytes:rate5m\n/ ignoring (model_name, backend) group_left ()\n"
-                  f"({link} > 0)",
-                  (("direction", "offload"),)),
-        Recording("kvwatch:kv_tier_pcie:ratio_rate5m",
-                  f"kvwatch:kv_tier_onload_bytes:rate5m\n/ ignoring (model_name, backend) group_left ()\n"
-                  f"({link} > 0)",
-                  (("direction", "onload"),)),
+        Recording(
+            link,
+            "sum without (dp_rank, gpu, uuid, mapped_by) (\n"
+            "  kvwatch_replica_gpu_info\n"
+            "  * on (instance, uuid) group_left ()\n"
+            "  kvwatch_gpu_pcie_link_max_bytes_per_second\n"
+            ")",
+        ),
+        Recording(
+            "kvwatch:kv_tier_pcie:ratio_rate5m",
+            f"kvwatch:kv_tier_offload_bytes:rate5m\n/ ignoring (model_name, backend) group_left ()\n"
+            f"({link} > 0)",
+            (("direction", "offload"),),
+        ),
+        Recording(
+            "kvwatch:kv_tier_pcie:ratio_rate5m",
+            f"kvwatch:kv_tier_onload_bytes:rate5m\n/ ignoring (model_name, backend) group_left ()\n"
+            f"({link} > 0)",
+            (("direction", "onload"),),
+        ),
     )
     return Group("kvwatch-node.recording", rules)
 
@@ -84,11 +96,15 @@ def _outcome_rules(window: str) -> list[Recording]:
         Recording(rate, f"sum by ({_BAND}, outcome) (rate(kvwatch_requests_total[{window}]))"),
         # share of each outcome among the band's finished requests: completion (completed),
         # truncation (truncated), abandonment (aborted), error, rejected
-        Recording(f"kvwatch:request_outcome:ratio_rate{window}",
-                  f"{rate}\n/ ignoring (outcome) group_left ()\n({all_finished} > 0)"),
+        Recording(
+            f"kvwatch:request_outcome:ratio_rate{window}",
+            f"{rate}\n/ ignoring (outcome) group_left ()\n({all_finished} > 0)",
+        ),
         # requests that finished as asked (stop or the token budget) per finished request
-        Recording(f"kvwatch:request_completion:ratio_rate{window}",
-                  f"{_or_zero(done, all_finished)}\n/\n({all_finished} > 0)"),
+        Recording(
+            f"kvwatch:request_completion:ratio_rate{window}",
+            f"{_or_zero(done, all_finished)}\n/\n({all_finished} > 0)",
+        ),
     ]
 
 
@@ -98,18 +114,18 @@ def fleet_group() -> Group:
     # a queue that lasted (every scrape of the last minute), as derive/stranded.py counts it: one
     # request caught between arrival and admission would strand the free KV of every other replica
     queueing = "min_over_time(kvwatch_requests_waiting[1m]) > 0"
-    under_pressure = (f"count by ({_MODEL}) ({queueing})\n"
-                      f"    or\n"
-                      f"    count by ({_MODEL}) ({preempting})")
-    stranded = (f"sum by ({_MODEL}) (\n"
-                f"    ({no_queue})\n"
-                f"    unless\n"
-                f"    ({preempting})\n"
-                f"  )\n"
-                f"  and on ({_MODEL})\n"
-                f"  (\n"
-                f"    {under_pressure}\n"
-                f"  )")
+    under_pressure = f"count by ({_MODEL}) ({queueing})\n    or\n    count by ({_MODEL}) ({preempting})"
+    stranded = (
+        f"sum by ({_MODEL}) (\n"
+        f"    ({no_queue})\n"
+        f"    unless\n"
+        f"    ({preempting})\n"
+        f"  )\n"
+        f"  and on ({_MODEL})\n"
+        f"  (\n"
+        f"    {under_pressure}\n"
+        f"  )"
+    )
     capacity = "kvwatch:kv_capacity_tokens:sum"
     rules = [rule for w in OUTCOME_WINDOWS for rule in _outcome_rules(w)]
     rules += [
@@ -120,4 +136,3 @@ def fleet_group() -> Group:
         Recording("kvwatch:kv_stranded:ratio", f"kvwatch:kv_stranded_tokens:sum\n/\n({capacity} > 0)"),
     ]
     return Group("kvwatch-fleet.recording", tuple(rules))
-

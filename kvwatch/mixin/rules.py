@@ -120,8 +120,10 @@ def _sum_rate(series: str, matchers: Iterable[Match], window: str) -> str:
 
 def _rated(obj: Objective, window: str) -> Callable[..., str]:
     """``rate(series{the objective's scope, extra}[window])``, for ``HistogramForm``."""
+
     def rated(series: str, *extra: Match) -> str:
         return f"rate({selector(series, *_scope(obj), *extra)}[{window}])"
+
     return rated
 
 
@@ -153,8 +155,7 @@ def error_rate(obj: Objective, window: str, form: HistogramForm = CLASSIC) -> st
 
 
 def error_ratio(obj: Objective, window: str, form: HistogramForm = CLASSIC) -> str:
-    return (f"(\n{_indent(error_rate(obj, window, form))}\n)\n/\n"
-            f"({eligible_rate(obj, window, form)} > 0)")
+    return f"(\n{_indent(error_rate(obj, window, form))}\n)\n/\n({eligible_rate(obj, window, form)} > 0)"
 
 
 def _indent(text: str, by_: str = "  ") -> str:
@@ -188,8 +189,10 @@ def budget_rules(slo: SloFile) -> Group:
     rules: list[Recording] = []
     p = slo.period
     for obj in slo.objectives:
-        ratio = (f"sum_over_time({_slo_sel('kvwatch:slo_errors:rate5m', obj)}[{p}])\n/\n"
-                 f"(sum_over_time({_slo_sel('kvwatch:slo_requests:rate5m', obj)}[{p}]) > 0)")
+        ratio = (
+            f"sum_over_time({_slo_sel('kvwatch:slo_errors:rate5m', obj)}[{p}])\n/\n"
+            f"(sum_over_time({_slo_sel('kvwatch:slo_requests:rate5m', obj)}[{p}]) > 0)"
+        )
         remaining = f"1 - {_slo_sel(f'kvwatch:slo_errors:ratio_rate{p}', obj)} / {num(obj.error_budget)}"
         rules += [
             Recording("kvwatch:slo_objective:ratio", f"vector({num(obj.objective)})", _labels(obj)),
@@ -203,34 +206,41 @@ def budget_rules(slo: SloFile) -> Group:
 def _burn_condition(obj: Objective, w: BurnWindow) -> str:
     threshold = num(w.factor * obj.error_budget)
     window_s = prom_duration_seconds(w.long)
-    return (f"(\n"
-            f"  {_slo_sel(f'kvwatch:slo_errors:ratio_rate{w.long}', obj)} > {threshold}\n"
-            f"  and\n"
-            f"  {_slo_sel(f'kvwatch:slo_errors:ratio_rate{w.short}', obj)} > {threshold}\n"
-            f"  and\n"
-            f"  {_slo_sel(f'kvwatch:slo_requests:rate{w.long}', obj)} * {window_s} >= {obj.min_requests}\n"
-            f")")
+    return (
+        f"(\n"
+        f"  {_slo_sel(f'kvwatch:slo_errors:ratio_rate{w.long}', obj)} > {threshold}\n"
+        f"  and\n"
+        f"  {_slo_sel(f'kvwatch:slo_errors:ratio_rate{w.short}', obj)} > {threshold}\n"
+        f"  and\n"
+        f"  {_slo_sel(f'kvwatch:slo_requests:rate{w.long}', obj)} * {window_s} >= {obj.min_requests}\n"
+        f")"
+    )
 
 
 def burn_alert(obj: Objective, sev: Severity, period: str) -> Alert:
     pairs = " or ".join(f"{num(w.factor)}x over {w.long} (and {w.short})" for w in sev.windows)
     if obj.is_latency:
         name = LATENCY_ALERT
-        summary = ("Requests in an output-length band are slower than their SLO allows; "
-                   f"the budget burns {sev.pace}.")
+        summary = (
+            "Requests in an output-length band are slower than their SLO allows; "
+            f"the budget burns {sev.pace}."
+        )
         bad = f"had {_SLI_TITLE[obj.sli]} above {seconds_text(_threshold(obj))}"
         target = f"{percent(obj.objective)} within {seconds_text(_threshold(obj))}"
     else:
         name = COMPLETION_ALERT
-        summary = ("Requests in an output-length band fail more often than their SLO allows; "
-                   f"the budget burns {sev.pace}.")
+        summary = (
+            "Requests in an output-length band fail more often than their SLO allows; "
+            f"the budget burns {sev.pace}."
+        )
         bad = f"ended in {' or '.join(obj.bad_outcomes)}"
         target = f"{percent(obj.objective)} {' or '.join(obj.good_outcomes)}"
     description = (
         f"{{{{ $value | humanizePercentage }}}} of {{{{ $labels.model_name }}}} requests in length band "
         f"{{{{ $labels.length_band }}}} {bad} (SLO {obj.name}: {target} over {period}, "
         f"error budget {percent(obj.error_budget)}). The budget is burning at least {pairs}; "
-        f"at least {obj.min_requests} requests were counted in the long window.")
+        f"at least {obj.min_requests} requests were counted in the long window."
+    )
     expr = "\nor\n".join(_burn_condition(obj, w) for w in sev.windows)
     return Alert(name, expr, sev.severity, summary, description, for_=sev.for_, labels=_labels(obj))
 
@@ -238,18 +248,27 @@ def burn_alert(obj: Objective, sev: Severity, period: str) -> Alert:
 def slo_rule_file(slo: SloFile, source: str = "slo.yaml", form: HistogramForm = CLASSIC) -> RuleFile:
     groups = [window_rules(obj, form) for obj in slo.objectives]
     groups.append(budget_rules(slo))
-    groups.append(Group("kvwatch-slo-alerts", tuple(
-        burn_alert(obj, sev, slo.period) for obj in slo.objectives for sev in SEVERITIES)))
+    groups.append(
+        Group(
+            "kvwatch-slo-alerts",
+            tuple(burn_alert(obj, sev, slo.period) for obj in slo.objectives for sev in SEVERITIES),
+        )
+    )
     command = "kvwatch rules --native" if form.native else "kvwatch rules"
-    native = ("Native-histogram variant: latency SLIs read the native series (histogram_count,\n"
-              "histogram_fraction) that a Prometheus with native histograms on keeps instead of the\n"
-              "classic ones.\n"
-              if form.native else "")
-    header = (f"kvwatch SLO rules: per-band error ratios, error budget and burn-rate alerts. Fleet level:\n"
-              f"load this file (with kvwatch-fleet.rules.yaml) where every node's series are.\n"
-              f"{native}"
-              f"Generated by `{command}` from {source} (relative to this file).\n"
-              f"Do not edit: change the SLO file and re-run `{command}`.")
+    native = (
+        "Native-histogram variant: latency SLIs read the native series (histogram_count,\n"
+        "histogram_fraction) that a Prometheus with native histograms on keeps instead of the\n"
+        "classic ones.\n"
+        if form.native
+        else ""
+    )
+    header = (
+        f"kvwatch SLO rules: per-band error ratios, error budget and burn-rate alerts. Fleet level:\n"
+        f"load this file (with kvwatch-fleet.rules.yaml) where every node's series are.\n"
+        f"{native}"
+        f"Generated by `{command}` from {source} (relative to this file).\n"
+        f"Do not edit: change the SLO file and re-run `{command}`."
+    )
     return RuleFile(SLO_FILE, header, tuple(groups))
 
 
@@ -258,30 +277,36 @@ def slo_rule_file(slo: SloFile, source: str = "slo.yaml", form: HistogramForm = 
 # --------------------------------------------------------------------------------------------
 
 
-def node_rule_file(job: str = alerts.DEFAULT_JOB, cfg: AlertConfig | None = None,
-                   form: HistogramForm = CLASSIC) -> RuleFile:
+def node_rule_file(
+    job: str = alerts.DEFAULT_JOB, cfg: AlertConfig | None = None, form: HistogramForm = CLASSIC
+) -> RuleFile:
     command = "kvwatch rules --native" if form.native else "kvwatch rules"
-    header = ("kvwatch node-level rules: recordings per replica and GPU, KV, tier, GPU and kvwatch-health\n"
-              "alerts. They read each node's series on its own and keep `instance`: load this file in\n"
-              "every Prometheus that scrapes kvwatch agents (docs/scale.md).\n"
-              f"Generated by `{command}`. Do not edit: change kvwatch/mixin/recording.py or\n"
-              "kvwatch/mixin/alerts.py and re-run it.")
+    header = (
+        "kvwatch node-level rules: recordings per replica and GPU, KV, tier, GPU and kvwatch-health\n"
+        "alerts. They read each node's series on its own and keep `instance`: load this file in\n"
+        "every Prometheus that scrapes kvwatch agents (docs/scale.md).\n"
+        f"Generated by `{command}`. Do not edit: change kvwatch/mixin/recording.py or\n"
+        "kvwatch/mixin/alerts.py and re-run it."
+    )
     return RuleFile(NODE_FILE, header, (recording.node_group(), *alerts.node_alert_groups(job, cfg, form)))
 
 
 def fleet_rule_file(slo: SloFile) -> RuleFile:
-    header = ("kvwatch fleet-level rules: outcome ratios per band and stranded KV capacity across nodes,\n"
-              "and the alerts on them (stranded capacity, long-request starvation). They aggregate by\n"
-              "cluster and model_name: load this file (with kvwatch-slo.rules.yaml) where every node's\n"
-              "series are: the cluster Prometheus, or a global Prometheus / Thanos Ruler / Mimir ruler\n"
-              "(docs/scale.md).\n"
-              "Generated by `kvwatch rules`. Do not edit: change kvwatch/mixin/recording.py or\n"
-              "kvwatch/mixin/alerts.py and re-run it.")
+    header = (
+        "kvwatch fleet-level rules: outcome ratios per band and stranded KV capacity across nodes,\n"
+        "and the alerts on them (stranded capacity, long-request starvation). They aggregate by\n"
+        "cluster and model_name: load this file (with kvwatch-slo.rules.yaml) where every node's\n"
+        "series are: the cluster Prometheus, or a global Prometheus / Thanos Ruler / Mimir ruler\n"
+        "(docs/scale.md).\n"
+        "Generated by `kvwatch rules`. Do not edit: change kvwatch/mixin/recording.py or\n"
+        "kvwatch/mixin/alerts.py and re-run it."
+    )
     return RuleFile(FLEET_FILE, header, (recording.fleet_group(), alerts.fleet_alert_group(slo)))
 
 
-def rule_files(slo: SloFile, source: str = "slo.yaml", job: str = alerts.DEFAULT_JOB,
-               form: HistogramForm = CLASSIC) -> list[RuleFile]:
+def rule_files(
+    slo: SloFile, source: str = "slo.yaml", job: str = alerts.DEFAULT_JOB, form: HistogramForm = CLASSIC
+) -> list[RuleFile]:
     """Everything ``kvwatch rules`` writes, node level first; ``form`` says how histograms are read
     (the fleet file reads none)."""
     return [node_rule_file(job, slo.alerts, form), fleet_rule_file(slo), slo_rule_file(slo, source, form)]

@@ -109,7 +109,8 @@ def _objective(value: Any) -> float:
         raise ValueError(
             f"objective {ratio:g} leaves an error budget so large that the {FASTEST_BURN:g}x page would "
             f"need an error ratio of {FASTEST_BURN * (1 - ratio):.2f} (> 1) and could never fire; "
-            f"use an objective above {floor:.4f}")
+            f"use an objective above {floor:.4f}"
+        )
     return ratio
 
 
@@ -129,7 +130,8 @@ def boundary_for(sli: str, seconds: float) -> float:
     nearest = ", ".join(buckets.le_label(b) for b in (below[-1:] + above[:1]))
     raise ValueError(
         f"{seconds:g} s is not a bucket boundary of {family} (nearest: {nearest}); "
-        f"boundaries: {', '.join(buckets.le_label(b) for b in bounds)}")
+        f"boundaries: {', '.join(buckets.le_label(b) for b in bounds)}"
+    )
 
 
 def _bands(value: Any, bands: LengthBands) -> tuple[str, ...]:
@@ -142,8 +144,9 @@ def _bands(value: Any, bands: LengthBands) -> tuple[str, ...]:
     names = tuple(str(v) for v in value)
     unknown = [n for n in names if n not in bands.all_names]
     if unknown:
-        raise ValueError(f"unknown length band(s) {', '.join(map(repr, unknown))} "
-                         f"(valid: {', '.join(bands.all_names)})")
+        raise ValueError(
+            f"unknown length band(s) {', '.join(map(repr, unknown))} (valid: {', '.join(bands.all_names)})"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"a band is listed twice in {list(names)}")
     return names
@@ -183,19 +186,37 @@ class Objective:
     sli: str = field(metadata=setting("sli", WORD, "what is measured", choices=SLIS))
     objective: float = field(metadata=setting("objective", RATIO, "share of good requests, 0 to 1"))
     bands: tuple[str, ...] = field(metadata=caller_reads("bands", "length bands, or `*` for all"))
-    model: str = field(default=ANY_MODEL, metadata=setting(
-        "model", STRING, "`*` = every model, one series per model_name"))
-    threshold: float | None = field(default=None, metadata=caller_reads(
-        "threshold", "seconds; latency SLIs only; an exact bucket boundary"))
-    good_outcomes: tuple[str, ...] = field(default=DEFAULT_GOOD_OUTCOMES, metadata=setting(
-        "good_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"))
-    bad_outcomes: tuple[str, ...] = field(default=DEFAULT_BAD_OUTCOMES, metadata=setting(
-        "bad_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"))
-    min_requests: int = field(default=20, metadata=setting(
-        "min_requests", INTEGER, "requests a band needs in an alert's long window before it may alert",
-        minimum=1))
-    matchers: tuple[tuple[str, str], ...] = field(default=(), metadata=caller_reads(
-        "matchers", "extra exact label matchers, e.g. {source: proxy}"))
+    model: str = field(
+        default=ANY_MODEL, metadata=setting("model", STRING, "`*` = every model, one series per model_name")
+    )
+    threshold: float | None = field(
+        default=None,
+        metadata=caller_reads("threshold", "seconds; latency SLIs only; an exact bucket boundary"),
+    )
+    good_outcomes: tuple[str, ...] = field(
+        default=DEFAULT_GOOD_OUTCOMES,
+        metadata=setting(
+            "good_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"
+        ),
+    )
+    bad_outcomes: tuple[str, ...] = field(
+        default=DEFAULT_BAD_OUTCOMES,
+        metadata=setting(
+            "bad_outcomes", OUTCOME_LIST, "completion only", choices=OUTCOMES, choice_name="outcome(s)"
+        ),
+    )
+    min_requests: int = field(
+        default=20,
+        metadata=setting(
+            "min_requests",
+            INTEGER,
+            "requests a band needs in an alert's long window before it may alert",
+            minimum=1,
+        ),
+    )
+    matchers: tuple[tuple[str, str], ...] = field(
+        default=(), metadata=caller_reads("matchers", "extra exact label matchers, e.g. {source: proxy}")
+    )
     description: str = field(default="", metadata=setting("description", STRING, "shown in the alert"))
 
     @property
@@ -217,24 +238,35 @@ class SloDefaults:
     """``defaults:``: what every objective takes unless it says otherwise."""
 
     model: str | None = field(default=None, metadata=setting("model", STRING, "as objectives[].model"))
-    min_requests: int | None = field(default=None, metadata=setting(
-        "min_requests", INTEGER, "as objectives[].min_requests", minimum=1))
+    min_requests: int | None = field(
+        default=None, metadata=setting("min_requests", INTEGER, "as objectives[].min_requests", minimum=1)
+    )
     matchers: Any = field(default=None, metadata=caller_reads("matchers", "as objectives[].matchers"))
 
 
 @dataclass(frozen=True, slots=True)
 class SloFile:
-    long_bands: tuple[str, ...] = field(metadata=caller_reads(
-        "long_bands", "watched by KVWatchLongRequestsStarving"))
-    short_bands: tuple[str, ...] = field(metadata=caller_reads(
-        "short_bands", "the comparison: these must still be fine"))
+    long_bands: tuple[str, ...] = field(
+        metadata=caller_reads("long_bands", "watched by KVWatchLongRequestsStarving")
+    )
+    short_bands: tuple[str, ...] = field(
+        metadata=caller_reads("short_bands", "the comparison: these must still be fine")
+    )
     objectives: tuple[Objective, ...] = field(metadata=caller_reads("objectives", "the objectives"))
-    period: str = field(default="28d", metadata=setting(
-        "period", PERIOD, "Prometheus duration of the error-budget window, e.g. 28d"))
-    bands: LengthBands = field(default_factory=LengthBands, metadata=setting(
-        "length_bands", EDGES, "output-length band edges in tokens"))
-    alerts: AlertConfig = field(default_factory=AlertConfig, metadata=caller_reads(
-        "alerts", "the operational alerts' thresholds and for: durations (mixin/thresholds.py)"))
+    period: str = field(
+        default="28d",
+        metadata=setting("period", PERIOD, "Prometheus duration of the error-budget window, e.g. 28d"),
+    )
+    bands: LengthBands = field(
+        default_factory=LengthBands,
+        metadata=setting("length_bands", EDGES, "output-length band edges in tokens"),
+    )
+    alerts: AlertConfig = field(
+        default_factory=AlertConfig,
+        metadata=caller_reads(
+            "alerts", "the operational alerts' thresholds and for: durations (mixin/thresholds.py)"
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,8 +277,9 @@ class SloFile:
 _FILE_ONLY_KEYS = frozenset({"version", "defaults"})
 
 
-def _objective_entry(r: KeyPathReader, node: Any, path: str, bands: LengthBands,
-                     defaults: SloDefaults) -> Objective | None:
+def _objective_entry(
+    r: KeyPathReader, node: Any, path: str, bands: LengthBands, defaults: SloDefaults
+) -> Objective | None:
     if not isinstance(node, Mapping) or not node:
         r.mapping(node, path, set())
         r.problem(path, "expected an objective with at least name, sli, objective and bands")
@@ -286,7 +319,8 @@ def _objective_entry(r: KeyPathReader, node: Any, path: str, bands: LengthBands,
             except ValueError as exc:
                 r.problem(f"{path}.matchers", str(exc))
     if None in (values["name"], sli, values["objective"], band_names) or (
-            sli in LATENCY_SLIS and threshold is None):
+        sli in LATENCY_SLIS and threshold is None
+    ):
         return None
     return Objective(**values, bands=band_names, threshold=threshold, matchers=matchers)
 
@@ -297,11 +331,11 @@ def _edge_bands(bands: LengthBands) -> int:
 
 
 def _default_long(bands: LengthBands) -> tuple[str, ...]:
-    return bands.names[-_edge_bands(bands):]
+    return bands.names[-_edge_bands(bands) :]
 
 
 def _default_short(bands: LengthBands) -> tuple[str, ...]:
-    return bands.names[:_edge_bands(bands)]
+    return bands.names[: _edge_bands(bands)]
 
 
 def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
@@ -318,9 +352,12 @@ def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
     overlap = sorted(set(long_bands) & set(short_bands))
     if overlap:
         r.problem("short_bands", f"{', '.join(overlap)} cannot be both a long and a short band")
-    defaults = SloDefaults(**r.values(top.get("defaults"), "defaults", SloDefaults),
-                           matchers=(top.get("defaults") or {}).get("matchers")
-                           if isinstance(top.get("defaults"), Mapping) else None)
+    defaults = SloDefaults(
+        **r.values(top.get("defaults"), "defaults", SloDefaults),
+        matchers=(top.get("defaults") or {}).get("matchers")
+        if isinstance(top.get("defaults"), Mapping)
+        else None,
+    )
 
     objectives: list[Objective] = []
     raw = top.get("objectives")
@@ -333,15 +370,23 @@ def slo_from_mapping(data: Any, source: str = "slo file") -> SloFile:
         if obj is None:
             continue
         if obj.name in seen:
-            r.problem(f"objectives[{i}].name",
-                      f"duplicate objective name {obj.name!r} (also objectives[{seen[obj.name]}])")
+            r.problem(
+                f"objectives[{i}].name",
+                f"duplicate objective name {obj.name!r} (also objectives[{seen[obj.name]}])",
+            )
         seen[obj.name] = i
         objectives.append(obj)
     alerts = alert_config_from_mapping(top.get("alerts"), "alerts", r.problems)
     if r.problems:
         raise ConfigError(r.problems, source)
-    return SloFile(period=period, bands=bands, long_bands=long_bands, short_bands=short_bands,
-                   objectives=tuple(objectives), alerts=alerts)
+    return SloFile(
+        period=period,
+        bands=bands,
+        long_bands=long_bands,
+        short_bands=short_bands,
+        objectives=tuple(objectives),
+        alerts=alerts,
+    )
 
 
 def load_slo_file(path: str | Path) -> SloFile:

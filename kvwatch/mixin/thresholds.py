@@ -76,38 +76,97 @@ class AlertConfig:
     read by the config's generic validator.
     """
 
-    kv_pressure_usage: float = field(default=0.95, metadata=setting(
-        "kv_pressure_usage", SHARE, "KV usage ratio above which preemptions mean pressure"))
-    storm_preemptions_per_finished: float = field(default=0.5, metadata=setting(
-        "storm_preemptions_per_finished", NON_NEGATIVE, "preemptions per finished request: a storm"))
-    storm_min_preemptions_per_s: float = field(default=0.05, metadata=setting(
-        "storm_min_preemptions_per_s", NON_NEGATIVE, "and at least this many per second (3 a minute)"))
-    recompute_waste_ratio: float = field(default=0.2, metadata=setting(
-        "recompute_waste_ratio", SHARE, "recomputed tokens / tokens processed"))
-    headroom_seconds: float = field(default=300, metadata=setting(
-        "headroom_seconds", NON_NEGATIVE, "seconds until the KV pool is full at its current growth"))
-    stranded_ratio: float = field(default=0.2, metadata=setting(
-        "stranded_ratio", SHARE, "stranded KV tokens / the model's KV capacity"))
-    tier_pcie_ratio: float = field(default=0.8, metadata=setting(
-        "tier_pcie_ratio", SHARE, "KV tier traffic / one-direction PCIe bandwidth"))
-    link_busy_utilization: float = field(default=0.1, metadata=setting(
-        "link_busy_utilization", SHARE, "GPUs lower the PCIe generation when idle to save power"))
-    starving_long_completion: float = field(default=0.9, metadata=setting(
-        "starving_long_completion", SHARE, "long bands completing less than this ..."))
-    starving_short_completion: float = field(default=0.97, metadata=setting(
-        "starving_short_completion", SHARE, "... while short bands complete at least this ..."))
-    starving_aborted_ratio: float = field(default=0.05, metadata=setting(
-        "starving_aborted_ratio", SHARE, "... and more than this share of long ones aborted ..."))
-    starving_min_requests: int = field(default=20, metadata=setting(
-        "starving_min_requests", INTEGER, "... with at least this many long requests in the hour", minimum=0))
-    repeated_preemptions_per_request: float = field(default=2.0, metadata=setting(
-        "repeated_preemptions_per_request", NON_NEGATIVE, "mean preemptions per finished request of a band"))
-    repeated_preemptions_min_requests: float = field(default=10, metadata=setting(
-        "repeated_preemptions_min_requests", NON_NEGATIVE, "... over at least this many requests in 30 min"))
-    source_stale_seconds: float = field(default=600, metadata=setting(
-        "source_stale_seconds", NON_NEGATIVE, "a polled source without success for this long is stuck"))
-    open_fds_ratio: float = field(default=0.9, metadata=setting(
-        "open_fds_ratio", SHARE, "kvwatch's open descriptors over its limit: past it, accepts fail"))
+    kv_pressure_usage: float = field(
+        default=0.95,
+        metadata=setting("kv_pressure_usage", SHARE, "KV usage ratio above which preemptions mean pressure"),
+    )
+    storm_preemptions_per_finished: float = field(
+        default=0.5,
+        metadata=setting(
+            "storm_preemptions_per_finished", NON_NEGATIVE, "preemptions per finished request: a storm"
+        ),
+    )
+    storm_min_preemptions_per_s: float = field(
+        default=0.05,
+        metadata=setting(
+            "storm_min_preemptions_per_s", NON_NEGATIVE, "and at least this many per second (3 a minute)"
+        ),
+    )
+    recompute_waste_ratio: float = field(
+        default=0.2, metadata=setting("recompute_waste_ratio", SHARE, "recomputed tokens / tokens processed")
+    )
+    headroom_seconds: float = field(
+        default=300,
+        metadata=setting(
+            "headroom_seconds", NON_NEGATIVE, "seconds until the KV pool is full at its current growth"
+        ),
+    )
+    stranded_ratio: float = field(
+        default=0.2, metadata=setting("stranded_ratio", SHARE, "stranded KV tokens / the model's KV capacity")
+    )
+    tier_pcie_ratio: float = field(
+        default=0.8,
+        metadata=setting("tier_pcie_ratio", SHARE, "KV tier traffic / one-direction PCIe bandwidth"),
+    )
+    link_busy_utilization: float = field(
+        default=0.1,
+        metadata=setting(
+            "link_busy_utilization", SHARE, "GPUs lower the PCIe generation when idle to save power"
+        ),
+    )
+    starving_long_completion: float = field(
+        default=0.9,
+        metadata=setting("starving_long_completion", SHARE, "long bands completing less than this ..."),
+    )
+    starving_short_completion: float = field(
+        default=0.97,
+        metadata=setting(
+            "starving_short_completion", SHARE, "... while short bands complete at least this ..."
+        ),
+    )
+    starving_aborted_ratio: float = field(
+        default=0.05,
+        metadata=setting(
+            "starving_aborted_ratio", SHARE, "... and more than this share of long ones aborted ..."
+        ),
+    )
+    starving_min_requests: int = field(
+        default=20,
+        metadata=setting(
+            "starving_min_requests",
+            INTEGER,
+            "... with at least this many long requests in the hour",
+            minimum=0,
+        ),
+    )
+    repeated_preemptions_per_request: float = field(
+        default=2.0,
+        metadata=setting(
+            "repeated_preemptions_per_request",
+            NON_NEGATIVE,
+            "mean preemptions per finished request of a band",
+        ),
+    )
+    repeated_preemptions_min_requests: float = field(
+        default=10,
+        metadata=setting(
+            "repeated_preemptions_min_requests",
+            NON_NEGATIVE,
+            "... over at least this many requests in 30 min",
+        ),
+    )
+    source_stale_seconds: float = field(
+        default=600,
+        metadata=setting(
+            "source_stale_seconds", NON_NEGATIVE, "a polled source without success for this long is stuck"
+        ),
+    )
+    open_fds_ratio: float = field(
+        default=0.9,
+        metadata=setting(
+            "open_fds_ratio", SHARE, "kvwatch's open descriptors over its limit: past it, accepts fail"
+        ),
+    )
     for_: Mapping[str, str | None] = field(default_factory=lambda: dict(DEFAULT_FOR))
 
     def for_of(self, alert: str) -> str | None:
@@ -141,8 +200,10 @@ def alert_config_from_mapping(node: Any, path: str, problems: list[tuple[str, st
     for key in node:
         if key not in ("thresholds", "for"):
             problems.append((f"{path}.{key}", "unknown key (known keys: for, thresholds)"))
-    for section, known, read in (("thresholds", THRESHOLDS, _threshold),
-                                 ("for", tuple(DEFAULT_FOR), lambda _name, v: _for(v))):
+    for section, known, read in (
+        ("thresholds", THRESHOLDS, _threshold),
+        ("for", tuple(DEFAULT_FOR), lambda _name, v: _for(v)),
+    ):
         entries = node.get(section) or {}
         if not isinstance(entries, Mapping):
             problems.append((f"{path}.{section}", f"expected a mapping, got {type(entries).__name__}"))
@@ -150,8 +211,13 @@ def alert_config_from_mapping(node: Any, path: str, problems: list[tuple[str, st
         for name, value in entries.items():
             where = f"{path}.{section}.{name}"
             if name not in known:
-                problems.append((where, f"unknown {'threshold' if section == 'thresholds' else 'alert'} "
-                                        f"(known: {', '.join(known)})"))
+                problems.append(
+                    (
+                        where,
+                        f"unknown {'threshold' if section == 'thresholds' else 'alert'} "
+                        f"(known: {', '.join(known)})",
+                    )
+                )
                 continue
             try:
                 parsed = read(name, value)

@@ -126,8 +126,14 @@ def hardware_grid(
                     name = f"{gpu}-{shape}-dp{dp}-{'fp8kv' if dtype == 'fp8' else 'bf16kv'}"
                     out.append(
                         Candidate(
-                            name=name, model=model, gpu=gpu, tp=tp, pp=pp, dp=dp,
-                            expert_parallel=ep, kv_cache_dtype=dtype,
+                            name=name,
+                            model=model,
+                            gpu=gpu,
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            expert_parallel=ep,
+                            kv_cache_dtype=dtype,
                             step_model=CALIBRATED if gpu == calibrated_on else "roofline",
                         )
                     )
@@ -185,8 +191,11 @@ def _evaluate(candidate: Candidate) -> Evaluated:
     cal = s["calibration"]
     fit = observed_fit(candidate, cal)
     timed_by = (
-        f"fit TP={candidate.tp}" if fit is not None
-        else "roofline (never observed)" if unobserved_layout(candidate, cal) else "roofline"
+        f"fit TP={candidate.tp}"
+        if fit is not None
+        else "roofline (never observed)"
+        if unobserved_layout(candidate, cal)
+        else "roofline"
     )
     try:
         result = replay(s["workload"], candidate, cal, bands=s["bands"])
@@ -314,6 +323,7 @@ def tier_report(evaluated: Sequence[Evaluated]) -> list[str]:
     """One line per runnable candidate with a CPU tier: PCIe bytes, tokens loaded back per MB moved,
     the steps' wait for busy uplinks, and completed requests per GPU-hour and preemptions against the
     same candidate without the tier (when the sweep ran it)."""
+
     def key(c: Candidate) -> Candidate:
         return dataclasses.replace(c, name="", cpu_offload_gb=0.0)
 
@@ -326,15 +336,19 @@ def tier_report(evaluated: Sequence[Evaluated]) -> list[str]:
             lines.append(f"- {e.candidate.name}: never used (nothing was preempted, so nothing was kept)")
             continue
         ratio = e.recompute_avoided_per_byte
-        line = (f"- {e.candidate.name}: {e.offload_bytes / 1e9:,.1f} GB over PCIe, "
-                f"{'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens loaded back per MB moved, "
-                f"steps waited {e.offload_queue_seconds:,.1f} s for busy uplinks")
+        line = (
+            f"- {e.candidate.name}: {e.offload_bytes / 1e9:,.1f} GB over PCIe, "
+            f"{'n/a' if ratio is None else f'{ratio * 1e6:,.2f}'} tokens loaded back per MB moved, "
+            f"steps waited {e.offload_queue_seconds:,.1f} s for busy uplinks"
+        )
         base = bases.get(key(e.candidate))
         done, before = e.completed_per_gpu_hour, base.completed_per_gpu_hour if base else None
         if base is not None and done is not None and before is not None:
-            line += (f"; extra work admitted: {done - before:+,.1f} "
-                     f"completed/GPU-h, preemptions {base.preemptions:,} -> {e.preemptions:,} "
-                     f"(without the tier: {base.candidate.name})")
+            line += (
+                f"; extra work admitted: {done - before:+,.1f} "
+                f"completed/GPU-h, preemptions {base.preemptions:,} -> {e.preemptions:,} "
+                f"(without the tier: {base.candidate.name})"
+            )
         lines.append(line)
     return lines
 
@@ -422,8 +436,12 @@ def render_compare_text(
         margins += ["", "what would close the gap:", *gap_advice(evaluated, max_gpus, prices)]
     tiers = tier_report(evaluated)
     if tiers:
-        margins += ["", "CPU tier: recompute avoided per byte moved, and the extra work it admitted "
-                    "(against the same candidate without the tier):", *tiers]
+        margins += [
+            "",
+            "CPU tier: recompute avoided per byte moved, and the extra work it admitted "
+            "(against the same candidate without the tier):",
+            *tiers,
+        ]
     cannot = [e for e in evaluated if e.error is not None]
     tail = (
         [f"{len(cannot)} candidate(s) cannot run:"] + [f"  {e.error}" for e in cannot[:10]] if cannot else []

@@ -196,8 +196,10 @@ def demo_workload_requests(*, limit: int | None = None, seed: int = 0) -> Worklo
 
     spec = demo_workload(seed, hours=DEMO_WORKLOAD_HOURS)
     requests = tuple(generate(spec, count=limit, duration=3600.0 * DEMO_WORKLOAD_HOURS))
-    where = (f"workload: reasoning at {spec.rate:g}/s, 1.5x burst at minute 30-40, seed {seed}, "
-             f"first {DEMO_WORKLOAD_HOURS} simulated hour")
+    where = (
+        f"workload: reasoning at {spec.rate:g}/s, 1.5x burst at minute 30-40, seed {seed}, "
+        f"first {DEMO_WORKLOAD_HOURS} simulated hour"
+    )
     return Workload("demo", (where,), requests, {}, None)
 
 

@@ -54,8 +54,9 @@ def duration_seconds(text: str, what: str) -> float:
 Series = dict[tuple, dict[float, float]]
 
 
-def _query_range(url: str, expr: str, start: float, end: float, step: float,
-                 tp_label: str | None = None) -> Series:
+def _query_range(
+    url: str, expr: str, start: float, end: float, step: float, tp_label: str | None = None
+) -> Series:
     try:
         response = httpx.get(
             f"{url}/api/v1/query_range",
@@ -106,7 +107,13 @@ def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShap
 
 
 def observations_from_prometheus(
-    url: str, *, since: str, until: float | None, window: str, selector: str, shape: EngineShape,
+    url: str,
+    *,
+    since: str,
+    until: float | None,
+    window: str,
+    selector: str,
+    shape: EngineShape,
     tp_label: str | None = None,
 ) -> tuple[list[StepObservation], str, EngineShape]:
     """Observations (module doc), a description of the range, and the engine's shape. With

@@ -164,8 +164,9 @@ def replay(
     config = engine_config(candidate, calibration, output_budget=budget)
     # the replicas share the node's PCIe uplinks where GPUs share a switch (``sim/hostlink.py``)
     paths = node_host_paths(candidate.dp, config.gpus, config.switch_gpus, config.gpu.host_bandwidth)
-    engines = [SimEngine(config, name=str(i), keep_finished=0, host_path=paths[i])
-               for i in range(candidate.dp)]
+    engines = [
+        SimEngine(config, name=str(i), keep_finished=0, host_path=paths[i]) for i in range(candidate.dp)
+    ]
     finished: list[tuple[int, RequestView]] = []
     for i, e in enumerate(engines):
         e.on_finish = lambda view, i=i: finished.append((i, view))
@@ -221,8 +222,9 @@ def replay(
         offload_bytes=sum(e.stats.offload_store_bytes + e.stats.offload_load_bytes for e in engines),
         offload_tokens_loaded=sum(e.stats.external_hits for e in engines),
         offload_queue_seconds=sum(e.stats.offload_queue_seconds for e in engines),
-        offload_transfer_seconds=sum(e.stats.offload_store_seconds + e.stats.offload_load_seconds
-                                     for e in engines),
+        offload_transfer_seconds=sum(
+            e.stats.offload_store_seconds + e.stats.offload_load_seconds for e in engines
+        ),
     )
     words, calibrated = step_model_words(candidate, calibration)
     stride = max(1, len(usage) // 400)

@@ -19,14 +19,28 @@ from kvwatch.report.summary import ROW_COLUMNS, BandRow, Report, bands_from_name
 from kvwatch.report.text import render_text
 
 __all__ = [
-    "FORMATS", "ROW_COLUMNS", "BandRow", "Report", "ReportError", "build_report", "render_csv",
-    "render_html", "render_text",
+    "FORMATS",
+    "ROW_COLUMNS",
+    "BandRow",
+    "Report",
+    "ReportError",
+    "build_report",
+    "render_csv",
+    "render_html",
+    "render_text",
 ]
 
 
-def build_report(paths: Sequence[str], *, bands: LengthBands | None = None, replicas: Sequence[str] = (),
-                 trace_format: str = "auto", progress: bool = False,
-                 progress_stream: TextIO | None = None, jobs: int | None = None) -> Report:
+def build_report(
+    paths: Sequence[str],
+    *,
+    bands: LengthBands | None = None,
+    replicas: Sequence[str] = (),
+    trace_format: str = "auto",
+    progress: bool = False,
+    progress_stream: TextIO | None = None,
+    jobs: int | None = None,
+) -> Report:
     """Read ``paths`` (files or globs, gzip allowed) and summarise them per length band and replica.
 
     ``bands`` None: a ledger's own bands (from the band names it recorded), else the defaults.
@@ -43,8 +57,13 @@ def build_report(paths: Sequence[str], *, bands: LengthBands | None = None, repl
     elif kind == "ledger" and (recorded := bands_from_names(loaded.recorded_bands)) is not None:
         chosen, origin = recorded, "from the band names recorded in the ledger"
     elif kind == "ledger" and loaded.recorded_bands:
-        chosen, origin = DEFAULT_BANDS, ("defaults: the ledger's band names come from more than one "
-                                         "set of edges; pass --bands to choose")
+        chosen, origin = (
+            DEFAULT_BANDS,
+            (
+                "defaults: the ledger's band names come from more than one "
+                "set of edges; pass --bands to choose"
+            ),
+        )
     else:
         chosen, origin = DEFAULT_BANDS, "defaults"
     return summarize(loaded, chosen, origin, replicas)

@@ -33,8 +33,10 @@ def _table(headers: list[str], rows: list[list[str]], totals: set[int]) -> str:
     for i, row in enumerate(rows):
         cls = ' class="total"' if i in totals else ""
         body.append(f"<tr{cls}>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>")
-    return (f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
+    return (
+        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _band_rows_table(report: Report, rows: list[BandRow]) -> str:
@@ -49,12 +51,26 @@ def _band_rows_table(report: Report, rows: list[BandRow]) -> str:
             totals.add(i)
         cells = count_cells(report, r)
         if report.has_ttft:
-            cells += [h.seconds(v) for v in (r.ttft_p50_seconds, r.ttft_p90_seconds, r.ttft_p99_seconds,
-                                             r.tpot_p50_seconds, r.tpot_p90_seconds, r.tpot_p99_seconds)]
+            cells += [
+                h.seconds(v)
+                for v in (
+                    r.ttft_p50_seconds,
+                    r.ttft_p90_seconds,
+                    r.ttft_p99_seconds,
+                    r.tpot_p50_seconds,
+                    r.tpot_p90_seconds,
+                    r.tpot_p99_seconds,
+                )
+            ]
         if report.has_e2e:
-            cells += [h.seconds(r.e2e_p50_seconds), h.seconds(r.e2e_p90_seconds),
-                      h.seconds(r.e2e_p99_seconds), h.si(r.kv_token_seconds), h.ratio(r.kv_share),
-                      h.si(r.kv_mean_tokens)]
+            cells += [
+                h.seconds(r.e2e_p50_seconds),
+                h.seconds(r.e2e_p90_seconds),
+                h.seconds(r.e2e_p99_seconds),
+                h.si(r.kv_token_seconds),
+                h.ratio(r.kv_share),
+                h.si(r.kv_mean_tokens),
+            ]
         body.append(cells)
     return _table(headers, body, totals)
 
@@ -69,22 +85,43 @@ def _charts(report: Report) -> str:
     bands = [r.length_band for r in rows]
     charts = []
     if report.has_ttft:
-        charts.append(svg.grouped_bars("TTFT by length band", bands,
-                                       [("p50", [r.ttft_p50_seconds for r in rows]),
-                                        ("p99", [r.ttft_p99_seconds for r in rows])], h.seconds, log=True))
-        charts.append(svg.grouped_bars("TPOT by length band", bands,
-                                       [("p50", [r.tpot_p50_seconds for r in rows]),
-                                        ("p99", [r.tpot_p99_seconds for r in rows])], h.seconds, log=True))
+        charts.append(
+            svg.grouped_bars(
+                "TTFT by length band",
+                bands,
+                [("p50", [r.ttft_p50_seconds for r in rows]), ("p99", [r.ttft_p99_seconds for r in rows])],
+                h.seconds,
+                log=True,
+            )
+        )
+        charts.append(
+            svg.grouped_bars(
+                "TPOT by length band",
+                bands,
+                [("p50", [r.tpot_p50_seconds for r in rows]), ("p99", [r.tpot_p99_seconds for r in rows])],
+                h.seconds,
+                log=True,
+            )
+        )
     if report.has_e2e:
-        charts.append(svg.grouped_bars("End-to-end latency by length band", bands,
-                                       [("p50", [r.e2e_p50_seconds for r in rows]),
-                                        ("p99", [r.e2e_p99_seconds for r in rows])], h.seconds, log=True))
+        charts.append(
+            svg.grouped_bars(
+                "End-to-end latency by length band",
+                bands,
+                [("p50", [r.e2e_p50_seconds for r in rows]), ("p99", [r.e2e_p99_seconds for r in rows])],
+                h.seconds,
+                log=True,
+            )
+        )
     hist = report.output_histogram
     if hist.counts:
         classes = [_band_class(report, lo) for lo in hist.edges[:-1]]
         markers = [(float(e), f"{h.si(e)}") for e in report.bands.edges if e <= hist.edges[-1]]
-        charts.append(svg.histogram("Output length distribution (all replicas)", hist.edges, hist.counts,
-                                    classes, markers, h.si))
+        charts.append(
+            svg.histogram(
+                "Output length distribution (all replicas)", hist.edges, hist.counts, classes, markers, h.si
+            )
+        )
     series = [("requests", [r.request_share for r in rows])]
     if report.has_e2e:
         series.append(("KV token-seconds held", [r.kv_share for r in rows]))
@@ -95,17 +132,19 @@ def _charts(report: Report) -> str:
 def render_html(report: Report) -> str:
     """The whole page; every string from the input is escaped."""
     head, *rest = header_lines(report)
-    meta = "".join(f'<p class="{"note" if ln.startswith(("note:", "  ")) else "meta"}">{escape(ln)}</p>'
-                   for ln in rest)
-    files = "".join(f"<li>{escape(f.path)}: {f.records:,} records, {f.malformed:,} malformed</li>"
-                    for f in report.files)
+    meta = "".join(
+        f'<p class="{"note" if ln.startswith(("note:", "  ")) else "meta"}">{escape(ln)}</p>' for ln in rest
+    )
+    files = "".join(
+        f"<li>{escape(f.path)}: {f.records:,} records, {f.malformed:,} malformed</li>" for f in report.files
+    )
     sections = []
     for replica in report.replicas:
         title = "All replicas" if replica == ALL else f"Replica {replica}"
         sections.append(f"<h2>{escape(title)}</h2>{_band_rows_table(report, report.rows_for(replica))}")
     title = f"kvwatch report: {KIND_NAMES.get(report.kind, report.kind)}"
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>"
         f"<h1>{escape(head)}</h1>{meta}<details><summary>inputs</summary><ul>{files}</ul></details>"
         f"<h2>Charts</h2>{_charts(report)}{''.join(sections)}</body></html>\n"

@@ -151,8 +151,10 @@ def detect_format(item: InputFile) -> str:
     for name, cols in CSV_SIGNATURES.items():
         if all(c in header for c in cols):
             return name
-    raise ReportError(f"{item.path}: cannot tell the format from its first lines; expected "
-                      f"{EXPECTED_FORMATS}. Pass --trace-format to name it.")
+    raise ReportError(
+        f"{item.path}: cannot tell the format from its first lines; expected "
+        f"{EXPECTED_FORMATS}. Pass --trace-format to name it."
+    )
 
 
 def detect_common_format(files: list[InputFile], forced: str | None) -> str:
@@ -165,6 +167,8 @@ def detect_common_format(files: list[InputFile], forced: str | None) -> str:
     kinds = set(formats.values())
     if len(kinds) > 1:
         listing = ", ".join(f"{os.fspath(p)} is {k}" for p, k in formats.items())
-        raise ReportError(f"inputs are in different formats ({listing}); report one format at a time "
-                          "and compare the reports side by side")
+        raise ReportError(
+            f"inputs are in different formats ({listing}); report one format at a time "
+            "and compare the reports side by side"
+        )
     return kinds.pop()

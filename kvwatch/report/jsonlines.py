@@ -34,7 +34,7 @@ BOOL = "bool"
 _NUMBER = rb"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _TEXT = rb'[^"\\\x00-\x1f]'  # a string character that needs no escape
 #: a value of a field the report does not use: any JSON scalar or flat array
-_SKIP_VALUE = (rb"(?:null|" + _NUMBER + rb'|"' + _TEXT + rb'*"|true|false|\[[^\[\]{}\n]*\])')
+_SKIP_VALUE = rb"(?:null|" + _NUMBER + rb'|"' + _TEXT + rb'*"|true|false|\[[^\[\]{}\n]*\])'
 _KEY_OK = re.compile(r'^[^"\\\x00-\x1f]+$')
 _SEP = b'"'
 _BOOL_VALUES = {"true": 1.0, True: 1.0, "false": 0.0, False: 0.0}
@@ -86,8 +86,10 @@ class Problems:
                 self.examples.append((where, None if line_no is None else line_no + line_offset, reason))
 
     def example_lines(self) -> list[str]:
-        return [f"{where}:{line_no}: {reason}" if line_no is not None else f"{where}: {reason}"
-                for where, line_no, reason in self.examples]
+        return [
+            f"{where}:{line_no}: {reason}" if line_no is not None else f"{where}: {reason}"
+            for where, line_no, reason in self.examples
+        ]
 
 
 class _InvalidLineError(Exception):
@@ -97,8 +99,12 @@ class _InvalidLineError(Exception):
 class JsonLinesColumns:
     """Accumulate ``fields`` of every valid line; ``literals`` are keys that must hold a fixed value."""
 
-    def __init__(self, fields: Sequence[Field], literals: dict[str, int] | None = None,
-                 problems: Problems | None = None) -> None:
+    def __init__(
+        self,
+        fields: Sequence[Field],
+        literals: dict[str, int] | None = None,
+        problems: Problems | None = None,
+    ) -> None:
         self.fields = tuple(fields)
         self.literals = dict(literals or {})
         self.problems = problems if problems is not None else Problems()
@@ -127,9 +133,12 @@ class JsonLinesColumns:
         if keys in self._patterns:
             return self._patterns[keys]
         built: Compiled | None = None
-        usable = (len(set(keys)) == len(keys) and all(_KEY_OK.match(k) for k in keys)
-                  and all(f.name in keys for f in self.fields if f.required)
-                  and all(k in keys for k in self.literals))
+        usable = (
+            len(set(keys)) == len(keys)
+            and all(_KEY_OK.match(k) for k in keys)
+            and all(f.name in keys for f in self.fields if f.required)
+            and all(k in keys for k in self.literals)
+        )
         if usable:
             parts, captured = [], []
             for key in keys:
@@ -160,7 +169,7 @@ class JsonLinesColumns:
     # -- chunks ---------------------------------------------------------------------------------
     def add_chunk(self, chunk: bytes, where: str, first_line_no: int) -> None:
         """Read one chunk of whole lines (ending in ``\\n``); line numbers start at ``first_line_no``."""
-        keys = self._keys_of(chunk[:chunk.find(b"\n")])
+        keys = self._keys_of(chunk[: chunk.find(b"\n")])
         compiled = self._pattern_for(keys) if keys else None
         if compiled is not None:
             pattern, captured = compiled
@@ -225,9 +234,18 @@ class JsonLinesColumns:
         import pandas as pd
 
         dtypes = {name: "float64" if self._by_name[name].kind == NUM else "category" for name in captured}
-        df = pd.read_csv(io.BytesIO(b"\n".join(blobs)), sep=_SEP.decode(), header=None, names=captured,
-                         dtype=dtypes, quoting=csv.QUOTE_NONE, na_values=[""], keep_default_na=False,
-                         skip_blank_lines=False, engine="c")
+        df = pd.read_csv(
+            io.BytesIO(b"\n".join(blobs)),
+            sep=_SEP.decode(),
+            header=None,
+            names=captured,
+            dtype=dtypes,
+            quoting=csv.QUOTE_NONE,
+            na_values=[""],
+            keep_default_na=False,
+            skip_blank_lines=False,
+            engine="c",
+        )
         for f in self.fields:
             if f.name not in df.columns:
                 df[f.name] = float("nan") if f.kind != STR else pd.Categorical([None] * len(df))
@@ -247,8 +265,9 @@ class JsonLinesColumns:
             if f.kind == STR:
                 data[f.name] = pd.Categorical(values)
             else:
-                data[f.name] = pd.array([math.nan if v is None else float(v) for v in values],
-                                        dtype="float64")
+                data[f.name] = pd.array(
+                    [math.nan if v is None else float(v) for v in values], dtype="float64"
+                )
         return pd.DataFrame(data)
 
 

@@ -24,8 +24,16 @@ if TYPE_CHECKING:
 
 #: the request table every loader produces (float columns are NaN where unknown)
 COLUMNS = (
-    "replica", "model_name", "outcome", "started_at", "prompt_tokens", "output_tokens",
-    "output_tokens_estimated", "ttft_seconds", "e2e_seconds", "tpot_seconds",
+    "replica",
+    "model_name",
+    "outcome",
+    "started_at",
+    "prompt_tokens",
+    "output_tokens",
+    "output_tokens_estimated",
+    "ttft_seconds",
+    "e2e_seconds",
+    "tpot_seconds",
 )
 
 LEDGER_FIELDS = (
@@ -101,11 +109,19 @@ def _trace_name(item: InputFile) -> str:
 
 def _load_ledger(files: list[InputFile], progress: Progress, jobs: int | None) -> Loaded:
     result = read_json_lines(files, LEDGER_FIELDS, {"v": LEDGER_VERSION}, progress, jobs)
-    stats = [FileStats(str(f.path), f.size, result.records_by_file.get(str(f.path), 0),
-                       result.malformed_by_file.get(str(f.path), 0)) for f in files]
+    stats = [
+        FileStats(
+            str(f.path),
+            f.size,
+            result.records_by_file.get(str(f.path), 0),
+            result.malformed_by_file.get(str(f.path), 0),
+        )
+        for f in files
+    ]
     frame = result.frame
-    recorded = sorted({str(b) for col in ("length_band", "admission_band")
-                       for b in frame.pop(col).cat.categories})
+    recorded = sorted(
+        {str(b) for col in ("length_band", "admission_band") for b in frame.pop(col).cat.categories}
+    )
     return Loaded("ledger", frame, stats, result.problems, tuple(recorded))
 
 
@@ -117,37 +133,52 @@ def _load_mooncake(files: list[InputFile], progress: Progress, jobs: int | None)
         result = read_json_lines([item], MOONCAKE_FIELDS, {}, progress, jobs)
         problems.merge(result.problems)
         cols = result.frame
-        frames.append(_trace_frame(pd, _trace_name(item), len(cols),
-                                   started_at=cols["timestamp"].to_numpy(dtype=float) / 1000.0,
-                                   prompt=cols["input_length"].to_numpy(dtype=float),
-                                   output=cols["output_length"].to_numpy(dtype=float)))
+        frames.append(
+            _trace_frame(
+                pd,
+                _trace_name(item),
+                len(cols),
+                started_at=cols["timestamp"].to_numpy(dtype=float) / 1000.0,
+                prompt=cols["input_length"].to_numpy(dtype=float),
+                output=cols["output_length"].to_numpy(dtype=float),
+            )
+        )
         stats.append(FileStats(str(item.path), item.size, len(cols), result.problems.total))
-    return Loaded("mooncake", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=False,
-                  has_outcomes=False)
+    return Loaded(
+        "mooncake", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=False, has_outcomes=False
+    )
 
 
-def _read_csv(pd: Any, item: InputFile, required: tuple[str, ...], progress: Progress,
-              problems: Problems) -> tuple[pd.DataFrame, int]:
+def _read_csv(
+    pd: Any, item: InputFile, required: tuple[str, ...], progress: Progress, problems: Problems
+) -> tuple[pd.DataFrame, int]:
     """CSV with the ``required`` columns; rows whose numbers do not parse are dropped and counted."""
     data = read_all(item, progress)
     lines = sum(1 for ln in data.splitlines()[1:] if ln.strip())
     try:
-        df = pd.read_csv(io.BytesIO(data), on_bad_lines="skip", skipinitialspace=True,
-                         encoding_errors="replace", low_memory=False)
+        df = pd.read_csv(
+            io.BytesIO(data),
+            on_bad_lines="skip",
+            skipinitialspace=True,
+            encoding_errors="replace",
+            low_memory=False,
+        )
     except (ValueError, pd.errors.ParserError) as exc:
         raise ReportError(f"{item.path}: not a readable CSV: {exc}") from None
     df.columns = [str(c).strip() for c in df.columns]
     missing = [c for c in required if c not in df.columns]
     if missing:
-        raise ReportError(f"{item.path}: missing column(s) {', '.join(missing)} "
-                          f"(expected {','.join(required)})")
+        raise ReportError(
+            f"{item.path}: missing column(s) {', '.join(missing)} (expected {','.join(required)})"
+        )
     malformed = max(lines - len(df), 0)
     problems.add_count(str(item.path), "wrong number of fields", malformed)
     return df, malformed
 
 
-def _numeric(pd: Any, df: pd.DataFrame, columns: tuple[str, ...], item: InputFile,
-             problems: Problems) -> tuple[pd.DataFrame, int]:
+def _numeric(
+    pd: Any, df: pd.DataFrame, columns: tuple[str, ...], item: InputFile, problems: Problems
+) -> tuple[pd.DataFrame, int]:
     for col in columns:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     bad = df[list(columns)].isna().any(axis=1).to_numpy()
@@ -165,12 +196,20 @@ def _load_azure(files: list[InputFile], progress: Progress) -> Loaded:
         df, bad = _numeric(pd, df, ("ContextTokens", "GeneratedTokens"), item, problems)
         stamps = pd.to_datetime(df["TIMESTAMP"], format="ISO8601", errors="coerce", utc=True)
         started = (stamps - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy(dtype=float)
-        frames.append(_trace_frame(pd, _trace_name(item), len(df), started_at=started,
-                                   prompt=df["ContextTokens"].to_numpy(dtype=float),
-                                   output=df["GeneratedTokens"].to_numpy(dtype=float)))
+        frames.append(
+            _trace_frame(
+                pd,
+                _trace_name(item),
+                len(df),
+                started_at=started,
+                prompt=df["ContextTokens"].to_numpy(dtype=float),
+                output=df["GeneratedTokens"].to_numpy(dtype=float),
+            )
+        )
         stats.append(FileStats(str(item.path), item.size, len(df), skipped + bad))
-    return Loaded("azure", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=False,
-                  has_outcomes=False)
+    return Loaded(
+        "azure", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=False, has_outcomes=False
+    )
 
 
 def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
@@ -189,35 +228,50 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
         else:
             e2e, has_e2e = np.full(len(df), np.nan), False
         frame = _trace_frame(
-            pd, _trace_name(item), len(df),
+            pd,
+            _trace_name(item),
+            len(df),
             started_at=pd.to_numeric(df["Timestamp"], errors="coerce").to_numpy(dtype=float),
             prompt=df["Request tokens"].to_numpy(dtype=float),
             output=np.where(failed, np.nan, response),
             e2e=e2e,
             outcome=np.where(failed, "error", "completed"),
-            model=df["Model"].astype(str).to_numpy())
+            model=df["Model"].astype(str).to_numpy(),
+        )
         frames.append(frame)
         stats.append(FileStats(str(item.path), item.size, len(df), skipped + bad))
-    return Loaded("burstgpt", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=has_e2e,
-                  has_outcomes=True)
+    return Loaded(
+        "burstgpt", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=has_e2e, has_outcomes=True
+    )
 
 
-def _trace_frame(pd: Any, name: str, n: int, *, started_at: np.ndarray, prompt: np.ndarray,
-                 output: np.ndarray, e2e: np.ndarray | None = None, outcome: np.ndarray | None = None,
-                 model: np.ndarray | None = None) -> pd.DataFrame:
+def _trace_frame(
+    pd: Any,
+    name: str,
+    n: int,
+    *,
+    started_at: np.ndarray,
+    prompt: np.ndarray,
+    output: np.ndarray,
+    e2e: np.ndarray | None = None,
+    outcome: np.ndarray | None = None,
+    model: np.ndarray | None = None,
+) -> pd.DataFrame:
     nan = np.full(n, np.nan)
-    return pd.DataFrame({
-        "replica": pd.Categorical([name] * n),
-        "model_name": pd.Categorical(model if model is not None else [None] * n),
-        "outcome": pd.Categorical(outcome if outcome is not None else [None] * n, categories=OUTCOMES),
-        "started_at": started_at,
-        "prompt_tokens": prompt,
-        "output_tokens": output,
-        "output_tokens_estimated": nan,
-        "ttft_seconds": nan,
-        "e2e_seconds": e2e if e2e is not None else nan,
-        "tpot_seconds": nan,
-    })
+    return pd.DataFrame(
+        {
+            "replica": pd.Categorical([name] * n),
+            "model_name": pd.Categorical(model if model is not None else [None] * n),
+            "outcome": pd.Categorical(outcome if outcome is not None else [None] * n, categories=OUTCOMES),
+            "started_at": started_at,
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "output_tokens_estimated": nan,
+            "ttft_seconds": nan,
+            "e2e_seconds": e2e if e2e is not None else nan,
+            "tpot_seconds": nan,
+        }
+    )
 
 
 def _concat(pd: Any, frames: list[pd.DataFrame]) -> pd.DataFrame:

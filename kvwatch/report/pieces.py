@@ -128,9 +128,14 @@ class JsonLinesResult:
     malformed_by_file: dict[str, int]
 
 
-def read_json_lines(files: Sequence[InputFile], fields: tuple[Field, ...], literals: dict[str, int],
-                    progress: Progress, jobs: int | None = None,
-                    piece_bytes: int = PIECE_BYTES) -> JsonLinesResult:
+def read_json_lines(
+    files: Sequence[InputFile],
+    fields: tuple[Field, ...],
+    literals: dict[str, int],
+    progress: Progress,
+    jobs: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
+) -> JsonLinesResult:
     """Read every file's records; ``jobs`` None picks in-process or all CPUs by input size."""
     pieces = plan(files, piece_bytes)
     total = sum(p.size for p in pieces)

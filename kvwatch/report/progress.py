@@ -13,8 +13,9 @@ _REDRAW_S = 0.2
 class Progress:
     """``update(bytes)`` as input is consumed; ``close()`` clears the line. Silent when disabled."""
 
-    def __init__(self, total_bytes: int, enabled: bool, stream: TextIO | None = None,
-                 label: str = "reading") -> None:
+    def __init__(
+        self, total_bytes: int, enabled: bool, stream: TextIO | None = None, label: str = "reading"
+    ) -> None:
         self.total = max(total_bytes, 1)
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr

@@ -30,11 +30,14 @@ if TYPE_CHECKING:
 
 ALL = "(all)"  # parentheses never occur in replica names or band names
 QUANTILES = (0.5, 0.9, 0.99)
-PERCENTILE_METHOD = ("pandas quantile, linear interpolation between the nearest ranks "
-                     "(numpy 'linear', Hyndman & Fan type 7)")
+PERCENTILE_METHOD = (
+    "pandas quantile, linear interpolation between the nearest ranks (numpy 'linear', Hyndman & Fan type 7)"
+)
 KV_FORMULA = "kv_token_seconds = prompt_tokens x e2e + output_tokens x (e2e - TTFT) / 2"
-KV_ASSUMPTION = ("prompt KV held from arrival to the last byte (queue time included); output KV grows "
-                 "linearly from the first token to the last; missing TTFT counts as 0")
+KV_ASSUMPTION = (
+    "prompt KV held from arrival to the last byte (queue time included); output KV grows "
+    "linearly from the first token to the last; missing TTFT counts as 0"
+)
 _LATENCIES = ("ttft", "tpot", "e2e")
 _TOKENS = ("output_tokens", "prompt_tokens")
 
@@ -127,8 +130,9 @@ def parse_band_edges(text: str) -> LengthBands:
         edges = tuple(_tokens(part) for part in text.split(",") if part.strip())
         return LengthBands(edges)
     except ValueError as exc:
-        raise ReportError(f"--bands {text!r}: {exc} (expected ascending token counts, "
-                          "e.g. 1000,5000,10000,20000)") from None
+        raise ReportError(
+            f"--bands {text!r}: {exc} (expected ascending token counts, e.g. 1000,5000,10000,20000)"
+        ) from None
 
 
 def _tokens(text: str) -> int:
@@ -183,15 +187,13 @@ def band_codes(output_tokens: np.ndarray, bands: LengthBands) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def kv_token_seconds(prompt: np.ndarray, output: np.ndarray, ttft: np.ndarray,
-                     e2e: np.ndarray) -> np.ndarray:
+def kv_token_seconds(prompt: np.ndarray, output: np.ndarray, ttft: np.ndarray, e2e: np.ndarray) -> np.ndarray:
     """Per request KV token-seconds (module doc); NaN where prompt tokens or e2e are unknown."""
     decode = np.clip(e2e - np.nan_to_num(ttft, nan=0.0), 0.0, None)
     return prompt * e2e + np.nan_to_num(output, nan=0.0) * decode / 2.0
 
 
-def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str,
-              replicas: Sequence[str] = ()) -> Report:
+def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str, replicas: Sequence[str] = ()) -> Report:
     """Aggregate the request table into band rows (module doc)."""
     import pandas as pd
 
@@ -200,25 +202,33 @@ def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str,
         present = set(df["replica"].cat.categories)
         unknown = [r for r in replicas if r not in present]
         if unknown:
-            raise ReportError(f"--replica {', '.join(unknown)}: not in the input "
-                              f"(replicas: {', '.join(sorted(present)) or 'none'})")
+            raise ReportError(
+                f"--replica {', '.join(unknown)}: not in the input "
+                f"(replicas: {', '.join(sorted(present)) or 'none'})"
+            )
         df = df[df["replica"].isin(replicas)]
     out = df["output_tokens"].to_numpy(dtype=float)
     codes = band_codes(out, bands)
     band = pd.Categorical.from_codes(codes, categories=bands.all_names)
-    kv = kv_token_seconds(df["prompt_tokens"].to_numpy(dtype=float), out,
-                          df["ttft_seconds"].to_numpy(dtype=float), df["e2e_seconds"].to_numpy(dtype=float))
-    work = pd.DataFrame({
-        "replica": df["replica"].cat.remove_unused_categories().array,
-        "band": band,
-        "outcome": pd.Categorical(df["outcome"], categories=OUTCOMES),
-        "ttft": df["ttft_seconds"].to_numpy(dtype=float),
-        "tpot": df["tpot_seconds"].to_numpy(dtype=float),
-        "e2e": df["e2e_seconds"].to_numpy(dtype=float),
-        "output_tokens": out,
-        "prompt_tokens": df["prompt_tokens"].to_numpy(dtype=float),
-        "kv": kv,
-    })
+    kv = kv_token_seconds(
+        df["prompt_tokens"].to_numpy(dtype=float),
+        out,
+        df["ttft_seconds"].to_numpy(dtype=float),
+        df["e2e_seconds"].to_numpy(dtype=float),
+    )
+    work = pd.DataFrame(
+        {
+            "replica": df["replica"].cat.remove_unused_categories().array,
+            "band": band,
+            "outcome": pd.Categorical(df["outcome"], categories=OUTCOMES),
+            "ttft": df["ttft_seconds"].to_numpy(dtype=float),
+            "tpot": df["tpot_seconds"].to_numpy(dtype=float),
+            "e2e": df["e2e_seconds"].to_numpy(dtype=float),
+            "output_tokens": out,
+            "prompt_tokens": df["prompt_tokens"].to_numpy(dtype=float),
+            "kv": kv,
+        }
+    )
     start, end = _window(df)
     window = (end - start) if start is not None and end is not None and end > start else None
     replica_names = sorted(str(r) for r in pd.unique(work["replica"].dropna()))
@@ -227,13 +237,24 @@ def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str,
     estimated = int(np.nansum(df["output_tokens_estimated"].to_numpy(dtype=float)))
     kv_excluded = int(np.isnan(kv).sum()) if loaded.has_e2e else 0
     return Report(
-        kind=loaded.kind, bands=bands, bands_origin=bands_origin, rows=tuple(rows),
-        files=tuple(loaded.files), requests=len(work), malformed=loaded.problems.total,
+        kind=loaded.kind,
+        bands=bands,
+        bands_origin=bands_origin,
+        rows=tuple(rows),
+        files=tuple(loaded.files),
+        requests=len(work),
+        malformed=loaded.problems.total,
         malformed_reasons=tuple(loaded.problems.reasons.most_common()),
-        malformed_examples=tuple(loaded.problems.example_lines()), window_start=start, window_end=end,
-        output_histogram=_histogram(out), has_ttft=loaded.has_ttft, has_e2e=loaded.has_e2e,
-        has_outcomes=loaded.has_outcomes, estimated_output_requests=estimated,
-        kv_excluded_requests=kv_excluded, replicas=(ALL, *replica_names),
+        malformed_examples=tuple(loaded.problems.example_lines()),
+        window_start=start,
+        window_end=end,
+        output_histogram=_histogram(out),
+        has_ttft=loaded.has_ttft,
+        has_e2e=loaded.has_e2e,
+        has_outcomes=loaded.has_outcomes,
+        estimated_output_requests=estimated,
+        kv_excluded_requests=kv_excluded,
+        replicas=(ALL, *replica_names),
         notes=tuple(_notes(loaded, bands_origin, estimated, kv_excluded)),
     )
 
@@ -250,8 +271,9 @@ def _all_stats(pd: Any, work: pd.DataFrame) -> dict[tuple[str, str], dict[str, f
     """Statistics per (replica, band), with ALL standing for every replica / every band."""
     n = len(work)
     # keys are Series, not arrays: pandas reads a list of as many arrays as rows as column names
-    everyone = pd.Series(pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[ALL]),
-                         index=work.index)
+    everyone = pd.Series(
+        pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[ALL]), index=work.index
+    )
     stats: dict[tuple[str, str], dict[str, float]] = {}
     for rkey in (work["replica"], everyone):
         for bkey in (work["band"], everyone):
@@ -259,8 +281,9 @@ def _all_stats(pd: Any, work: pd.DataFrame) -> dict[tuple[str, str], dict[str, f
     return stats
 
 
-def _group_stats(pd: Any, work: pd.DataFrame, rkey: Any, bkey: Any,
-                 stats: dict[tuple[str, str], dict[str, float]]) -> None:
+def _group_stats(
+    pd: Any, work: pd.DataFrame, rkey: Any, bkey: Any, stats: dict[tuple[str, str], dict[str, float]]
+) -> None:
     grouped = work.groupby([rkey, bkey], observed=True, sort=False)
     sizes = grouped.size()
     outcomes = work.groupby([rkey, bkey, work["outcome"]], observed=True).size()
@@ -281,8 +304,13 @@ def _group_stats(pd: Any, work: pd.DataFrame, rkey: Any, bkey: Any,
         stats[(str(r), str(b))][f"outcome:{outcome}"] = float(count)
 
 
-def _rows(stats: dict[tuple[str, str], dict[str, float]], replicas: list[str], bands: LengthBands,
-          window: float | None, has_outcomes: bool) -> list[BandRow]:
+def _rows(
+    stats: dict[tuple[str, str], dict[str, float]],
+    replicas: list[str],
+    bands: LengthBands,
+    window: float | None,
+    has_outcomes: bool,
+) -> list[BandRow]:
     rows = []
     for replica in replicas:
         total = stats.get((replica, ALL), {})
@@ -294,8 +322,14 @@ def _rows(stats: dict[tuple[str, str], dict[str, float]], replicas: list[str], b
     return rows
 
 
-def _row(replica: str, band: str, e: dict[str, float], total: dict[str, float], window: float | None,
-         has_outcomes: bool) -> BandRow:
+def _row(
+    replica: str,
+    band: str,
+    e: dict[str, float],
+    total: dict[str, float],
+    window: float | None,
+    has_outcomes: bool,
+) -> BandRow:
     count = int(e.get("requests", 0))
 
     def known(value: float | None) -> float | None:
@@ -311,18 +345,33 @@ def _row(replica: str, band: str, e: dict[str, float], total: dict[str, float], 
     outcome = {o: (ratio(e.get(f"outcome:{o}", 0.0), count) if has_outcomes else None) for o in OUTCOMES}
     kv = known(e.get("kv"))
     return BandRow(
-        replica=replica, length_band=band, requests=count,
+        replica=replica,
+        length_band=band,
+        requests=count,
         request_share=ratio(count, total.get("requests")),
-        completed_ratio=outcome["completed"], truncated_ratio=outcome["truncated"],
-        aborted_ratio=outcome["aborted"], error_ratio=outcome["error"], rejected_ratio=outcome["rejected"],
-        ttft_p50_seconds=q("ttft", 0.5), ttft_p90_seconds=q("ttft", 0.9), ttft_p99_seconds=q("ttft", 0.99),
-        tpot_p50_seconds=q("tpot", 0.5), tpot_p90_seconds=q("tpot", 0.9), tpot_p99_seconds=q("tpot", 0.99),
-        e2e_p50_seconds=q("e2e", 0.5), e2e_p90_seconds=q("e2e", 0.9), e2e_p99_seconds=q("e2e", 0.99),
-        output_tokens_p50=q("output_tokens", 0.5), output_tokens_p90=q("output_tokens", 0.9),
-        output_tokens_p99=q("output_tokens", 0.99), output_tokens_mean=known(e.get("output_tokens_mean")),
-        prompt_tokens_p50=q("prompt_tokens", 0.5), prompt_tokens_p90=q("prompt_tokens", 0.9),
+        completed_ratio=outcome["completed"],
+        truncated_ratio=outcome["truncated"],
+        aborted_ratio=outcome["aborted"],
+        error_ratio=outcome["error"],
+        rejected_ratio=outcome["rejected"],
+        ttft_p50_seconds=q("ttft", 0.5),
+        ttft_p90_seconds=q("ttft", 0.9),
+        ttft_p99_seconds=q("ttft", 0.99),
+        tpot_p50_seconds=q("tpot", 0.5),
+        tpot_p90_seconds=q("tpot", 0.9),
+        tpot_p99_seconds=q("tpot", 0.99),
+        e2e_p50_seconds=q("e2e", 0.5),
+        e2e_p90_seconds=q("e2e", 0.9),
+        e2e_p99_seconds=q("e2e", 0.99),
+        output_tokens_p50=q("output_tokens", 0.5),
+        output_tokens_p90=q("output_tokens", 0.9),
+        output_tokens_p99=q("output_tokens", 0.99),
+        output_tokens_mean=known(e.get("output_tokens_mean")),
+        prompt_tokens_p50=q("prompt_tokens", 0.5),
+        prompt_tokens_p90=q("prompt_tokens", 0.9),
         prompt_tokens_p99=q("prompt_tokens", 0.99),
-        kv_token_seconds=kv, kv_share=ratio(kv, total.get("kv")),
+        kv_token_seconds=kv,
+        kv_share=ratio(kv, total.get("kv")),
         kv_mean_tokens=None if kv is None or not window else kv / window,
     )
 
@@ -345,19 +394,23 @@ def _notes(loaded: Loaded, bands_origin: str, estimated: int, kv_excluded: int) 
     if loaded.has_e2e:
         notes.append(f"KV token-seconds: {KV_FORMULA}; assumes {KV_ASSUMPTION}")
     else:
-        notes.append(f"{loaded.kind} traces carry no latency: TTFT, TPOT, e2e and KV token-seconds "
-                     "are not available")
+        notes.append(
+            f"{loaded.kind} traces carry no latency: TTFT, TPOT, e2e and KV token-seconds are not available"
+        )
     if loaded.has_e2e and not loaded.has_ttft:
-        notes.append(f"{loaded.kind} traces carry no TTFT (e2e only): KV token-seconds take TTFT as 0 "
-                     "(an upper bound)")
+        notes.append(
+            f"{loaded.kind} traces carry no TTFT (e2e only): KV token-seconds take TTFT as 0 (an upper bound)"
+        )
     if not loaded.has_outcomes:
         notes.append(f"{loaded.kind} traces record no outcome: outcome ratios are not available")
     if loaded.kind == "burstgpt":
-        notes.append("BurstGPT rows with Response tokens = 0 are failures: outcome error, "
-                     "output length unknown")
+        notes.append(
+            "BurstGPT rows with Response tokens = 0 are failures: outcome error, output length unknown"
+        )
     if estimated:
         notes.append(f"{estimated:,} request(s) have output tokens counted from chunks (no usage)")
     if kv_excluded:
-        notes.append(f"{kv_excluded:,} request(s) lack prompt tokens or e2e and are left out of "
-                     "KV token-seconds")
+        notes.append(
+            f"{kv_excluded:,} request(s) lack prompt tokens or e2e and are left out of KV token-seconds"
+        )
     return notes

@@ -26,9 +26,11 @@ def _text(x: float, y: float, text: str, cls: str = "", anchor: str = "middle") 
 
 
 def _open(width: int, height: int, title: str) -> list[str]:
-    return [f'<svg class="chart" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
-            _text(width / 2, 18, title, "title")]
+    return [
+        f'<svg class="chart" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">',
+        _text(width / 2, 18, title, "title"),
+    ]
 
 
 class _Scale:
@@ -44,7 +46,7 @@ class _Scale:
             if self.hi <= self.lo:
                 self.hi = self.lo * 10
             decades = range(round(math.log10(self.lo)), round(math.log10(self.hi)) + 1)
-            self.ticks = [10.0 ** d for d in decades]
+            self.ticks = [10.0**d for d in decades]
         else:
             top_value = max(values, default=0.0) or 1.0
             step = _nice_step(top_value / 4)
@@ -85,9 +87,16 @@ def _legend(parts: list[str], names: Sequence[str], width: int) -> None:
         parts.append(_text(x + 14, _TOP - 3, names[i], "legend", "start"))
 
 
-def grouped_bars(title: str, categories: Sequence[str],
-                 series: Sequence[tuple[str, Sequence[float | None]]], fmt: Formatter, *,
-                 log: bool = False, width: int = 380, height: int = 240) -> str:
+def grouped_bars(
+    title: str,
+    categories: Sequence[str],
+    series: Sequence[tuple[str, Sequence[float | None]]],
+    fmt: Formatter,
+    *,
+    log: bool = False,
+    width: int = 380,
+    height: int = 240,
+) -> str:
     """Vertical bars per category, one per series side by side (e.g. p50 and p99 per band)."""
     values = [v for _, vals in series for v in vals if v is not None and math.isfinite(v)]
     scale = _Scale(values, log, _TOP + 6, height - _BOTTOM)
@@ -104,19 +113,31 @@ def grouped_bars(title: str, categories: Sequence[str],
                 continue
             y = scale.y(value)
             label = f"{category} {name}: {fmt(value)}"
-            parts.append(f'<rect class="s{si}" x="{_num(x0 + si * bar)}" y="{_num(y)}" '
-                         f'width="{_num(bar - 1)}" height="{_num(scale.bottom - y)}">'
-                         f"<title>{escape(label)}</title></rect>")
+            parts.append(
+                f'<rect class="s{si}" x="{_num(x0 + si * bar)}" y="{_num(y)}" '
+                f'width="{_num(bar - 1)}" height="{_num(scale.bottom - y)}">'
+                f"<title>{escape(label)}</title></rect>"
+            )
         parts.append(_text(_LEFT + ci * slot + slot / 2, height - _BOTTOM + 16, category, "tick"))
-    parts.append(f'<line class="axis" x1="{_LEFT}" x2="{width - _RIGHT}" y1="{_num(scale.bottom)}" '
-                 f'y2="{_num(scale.bottom)}"/>')
+    parts.append(
+        f'<line class="axis" x1="{_LEFT}" x2="{width - _RIGHT}" y1="{_num(scale.bottom)}" '
+        f'y2="{_num(scale.bottom)}"/>'
+    )
     parts.append("</svg>")
     return "\n".join(parts)
 
 
-def histogram(title: str, edges: Sequence[float], counts: Sequence[int], bin_class: Sequence[str],
-              markers: Sequence[tuple[float, str]], fmt_x: Formatter, *, width: int = 780,
-              height: int = 260) -> str:
+def histogram(
+    title: str,
+    edges: Sequence[float],
+    counts: Sequence[int],
+    bin_class: Sequence[str],
+    markers: Sequence[tuple[float, str]],
+    fmt_x: Formatter,
+    *,
+    width: int = 780,
+    height: int = 260,
+) -> str:
     """Equal-width bars over (log-spaced) bins; ``markers`` are labelled dashed lines at x values."""
     scale = _Scale([float(c) for c in counts], False, _TOP + 6, height - _BOTTOM)
     parts = _open(width, height, title)
@@ -139,9 +160,11 @@ def histogram(title: str, edges: Sequence[float], counts: Sequence[int], bin_cla
     for i, c in enumerate(counts):
         y = scale.y(c)
         label = f"{fmt_x(edges[i])}-{fmt_x(edges[i + 1])} tokens: {c:,} requests"
-        parts.append(f'<rect class="{bin_class[i]}" x="{_num(_LEFT + i * slot)}" y="{_num(y)}" '
-                     f'width="{_num(max(slot - 1, 1))}" height="{_num(scale.bottom - y)}">'
-                     f"<title>{escape(label)}</title></rect>")
+        parts.append(
+            f'<rect class="{bin_class[i]}" x="{_num(_LEFT + i * slot)}" y="{_num(y)}" '
+            f'width="{_num(max(slot - 1, 1))}" height="{_num(scale.bottom - y)}">'
+            f"<title>{escape(label)}</title></rect>"
+        )
     if edges:
         decade = 1.0
         while decade <= edges[-1]:
@@ -150,16 +173,23 @@ def histogram(title: str, edges: Sequence[float], counts: Sequence[int], bin_cla
             decade *= 10
     for value, label in markers:
         x = x_of(value)
-        parts.append(f'<line class="marker" x1="{_num(x)}" x2="{_num(x)}" y1="{_TOP}" '
-                     f'y2="{_num(scale.bottom)}"/>')
+        parts.append(
+            f'<line class="marker" x1="{_num(x)}" x2="{_num(x)}" y1="{_TOP}" y2="{_num(scale.bottom)}"/>'
+        )
         parts.append(_text(x + 3, _TOP + 8, label, "marker-label", "start"))
     parts.append(_text(width / 2, height - 8, "output tokens (log scale)", "tick"))
     parts.append("</svg>")
     return "\n".join(parts)
 
 
-def share_bars(title: str, labels: Sequence[str], series: Sequence[tuple[str, Sequence[float | None]]],
-               *, width: int = 780, row_height: int = 30) -> str:
+def share_bars(
+    title: str,
+    labels: Sequence[str],
+    series: Sequence[tuple[str, Sequence[float | None]]],
+    *,
+    width: int = 780,
+    row_height: int = 30,
+) -> str:
     """Horizontal bars of shares (0..1) per label, one bar per series (e.g. requests vs KV held)."""
     left = 90
     height = _TOP + 10 + row_height * len(labels) + 10
@@ -178,8 +208,10 @@ def share_bars(title: str, labels: Sequence[str], series: Sequence[tuple[str, Se
             y = y0 + si * bar
             text = f"{value * 100:.1f}%"
             tip = escape(f"{label} {name}: {text}")
-            parts.append(f'<rect class="s{si}" x="{left}" y="{_num(y)}" width="{_num(w)}" '
-                         f'height="{_num(bar - 1)}"><title>{tip}</title></rect>')
+            parts.append(
+                f'<rect class="s{si}" x="{left}" y="{_num(y)}" width="{_num(w)}" '
+                f'height="{_num(bar - 1)}"><title>{tip}</title></rect>'
+            )
             parts.append(_text(left + w + 4, y + bar - 3, text, "value", "start"))
     parts.append("</svg>")
     return "\n".join(parts)

@@ -26,8 +26,10 @@ def _stamp(ts: float) -> str:
 
 def header_lines(report: Report) -> list[str]:
     """What was read, over which window, what was skipped, and how to read the numbers."""
-    lines = [f"kvwatch report: {KIND_NAMES.get(report.kind, report.kind)}, {report.requests:,} requests "
-             f"from {len(report.files)} file(s)"]
+    lines = [
+        f"kvwatch report: {KIND_NAMES.get(report.kind, report.kind)}, {report.requests:,} requests "
+        f"from {len(report.files)} file(s)"
+    ]
     start, end, span = report.window_start, report.window_end, report.window_seconds
     if start is not None and end is not None and start > _ABSOLUTE_AFTER:
         lines.append(f"window: {_stamp(start)} -> {_stamp(end)} ({h.seconds(span)})")
@@ -58,10 +60,20 @@ def count_cells(report: Report, r: BandRow) -> list[str]:
     """The cells under ``count_headers``."""
     cells = [_band_label(r), h.count(r.requests), h.ratio(r.request_share)]
     if report.has_outcomes:
-        cells += [h.ratio(r.completed_ratio), h.ratio(r.truncated_ratio), h.ratio(r.aborted_ratio),
-                  h.ratio(r.error_ratio), h.ratio(r.rejected_ratio)]
-    return [*cells, h.si(r.output_tokens_p50), h.si(r.output_tokens_p90), h.si(r.output_tokens_p99),
-            h.si(r.prompt_tokens_p50)]
+        cells += [
+            h.ratio(r.completed_ratio),
+            h.ratio(r.truncated_ratio),
+            h.ratio(r.aborted_ratio),
+            h.ratio(r.error_ratio),
+            h.ratio(r.rejected_ratio),
+        ]
+    return [
+        *cells,
+        h.si(r.output_tokens_p50),
+        h.si(r.output_tokens_p90),
+        h.si(r.output_tokens_p99),
+        h.si(r.prompt_tokens_p50),
+    ]
 
 
 def requests_table(report: Report, rows: list[BandRow]) -> str:
@@ -86,9 +98,14 @@ def latency_table(report: Report, rows: list[BandRow]) -> str:
     for r in rows:
         cells = [_band_label(r)]
         if report.has_ttft:
-            cells += [h.seconds(r.ttft_p50_seconds), h.seconds(r.ttft_p90_seconds),
-                      h.seconds(r.ttft_p99_seconds), h.seconds(r.tpot_p50_seconds),
-                      h.seconds(r.tpot_p90_seconds), h.seconds(r.tpot_p99_seconds)]
+            cells += [
+                h.seconds(r.ttft_p50_seconds),
+                h.seconds(r.ttft_p90_seconds),
+                h.seconds(r.ttft_p99_seconds),
+                h.seconds(r.tpot_p50_seconds),
+                h.seconds(r.tpot_p90_seconds),
+                h.seconds(r.tpot_p99_seconds),
+            ]
         cells += [h.seconds(r.e2e_p50_seconds), h.seconds(r.e2e_p90_seconds), h.seconds(r.e2e_p99_seconds)]
         body.append(cells)
     return texttable.render(headers, body)

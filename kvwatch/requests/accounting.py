@@ -130,7 +130,7 @@ def body_requesting_usage(body: bytes, info: RequestInfo) -> bytes | None:
         return None
     if not info.stream_options_present:
         brace = body.find(b"{")
-        return body[:brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1:]
+        return body[: brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1 :]
     doc = json.loads(body)
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -201,15 +201,38 @@ class RequestMeter:
     """
 
     __slots__ = (
-        "_bins", "_first", "_last", "_max_gap", "_max_gap_end", "chunks", "e2e", "finish_reason",
-        "gap_sum", "handle", "in_flight", "info", "model_name", "prompt_tokens", "replica", "started_at",
-        "t0", "usage",
+        "_bins",
+        "_first",
+        "_last",
+        "_max_gap",
+        "_max_gap_end",
+        "chunks",
+        "e2e",
+        "finish_reason",
+        "gap_sum",
+        "handle",
+        "in_flight",
+        "info",
+        "model_name",
+        "prompt_tokens",
+        "replica",
+        "started_at",
+        "t0",
+        "usage",
     )
 
     GAP_BOUNDS = buckets.INTER_CHUNK_SECONDS
 
-    def __init__(self, replica: str, model_name: str, info: RequestInfo, started_at: float, t0: float,
-                 in_flight: InFlight | None = None, handle: int | None = None) -> None:
+    def __init__(
+        self,
+        replica: str,
+        model_name: str,
+        info: RequestInfo,
+        started_at: float,
+        t0: float,
+        in_flight: InFlight | None = None,
+        handle: int | None = None,
+    ) -> None:
         self.replica = replica
         self.model_name = model_name
         self.info = info

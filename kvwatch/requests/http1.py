@@ -27,10 +27,19 @@ CRLF = b"\r\n"
 HEAD_END = b"\r\n\r\n"
 
 #: RFC 9110 §7.6.1 connection-specific fields, plus the framing fields the proxy sets itself.
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
-    b"upgrade", b"proxy-authenticate", b"proxy-authorization",
-})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+    }
+)
 FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 Headers = list[tuple[bytes, bytes]]
@@ -51,7 +60,8 @@ _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])
 #: (h11/_abnf.py ``chunk_header``: "some servers in the wild use it"), so no response breaks on it
 CHUNK_LINE = re.compile(
     rb"([0-9A-Fa-f]{1,%d})(?:[ \t]*;[ \t]*[%b]+(?:[ \t]*=[ \t]*(?:[%b]+|%b))?)*"
-    % (MAX_CHUNK_SIZE_DIGITS, _TCHAR, _TCHAR, _QUOTED))
+    % (MAX_CHUNK_SIZE_DIGITS, _TCHAR, _TCHAR, _QUOTED)
+)
 CHUNK_LINE_OWS = re.compile(CHUNK_LINE.pattern + rb"[ \t]*")
 
 
@@ -188,7 +198,7 @@ def origin_form(target: bytes, method: bytes) -> bytes:
     authority = _ABSOLUTE.match(target)
     if authority is None:
         raise HttpError(400, "request target is not origin-form or absolute-form")
-    rest = target[authority.end():]
+    rest = target[authority.end() :]
     if rest[:1] == b"#":
         rest = b""
     return rest if rest[:1] == b"/" else b"/" + rest
@@ -198,8 +208,13 @@ def parse_response_head(head: bytes) -> ResponseHead:
     lines = head.split(CRLF)
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
-    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit() \
-            or code[:1] == b"0" or REASON.fullmatch(reason) is None:  # 002 is no class: forwarded as 2
+    if (
+        version not in (b"HTTP/1.1", b"HTTP/1.0")
+        or len(code) != 3
+        or not code.isdigit()
+        or code[:1] == b"0"
+        or REASON.fullmatch(reason) is None
+    ):  # 002 is no class: forwarded as 2
         raise HttpError(502, "upstream sent a malformed status line")
     try:
         headers, index = _parse_headers(lines[1:])
@@ -226,8 +241,9 @@ def _content_length(raw: list[bytes] | None) -> int | None:
 
 
 def is_chunked(headers: Headers) -> bool:
-    return _chunked({t.strip().lower() for k, v in headers if k.lower() == b"transfer-encoding"
-                     for t in v.split(b",")})
+    return _chunked(
+        {t.strip().lower() for k, v in headers if k.lower() == b"transfer-encoding" for t in v.split(b",")}
+    )
 
 
 def _chunked(codings: set[bytes]) -> bool:
@@ -241,9 +257,14 @@ def _chunked(codings: set[bytes]) -> bool:
 def end_to_end(head: RequestHead | ResponseHead, drop: frozenset[bytes] = frozenset()) -> Headers:
     """Headers minus hop-by-hop fields, fields named in Connection, framing, and ``drop``."""
     named = head.tokens(b"connection") if b"connection" in head.index else frozenset()
-    return [(k, v) for k, v in head.headers
-            if (low := k.lower()) not in HOP_BY_HOP and low not in FRAMING and low not in named
-            and low not in drop]
+    return [
+        (k, v)
+        for k, v in head.headers
+        if (low := k.lower()) not in HOP_BY_HOP
+        and low not in FRAMING
+        and low not in named
+        and low not in drop
+    ]
 
 
 def render_head(first_line: bytes, headers: Headers) -> bytes:
@@ -271,8 +292,18 @@ class ChunkedDecoder:
     that are refused at once (``HttpError(413)``), before their bytes are waited for.
     """
 
-    __slots__ = ("_announced", "_buf", "_line", "_max_body", "_need", "_state", "_trailer_bytes",
-                 "_trailers", "done", "rest")
+    __slots__ = (
+        "_announced",
+        "_buf",
+        "_line",
+        "_max_body",
+        "_need",
+        "_state",
+        "_trailer_bytes",
+        "_trailers",
+        "done",
+        "rest",
+    )
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
@@ -309,7 +340,7 @@ class ChunkedDecoder:
                             self._announced += size
                         else:
                             self._announce(size)
-                        return data[nl + 2:end]
+                        return data[nl + 2 : end]
         buf = self._buf + data if self._buf else data
         out: list[bytes] = []
         pos, end = 0, len(buf)
@@ -317,7 +348,7 @@ class ChunkedDecoder:
         while pos < end and not self.done:
             if state == self._DATA:
                 take = min(need, end - pos)
-                out.append(buf[pos:pos + take])
+                out.append(buf[pos : pos + take])
                 pos += take
                 need -= take
                 if need:
@@ -326,7 +357,7 @@ class ChunkedDecoder:
             elif state == self._DATA_END:
                 if end - pos < 2:
                     break
-                if buf[pos:pos + 2] != CRLF:
+                if buf[pos : pos + 2] != CRLF:
                     raise HttpError(502, "chunk data not followed by CRLF")
                 pos += 2
                 state = self._SIZE
@@ -366,8 +397,9 @@ class ChunkedDecoder:
     def _announce(self, size: int) -> None:
         self._announced += size
         if self._max_body is not None and self._announced > self._max_body:
-            raise HttpError(413, f"chunk sizes announce {self._announced} bytes, over the body limit of "
-                                 f"{self._max_body}")
+            raise HttpError(
+                413, f"chunk sizes announce {self._announced} bytes, over the body limit of {self._max_body}"
+            )
 
     def _trailer_line(self, buf: bytes, pos: int, nl: int) -> None:
         self._trailer_bytes += nl - pos + 2

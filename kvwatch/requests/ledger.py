@@ -58,9 +58,15 @@ def ledger_line(record: RequestRecord, bands: LengthBands) -> dict:
 class RequestLedger:
     """``write(record)`` from any thread or the loop; never blocks, never raises."""
 
-    def __init__(self, path: str, bands: LengthBands, max_bytes: int = 64 * 1024 * 1024,
-                 backups: int = 4, counter: Count | None = None,
-                 queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        path: str,
+        bands: LengthBands,
+        max_bytes: int = 64 * 1024 * 1024,
+        backups: int = 4,
+        counter: Count | None = None,
+        queue_size: int = 10_000,
+    ) -> None:
         self.path = path
         self.bands = bands
         self.max_bytes = max_bytes
@@ -154,8 +160,9 @@ class RequestLedger:
 
     def _write(self, records: list[RequestRecord]) -> None:
         try:
-            data = "".join(json.dumps(ledger_line(r, self.bands), separators=(",", ":")) + "\n"
-                           for r in records).encode()
+            data = "".join(
+                json.dumps(ledger_line(r, self.bands), separators=(",", ":")) + "\n" for r in records
+            ).encode()
         except (TypeError, ValueError, OverflowError) as exc:  # the thread must live on: later lines
             self._failed(len(records), f"cannot encode: {type(exc).__name__}", "encode")
             return
@@ -204,6 +211,12 @@ class RequestLedger:
         if self.counter is not None:
             with contextlib.suppress(Exception):
                 self.counter(WRITE_ERRORS, amount=lines)
-        self._throttle.log(log, logging.WARNING, kind,
-                           "request ledger: %d line(s) dropped (%s); every dropped line is counted in "
-                           "kvwatch_ledger_write_errors_total", lines, reason)
+        self._throttle.log(
+            log,
+            logging.WARNING,
+            kind,
+            "request ledger: %d line(s) dropped (%s); every dropped line is counted in "
+            "kvwatch_ledger_write_errors_total",
+            lines,
+            reason,
+        )

@@ -60,9 +60,12 @@ def finish_of(value: Any) -> tuple[str | None, int | None]:
     if isinstance(value, dict):
         kind = value.get("type")
         status = value.get("status_code")
-        return (safe_token(kind) if isinstance(kind, str) else None,
-                status if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
-                else None)
+        return (
+            safe_token(kind) if isinstance(kind, str) else None,
+            status
+            if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599
+            else None,
+        )
     if isinstance(value, str):
         return safe_token(value), None
     return None, None
@@ -118,8 +121,9 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
             ttft = max(e2e - decode, 0.0)
     received = non_negative_number(meta, "request_received_ts")
     if received is None:
-        sent = (non_negative_number(meta, "response_sent_to_client_ts")
-                or non_negative_number(meta, "request_finished_ts"))
+        sent = non_negative_number(meta, "response_sent_to_client_ts") or non_negative_number(
+            meta, "request_finished_ts"
+        )
         received = (sent if sent is not None else now) - (e2e or 0.0)
     return RequestRecord(
         replica=replica,
@@ -150,8 +154,14 @@ class _Followed:
 class SglangFileFollower:
     """Polls one SGLang export directory; ``poll()`` returns the new records (call from a thread)."""
 
-    def __init__(self, config: SglangFilesConfig, model_name: str, count: Count,
-                 from_start: bool = False, report: Report | None = None) -> None:
+    def __init__(
+        self,
+        config: SglangFilesConfig,
+        model_name: str,
+        count: Count,
+        from_start: bool = False,
+        report: Report | None = None,
+    ) -> None:
         self.config = config
         self.model_name = model_name
         self.count = count
@@ -176,8 +186,12 @@ class SglangFileFollower:
             self._started = True  # nothing existed at start: files that appear later are new
             if not self._missing_logged:
                 self._missing_logged = True
-                log.warning("sglang_request_files[%s]: cannot list %s (%s); will keep trying",
-                            self.config.replica, self.config.directory, exc.strerror or exc)
+                log.warning(
+                    "sglang_request_files[%s]: cannot list %s (%s); will keep trying",
+                    self.config.replica,
+                    self.config.directory,
+                    exc.strerror or exc,
+                )
             return []
         self._missing_logged = False
         self.error = None
@@ -213,8 +227,15 @@ class SglangFileFollower:
                 f.seek(state.offset)
                 data = f.read(min(size - state.offset, MAX_READ_BYTES))
         except OSError as exc:
-            self._throttle.log(log, logging.WARNING, "read", "sglang_request_files[%s]: cannot read %s: %s",
-                               self.config.replica, path, exc.strerror or exc)
+            self._throttle.log(
+                log,
+                logging.WARNING,
+                "read",
+                "sglang_request_files[%s]: cannot read %s: %s",
+                self.config.replica,
+                path,
+                exc.strerror or exc,
+            )
             return []
         end = data.rfind(b"\n")
         if end < 0:
@@ -253,8 +274,14 @@ class SglangFileFollower:
             try:
                 records = await asyncio.to_thread(self.poll)
             except Exception as exc:
-                self._throttle.log(log, logging.ERROR, "poll", "sglang_request_files[%s]: poll failed",
-                                   self.config.replica, exc_info=True)
+                self._throttle.log(
+                    log,
+                    logging.ERROR,
+                    "poll",
+                    "sglang_request_files[%s]: poll failed",
+                    self.config.replica,
+                    exc_info=True,
+                )
                 records, self.error = [], repr(exc)
             if self.report is not None:
                 with contextlib.suppress(Exception):
@@ -263,8 +290,14 @@ class SglangFileFollower:
                 try:
                     sink(record)
                 except Exception:
-                    self._throttle.log(log, logging.ERROR, "sink", "sglang_request_files[%s]: request sink "
-                                       "failed", self.config.replica, exc_info=True)
+                    self._throttle.log(
+                        log,
+                        logging.ERROR,
+                        "sink",
+                        "sglang_request_files[%s]: request sink failed",
+                        self.config.replica,
+                        exc_info=True,
+                    )
             await asyncio.sleep(self.config.poll_s)
 
     def start(self, sink: Sink) -> None:
@@ -275,8 +308,14 @@ class SglangFileFollower:
         await cancel_and_wait(task)
 
 
-async def start_follower(files: SglangFilesConfig, config: Config, sink: Sink, count: Count,
-                         report: Report | None = None, from_start: bool = False) -> SglangFileFollower:
+async def start_follower(
+    files: SglangFilesConfig,
+    config: Config,
+    sink: Sink,
+    count: Count,
+    report: Report | None = None,
+    from_start: bool = False,
+) -> SglangFileFollower:
     """Follow one replica's export directory (the agent's wiring entry point); ``await stop()``.
 
     ``report`` (``NodeState.report``) hears of every poll as collector ``sglang_files:<replica>``.

@@ -93,10 +93,16 @@ def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, byte
     if not isinstance(doc, dict):
         return None, []
     usage = doc.get("usage")
-    parsed = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))) \
-        if isinstance(usage, dict) else None
-    moved = [(key.encode(), value) for key in MOVED_FIELDS
-             if key in doc and (value := _compact_json(doc[key])) is not None]
+    parsed = (
+        Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+        if isinstance(usage, dict)
+        else None
+    )
+    moved = [
+        (key.encode(), value)
+        for key in MOVED_FIELDS
+        if key in doc and (value := _compact_json(doc[key])) is not None
+    ]
     return parsed, moved
 
 
@@ -119,8 +125,11 @@ def usage_from_body(body: bytes) -> tuple[Usage | None, str | None]:
     if not isinstance(doc, dict):
         return None, None
     usage = doc.get("usage")
-    parsed = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))) \
-        if isinstance(usage, dict) else None
+    parsed = (
+        Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+        if isinstance(usage, dict)
+        else None
+    )
     reasons = [c.get("finish_reason") for c in doc.get("choices") or () if isinstance(c, dict)]
     reasons = [r for r in reasons if isinstance(r, str)]
     reason = "length" if "length" in reasons else (reasons[-1] if reasons else None)

@@ -116,17 +116,25 @@ def request_record(fields: Mapping[str, Any], replica: str, model_name: str, sen
     for key in DURATION_KEYS:
         value = f.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise DatagramError("negative_duration", f"{key} is negative ({value}): a request that never "
-                                                     "reached that point (an older plugin)")
+            raise DatagramError(
+                "negative_duration",
+                f"{key} is negative ({value}): a request that never reached that point (an older plugin)",
+            )
     reason = f.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise DatagramError("malformed", "reason must be a string or null")
     e2e = _num(f.get("e2e"), "e2e")
     dropped: list[str] = []
     prompt, output, limit, preemptions, cached = (
-        bounded_count(_int(f.get(key), key), field, dropped) for key, field in (
-            ("prompt", "prompt_tokens"), ("output", "output_tokens"), ("max_tokens", "max_tokens"),
-            ("preemptions", "preemptions"), ("cached", "cached_prompt_tokens")))
+        bounded_count(_int(f.get(key), key), field, dropped)
+        for key, field in (
+            ("prompt", "prompt_tokens"),
+            ("output", "output_tokens"),
+            ("max_tokens", "max_tokens"),
+            ("preemptions", "preemptions"),
+            ("cached", "cached_prompt_tokens"),
+        )
+    )
     return RequestRecord(
         replica=replica,
         model_name=model_name,
@@ -152,28 +160,44 @@ def _evictions(raw: Any) -> tuple[EvictionSample, ...]:
     for item in _list(raw, "ev"):
         if not isinstance(item, list) or len(item) != 3:
             raise DatagramError("malformed", "an eviction sample must be [lifetime, idle, [gaps]]")
-        gaps = tuple(g for g in (_num(x, "a reuse gap") for x in _list(item[2], "reuse gaps"))
-                     if g is not None)
+        gaps = tuple(
+            g for g in (_num(x, "a reuse gap") for x in _list(item[2], "reuse gaps")) if g is not None
+        )
         out.append(EvictionSample(_num(item[0], "lifetime"), _num(item[1], "idle"), gaps))
     return tuple(out)
 
 
-def engine_step(raw: Any, replica: str, dp_rank: str, sent_at: float, evictions: Any,
-                left_out: Any, dropped: list[str] | None = None) -> EngineStep:
+def engine_step(
+    raw: Any,
+    replica: str,
+    dp_rank: str,
+    sent_at: float,
+    evictions: Any,
+    left_out: Any,
+    dropped: list[str] | None = None,
+) -> EngineStep:
     """One step of a datagram; a count over ``MAX_COUNT`` becomes None, named in ``dropped``."""
     s = _mapping(raw, "s")
     shape = _list(s.get("it"), "it")
     if shape and len(shape) != 5:
-        raise DatagramError("malformed", "it must be [ctx requests, ctx tokens, gen requests, gen tokens, "
-                                         "ms]")
+        raise DatagramError(
+            "malformed", "it must be [ctx requests, ctx tokens, gen requests, gen tokens, ms]"
+        )
     noted: list[str] = [] if dropped is None else dropped
 
     def count(value: Any, what: str) -> int | None:
         return bounded_count(_int(value, what), f"step_{what}", noted)
 
-    ctx_r, ctx_t, gen_r, gen_t = (count(v, name) for v, name in zip(
-        shape[:4], ("ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens"), strict=True)) \
-        if shape else (None,) * 4
+    ctx_r, ctx_t, gen_r, gen_t = (
+        (
+            count(v, name)
+            for v, name in zip(
+                shape[:4], ("ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens"), strict=True
+            )
+        )
+        if shape
+        else (None,) * 4
+    )
     usage = _num(s.get("kv"), "kv")
     at = _num(s.get("t"), "t")
     return EngineStep(
@@ -221,13 +245,28 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     per_admission = body.get("pa")
     if per_admission not in (None, 0, 1) or isinstance(per_admission, bool):
         raise DatagramError("malformed", "pa must be 0, 1 or missing")
-    link = PluginLink(replica, dp_rank, _int(body.get("p"), "p"), _int(body.get("n"), "n"),
-                      _int(body.get("d"), "d"), _int(body.get("ds"), "ds"),
-                      None if per_admission is None else per_admission == 1)
+    link = PluginLink(
+        replica,
+        dp_rank,
+        _int(body.get("p"), "p"),
+        _int(body.get("n"), "n"),
+        _int(body.get("d"), "d"),
+        _int(body.get("ds"), "ds"),
+        None if per_admission is None else per_admission == 1,
+    )
     dropped: list[str] = []
-    steps = tuple(engine_step(raw, replica, dp_rank, sent_at, body.get("ev") if i == 0 else None,
-                              body.get("evx") if i == 0 else None, dropped)
-                  for i, raw in enumerate(_list(body.get("s"), "s")))
+    steps = tuple(
+        engine_step(
+            raw,
+            replica,
+            dp_rank,
+            sent_at,
+            body.get("ev") if i == 0 else None,
+            body.get("evx") if i == 0 else None,
+            dropped,
+        )
+        for i, raw in enumerate(_list(body.get("s"), "s"))
+    )
     records: list[RequestRecord] = []
     refused: list[str] = []
     for fields in _list(body.get("f"), "f"):  # one bad request costs that request, not the datagram
@@ -246,8 +285,16 @@ class PluginReceiver:
     behind a scrape or a /metrics render. The sinks it calls are thread-safe.
     """
 
-    def __init__(self, replica: str, path: str, model_name: str, records: RecordSink, steps: StepSink,
-                 count: Count, report: Report | None = None) -> None:
+    def __init__(
+        self,
+        replica: str,
+        path: str,
+        model_name: str,
+        records: RecordSink,
+        steps: StepSink,
+        count: Count,
+        report: Report | None = None,
+    ) -> None:
         self.replica = replica
         self.path = path
         self.model_name = model_name
@@ -290,8 +337,14 @@ class PluginReceiver:
                 continue
             except OSError as exc:
                 if not self._stopping.is_set():
-                    self._throttle.log(log, logging.WARNING, "receive",
-                                       "vllm plugin: receiving on %s failed: %s", self.path, exc)
+                    self._throttle.log(
+                        log,
+                        logging.WARNING,
+                        "receive",
+                        "vllm plugin: receiving on %s failed: %s",
+                        self.path,
+                        exc,
+                    )
                     time.sleep(POLL_S)
                 continue
             self.handle(data)
@@ -339,8 +392,9 @@ class PluginReceiver:
             log.exception("vllm plugin: counting failed")
 
     def _warn(self, exc: Exception) -> None:
-        self._throttle.log(log, logging.WARNING, "dropped", "vllm plugin: dropped a datagram on %s: %s",
-                           self.path, exc)
+        self._throttle.log(
+            log, logging.WARNING, "dropped", "vllm plugin: dropped a datagram on %s: %s", self.path, exc
+        )
 
 
 def bind_socket(path: str) -> socket.socket:
@@ -385,8 +439,9 @@ async def start_receivers(
     """
     started = []
     for entry in sockets:
-        receiver = PluginReceiver(entry.replica, entry.path, replicas.get(entry.replica, "other"),
-                                  records, steps, count, report)
+        receiver = PluginReceiver(
+            entry.replica, entry.path, replicas.get(entry.replica, "other"), records, steps, count, report
+        )
         for result in RESULTS:
             receiver._count(result, 0)
         for reason in REFUSAL_REASONS:

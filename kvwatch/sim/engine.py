@@ -334,7 +334,12 @@ class SimEngine:
     """One simulated engine core (one vLLM DP rank). See the module docstring for the model."""
 
     def __init__(
-        self, config: EngineConfig, *, name: str = "0", start_time: float = 0.0, keep_finished: int = 10_000,
+        self,
+        config: EngineConfig,
+        *,
+        name: str = "0",
+        start_time: float = 0.0,
+        keep_finished: int = 10_000,
         host_path: ReplicaHostPath | None = None,
     ) -> None:
         """``host_path``: this replica's share of the node's PCIe uplinks (``hostlink.node_host_paths``);
@@ -369,8 +374,9 @@ class SimEngine:
         self._t_per_token_flops = layout.t_flops_per_token
         self._comm_fixed = layout.comm_fixed
         self._comm_per_token = layout.comm_per_token
-        self._host = host_path or node_host_paths(
-            1, config.gpus, config.switch_gpus, config.gpu.host_bandwidth)[0]
+        self._host = (
+            host_path or node_host_paths(1, config.gpus, config.switch_gpus, config.gpu.host_bandwidth)[0]
+        )
         self._t_per_xfer_byte = self._host.alone_s_per_byte
         self._overhead = config.step_overhead_s
         self._cost = config.step_cost
@@ -771,8 +777,11 @@ class SimEngine:
         if blocks_after + self._prefix_cost(r) > self._cap - self._used:
             return -1
         if self._admission != "none":
-            want = r.prompt + (r.max_tokens if self._admission == "reserve_max_tokens"
-                               else min(r.max_tokens, self._output_budget))
+            want = r.prompt + (
+                r.max_tokens
+                if self._admission == "reserve_max_tokens"
+                else min(r.max_tokens, self._output_budget)
+            )
             if self._reserved and self._reserved + want > self._reserve_limit:
                 return -1
             r.reserved = want

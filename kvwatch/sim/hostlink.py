@@ -60,7 +60,7 @@ class HostLink:
             i = bisect.bisect_right(busy, cursor, key=_end)
         self._newest = max(self._newest, cursor)
         if busy and busy[0][1] < self._newest - _KEEP_S:
-            del busy[:bisect.bisect_right(busy, self._newest - _KEEP_S, key=_end)]
+            del busy[: bisect.bisect_right(busy, self._newest - _KEEP_S, key=_end)]
         return cursor
 
     def _book(self, i: int, start: float, end: float) -> None:
@@ -104,8 +104,9 @@ class ReplicaHostPath:
         return end
 
 
-def node_host_paths(replicas: int, gpus_per_replica: int, gpus_per_switch: int,
-                    bytes_per_second: float) -> list[ReplicaHostPath]:
+def node_host_paths(
+    replicas: int, gpus_per_replica: int, gpus_per_switch: int, bytes_per_second: float
+) -> list[ReplicaHostPath]:
     """Each replica's path when replica ``i`` runs on GPUs ``i x g .. (i + 1) x g - 1`` and switch
     ``k`` serves GPUs ``k x s .. (k + 1) x s - 1`` (the node's GPUs in order, as NVML numbers them)."""
     if gpus_per_switch < 1 or gpus_per_replica < 1:
@@ -117,6 +118,7 @@ def node_host_paths(replicas: int, gpus_per_replica: int, gpus_per_switch: int,
         per_switch: dict[int, int] = {}
         for gpu in range(i * gpus_per_replica, (i + 1) * gpus_per_replica):
             per_switch[gpu // gpus_per_switch] = per_switch.get(gpu // gpus_per_switch, 0) + 1
-        paths.append(ReplicaHostPath(
-            [(*uplinks[k], n / gpus_per_replica) for k, n in sorted(per_switch.items())]))
+        paths.append(
+            ReplicaHostPath([(*uplinks[k], n / gpus_per_replica) for k, n in sorted(per_switch.items())])
+        )
     return paths

@@ -48,8 +48,11 @@ def _headroom(unit: UnitView) -> str:
 
 def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
     name = replica.name if unit.dp_rank is None else f"{replica.name}/{unit.dp_rank}"
-    used = unit.kv_usage_ratio if unit.kv_usage_ratio is not None else (
-        _share(unit.kv_allocated_tokens, unit.kv_capacity_tokens) if unit.kv_capacity_tokens else None)
+    used = (
+        unit.kv_usage_ratio
+        if unit.kv_usage_ratio is not None
+        else (_share(unit.kv_allocated_tokens, unit.kv_capacity_tokens) if unit.kv_capacity_tokens else None)
+    )
     live = h.si(unit.live_tokens)
     if unit.live_source == "proxy_estimate":
         live += " est"
@@ -59,13 +62,28 @@ def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
     preempt = h.si(unit.preemptions_per_second, 2)
     if unit.preemptions_per_second is not None:
         preempt += "/s"
-    cells = (name, replica.backend, unit.model_name or h.MISSING, "up", h.ratio(used),
-             h.si(unit.kv_capacity_tokens), live, frag, _headroom(unit), h.si(unit.requests_running),
-             h.si(unit.requests_waiting), preempt, h.count(unit.preemptions_total),
-             str(replica.requests_in_flight))
-    bar = (_share(unit.kv_allocated_tokens, unit.kv_capacity_tokens)
-           if unit.kv_allocated_tokens is not None else (used or 0.0),
-           _share(unit.live_tokens, unit.kv_capacity_tokens))
+    cells = (
+        name,
+        replica.backend,
+        unit.model_name or h.MISSING,
+        "up",
+        h.ratio(used),
+        h.si(unit.kv_capacity_tokens),
+        live,
+        frag,
+        _headroom(unit),
+        h.si(unit.requests_running),
+        h.si(unit.requests_waiting),
+        preempt,
+        h.count(unit.preemptions_total),
+        str(replica.requests_in_flight),
+    )
+    bar = (
+        _share(unit.kv_allocated_tokens, unit.kv_capacity_tokens)
+        if unit.kv_allocated_tokens is not None
+        else (used or 0.0),
+        _share(unit.live_tokens, unit.kv_capacity_tokens),
+    )
     full = unit.headroom_seconds == 0 or (used is not None and used >= 0.99)
     return Row(f"replica:{replica.name}:{unit.dp_rank or '-'}", cells, bar, alert=full)
 
@@ -76,41 +94,99 @@ def replica_table(view: StatusView) -> Table:
         if not replica.up or not replica.units:
             why = replica.last_error or "no samples"
             if len(why) > _ERROR_CHARS:
-                why = why[:_ERROR_CHARS - 3] + "..."
-            cells = (replica.name, replica.backend, h.MISSING, f"DOWN: {why}", *([h.MISSING] * 9),
-                     str(replica.requests_in_flight))
+                why = why[: _ERROR_CHARS - 3] + "..."
+            cells = (
+                replica.name,
+                replica.backend,
+                h.MISSING,
+                f"DOWN: {why}",
+                *([h.MISSING] * 9),
+                str(replica.requests_in_flight),
+            )
             rows.append(Row(f"replica:{replica.name}:-", cells, (0.0, 0.0), alert=True))
             continue
         rows += [_unit_row(replica, unit) for unit in replica.units]
-    headers = ("replica", "backend", "model", "state", "KV used", "KV capacity", "live tokens", "fragment.",
-               "headroom", "running", "waiting", "preempt", "preempt total", "in flight")
+    headers = (
+        "replica",
+        "backend",
+        "model",
+        "state",
+        "KV used",
+        "KV capacity",
+        "live tokens",
+        "fragment.",
+        "headroom",
+        "running",
+        "waiting",
+        "preempt",
+        "preempt total",
+        "in flight",
+    )
     return Table("replicas", "Replicas: KV cache", headers, tuple(rows), bar_column=4, left=4)
 
 
 def stranded_table(view: StatusView) -> Table:
-    rows = tuple(Row(f"stranded:{s.model_name}",
-                     (s.model_name, h.si(s.stranded_tokens), str(s.idle_units), str(s.pressured_units)),
-                     alert=s.stranded_tokens > 0)
-                 for s in view.stranded)
-    return Table("stranded", "Stranded KV capacity (free on idle replicas while another queues or preempts)",
-                 ("model", "stranded tokens", "idle units", "pressured units"), rows)
+    rows = tuple(
+        Row(
+            f"stranded:{s.model_name}",
+            (s.model_name, h.si(s.stranded_tokens), str(s.idle_units), str(s.pressured_units)),
+            alert=s.stranded_tokens > 0,
+        )
+        for s in view.stranded
+    )
+    return Table(
+        "stranded",
+        "Stranded KV capacity (free on idle replicas while another queues or preempts)",
+        ("model", "stranded tokens", "idle units", "pressured units"),
+        rows,
+    )
 
 
 def _band_row(b: BandView) -> Row:
     o = b.outcomes
-    cells = ("all" if b.replica == ALL else b.replica, b.band, h.count(b.requests),
-             h.seconds(b.ttft_p50_seconds), h.seconds(b.ttft_p99_seconds), h.seconds(b.tpot_p50_seconds),
-             h.seconds(b.tpot_p99_seconds), h.seconds(b.e2e_p50_seconds), h.seconds(b.e2e_p99_seconds),
-             h.ratio(b.completed_ratio), h.ratio(b.truncated_ratio), h.ratio(b.aborted_ratio),
-             h.count(o.get("error", 0)), h.count(o.get("rejected", 0)))
+    cells = (
+        "all" if b.replica == ALL else b.replica,
+        b.band,
+        h.count(b.requests),
+        h.seconds(b.ttft_p50_seconds),
+        h.seconds(b.ttft_p99_seconds),
+        h.seconds(b.tpot_p50_seconds),
+        h.seconds(b.tpot_p99_seconds),
+        h.seconds(b.e2e_p50_seconds),
+        h.seconds(b.e2e_p99_seconds),
+        h.ratio(b.completed_ratio),
+        h.ratio(b.truncated_ratio),
+        h.ratio(b.aborted_ratio),
+        h.count(o.get("error", 0)),
+        h.count(o.get("rejected", 0)),
+    )
     return Row(f"band:{b.replica}:{b.band}", cells)
 
 
 def band_table(view: StatusView) -> Table:
-    headers = ("replica", "band", "requests", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "e2e p50",
-               "e2e p99", "completed", "truncated", "aborted", "errors", "rejected")
-    return Table("bands", "Latency and outcomes by output-length band (since agent start)", headers,
-                 tuple(_band_row(b) for b in view.band_rows), left=2)
+    headers = (
+        "replica",
+        "band",
+        "requests",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "e2e p50",
+        "e2e p99",
+        "completed",
+        "truncated",
+        "aborted",
+        "errors",
+        "rejected",
+    )
+    return Table(
+        "bands",
+        "Latency and outcomes by output-length band (since agent start)",
+        headers,
+        tuple(_band_row(b) for b in view.band_rows),
+        left=2,
+    )
 
 
 def _link(g: GpuView) -> str:
@@ -128,16 +204,23 @@ def _gpu_row(g: GpuView) -> Row:
         return Row(f"gpu:{g.uuid}", cells, alert=True)
     memory = f"{h.nbytes(g.memory_used_bytes)} / {h.nbytes(g.memory_total_bytes)}"
     state = "down-trained" if g.pcie_down_trained else "ok"
-    cells = (str(g.index), g.name or h.MISSING, state, memory,
-             h.ratio(_share(g.memory_used_bytes, g.memory_total_bytes) if g.memory_total_bytes else None),
-             h.ratio(g.utilization_ratio, 0), h.rate_bytes(g.pcie_tx_bytes_per_second),
-             h.rate_bytes(g.pcie_rx_bytes_per_second), _link(g), ", ".join(g.replicas) or h.MISSING)
+    cells = (
+        str(g.index),
+        g.name or h.MISSING,
+        state,
+        memory,
+        h.ratio(_share(g.memory_used_bytes, g.memory_total_bytes) if g.memory_total_bytes else None),
+        h.ratio(g.utilization_ratio, 0),
+        h.rate_bytes(g.pcie_tx_bytes_per_second),
+        h.rate_bytes(g.pcie_rx_bytes_per_second),
+        _link(g),
+        ", ".join(g.replicas) or h.MISSING,
+    )
     return Row(f"gpu:{g.uuid}", cells, alert=bool(g.pcie_down_trained))
 
 
 def gpu_table(view: StatusView) -> Table:
-    headers = ("gpu", "name", "state", "memory", "mem used", "util", "PCIe tx", "PCIe rx", "link",
-               "replicas")
+    headers = ("gpu", "name", "state", "memory", "mem used", "util", "PCIe tx", "PCIe rx", "link", "replicas")
     return Table("gpus", "GPUs: memory and PCIe", headers, tuple(_gpu_row(g) for g in view.gpus), left=3)
 
 
@@ -150,8 +233,10 @@ def summary_line(view: StatusView) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(view.generated_at))
     up = sum(1 for r in view.replicas if r.up)
     uptime = h.seconds(view.generated_at - view.agent_started_at)
-    return (f"kvwatch {view.node}  {stamp}  replicas up {up}/{len(view.replicas)}  "
-            f"requests seen {view.requests_observed:,}  agent up {uptime}")
+    return (
+        f"kvwatch {view.node}  {stamp}  replicas up {up}/{len(view.replicas)}  "
+        f"requests seen {view.requests_observed:,}  agent up {uptime}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

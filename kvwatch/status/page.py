@@ -64,10 +64,11 @@ setTimeout(tick,%POLL%);
 })();""".replace("%POLL%", str(POLL_MS))
 
 _SCRIPT_HASH = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
-CSP = (f"default-src 'none'; script-src 'sha256-{_SCRIPT_HASH}'; style-src 'unsafe-inline'; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-            "Cache-Control": "no-store"}
+CSP = (
+    f"default-src 'none'; script-src 'sha256-{_SCRIPT_HASH}'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"}
 
 
 def _attr(text: str) -> str:
@@ -87,15 +88,19 @@ def _table_html(table: Table) -> str:
             inner = f'<span data-k="{cell_id}">{escape(text)}</span>'
             if i == table.bar_column and row.bar is not None:
                 alloc, live = row.bar
-                inner = (f'<span class="bar" data-bar="{_attr(row.key)}"><i class="alloc" '
-                         f'style="width:{100 * alloc:.1f}%"></i><i class="live" '
-                         f'style="width:{100 * live:.1f}%"></i></span>{inner}')
+                inner = (
+                    f'<span class="bar" data-bar="{_attr(row.key)}"><i class="alloc" '
+                    f'style="width:{100 * alloc:.1f}%"></i><i class="live" '
+                    f'style="width:{100 * live:.1f}%"></i></span>{inner}'
+                )
             cells.append(f"<td{cls(i)}>{inner}</td>")
         alert = ' class="alert"' if row.alert else ""
         rows.append(f'<tr data-row="{_attr(row.key)}"{alert}>{"".join(cells)}</tr>')
     body = "".join(rows) or f'<tr><td class="empty" colspan="{len(table.headers)}">none</td></tr>'
-    return (f'<section id="{_attr(table.key)}"><h2>{escape(table.title)}</h2><div class="scroll"><table>'
-            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div></section>")
+    return (
+        f'<section id="{_attr(table.key)}"><h2>{escape(table.title)}</h2><div class="scroll"><table>'
+        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div></section>"
+    )
 
 
 def render_page(view: StatusView) -> str:
@@ -113,8 +118,8 @@ def render_page(view: StatusView) -> str:
         f'<div class="notes">{notes}</div>'
         + "".join(_table_html(t) for t in tables(view))
         + '<p class="notes">KV bar: dark = tokens running requests hold, light = allocated but not live '
-          "(partly filled blocks, cached prefixes). Also as JSON: "
-          '<a href="status.json">status.json</a>.</p>'
+        "(partly filled blocks, cached prefixes). Also as JSON: "
+        '<a href="status.json">status.json</a>.</p>'
         f"<script>{_SCRIPT}</script></body></html>\n"
     )
 
@@ -125,8 +130,9 @@ def status_document(view: StatusView) -> dict[str, object]:
     return {"view": view_to_dict(view), "display": asdict(patch)}
 
 
-def make_status_routes(state: NodeState, config: Config,
-                       clock: Callable[[], float] = time.time) -> list[web.RouteDef]:
+def make_status_routes(
+    state: NodeState, config: Config, clock: Callable[[], float] = time.time
+) -> list[web.RouteDef]:
     """``GET /`` (HTML) and ``GET /status.json``, reading ``state`` at each request."""
 
     async def page(_request: web.Request) -> web.Response:

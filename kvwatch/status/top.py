@@ -34,8 +34,11 @@ def _table_text(table: Table) -> str:
 
 def render_text(view: StatusView, width: int) -> str:
     """The whole view as plain text, each line cut to ``width`` columns (``!`` marks a row to look at)."""
-    parts = [terminal_safe(summary_line(view)), *map(terminal_safe, view.notes),
-             *(_table_text(t) for t in tables(view))]
+    parts = [
+        terminal_safe(summary_line(view)),
+        *map(terminal_safe, view.notes),
+        *(_table_text(t) for t in tables(view)),
+    ]
     text = "\n\n".join(parts)  # the only control characters left are these line breaks
     return "\n".join(line[:width] if width > 0 else line for line in text.split("\n")) + "\n"
 

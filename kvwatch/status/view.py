@@ -189,18 +189,36 @@ def _replicas(state: NodeState, config: Config, derived: DerivedView | None) -> 
         target = state.targets.get(name)
         if target is None:  # configured, never scraped yet
             cfg = config.replica(name)
-            out.append(ReplicaView(name, cfg.backend if cfg else "unknown", False, "not scraped yet", None,
-                                   (), requests_in_flight=in_flight.get(name, 0)))
+            out.append(
+                ReplicaView(
+                    name,
+                    cfg.backend if cfg else "unknown",
+                    False,
+                    "not scraped yet",
+                    None,
+                    (),
+                    requests_in_flight=in_flight.get(name, 0),
+                )
+            )
             continue
         samples = target.samples if target.up else ()
         units = tuple(_unit(s, frag.get(s.key), signals.get(s.key)) for s in samples)
         estimate = frag.get((name, samples[0].model_name, None)) if len(samples) > 1 else None
         gpus = tuple(index for index, _uuid, _by in state.replica_gpus.get(name, ()))
-        out.append(ReplicaView(
-            name, target.backend, target.up, target.last_error, target.last_success_ts, units,
-            live_tokens_estimate=estimate.live_tokens if estimate else None,
-            fragmentation_estimate=estimate.ratio if estimate else None,
-            requests_in_flight=in_flight.get(name, 0), gpus=gpus))
+        out.append(
+            ReplicaView(
+                name,
+                target.backend,
+                target.up,
+                target.last_error,
+                target.last_success_ts,
+                units,
+                live_tokens_estimate=estimate.live_tokens if estimate else None,
+                fragmentation_estimate=estimate.ratio if estimate else None,
+                requests_in_flight=in_flight.get(name, 0),
+                gpus=gpus,
+            )
+        )
     return tuple(out)
 
 
@@ -232,8 +250,11 @@ def _stranded(derived: DerivedView | None, replicas: tuple[ReplicaView, ...]) ->
     if derived is None:
         return ()
     served = {u.model_name for r in replicas if r.up for u in r.units}
-    return tuple(StrandedView(s.model_name, s.stranded_tokens, s.idle_units, s.pressured_units)
-                 for s in sorted(derived.stranded, key=lambda s: s.model_name) if s.model_name in served)
+    return tuple(
+        StrandedView(s.model_name, s.stranded_tokens, s.idle_units, s.pressured_units)
+        for s in sorted(derived.stranded, key=lambda s: s.model_name)
+        if s.model_name in served
+    )
 
 
 def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView, ...]:
@@ -249,8 +270,10 @@ def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView,
             for name in (TTFT, TPOT, E2E):
                 _add(target, name, families[name])
     bands = derived.bands if derived is not None else {}
-    replicas = sorted({replica for replica, _band in merged if replica != ALL}
-                      | {replica for replica, _band in bands if replica is not None})
+    replicas = sorted(
+        {replica for replica, _band in merged if replica != ALL}
+        | {replica for replica, _band in bands if replica is not None}
+    )
     rows = []
     for replica in (ALL, *replicas):
         for band in state.bands.all_names:
@@ -277,20 +300,27 @@ def _quantile(families: Mapping[str, Histogram], name: str, q: float) -> float |
     return None if math.isnan(value) else value
 
 
-def _band_view(replica: str, band: str, families: Mapping[str, Histogram],
-               finished: BandOutcomes | None) -> BandView:
+def _band_view(
+    replica: str, band: str, families: Mapping[str, Histogram], finished: BandOutcomes | None
+) -> BandView:
     by_outcome = dict.fromkeys(OUTCOMES, 0)
-    for outcome, n in (finished.counts.items() if finished else ()):
+    for outcome, n in finished.counts.items() if finished else ():
         by_outcome[outcome] = int(n)
     health = finished.health if finished else None
     return BandView(
-        replica=replica, band=band, requests=sum(by_outcome.values()), outcomes=by_outcome,
+        replica=replica,
+        band=band,
+        requests=sum(by_outcome.values()),
+        outcomes=by_outcome,
         completed_ratio=health.completed_ratio if health else None,
         truncated_ratio=health.truncated_ratio if health else None,
         aborted_ratio=health.aborted_ratio if health else None,
-        ttft_p50_seconds=_quantile(families, TTFT, 0.5), ttft_p99_seconds=_quantile(families, TTFT, 0.99),
-        tpot_p50_seconds=_quantile(families, TPOT, 0.5), tpot_p99_seconds=_quantile(families, TPOT, 0.99),
-        e2e_p50_seconds=_quantile(families, E2E, 0.5), e2e_p99_seconds=_quantile(families, E2E, 0.99),
+        ttft_p50_seconds=_quantile(families, TTFT, 0.5),
+        ttft_p99_seconds=_quantile(families, TTFT, 0.99),
+        tpot_p50_seconds=_quantile(families, TPOT, 0.5),
+        tpot_p99_seconds=_quantile(families, TPOT, 0.99),
+        e2e_p50_seconds=_quantile(families, E2E, 0.5),
+        e2e_p99_seconds=_quantile(families, E2E, 0.99),
     )
 
 
@@ -303,24 +333,34 @@ def _gpus(state: NodeState, derived: DerivedView | None) -> tuple[GpuView, ...]:
     out = []
     for gpu in sorted(state.gpus, key=lambda g: g.index):
         link = None if gpu.lost else links.get(gpu.uuid)
-        out.append(GpuView(
-            index=gpu.index, uuid=gpu.uuid, name=gpu.name, lost=gpu.lost, sampled_at=gpu.sampled_at,
-            memory_used_bytes=gpu.memory_used_bytes, memory_total_bytes=gpu.memory_total_bytes,
-            utilization_ratio=gpu.utilization_gpu_ratio,
-            pcie_tx_bytes_per_second=link.tx_bytes_per_second if link else None,
-            pcie_rx_bytes_per_second=link.rx_bytes_per_second if link else None,
-            pcie_link_bytes_per_second=link.link_bytes_per_second if link else None,
-            pcie_link_generation=gpu.pcie_link_gen_current, pcie_link_generation_max=gpu.pcie_link_gen_max,
-            pcie_link_width=gpu.pcie_link_width_current, pcie_link_width_max=gpu.pcie_link_width_max,
-            pcie_down_trained=link.down_trained if link else None,
-            replicas=tuple(sorted(owners.get(gpu.uuid, ()))),
-        ))
+        out.append(
+            GpuView(
+                index=gpu.index,
+                uuid=gpu.uuid,
+                name=gpu.name,
+                lost=gpu.lost,
+                sampled_at=gpu.sampled_at,
+                memory_used_bytes=gpu.memory_used_bytes,
+                memory_total_bytes=gpu.memory_total_bytes,
+                utilization_ratio=gpu.utilization_gpu_ratio,
+                pcie_tx_bytes_per_second=link.tx_bytes_per_second if link else None,
+                pcie_rx_bytes_per_second=link.rx_bytes_per_second if link else None,
+                pcie_link_bytes_per_second=link.link_bytes_per_second if link else None,
+                pcie_link_generation=gpu.pcie_link_gen_current,
+                pcie_link_generation_max=gpu.pcie_link_gen_max,
+                pcie_link_width=gpu.pcie_link_width_current,
+                pcie_link_width_max=gpu.pcie_link_width_max,
+                pcie_down_trained=link.down_trained if link else None,
+                replicas=tuple(sorted(owners.get(gpu.uuid, ()))),
+            )
+        )
     return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------
 # JSON
 # --------------------------------------------------------------------------------------------
+
 
 def view_to_dict(view: StatusView) -> dict[str, Any]:
     """The view as strict JSON data (``json.dumps(..., allow_nan=False)`` accepts it)."""
@@ -342,8 +382,13 @@ def _build(cls: type[T], data: Mapping[str, Any]) -> T:
     return cls(**kwargs)
 
 
-_NESTED = {"UnitView": UnitView, "ReplicaView": ReplicaView, "StrandedView": StrandedView,
-           "BandView": BandView, "GpuView": GpuView}
+_NESTED = {
+    "UnitView": UnitView,
+    "ReplicaView": ReplicaView,
+    "StrandedView": StrandedView,
+    "BandView": BandView,
+    "GpuView": GpuView,
+}
 
 
 def _field_value(annotation: Any, value: Any) -> Any:
@@ -363,4 +408,3 @@ def view_from_dict(data: Mapping[str, Any]) -> StatusView:
     if not isinstance(data, Mapping) or "node" not in data:
         raise ValueError("not a kvwatch status view (expected an object with node, replicas, ...)")
     return _build(StatusView, data)
-

@@ -27,11 +27,18 @@ async def _sim(replicas: int = 2) -> SimNode:
 
 
 def _config(node: SimNode, extra: tuple[ReplicaConfig, ...] = (), **kw) -> Config:
-    reps = tuple(ReplicaConfig(name=f"sim-{i}", metrics_url=f"{url}/metrics", api_url=url, gpus=(str(i),))
-                 for i, url in enumerate(node.replica_urls))
-    return Config(replicas=reps + extra, listen=LISTEN, intervals=IntervalsConfig(engine_s=0.5, gpu_s=0.5),
-                  scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=1.0),
-                  nvml=NvmlConfig(fake_gpus=0), **kw)
+    reps = tuple(
+        ReplicaConfig(name=f"sim-{i}", metrics_url=f"{url}/metrics", api_url=url, gpus=(str(i),))
+        for i, url in enumerate(node.replica_urls)
+    )
+    return Config(
+        replicas=reps + extra,
+        listen=LISTEN,
+        intervals=IntervalsConfig(engine_s=0.5, gpu_s=0.5),
+        scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=1.0),
+        nvml=NvmlConfig(fake_gpus=0),
+        **kw,
+    )
 
 
 async def _metrics(agent: Agent) -> str:
@@ -50,8 +57,10 @@ async def test_a_hanging_replica_delays_neither_the_others_nor_the_scrape():
     app.router.add_get("/metrics", hang)
     runner, port = await serve_app(app)
     node = await _sim()
-    agent = Agent(_config(node, (ReplicaConfig(name="stuck", metrics_url=f"http://127.0.0.1:{port}/metrics"),)),
-                  nvml=FakeNvml(2))
+    agent = Agent(
+        _config(node, (ReplicaConfig(name="stuck", metrics_url=f"http://127.0.0.1:{port}/metrics"),)),
+        nvml=FakeNvml(2),
+    )
     await agent.start()
     try:
         timed_out = 'kvwatch_target_scrape_errors_total{reason="timeout",replica="stuck"} 1.0'
@@ -125,10 +134,16 @@ async def test_gpus_follow_nvml_and_vanish_when_nvml_does():
 
 def test_kvwatch_run_stops_cleanly_on_sigterm(tmp_path):
     config = tmp_path / "kvwatch.yaml"
-    config.write_text("listen: 127.0.0.1:0\nnvml: {enabled: false}\nreplicas:\n"
-                      "  - {name: gone, metrics_url: 'http://127.0.0.1:9/metrics'}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    config.write_text(
+        "listen: 127.0.0.1:0\nnvml: {enabled: false}\nreplicas:\n"
+        "  - {name: gone, metrics_url: 'http://127.0.0.1:9/metrics'}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         lines = []
@@ -150,6 +165,11 @@ def test_kvwatch_run_stops_cleanly_on_sigterm(tmp_path):
 def test_kvwatch_run_names_a_bad_config_and_exits_1(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("replicas: [{name: x, metrics_url: ftp://nope}]\n")
-    result = subprocess.run([sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1 and "replicas[0].metrics_url" in result.stderr

@@ -15,8 +15,24 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvwatch", "demo", "--duration", "20", "--speed", "60", "--view", "lines",
-         "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvwatch",
+            "demo",
+            "--duration",
+            "20",
+            "--speed",
+            "60",
+            "--view",
+            "lines",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = proc.stdout.readline()
         match = re.search(r"metrics (http://127\.0\.0\.1:\d+)/metrics", first)
@@ -37,7 +53,7 @@ def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    summary = out[out.index("kvwatch demo summary"):]
+    summary = out[out.index("kvwatch demo summary") :]
     peaks = dict(re.findall(r"(replica-\d) (\d+)%", summary.split("peak KV usage:")[1].splitlines()[0]))
     assert int(peaks["replica-0"]) >= 95, summary  # the pinned replica fills ...
     assert max(int(v) for k, v in peaks.items() if k != "replica-0") < 80, summary  # ... the others don't
@@ -49,6 +65,11 @@ def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
 
 
 def test_demo_refuses_bad_arguments_with_a_clear_message():
-    result = subprocess.run([sys.executable, "-m", "kvwatch", "demo", "--listen", "nowhere"],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "demo", "--listen", "nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2 and "--listen" in result.stderr

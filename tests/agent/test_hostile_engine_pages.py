@@ -38,8 +38,8 @@ def _pages() -> dict[str, str]:
         "ranks": hostile.many_ranks(3200),
         "reasons": hostile.many_finished_reasons(20_000),
         "unrelated": hostile.unrelated_series(15_000_000),
-        "long-labels": hostile.vllm_page() + "".join(
-            f'x{{a="{"v" * 16_000}",i="{i}"}} 1\n' for i in range(250)),
+        "long-labels": hostile.vllm_page()
+        + "".join(f'x{{a="{"v" * 16_000}",i="{i}"}} 1\n' for i in range(250)),
     }
 
 
@@ -55,17 +55,25 @@ async def test_hostile_pages_never_stall_the_loop(tmp_path):
     for name, text in _pages().items():
         (tmp_path / name).write_text(text)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                               "--directory", str(tmp_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     node = SimNode(h200_node("llama-3.1-8b", gpus=1, speed=20))
     await node.start()
-    hostile_replicas = tuple(ReplicaConfig(name=name, metrics_url=f"http://127.0.0.1:{port}/{name}",
-                                           backend="vllm") for name in _pages())
+    hostile_replicas = tuple(
+        ReplicaConfig(name=name, metrics_url=f"http://127.0.0.1:{port}/{name}", backend="vllm")
+        for name in _pages()
+    )
     good = ReplicaConfig(name="good", metrics_url=f"{node.replica_urls[0]}/metrics")
-    config = Config(replicas=(good, *hostile_replicas), listen=HostPort("127.0.0.1", 0),
-                    intervals=IntervalsConfig(engine_s=0.5, gpu_s=0.5),
-                    scrape=ScrapeConfig(timeout_s=5.0, backoff_max_s=1.0), nvml=NvmlConfig(fake_gpus=0))
+    config = Config(
+        replicas=(good, *hostile_replicas),
+        listen=HostPort("127.0.0.1", 0),
+        intervals=IntervalsConfig(engine_s=0.5, gpu_s=0.5),
+        scrape=ScrapeConfig(timeout_s=5.0, backoff_max_s=1.0),
+        nvml=NvmlConfig(fake_gpus=0),
+    )
     agent = Agent(config, nvml=FakeNvml(1))
     lags: list[tuple[float, float]] = []
     stop = asyncio.Event()
@@ -99,8 +107,10 @@ async def test_hostile_pages_never_stall_the_loop(tmp_path):
     assert state.target("unrelated").errors["too_large"] >= 1  # 195,000 series: over scrape.max_series
     assert state.target("long-labels").up
     assert len(lags) > 100
-    print(f"worst tick {max(cpu for cpu, _ in lags) * 1000:.1f} ms CPU, "
-          f"{max(late for _, late in lags) * 1000:.0f} ms late; {len(lags)} ticks")
+    print(
+        f"worst tick {max(cpu for cpu, _ in lags) * 1000:.1f} ms CPU, "
+        f"{max(late for _, late in lags) * 1000:.0f} ms late; {len(lags)} ticks"
+    )
     worst = [f"{cpu * 1000:.0f} ms CPU, {late * 1000:.0f} ms late" for cpu, late in sorted(lags)[-3:]]
     assert max(cpu for cpu, _ in lags) < MAX_LAG_S, f"event loop stalled: worst ticks {worst}"
 

@@ -30,30 +30,57 @@ STALLS = "kvwatch_request_preemption_stalls"
 T0 = 1_750_000_000.0
 
 
-def proxied(api_url: str = "http://127.0.0.1:1", metrics_url: str = "http://127.0.0.1:1/metrics",
-            **config) -> Config:
-    replica = ReplicaConfig("r0", metrics_url, backend="vllm", api_url=api_url,
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
-    return Config(replicas=(replica,), listen=HostPort("127.0.0.1", 0), nvml=NvmlConfig(enabled=False),
-                  **config)
+def proxied(
+    api_url: str = "http://127.0.0.1:1", metrics_url: str = "http://127.0.0.1:1/metrics", **config
+) -> Config:
+    replica = ReplicaConfig(
+        "r0",
+        metrics_url,
+        backend="vllm",
+        api_url=api_url,
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name="tiny",
+    )
+    return Config(
+        replicas=(replica,), listen=HostPort("127.0.0.1", 0), nvml=NvmlConfig(enabled=False), **config
+    )
 
 
 def scrape(at: float, preemptions: float) -> ReplicaSample:
-    return ReplicaSample(replica="r0", backend="vllm", scraped_at=at, model_name="tiny", dp_rank="0",
-                         requests_running=2.0, preemptions_total=preemptions)
+    return ReplicaSample(
+        replica="r0",
+        backend="vllm",
+        scraped_at=at,
+        model_name="tiny",
+        dp_rank="0",
+        requests_running=2.0,
+        preemptions_total=preemptions,
+    )
 
 
-def finished(gap: float | None, gap_ended_at: float | None, output: int = 12_000,
-             source: str = "proxy") -> RequestRecord:
-    return RequestRecord("r0", "tiny", source, Outcome.COMPLETED, started_at=T0, output_tokens=output,
-                         max_gap_seconds=gap, max_gap_ended_at=gap_ended_at)
+def finished(
+    gap: float | None, gap_ended_at: float | None, output: int = 12_000, source: str = "proxy"
+) -> RequestRecord:
+    return RequestRecord(
+        "r0",
+        "tiny",
+        source,
+        Outcome.COMPLETED,
+        started_at=T0,
+        output_tokens=output,
+        max_gap_seconds=gap,
+        max_gap_ended_at=gap_ended_at,
+    )
 
 
 def stall_series(text: str) -> dict[tuple[str, str], float]:
     """(length_band, source) -> value of the stall counter."""
-    return {(s.labels["length_band"], s.labels["source"]): s.value
-            for family in text_string_to_metric_families(text) if family.name == STALLS
-            for s in family.samples}
+    return {
+        (s.labels["length_band"], s.labels["source"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == STALLS
+        for s in family.samples
+    }
 
 
 def test_the_sink_counts_a_long_gap_that_overlapped_a_preemption_window() -> None:
@@ -70,7 +97,9 @@ def test_the_sink_counts_a_long_gap_that_overlapped_a_preemption_window() -> Non
     agent.record(finished(None, None, source="otlp"))  # a source that does not measure gaps
 
     assert agent.state.requests.stall_counts() == {
-        ("r0", "tiny", "10k-20k", "proxy"): 1, ("r0", "tiny", "0-1k", "proxy"): 1}
+        ("r0", "tiny", "10k-20k", "proxy"): 1,
+        ("r0", "tiny", "0-1k", "proxy"): 1,
+    }
     registry = CollectorRegistry()
     registry.register(RequestCollector(agent.state, agent.config))
     series = stall_series(generate_latest(registry).decode())
@@ -108,8 +137,10 @@ class FakeVllm:
 
     async def metrics(self, request: web.Request) -> web.Response:
         labels = 'engine="0",model_name="tiny"'
-        text = (f"vllm:num_requests_running{{{labels}}} 1.0\n"
-                f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}\n")
+        text = (
+            f"vllm:num_requests_running{{{labels}}} 1.0\n"
+            f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}\n"
+        )
         return web.Response(text=text, content_type="text/plain")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -131,8 +162,9 @@ class FakeVllm:
         await asyncio.sleep(self.pause_s - 0.5)
         await response.write(content("c"))
         await response.write(chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
-        await response.write(chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
-                                                             "total_tokens": 8}}))
+        await response.write(
+            chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
+        )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -149,8 +181,10 @@ async def running() -> AsyncIterator[tuple[FakeVllm, Agent]]:
     # the agent's clock runs ahead of time.time() (as in `kvwatch demo`): a proxy dating requests on
     # time.time() would never overlap a scrape window
     offset = 3600.0
-    agent = Agent(proxied(engine.url, f"{engine.url}/metrics", intervals=IntervalsConfig(engine_s=0.25)),
-                  clock=lambda: time.time() + offset)
+    agent = Agent(
+        proxied(engine.url, f"{engine.url}/metrics", intervals=IntervalsConfig(engine_s=0.25)),
+        clock=lambda: time.time() + offset,
+    )
     await agent.start()
     yield engine, agent
     await agent.stop()

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(port: int, replicas: list[str]) -> str:
-    listed = ", ".join(f'{{name: {r}, metrics_url: "http://127.0.0.1:9/metrics", backend: vllm}}'
-                       for r in replicas)
+    listed = ", ".join(
+        f'{{name: {r}, metrics_url: "http://127.0.0.1:9/metrics", backend: vllm}}' for r in replicas
+    )
     return f"listen: 127.0.0.1:{port}\nnode: node-a\nnvml: {{enabled: false}}\nreplicas: [{listed}]\n"
 
 
@@ -28,9 +29,14 @@ def test_a_sighup_during_start_up_is_held_and_applied(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(_config(port, ["first"]))
-    proc = subprocess.Popen([sys.executable, "-m", "kvwatch", "run", "--config", str(config)], cwd=ROOT,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     log: list[str] = []
     try:
         assert proc.stderr is not None

@@ -42,14 +42,18 @@ def test_a_good_file_loads_with_units_and_defaults(tmp_path):
 
 
 def test_every_problem_is_reported_with_its_key_path():
-    found = problems({
-        "replicas": [{"name": "a b", "metrics_url": "localhost:8000"},
-                     {"metrics_url": "http://x/metrics", "backend": "vllmm", "proxy_listen": ":8100"}],
-        "intervals": {"engine": "fast"},
-        "length_bands": [5000, 1000],
-        "scrape": {"max_response_bytes": "lots"},
-        "bogus": 1,
-    })
+    found = problems(
+        {
+            "replicas": [
+                {"name": "a b", "metrics_url": "localhost:8000"},
+                {"metrics_url": "http://x/metrics", "backend": "vllmm", "proxy_listen": ":8100"},
+            ],
+            "intervals": {"engine": "fast"},
+            "length_bands": [5000, 1000],
+            "scrape": {"max_response_bytes": "lots"},
+            "bogus": 1,
+        }
+    )
     assert "expected a short name" in found["replicas[0].name"]
     assert "http(s) URL" in found["replicas[0].metrics_url"]
     assert found["replicas[1].name"] == "required"
@@ -76,17 +80,22 @@ def test_duplicate_names_and_proxy_ports_are_refused():
 
 
 def test_references_to_unknown_replicas_are_refused():
-    found = problems({"replicas": [{"name": "r", "metrics_url": "http://a/metrics"}],
-                      "otlp": {"listen": ":4318", "replica": "nope"},
-                      "sglang_request_files": [{"replica": "ghost", "directory": "/tmp"}]})
+    found = problems(
+        {
+            "replicas": [{"name": "r", "metrics_url": "http://a/metrics"}],
+            "otlp": {"listen": ":4318", "replica": "nope"},
+            "sglang_request_files": [{"replica": "ghost", "directory": "/tmp"}],
+        }
+    )
     assert "no replica named 'nope'" in found["otlp.replica"]
     assert "no replica named 'ghost'" in found["sglang_request_files[0].replica"]
 
 
 def test_otlp_size_limits_are_validated():
     replicas = [{"name": "r", "metrics_url": "http://a/metrics"}]
-    found = problems({"replicas": replicas,
-                      "otlp": {"max_body_bytes": "16MiB", "max_decompressed_bytes": "1MiB"}})
+    found = problems(
+        {"replicas": replicas, "otlp": {"max_body_bytes": "16MiB", "max_decompressed_bytes": "1MiB"}}
+    )
     assert "must be at least otlp.max_body_bytes" in found["otlp.max_decompressed_bytes"]
     found = problems({"replicas": replicas, "otlp": {"max_decompressed_bytes": "lots"}})
     assert "expected a size" in found["otlp.max_decompressed_bytes"]
@@ -96,8 +105,15 @@ def test_otlp_size_limits_are_validated():
 def test_environment_overrides_nested_keys(tmp_path):
     path = tmp_path / "kvwatch.yaml"
     path.write_text(GOOD)
-    cfg = load_config(path, environ={"KVWATCH_LISTEN": ":9999", "KVWATCH_INTERVALS__ENGINE": "7s",
-                                     "KVWATCH_NVML__ENABLED": "false", "UNRELATED": "x"})
+    cfg = load_config(
+        path,
+        environ={
+            "KVWATCH_LISTEN": ":9999",
+            "KVWATCH_INTERVALS__ENGINE": "7s",
+            "KVWATCH_NVML__ENABLED": "false",
+            "UNRELATED": "x",
+        },
+    )
     assert cfg.listen.port == 9999 and cfg.listen.host == "0.0.0.0"
     assert cfg.intervals.engine_s == 7.0 and cfg.nvml.enabled is False
 
@@ -131,11 +147,21 @@ def test_check_config_cli_exit_status_and_messages(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(GOOD)
     bad.write_text("replicas:\n  - name: r\n    metrics_url: nope\n")
-    ok = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(good)],
-                        capture_output=True, text=True, timeout=60, check=False)
+    ok = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "check-config", str(good)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert ok.returncode == 0 and "OK (1 replica(s): vllm-0" in ok.stdout
-    fail = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(bad)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    fail = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert fail.returncode == 1
     assert "replicas[0].metrics_url: expected an http(s) URL, got 'nope'" in fail.stderr
 
@@ -143,12 +169,21 @@ def test_check_config_cli_exit_status_and_messages(tmp_path):
 def test_proxy_limits_have_defaults_and_bad_values_name_their_key():
     proxy = config_from_mapping({}).proxy
     assert (proxy.max_buffered_bytes, proxy.max_connections, proxy.inject_usage) == (64 << 20, 1024, True)
-    parsed = config_from_mapping({"proxy": {"max_buffered_bytes": "128MiB", "max_connections": 10,
-                                            "inject_usage": False}}).proxy
+    parsed = config_from_mapping(
+        {"proxy": {"max_buffered_bytes": "128MiB", "max_connections": 10, "inject_usage": False}}
+    ).proxy
     assert (parsed.max_buffered_bytes, parsed.max_connections, parsed.inject_usage) == (128 << 20, 10, False)
     with pytest.raises(ConfigError) as err:
-        config_from_mapping({"proxy": {"max_connections": 0, "inject_usage": "maybe",
-                                       "max_body_bytes": "16MiB", "max_buffered_bytes": "8MiB"}})
+        config_from_mapping(
+            {
+                "proxy": {
+                    "max_connections": 0,
+                    "inject_usage": "maybe",
+                    "max_body_bytes": "16MiB",
+                    "max_buffered_bytes": "8MiB",
+                }
+            }
+        )
     text = str(err.value)
     for key in ("proxy.max_connections", "proxy.inject_usage", "proxy.max_buffered_bytes"):
         assert key in text
@@ -156,29 +191,40 @@ def test_proxy_limits_have_defaults_and_bad_values_name_their_key():
 
 def test_env_empty_listen_is_unset_not_all_interfaces(tmp_path):
     from kvwatch.config import load_config
+
     path = tmp_path / "c.yaml"
     path.write_text("listen: 127.0.0.1:9477\n")
     assert load_config(path, {"KVWATCH_LISTEN": ""}).listen.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("name", "value", "fragment"), [
-    ("KVWATCH_LOG_LEVEL", "{a: [", "not a valid YAML value"),
-    ("KVWATCH_REPLICAS__0__NAME", "x", "cannot be set from the environment"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "fragment"),
+    [
+        ("KVWATCH_LOG_LEVEL", "{a: [", "not a valid YAML value"),
+        ("KVWATCH_REPLICAS__0__NAME", "x", "cannot be set from the environment"),
+    ],
+)
 def test_env_errors_name_the_variable(name, value, fragment):
     from kvwatch.config import ConfigError, load_config
+
     with pytest.raises(ConfigError) as err:
         load_config(None, {name: value})
     assert f"{name}: " in str(err.value) and fragment in str(err.value)
 
 
-BILLION_LAUGHS = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
-    f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n"
-    for p, n in zip("abcdefgh", "bcdefghi", strict=True)) + "listen: *i\n"
+BILLION_LAUGHS = (
+    "a: &a [x,x,x,x,x,x,x,x,x]\n"
+    + "".join(
+        f"{n}: &{n} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n"
+        for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+    + "listen: *i\n"
+)
 
 
 def test_a_yaml_alias_bomb_fails_fast_with_a_short_message(tmp_path):
     import time
+
     assert len(BILLION_LAUGHS) < 400
     path = tmp_path / "bomb.yaml"
     path.write_text(BILLION_LAUGHS)
@@ -214,14 +260,30 @@ def test_errors_quote_long_values_cut_short():
 
 def test_check_config_reports_every_bad_key_of_every_replica_at_once(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("replicas:\n"
-                   "  - {metrics_url: nope, slots_url: nope, pid: -1, scrape_timeout: soon, gpus: 3}\n"
-                   "  - {name: 'a b', kv_bytes_per_token: 0, model_name: m, pid_file: /p, bogus: 1}\n")
-    fail = subprocess.run([sys.executable, "-m", "kvwatch", "check-config", str(bad)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    bad.write_text(
+        "replicas:\n"
+        "  - {metrics_url: nope, slots_url: nope, pid: -1, scrape_timeout: soon, gpus: 3}\n"
+        "  - {name: 'a b', kv_bytes_per_token: 0, model_name: m, pid_file: /p, bogus: 1}\n"
+    )
+    fail = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert fail.returncode == 1
-    for key in ("replicas[0].name", "replicas[0].metrics_url", "replicas[0].slots_url", "replicas[0].pid",
-                "replicas[0].scrape_timeout", "replicas[0].gpus", "replicas[1].name",
-                "replicas[1].metrics_url", "replicas[1].kv_bytes_per_token", "replicas[1].bogus"):
+    for key in (
+        "replicas[0].name",
+        "replicas[0].metrics_url",
+        "replicas[0].slots_url",
+        "replicas[0].pid",
+        "replicas[0].scrape_timeout",
+        "replicas[0].gpus",
+        "replicas[1].name",
+        "replicas[1].metrics_url",
+        "replicas[1].kv_bytes_per_token",
+        "replicas[1].bogus",
+    ):
         assert f"  {key}: " in fail.stderr, key
     assert "10 problem(s)" in fail.stderr

@@ -74,19 +74,27 @@ def test_a_null_override_is_an_error_not_a_return_to_all_interfaces(tmp_path):
 
 def test_a_list_or_mapping_is_not_a_string_setting():
     # today: ledger.path became the string "['a', 'b']" and the token file "{'x': 1}"
-    found = _problems(load_config, None, {"KVWATCH_LEDGER__PATH": "[a, b]",
-                                          "KVWATCH_DISCOVERY__KUBERNETES__TOKEN_FILE": "{x: 1}"})
+    found = _problems(
+        load_config,
+        None,
+        {"KVWATCH_LEDGER__PATH": "[a, b]", "KVWATCH_DISCOVERY__KUBERNETES__TOKEN_FILE": "{x: 1}"},
+    )
     assert "expected a string" in found["KVWATCH_LEDGER__PATH (ledger.path)"]
-    assert "expected a string" in found[
-        "KVWATCH_DISCOVERY__KUBERNETES__TOKEN_FILE (discovery.kubernetes.token_file)"]
+    assert (
+        "expected a string"
+        in found["KVWATCH_DISCOVERY__KUBERNETES__TOKEN_FILE (discovery.kubernetes.token_file)"]
+    )
 
 
-@pytest.mark.parametrize(("name", "fragment"), [
-    ("KVWATCH_PROXY__MAX_BODY", "no config key proxy.max_body"),  # today: named proxy.max_body only
-    ("KVWATCH_VLLM_PLUGIN_SOCKETS__0__PATH", "cannot be set from the environment"),  # today: a list?
-    ("KVWATCH_PROXY", "is a section"),
-    ("KVWATCH_LOG_LEVEL__X", "a single value, not a section"),
-])
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("KVWATCH_PROXY__MAX_BODY", "no config key proxy.max_body"),  # today: named proxy.max_body only
+        ("KVWATCH_VLLM_PLUGIN_SOCKETS__0__PATH", "cannot be set from the environment"),  # today: a list?
+        ("KVWATCH_PROXY", "is a section"),
+        ("KVWATCH_LOG_LEVEL__X", "a single value, not a section"),
+    ],
+)
 def test_a_variable_that_names_no_settable_key_is_refused_by_name(name, fragment):
     found = _problems(load_config, None, {name: "/run/x.sock"})
     assert fragment in found[name]
@@ -95,8 +103,11 @@ def test_a_variable_that_names_no_settable_key_is_refused_by_name(name, fragment
 def test_problems_inside_a_whole_list_name_the_variable_and_the_entry(tmp_path):
     path = tmp_path / "kvwatch.yaml"
     path.write_text("intervals: {engine: soon}\n")
-    found = _problems(load_config, path, {
-        "KVWATCH_REPLICAS": "[{name: 'a b', metrics_url: 'http://127.0.0.1:8000/metrics'}, {name: c}]"})
+    found = _problems(
+        load_config,
+        path,
+        {"KVWATCH_REPLICAS": "[{name: 'a b', metrics_url: 'http://127.0.0.1:8000/metrics'}, {name: c}]"},
+    )
     assert "expected a short name" in found["KVWATCH_REPLICAS (replicas[0].name)"]
     assert found["KVWATCH_REPLICAS (replicas[1].metrics_url)"] == "required"
     assert "intervals.engine" in found  # the file's problem is reported in the same pass
@@ -111,8 +122,14 @@ def test_docs_check_fails_on_a_stale_config_reference(tmp_path):
     stale = tmp_path / "config.md"
     text = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
     stale.write_text(text.replace("`intervals.gpu`", "`intervals.gpu_s`"), encoding="utf-8")
-    result = subprocess.run([sys.executable, "-m", "kvwatch", "docs", "--check", "--config-file", str(stale)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "docs", "--check", "--config-file", str(stale)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1 and "config.md is stale" in result.stderr
 
 
@@ -124,9 +141,13 @@ def test_the_config_reference_lists_every_key_with_its_variable():
 
 
 #: a backticked ``section.key`` in prose, e.g. `intervals.gpu` or `replicas[].proxy_listen`
-_MENTION = re.compile(r"`((?:" + "|".join(
-    key for key, f in schema_fields(Config).items() if "section" in f.metadata or "entries" in f.metadata)
-    + r")(?:\[\])?(?:\.[a-z_]+)+)`")
+_MENTION = re.compile(
+    r"`((?:"
+    + "|".join(
+        key for key, f in schema_fields(Config).items() if "section" in f.metadata or "entries" in f.metadata
+    )
+    + r")(?:\[\])?(?:\.[a-z_]+)+)`"
+)
 
 
 _FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "sock", "txt", "html"}  # `proxy.py` is a file
@@ -145,5 +166,8 @@ def test_every_config_key_the_docs_mention_exists():
 def test_an_entry_or_section_that_is_not_a_mapping_is_one_problem_not_one_per_key():
     data = {"replicas": [5, {"name": "r", "metrics_url": "nope"}], "proxy": 3}
     found = _problems(config_from_mapping, data)
-    assert found == {"replicas[0]": "expected a mapping, got int", "proxy": "expected a mapping, got int",
-                     "replicas[1].metrics_url": "expected an http(s) URL, got 'nope'"}
+    assert found == {
+        "replicas[0]": "expected a mapping, got int",
+        "proxy": "expected a mapping, got int",
+        "replicas[1].metrics_url": "expected an http(s) URL, got 'nope'",
+    }

@@ -32,9 +32,14 @@ def sample(name: str, measured: float | None) -> ReplicaSample:
 
 
 def test_the_configured_value_wins_else_the_engines():
-    config = config_from_mapping({"replicas": [
-        {"name": "set", "metrics_url": "http://h:1/metrics", "kv_bytes_per_token": 4096},
-        {"name": "unset", "metrics_url": "http://h:2/metrics"}]})
+    config = config_from_mapping(
+        {
+            "replicas": [
+                {"name": "set", "metrics_url": "http://h:1/metrics", "kv_bytes_per_token": 4096},
+                {"name": "unset", "metrics_url": "http://h:2/metrics"},
+            ]
+        }
+    )
     assert config.kv_bytes_per_token(sample("set", 8192.0)) == 4096.0
     assert config.kv_bytes_per_token(sample("set", None)) == 4096.0
     assert config.kv_bytes_per_token(sample("unset", 8192.0)) == 8192.0

@@ -93,21 +93,34 @@ def test_kvwatch_runs_the_demo_hardened_and_prometheus_scrapes_its_port() -> Non
 
 @pytest.mark.prometheus
 def test_prometheus_config_passes_promtool_with_the_repositorys_rule_files(tmp_path: Path) -> None:
-    out = subprocess.run([require_tool("promtool"), "check", "config", str(COMPOSE_DIR / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [require_tool("promtool"), "check", "config", str(COMPOSE_DIR / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # Again with rule_files pointing where the mount takes them from, so promtool checks the rules too.
     config = dict(PROMETHEUS)
     config["rule_files"] = [str(_host_path("prometheus", pattern)) for pattern in PROMETHEUS["rule_files"]]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    out = subprocess.run([require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_prometheus_loads_exactly_the_rule_files_kubernetes_gets() -> None:
-    globbed = {p for pattern in PROMETHEUS["rule_files"]
-               for p in _host_path("prometheus", pattern).parent.glob(PurePosixPath(pattern).name)}
+    globbed = {
+        p
+        for pattern in PROMETHEUS["rule_files"]
+        for p in _host_path("prometheus", pattern).parent.glob(PurePosixPath(pattern).name)
+    }
     generated = {p for pattern in RULE_FILE_PATTERNS for p in (ROOT / "alerts").glob(pattern)}
     assert globbed == generated
 
@@ -123,8 +136,9 @@ def test_alertmanager_config_it_mounts_passes_amtool() -> None:
     config = _host_path("alertmanager", _flag("alertmanager", "config.file"))
     assert config == ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
     amtool = require_tool("amtool")
-    out = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -110,8 +110,14 @@ def _dockerignore_excludes(path: str) -> bool:
 def test_dockerignore_sends_only_what_the_build_copies() -> None:
     for path in ("pyproject.toml", "README.md", "kvwatch/cli.py"):
         assert not _dockerignore_excludes(path), path
-    for path in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_container_image.py", "bench/x.py",
-                 "kvwatch/__pycache__/cli.cpython-311.pyc", "kvwatch.egg-info/PKG-INFO"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/deploy/test_container_image.py",
+        "bench/x.py",
+        "kvwatch/__pycache__/cli.cpython-311.pyc",
+        "kvwatch.egg-info/PKG-INFO",
+    ):
         assert _dockerignore_excludes(path), path
 
 

@@ -52,13 +52,22 @@ def test_gpu_series_name_their_holder_and_other_series_keep_the_target(tmp_path)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monitor = yaml.safe_load(MONITOR.read_text())
-    scrape = {"job_name": "kvwatch", "honor_labels": monitor["spec"]["endpoints"][0]["honorLabels"],
-              "static_configs": [{"targets": [f"127.0.0.1:{server.server_address[1]}"], "labels": TARGET}],
-              "metric_relabel_configs": _relabel_configs(monitor)}
+    scrape = {
+        "job_name": "kvwatch",
+        "honor_labels": monitor["spec"]["endpoints"][0]["honorLabels"],
+        "static_configs": [{"targets": [f"127.0.0.1:{server.server_address[1]}"], "labels": TARGET}],
+        "metric_relabel_configs": _relabel_configs(monitor),
+    }
     prometheus = Prometheus(tmp_path, [], rule_files=(), extra_scrape_configs=[scrape]).start()
     try:
-        gpus = wait_until(lambda: len(prometheus.query("kvwatch_gpu_memory_used_bytes")) == 2
-                          and prometheus.query("kvwatch_gpu_memory_used_bytes"), 30, "GPU series scraped")
+        gpus = wait_until(
+            lambda: (
+                len(prometheus.query("kvwatch_gpu_memory_used_bytes")) == 2
+                and prometheus.query("kvwatch_gpu_memory_used_bytes")
+            ),
+            30,
+            "GPU series scraped",
+        )
         by_uuid = {s["metric"]["uuid"]: s["metric"] for s in gpus}
         held, free = by_uuid["GPU-a"], by_uuid["GPU-b"]
         assert (held["namespace"], held["pod"], held["container"]) == ("llm", "qwen-0", "vllm")

@@ -33,8 +33,9 @@ POD_RESOURCES = "/var/lib/kubelet/pod-resources"
 VLLM_PLUGIN_DIR = "/run/kvwatch/vllm"  # the vLLM plugin's sockets, one directory per engine pod
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # 1.29: first release with native sidecars on by default
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-CRD_SCHEMA = yaml.safe_load((Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(
-    encoding="utf-8"))
+CRD_SCHEMA = yaml.safe_load(
+    (Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(encoding="utf-8")
+)
 WORKLOADS = {"DaemonSet", "Deployment"}
 CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "RuntimeClass"}
 
@@ -46,8 +47,13 @@ def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
 
 @functools.cache
 def _rendered(directory: Path) -> str:
-    out = subprocess.run([require_tool("kubectl"), "kustomize", str(directory)],
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -96,8 +102,9 @@ def test_every_overlay_renders_the_objects_its_mode_needs(overlay: tuple[str, li
         assert "PodMonitor" not in kinds
     namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] not in CLUSTER_SCOPED}
     assert namespaces == {_one(objects, "Namespace")["metadata"]["name"]}
-    assert ({o["kind"] for o in objects} & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-            == ({"ClusterRole", "ClusterRoleBinding"} if name == "discovery" else set()))
+    assert {o["kind"] for o in objects} & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} == (
+        {"ClusterRole", "ClusterRoleBinding"} if name == "discovery" else set()
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,8 +113,9 @@ def test_every_overlay_renders_the_objects_its_mode_needs(overlay: tuple[str, li
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
-def test_core_objects_pass_kubernetes_validate_strict(overlay: tuple[str, list[dict[str, Any]]],
-                                                      version: str, tmp_path: Path) -> None:
+def test_core_objects_pass_kubernetes_validate_strict(
+    overlay: tuple[str, list[dict[str, Any]]], version: str, tmp_path: Path
+) -> None:
     name, objects = overlay
     core = [o for o in objects if o["kind"] not in CRD_KINDS]
     rendered = tmp_path / f"{name}.yaml"
@@ -162,8 +170,14 @@ def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[s
         assert pod["automountServiceAccountToken"] is discovery
         assert not pod.get("hostNetwork") and not pod.get("hostIPC")
         host_paths = [v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v]
-        assert host_paths == ([{"path": POD_RESOURCES, "type": "Directory"},
-                               {"path": VLLM_PLUGIN_DIR, "type": "DirectoryOrCreate"}] if discovery else [])
+        assert host_paths == (
+            [
+                {"path": POD_RESOURCES, "type": "Directory"},
+                {"path": VLLM_PLUGIN_DIR, "type": "DirectoryOrCreate"},
+            ]
+            if discovery
+            else []
+        )
         for c in _containers(pod):
             sc = c["securityContext"]
             run_as_non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))
@@ -195,11 +209,19 @@ def test_discovery_may_read_pods_and_nothing_else() -> None:
     # exactly the verbs the agent sends (no get: it never reads one pod by name)
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": list(POD_VERBS)}]
     binding = _one(objects, "ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
     daemonset = _one(objects, "DaemonSet")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": daemonset["spec"]["template"]["spec"][
-        "serviceAccountName"], "namespace": daemonset["metadata"]["namespace"]}]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": daemonset["spec"]["template"]["spec"]["serviceAccountName"],
+            "namespace": daemonset["metadata"]["namespace"],
+        }
+    ]
 
 
 def test_discovery_needs_no_per_node_configuration() -> None:
@@ -265,8 +287,9 @@ def _container_env(container: dict[str, Any]) -> dict[str, str]:
         if "valueFrom" in item:
             env[item["name"]] = FAKE_FIELDS[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
-            env[item["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                                       lambda m: env.get(m.group(1), m.group(0)), item["value"])
+            env[item["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"]
+            )
     return env
 
 
@@ -319,8 +342,11 @@ def test_probes_hit_the_agents_health_routes_on_its_listen_port(overlay) -> None
 
 def test_scrape_objects_select_the_agent_and_name_its_port(overlay) -> None:
     name, objects = overlay
-    pod_object = next(o for o in objects if o["kind"] in WORKLOADS and o["spec"]["template"]["spec"] is
-                      _kvwatch_pod(objects))
+    pod_object = next(
+        o
+        for o in objects
+        if o["kind"] in WORKLOADS and o["spec"]["template"]["spec"] is _kvwatch_pod(objects)
+    )
     pod_labels = pod_object["spec"]["template"]["metadata"]["labels"]
     if name == "sidecar-example":
         monitor = _one(objects, "PodMonitor")
@@ -333,14 +359,18 @@ def test_scrape_objects_select_the_agent_and_name_its_port(overlay) -> None:
         assert service["spec"]["publishNotReadyAddresses"] is True  # a not-ready agent is still scraped
         assert service["spec"]["selector"].items() <= pod_labels.items()
         assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-        assert service["spec"]["ports"] == [{"name": "metrics", "port": 9477, "targetPort": "metrics",
-                                             "protocol": "TCP"}]
+        assert service["spec"]["ports"] == [
+            {"name": "metrics", "port": 9477, "targetPort": "metrics", "protocol": "TCP"}
+        ]
         endpoints = monitor["spec"]["endpoints"]
     [endpoint] = endpoints
     assert endpoint["port"] == "metrics" and endpoint["interval"] == "15s"
     assert endpoint["honorLabels"] is False
-    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node",
-            "action": "replace"} in endpoint["relabelings"]
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "node",
+        "action": "replace",
+    } in endpoint["relabelings"]
 
 
 def test_sidecar_clients_reach_vllm_only_through_the_proxy() -> None:

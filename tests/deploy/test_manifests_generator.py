@@ -79,8 +79,9 @@ def test_prometheusrule_spec_is_a_rule_file_promtool_accepts(sources, tmp_path) 
     back = tmp_path / "back.rules.yaml"
     back.write_text(yaml.safe_dump(rule["spec"]))
     promtool = require_tool("promtool")
-    out = subprocess.run([promtool, "check", "rules", str(back)], capture_output=True, text=True,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [promtool, "check", "rules", str(back)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 rules found" in out.stdout
 
@@ -99,17 +100,28 @@ def test_missing_source_directories_give_files_without_objects(tmp_path) -> None
     assert all(_docs(text) == [] for text in files.values())
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n        severity: page\n",
-     r"rules\[0\]: unknown key\(s\) \['severity'\]"),
-    ("groups:\n  - name: g\n    rules:\n      - alert: A\n        record: b\n        expr: up\n",
-     "exactly one of 'alert' and 'record'"),
-    ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up\n        labels: {priority: 1}\n",
-     r"labels\.priority: the PrometheusRule CRD needs a string"),
-    ("groups: []\n", "'groups' must be a non-empty list"),
-    ("scrape_configs: []\n", "not a Prometheus rule file"),
-    ("groups: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "groups:\n  - name: g\n    rules:\n      - alert: A\n"
+            "        expr: up == 0\n        severity: page\n",
+            r"rules\[0\]: unknown key\(s\) \['severity'\]",
+        ),
+        (
+            "groups:\n  - name: g\n    rules:\n      - alert: A\n        record: b\n        expr: up\n",
+            "exactly one of 'alert' and 'record'",
+        ),
+        (
+            "groups:\n  - name: g\n    rules:\n      - alert: A\n"
+            "        expr: up\n        labels: {priority: 1}\n",
+            r"labels\.priority: the PrometheusRule CRD needs a string",
+        ),
+        ("groups: []\n", "'groups' must be a non-empty list"),
+        ("scrape_configs: []\n", "not a Prometheus rule file"),
+        ("groups: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_rule_files_are_refused_naming_the_file_and_the_fix(tmp_path, text, message) -> None:
     (tmp_path / "alerts").mkdir()
     (tmp_path / "alerts" / "bad.rules.yaml").write_text(text)
@@ -126,7 +138,6 @@ def test_a_group_defined_in_two_rule_files_is_refused(tmp_path) -> None:
         generate(tmp_path / "alerts", tmp_path / "dashboards", root=tmp_path)
 
 
-
 def test_kvwatchs_rule_files_are_labelled_with_where_they_evaluate(tmp_path) -> None:
     """A ruleSelector on the label picks whole files: node rules for the cluster Prometheus, fleet
     rules for the Prometheus or ThanosRuler that holds every node's series."""
@@ -139,6 +150,7 @@ def test_kvwatchs_rule_files_are_labelled_with_where_they_evaluate(tmp_path) -> 
 def test_a_rule_file_kvwatch_does_not_generate_has_no_level(sources, tmp_path) -> None:
     [rule] = _docs(generate(sources[0], sources[1], root=tmp_path)[RULES_FILE])
     assert LEVEL_LABEL not in rule["metadata"]["labels"]
+
 
 @pytest.mark.parametrize(("text", "message"), [("{", "not valid JSON"), ("[]", "not a Grafana dashboard")])
 def test_bad_dashboards_are_refused(tmp_path, text, message) -> None:

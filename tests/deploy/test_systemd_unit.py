@@ -49,9 +49,15 @@ def test_unit_runs_the_agent_with_the_documented_config() -> None:
 def test_unit_drops_every_privilege() -> None:
     d = _directives(UNIT.read_text())
     expected = {
-        "DynamicUser": "yes", "NoNewPrivileges": "yes", "CapabilityBoundingSet": "",
-        "AmbientCapabilities": "", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
-        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX", "DevicePolicy": "closed",
+        "DynamicUser": "yes",
+        "NoNewPrivileges": "yes",
+        "CapabilityBoundingSet": "",
+        "AmbientCapabilities": "",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+        "DevicePolicy": "closed",
     }
     for key, value in expected.items():
         assert d[key] == [value], key
@@ -88,17 +94,32 @@ def test_example_config_is_valid() -> None:
 
 
 def test_systemd_analyze_verify_finds_nothing(tmp_path: Path) -> None:
-    out = subprocess.run([require_tool("systemd-analyze"), "verify", str(_unit_runnable_here(tmp_path))],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [require_tool("systemd-analyze"), "verify", str(_unit_runnable_here(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0
     # Unknown or misspelt keys are only warnings: demand silence.
     assert out.stdout + out.stderr == ""
 
 
 def test_systemd_security_exposure_is_ok(tmp_path: Path) -> None:
-    out = subprocess.run([require_tool("systemd-analyze"), "security", "--offline=yes", "--no-pager",
-                          str(_unit_runnable_here(tmp_path))],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [
+            require_tool("systemd-analyze"),
+            "security",
+            "--offline=yes",
+            "--no-pager",
+            str(_unit_runnable_here(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if "--offline" in out.stderr:
         pytest.skip("systemd-analyze too old for --offline (systemd < 252)")
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)

@@ -10,23 +10,44 @@ from kvwatch.model import GpuSample, HistogramSnapshot, InFlightRequest, Replica
 
 def vllm(**fields: Any) -> ReplicaSample:
     """A vLLM replica, rank 0, 1001 blocks of 16 tokens (1000 usable), 10 s after the epoch."""
-    base = ReplicaSample(replica="r0", backend="vllm", scraped_at=10.0, model_name="m", dp_rank="0",
-                         block_size=16, num_gpu_blocks=1001)
+    base = ReplicaSample(
+        replica="r0",
+        backend="vllm",
+        scraped_at=10.0,
+        model_name="m",
+        dp_rank="0",
+        block_size=16,
+        num_gpu_blocks=1001,
+    )
     return replace(base, **fields)
 
 
 def sglang(**fields: Any) -> ReplicaSample:
     """An SGLang replica with page size 1 and a 100k-token pool."""
-    base = ReplicaSample(replica="s0", backend="sglang", scraped_at=10.0, model_name="m", dp_rank=None,
-                         block_size=1, kv_capacity_tokens=100_000.0)
+    base = ReplicaSample(
+        replica="s0",
+        backend="sglang",
+        scraped_at=10.0,
+        model_name="m",
+        dp_rank=None,
+        block_size=1,
+        kv_capacity_tokens=100_000.0,
+    )
     return replace(base, **fields)
 
 
-def request(started_at: float, prompt: int, generated: int = 0, max_tokens: int | None = None,
-            replica: str = "r0") -> InFlightRequest:
-    return InFlightRequest(replica=replica, model_name="m", admission_band="0-1k",
-                           prompt_tokens_estimate=prompt, generated_tokens=generated, started_at=started_at,
-                           max_tokens=max_tokens)
+def request(
+    started_at: float, prompt: int, generated: int = 0, max_tokens: int | None = None, replica: str = "r0"
+) -> InFlightRequest:
+    return InFlightRequest(
+        replica=replica,
+        model_name="m",
+        admission_band="0-1k",
+        prompt_tokens_estimate=prompt,
+        generated_tokens=generated,
+        started_at=started_at,
+        max_tokens=max_tokens,
+    )
 
 
 def token_histogram(count: float, total: float) -> HistogramSnapshot:
@@ -34,9 +55,26 @@ def token_histogram(count: float, total: float) -> HistogramSnapshot:
     return HistogramSnapshot(bounds=(float("inf"),), cumulative_counts=(count,), sum=total, count=count)
 
 
-def gpu(index: int = 0, at: float = 10.0, tx: float | None = 0.0, rx: float | None = 0.0,
-        gen: int | None = 5, width: int | None = 16, gen_max: int | None = 5,
-        width_max: int | None = 16, **fields: Any) -> GpuSample:
-    return GpuSample(index=index, uuid=f"GPU-{index}", sampled_at=at, pcie_tx_bytes_total=tx,
-                     pcie_rx_bytes_total=rx, pcie_link_gen_current=gen, pcie_link_width_current=width,
-                     pcie_link_gen_max=gen_max, pcie_link_width_max=width_max, **fields)
+def gpu(
+    index: int = 0,
+    at: float = 10.0,
+    tx: float | None = 0.0,
+    rx: float | None = 0.0,
+    gen: int | None = 5,
+    width: int | None = 16,
+    gen_max: int | None = 5,
+    width_max: int | None = 16,
+    **fields: Any,
+) -> GpuSample:
+    return GpuSample(
+        index=index,
+        uuid=f"GPU-{index}",
+        sampled_at=at,
+        pcie_tx_bytes_total=tx,
+        pcie_rx_bytes_total=rx,
+        pcie_link_gen_current=gen,
+        pcie_link_width_current=width,
+        pcie_link_gen_max=gen_max,
+        pcie_link_width_max=width_max,
+        **fields,
+    )

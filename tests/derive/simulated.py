@@ -65,8 +65,9 @@ class Run:
 
 
 def config(blocks: int, **fields) -> EngineConfig:
-    return EngineConfig(model=MODELS["llama-3.1-8b"], num_gpu_blocks_override=blocks, max_model_len=32768,
-                        **fields)
+    return EngineConfig(
+        model=MODELS["llama-3.1-8b"], num_gpu_blocks_override=blocks, max_model_len=32768, **fields
+    )
 
 
 def observe(engine: SimEngine, replica: str, t: float) -> ReplicaSample:
@@ -78,22 +79,41 @@ def observe(engine: SimEngine, replica: str, t: float) -> ReplicaSample:
 
 def in_flight(engine: SimEngine, replica: str, prompt_bias: float) -> list[InFlightRequest]:
     """The proxy's view: every request in the engine, prompt estimated as prompt x (1 + bias)."""
-    return [InFlightRequest(replica=replica, model_name=MODEL, admission_band="unknown",
-                            prompt_tokens_estimate=round(v.prompt_tokens * (1 + prompt_bias)),
-                            generated_tokens=v.generated_tokens, started_at=v.arrival,
-                            max_tokens=v.max_tokens)
-            for v in engine.requests()]
+    return [
+        InFlightRequest(
+            replica=replica,
+            model_name=MODEL,
+            admission_band="unknown",
+            prompt_tokens_estimate=round(v.prompt_tokens * (1 + prompt_bias)),
+            generated_tokens=v.generated_tokens,
+            started_at=v.arrival,
+            max_tokens=v.max_tokens,
+        )
+        for v in engine.requests()
+    ]
 
 
 def truth(engine: SimEngine) -> Truth:
-    return Truth(engine.live_tokens, engine.used_blocks, engine.free_blocks * engine.config.block_size,
-                 engine.num_running, engine.num_waiting, engine.preemptions_total,
-                 engine.recomputed_tokens_total)
+    return Truth(
+        engine.live_tokens,
+        engine.used_blocks,
+        engine.free_blocks * engine.config.block_size,
+        engine.num_running,
+        engine.num_waiting,
+        engine.preemptions_total,
+        engine.recomputed_tokens_total,
+    )
 
 
-def simulate(configs: Sequence[EngineConfig], arrivals: Sequence[Arrival], until: float,
-             scrape_every: float = 5.0, tick: float = 0.05, prompt_bias: float = 0.0,
-             scrape_until: float | None = None) -> Run:
+def simulate(
+    configs: Sequence[EngineConfig],
+    arrivals: Sequence[Arrival],
+    until: float,
+    scrape_every: float = 5.0,
+    tick: float = 0.05,
+    prompt_bias: float = 0.0,
+    scrape_until: float | None = None,
+) -> Run:
     """Run to ``until``, scraping every ``scrape_every`` seconds up to ``scrape_until`` (default: the end;
     the rest of the run still records fills and preempted requests)."""
     engines = [SimEngine(c, name="0") for c in configs]
@@ -117,12 +137,22 @@ def simulate(configs: Sequence[EngineConfig], arrivals: Sequence[Arrival], until
                 run.full_at[i].append(t)
             preempted[i] = engine.preemptions_total
         if n % ticks_per_scrape == 0 and (scrape_until is None or t <= scrape_until):
-            run.scrapes.append(Scrape(
-                t, [observe(e, name, t) for e, name in zip(engines, names, strict=True)],
-                [r for e, name in zip(engines, names, strict=True) for r in in_flight(e, name, prompt_bias)],
-                [truth(e) for e in engines]))
-    run.preempted_requests = [sum(1 for rid in ids if engine.request(rid).preemptions)
-                              for engine, ids in zip(engines, submitted, strict=True)]
+            run.scrapes.append(
+                Scrape(
+                    t,
+                    [observe(e, name, t) for e, name in zip(engines, names, strict=True)],
+                    [
+                        r
+                        for e, name in zip(engines, names, strict=True)
+                        for r in in_flight(e, name, prompt_bias)
+                    ],
+                    [truth(e) for e in engines],
+                )
+            )
+    run.preempted_requests = [
+        sum(1 for rid in ids if engine.request(rid).preemptions)
+        for engine, ids in zip(engines, submitted, strict=True)
+    ]
     return run
 
 
@@ -136,8 +166,10 @@ OUTPUTS = (300, 1200, 2500, 600, 4000, 900, 1800)
 def balanced(until: float = 600.0) -> Run:
     """Two replicas, requests alternate between them: moderate outputs, the pools never fill.
     (Arrivals are offset from the 5 s scrape instants, as a real scrape is from arrivals.)"""
-    arrivals = [Arrival(0.5 * i + 0.013, i % 2, 800, OUTPUTS[(i // 2) % len(OUTPUTS)], 8192)
-                for i in range(int(until * 2))]
+    arrivals = [
+        Arrival(0.5 * i + 0.013, i % 2, 800, OUTPUTS[(i // 2) % len(OUTPUTS)], 8192)
+        for i in range(int(until * 2))
+    ]
     return simulate([config(20_000), config(20_000)], arrivals, until)
 
 
@@ -153,8 +185,11 @@ def bursty(until: float = 900.0, blocks: int = 25_000) -> Run:
 
     With 25k blocks the pool never fills; with 14k, bursts arrive faster than they finish and it does.
     """
-    arrivals = [Arrival(120.0 * b + 0.1 * i, 0, 1500, 10_000 + 500 * (i % 12), 16_384)
-                for b in range(int(until / 120)) for i in range(24)]
+    arrivals = [
+        Arrival(120.0 * b + 0.1 * i, 0, 1500, 10_000 + 500 * (i % 12), 16_384)
+        for b in range(int(until / 120))
+        for i in range(24)
+    ]
     return simulate([config(blocks)], arrivals, until)
 
 

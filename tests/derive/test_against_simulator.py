@@ -20,8 +20,9 @@ def derive_each(run: sim.Run) -> list[DerivedView]:
     views, view = [], None
     replicas = {s.replica for s in run.scrapes[0].samples}
     for scrape in run.scrapes:
-        inputs = NodeInputs(samples=tuple(scrape.samples), in_flight=tuple(scrape.in_flight),
-                            proxied=replicas)
+        inputs = NodeInputs(
+            samples=tuple(scrape.samples), in_flight=tuple(scrape.in_flight), proxied=replicas
+        )
         view = derive_node(view, inputs, scrape.t)
         views.append(view)
     return views
@@ -38,9 +39,13 @@ def fragmentation_of(view: DerivedView, replica: str) -> float | None:
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[sim.Run, list[DerivedView]]]:
     out = {}
-    for name, make in [("balanced", lambda: sim.balanced(400.0)), ("imbalanced", sim.imbalanced),
-                       ("bursty", sim.bursty), ("overloaded_bursts", lambda: sim.bursty(blocks=14_000)),
-                       ("long_output_storm", sim.long_output_storm)]:
+    for name, make in [
+        ("balanced", lambda: sim.balanced(400.0)),
+        ("imbalanced", sim.imbalanced),
+        ("bursty", sim.bursty),
+        ("overloaded_bursts", lambda: sim.bursty(blocks=14_000)),
+        ("long_output_storm", sim.long_output_storm),
+    ]:
         run = make()
         out[name] = (run, derive_each(run))
     return out
@@ -72,17 +77,27 @@ def test_proxy_fragmentation_estimate_with_exact_prompts_matches_the_simulator(r
 
 
 def test_prompt_overestimate_gives_no_fragmentation_rather_than_a_wrong_one():
-    run = sim.simulate([sim.config(20_000)], [sim.Arrival(0.5 * i, 0, 800, 2000, 8192) for i in range(200)],
-                       until=100.0, prompt_bias=0.02)
+    run = sim.simulate(
+        [sim.config(20_000)],
+        [sim.Arrival(0.5 * i, 0, 800, 2000, 8192) for i in range(200)],
+        until=100.0,
+        prompt_bias=0.02,
+    )
     views = derive_each(run)
     assert all(fragmentation_of(v, "r0") is None for v in views[1:])
 
 
 def test_prompt_underestimate_biases_fragmentation_up_by_about_the_bias():
-    run = sim.simulate([sim.config(20_000)], [sim.Arrival(0.5 * i, 0, 800, 2000, 8192) for i in range(200)],
-                       until=100.0, prompt_bias=-0.02)
-    errors = [fragmentation_of(v, "r0") - true_fragmentation(s.truth[0])
-              for s, v in zip(run.scrapes, derive_each(run), strict=True)]
+    run = sim.simulate(
+        [sim.config(20_000)],
+        [sim.Arrival(0.5 * i, 0, 800, 2000, 8192) for i in range(200)],
+        until=100.0,
+        prompt_bias=-0.02,
+    )
+    errors = [
+        fragmentation_of(v, "r0") - true_fragmentation(s.truth[0])
+        for s, v in zip(run.scrapes, derive_each(run), strict=True)
+    ]
     assert all(0.0 <= e <= 0.02 for e in errors)
 
 
@@ -94,6 +109,7 @@ def test_prompt_underestimate_biases_fragmentation_up_by_about_the_bias():
 def true_stranded(scrape: sim.Scrape, baseline: sim.Scrape | None) -> float:
     """Free tokens of replicas with no queue and no new preemption while another queues (now and at
     the baseline) or preempts (since the baseline)."""
+
     def pressured(i: int) -> bool:
         if baseline is None:
             return scrape.truth[i].waiting > 0
@@ -145,17 +161,21 @@ def headroom_errors(run: sim.Run, views: list[DerivedView], horizon: float) -> l
     return out
 
 
-@pytest.mark.parametrize(("scenario", "horizon", "low", "high"), [
-    # a fixed batch outgrowing the pool: decode slows as the KV grows, so headroom is early, never late
-    ("long_output_storm", 120.0, -0.10, 0.01),
-    ("long_output_storm", 300.0, -0.30, 0.01),
-    # the batch grows by arrivals (the quadratic term): still early
-    ("imbalanced", 120.0, -0.30, 0.05),
-    # bursts arriving faster than they finish
-    ("overloaded_bursts", 120.0, -0.35, 0.05),
-])
-def test_headroom_predicts_when_the_pool_fills_within_the_stated_tolerance(runs, scenario, horizon, low,
-                                                                          high):
+@pytest.mark.parametrize(
+    ("scenario", "horizon", "low", "high"),
+    [
+        # a fixed batch outgrowing the pool: decode slows as the KV grows, so headroom is early, never late
+        ("long_output_storm", 120.0, -0.10, 0.01),
+        ("long_output_storm", 300.0, -0.30, 0.01),
+        # the batch grows by arrivals (the quadratic term): still early
+        ("imbalanced", 120.0, -0.30, 0.05),
+        # bursts arriving faster than they finish
+        ("overloaded_bursts", 120.0, -0.35, 0.05),
+    ],
+)
+def test_headroom_predicts_when_the_pool_fills_within_the_stated_tolerance(
+    runs, scenario, horizon, low, high
+):
     errors = headroom_errors(*runs[scenario], horizon)
     assert len(errors) >= 5
     assert low <= min(errors) and max(errors) <= high
@@ -165,17 +185,26 @@ def test_headroom_predicts_when_the_pool_fills_within_the_stated_tolerance(runs,
 def test_headroom_is_zero_once_the_pool_is_full_and_preempting(runs, scenario):
     run, views = runs[scenario]
     first = run.full_at[0][0]
-    after = [headroom_of(v, "r0") for s, v in zip(run.scrapes, views, strict=True) if s.t >= first + 30.0
-             if s.truth[0].waiting > 0]
+    after = [
+        headroom_of(v, "r0")
+        for s, v in zip(run.scrapes, views, strict=True)
+        if s.t >= first + 30.0
+        if s.truth[0].waiting > 0
+    ]
     assert after and all(h == 0.0 for h in after)
 
 
 def test_headroom_raises_no_alarm_on_a_balanced_node(runs):
     run, views = runs["balanced"]
-    warming = [headroom_of(v, r) for s, v in zip(run.scrapes, views, strict=True) if s.t < 60.0
-               for r in ("r0", "r1")]
-    steady = [headroom_of(v, r) for s, v in zip(run.scrapes, views, strict=True) if s.t >= 60.0
-              for r in ("r0", "r1")]
+    warming = [
+        headroom_of(v, r) for s, v in zip(run.scrapes, views, strict=True) if s.t < 60.0 for r in ("r0", "r1")
+    ]
+    steady = [
+        headroom_of(v, r)
+        for s, v in zip(run.scrapes, views, strict=True)
+        if s.t >= 60.0
+        for r in ("r0", "r1")
+    ]
     # while the batch ramps up from empty its growth is extrapolated: lower, but not alarming
     assert all(h is None or h > 60.0 for h in warming)
     assert all(h is not None and h > 150.0 for h in steady)

@@ -14,14 +14,28 @@ from kvwatch.state import NodeState
 
 from .factories import gpu, request, vllm
 
-PROXIED = Config(replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
-                                         proxy_listen=HostPort("127.0.0.1", 0)),))
+PROXIED = Config(
+    replicas=(
+        ReplicaConfig(
+            "r0",
+            "http://127.0.0.1:1/metrics",
+            api_url="http://127.0.0.1:1",
+            proxy_listen=HostPort("127.0.0.1", 0),
+        ),
+    )
+)
 
 
 def sample(t: float, **fields):
-    base = {"kv_usage_ratio": 0.5, "requests_running": 2.0, "requests_waiting": 0.0, "preemptions_total": 0.0,
-            "generation_tokens_total": 20.0 * t, "prompt_tokens_total": 0.0,
-            "finished_requests_total": (("stop", 0.0),)}
+    base = {
+        "kv_usage_ratio": 0.5,
+        "requests_running": 2.0,
+        "requests_waiting": 0.0,
+        "preemptions_total": 0.0,
+        "generation_tokens_total": 20.0 * t,
+        "prompt_tokens_total": 0.0,
+        "finished_requests_total": (("stop", 0.0),),
+    }
     return vllm(scraped_at=t, **{**base, **fields})
 
 
@@ -47,8 +61,11 @@ def test_every_derived_catalog_family_is_rendered_and_nothing_else():
     state = NodeState("n", DEFAULT_BANDS)
     scraped(state, 0.0)
     names = set(exposition(state))
-    assert names == {spec.name for spec in CATALOG if spec.area == "derived"
-                     and spec.name != "kvwatch_gpu_pcie_link_max_bytes_per_second"}
+    assert names == {
+        spec.name
+        for spec in CATALOG
+        if spec.area == "derived" and spec.name != "kvwatch_gpu_pcie_link_max_bytes_per_second"
+    }
 
 
 def test_derived_values_with_their_labels():
@@ -117,8 +134,10 @@ def test_tier_link_families_when_the_replica_is_mapped_to_a_gpu():
     families = exposition(state)
     utilization = {s.labels["direction"]: s.value for s in families["kvwatch_kv_tier_link_utilization_ratio"]}
     assert utilization["offload"] > 0.8 and utilization["onload"] == 0.0
-    conditions = {(s.labels["direction"], s.labels["condition"]): s.value
-                  for s in families["kvwatch_kv_tier_link_condition"]}
+    conditions = {
+        (s.labels["direction"], s.labels["condition"]): s.value
+        for s in families["kvwatch_kv_tier_link_condition"]
+    }
     assert conditions[("offload", "offload_pcie_bound")] == 1.0
     assert conditions[("offload", "foreign_bus_traffic")] == 0.0
     assert conditions[("offload", "link_down_trained")] == 0.0
@@ -127,9 +146,14 @@ def test_tier_link_families_when_the_replica_is_mapped_to_a_gpu():
 def test_recompute_avoided_per_byte_is_exported_per_replica_without_a_gpu_mapping():
     state = NodeState("n", DEFAULT_BANDS)
     for t, back, up in ((0.0, 0.0, 0.0), (10.0, 4000.0, 12000.0)):
-        scraped(state, t, tier_traffic=(
-            TierTraffic("sglang_hicache", "host", "gpu", tokens_total=back, bytes_total=back * 1e5),
-            TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up, bytes_total=up * 1e5)))
+        scraped(
+            state,
+            t,
+            tier_traffic=(
+                TierTraffic("sglang_hicache", "host", "gpu", tokens_total=back, bytes_total=back * 1e5),
+                TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up, bytes_total=up * 1e5),
+            ),
+        )
     [ratio] = exposition(state)["kvwatch_kv_tier_recompute_avoided_tokens_per_byte"]
     assert ratio.labels == {"replica": "r0"}
     assert math.isclose(ratio.value, 400.0 / (1600.0 * 1e5))  # 400 tokens/s back, 1,600 x 100 kB moved

@@ -15,23 +15,29 @@ from kvwatch.derive.fragmentation import (
 from .factories import request, sglang, vllm
 
 
-@pytest.mark.parametrize(("live", "allocated", "ratio"), [
-    (7000.0, 8000.0, 0.125),
-    (8000.0, 8000.0, 0.0),  # every slot used
-    (0.0, 8000.0, 1.0),  # blocks held, no token live
-    (0.0, 0.0, 0.0),  # nothing allocated, nothing wasted
-    (8000.0 * (1 + 1e-12), 8000.0, 0.0),  # float rounding above the allocation counts as equal
-])
+@pytest.mark.parametrize(
+    ("live", "allocated", "ratio"),
+    [
+        (7000.0, 8000.0, 0.125),
+        (8000.0, 8000.0, 0.0),  # every slot used
+        (0.0, 8000.0, 1.0),  # blocks held, no token live
+        (0.0, 0.0, 0.0),  # nothing allocated, nothing wasted
+        (8000.0 * (1 + 1e-12), 8000.0, 0.0),  # float rounding above the allocation counts as equal
+    ],
+)
 def test_fragmentation_ratio_is_one_minus_live_over_allocated(live, allocated, ratio):
     assert fragmentation_ratio(live, allocated) == (pytest.approx(ratio), "")
 
 
-@pytest.mark.parametrize(("live", "allocated", "reason"), [
-    (None, 8000.0, "no live-token count"),
-    (100.0, None, "allocation unknown"),
-    (100.0, 0.0, "live tokens but nothing allocated"),
-    (8100.0, 8000.0, "live tokens exceed allocation"),
-])
+@pytest.mark.parametrize(
+    ("live", "allocated", "reason"),
+    [
+        (None, 8000.0, "no live-token count"),
+        (100.0, None, "allocation unknown"),
+        (100.0, 0.0, "live tokens but nothing allocated"),
+        (8100.0, 8000.0, "live tokens exceed allocation"),
+    ],
+)
 def test_fragmentation_ratio_is_none_with_a_reason_when_undefined(live, allocated, reason):
     ratio, note = fragmentation_ratio(live, allocated)
     assert ratio is None
@@ -40,8 +46,9 @@ def test_fragmentation_ratio_is_none_with_a_reason_when_undefined(live, allocate
 
 def test_vllm_fragmentation_uses_blocks_net_of_the_null_block():
     # 1001 blocks, usage 0.5 -> 500 blocks (not 500.5) -> 8000 slots; 7000 live tokens
-    [f] = replica_fragmentation([vllm(kv_usage_ratio=0.5, live_tokens=7000.0, requests_running=4.0)], [],
-                                proxied=False)
+    [f] = replica_fragmentation(
+        [vllm(kv_usage_ratio=0.5, live_tokens=7000.0, requests_running=4.0)], [], proxied=False
+    )
     assert (f.live_tokens, f.source, f.allocated_tokens) == (7000.0, ENGINE, 8000.0)
     assert f.ratio == pytest.approx(0.125)
 
@@ -83,19 +90,25 @@ def test_unproxied_replica_without_engine_count_has_no_live_tokens_rather_than_z
 
 
 def test_dp_ranks_behind_one_proxy_get_one_replica_level_estimate():
-    ranks = [vllm(dp_rank="0", kv_usage_ratio=0.2, requests_running=1.0),
-             vllm(dp_rank="1", kv_usage_ratio=0.1, requests_running=1.0)]
+    ranks = [
+        vllm(dp_rank="0", kv_usage_ratio=0.2, requests_running=1.0),
+        vllm(dp_rank="1", kv_usage_ratio=0.1, requests_running=1.0),
+    ]
     [f] = replica_fragmentation(ranks, [request(1.0, 2000), request(2.0, 1000)], proxied=True)
     assert (f.dp_rank, f.source, f.live_tokens, f.allocated_tokens) == (None, PROXY_ESTIMATE, 3000.0, 4800.0)
     assert f.ratio == pytest.approx(1 - 3000 / 4800)
 
 
 def test_dp_ranks_with_engine_counts_stay_per_rank():
-    ranks = [vllm(dp_rank="0", kv_used_blocks=10, live_tokens=150.0, requests_running=1.0),
-             vllm(dp_rank="1", kv_used_blocks=20, live_tokens=310.0, requests_running=1.0)]
+    ranks = [
+        vllm(dp_rank="0", kv_used_blocks=10, live_tokens=150.0, requests_running=1.0),
+        vllm(dp_rank="1", kv_used_blocks=20, live_tokens=310.0, requests_running=1.0),
+    ]
     results = replica_fragmentation(ranks, [request(1.0, 10)], proxied=True)
     assert [(f.dp_rank, f.source, f.ratio) for f in results] == [
-        ("0", ENGINE, pytest.approx(1 - 150 / 160)), ("1", ENGINE, pytest.approx(1 - 310 / 320))]
+        ("0", ENGINE, pytest.approx(1 - 150 / 160)),
+        ("1", ENGINE, pytest.approx(1 - 310 / 320)),
+    ]
 
 
 def test_missing_rank_running_count_makes_every_in_flight_request_count():

@@ -9,12 +9,25 @@ from kvwatch.derive.headroom import finished_total, headroom, kv_growth, mean_fi
 from .factories import sglang, token_histogram, vllm
 
 
-def at(t: float, gen: float, running: float, usage: float = 0.5, prompt: float = 0.0, finished: float = 0.0,
-       **fields):
+def at(
+    t: float,
+    gen: float,
+    running: float,
+    usage: float = 0.5,
+    prompt: float = 0.0,
+    finished: float = 0.0,
+    **fields,
+):
     """vLLM rank at time t: 1000 usable blocks of 16 tokens; usage 0.5 leaves 8000 free token slots."""
-    return vllm(scraped_at=t, generation_tokens_total=gen, requests_running=running, kv_usage_ratio=usage,
-                prompt_tokens_total=prompt, finished_requests_total=(("stop", finished), ("length", 0.0)),
-                **fields)
+    return vllm(
+        scraped_at=t,
+        generation_tokens_total=gen,
+        requests_running=running,
+        kv_usage_ratio=usage,
+        prompt_tokens_total=prompt,
+        finished_requests_total=(("stop", finished), ("length", 0.0)),
+        **fields,
+    )
 
 
 def test_growing_batch_fills_the_free_slots_at_running_times_per_sequence_rate():
@@ -88,25 +101,31 @@ def test_stalled_decode_is_not_growing():
     assert headroom(at(10.0, 100.0, 10), at(0.0, 100.0, 10)).seconds == math.inf
 
 
-@pytest.mark.parametrize("before", [
-    at(0.0, 5000.0, 10),  # generation counter went backwards: engine restarted
-    at(0.0, 0.0, 10, finished=50.0),  # finished counter went backwards
-    at(0.0, 0.0, 10, prompt=9999.0),
-])
+@pytest.mark.parametrize(
+    "before",
+    [
+        at(0.0, 5000.0, 10),  # generation counter went backwards: engine restarted
+        at(0.0, 0.0, 10, finished=50.0),  # finished counter went backwards
+        at(0.0, 0.0, 10, prompt=9999.0),
+    ],
+)
 def test_engine_restart_between_samples_gives_unknown_not_safe(before):
     result = headroom(at(10.0, 1000.0, 10, prompt=10.0), before)
     assert result.seconds is None
     assert result.note == "engine restarted between samples"
 
 
-@pytest.mark.parametrize(("now", "before", "note"), [
-    (at(10.0, 1000.0, 10), None, "needs two samples"),
-    (at(10.0, 1000.0, 10), at(10.0, 0.0, 10), "samples are not in time order"),
-    (at(10.0, 1000.0, None), at(0.0, 0.0, 10), "running requests unknown"),
-    (at(10.0, None, 10), at(0.0, 0.0, 10), "generation token counter missing"),
-    (at(10.0, 1000.0, 10, prompt=None), at(0.0, 0.0, 10), "prompt token counter missing"),
-    (vllm(num_gpu_blocks=None), None, "capacity or occupancy unknown"),
-])
+@pytest.mark.parametrize(
+    ("now", "before", "note"),
+    [
+        (at(10.0, 1000.0, 10), None, "needs two samples"),
+        (at(10.0, 1000.0, 10), at(10.0, 0.0, 10), "samples are not in time order"),
+        (at(10.0, 1000.0, None), at(0.0, 0.0, 10), "running requests unknown"),
+        (at(10.0, None, 10), at(0.0, 0.0, 10), "generation token counter missing"),
+        (at(10.0, 1000.0, 10, prompt=None), at(0.0, 0.0, 10), "prompt token counter missing"),
+        (vllm(num_gpu_blocks=None), None, "capacity or occupancy unknown"),
+    ],
+)
 def test_missing_inputs_give_unknown_headroom_with_the_reason(now, before, note):
     result = headroom(now, before)
     assert (result.seconds, result.note) == (None, note)
@@ -114,10 +133,20 @@ def test_missing_inputs_give_unknown_headroom_with_the_reason(now, before, note)
 
 def test_sglang_token_pool_headroom():
     # 100k slots, 60k used; 20 running at 25 tokens/s each = 500 tokens/s -> 80 s
-    now = sglang(scraped_at=20.0, kv_used_tokens=60_000.0, requests_running=20.0,
-                 generation_tokens_total=6000.0, prompt_tokens_total=0.0)
-    before = sglang(scraped_at=10.0, kv_used_tokens=55_000.0, requests_running=20.0,
-                    generation_tokens_total=1000.0, prompt_tokens_total=0.0)
+    now = sglang(
+        scraped_at=20.0,
+        kv_used_tokens=60_000.0,
+        requests_running=20.0,
+        generation_tokens_total=6000.0,
+        prompt_tokens_total=0.0,
+    )
+    before = sglang(
+        scraped_at=10.0,
+        kv_used_tokens=55_000.0,
+        requests_running=20.0,
+        generation_tokens_total=1000.0,
+        prompt_tokens_total=0.0,
+    )
     assert headroom(now, before).seconds == pytest.approx(80.0)
 
 

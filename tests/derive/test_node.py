@@ -16,14 +16,17 @@ def at(t: float) -> float:
     return t
 
 
-@pytest.mark.parametrize(("history", "newest", "expected"), [
-    ((), 0.0, (0.0,)),
-    ((0.0, 5.0), 10.0, (0.0, 5.0, 10.0)),
-    ((0.0, 5.0), 5.0, (0.0, 5.0)),  # the same scrape again replaces, never duplicates
-    ((0.0, 5.0), 3.0, (3.0,)),  # time went backwards: start over
-    ((0.0, 10.0, 20.0, 30.0, 40.0), 45.0, (10.0, 20.0, 30.0, 40.0, 45.0)),  # keeps one at/behind the edge
-    ((0.0, 10.0, 14.0, 20.0), 45.0, (14.0, 20.0, 45.0)),
-])
+@pytest.mark.parametrize(
+    ("history", "newest", "expected"),
+    [
+        ((), 0.0, (0.0,)),
+        ((0.0, 5.0), 10.0, (0.0, 5.0, 10.0)),
+        ((0.0, 5.0), 5.0, (0.0, 5.0)),  # the same scrape again replaces, never duplicates
+        ((0.0, 5.0), 3.0, (3.0,)),  # time went backwards: start over
+        ((0.0, 10.0, 20.0, 30.0, 40.0), 45.0, (10.0, 20.0, 30.0, 40.0, 45.0)),  # keeps one at/behind the edge
+        ((0.0, 10.0, 14.0, 20.0), 45.0, (14.0, 20.0, 45.0)),
+    ],
+)
 def test_keep_window_keeps_what_the_30_s_window_needs(history, newest, expected):
     assert keep_window(history, newest, at, 30.0, 64) == expected
 
@@ -34,9 +37,15 @@ def test_keep_window_is_bounded_in_items():
 
 def scrape(t: float, **fields):
     """A vLLM rank with 8000 free token slots and 10 sequences decoding 10 tokens/s each."""
-    base = {"kv_usage_ratio": 0.5, "requests_running": 10.0, "requests_waiting": 0.0,
-            "preemptions_total": 0.0, "generation_tokens_total": 100.0 * t, "prompt_tokens_total": 0.0,
-            "finished_requests_total": (("stop", 0.0),)}
+    base = {
+        "kv_usage_ratio": 0.5,
+        "requests_running": 10.0,
+        "requests_waiting": 0.0,
+        "preemptions_total": 0.0,
+        "generation_tokens_total": 100.0 * t,
+        "prompt_tokens_total": 0.0,
+        "finished_requests_total": (("stop", 0.0),),
+    }
     return vllm(scraped_at=t, **{**base, **fields})
 
 
@@ -56,10 +65,12 @@ def test_rates_are_measured_over_the_window_not_one_interval():
 
 
 def test_unit_that_disappears_loses_its_rate_history_but_not_its_recompute_estimate():
-    calls = [[scrape(0.0, preemptions_total=0.0, kv_usage_ratio=0.4)],
-             [scrape(5.0, preemptions_total=2.0, kv_usage_ratio=0.4)],  # 2 x 6400/10 tokens recomputed
-             [],  # target down
-             [scrape(60.0, preemptions_total=1.0, kv_usage_ratio=0.4)]]  # restarted engine, 1 more
+    calls = [
+        [scrape(0.0, preemptions_total=0.0, kv_usage_ratio=0.4)],
+        [scrape(5.0, preemptions_total=2.0, kv_usage_ratio=0.4)],  # 2 x 6400/10 tokens recomputed
+        [],  # target down
+        [scrape(60.0, preemptions_total=1.0, kv_usage_ratio=0.4)],
+    ]  # restarted engine, 1 more
     view = None
     estimates = []
     for samples in calls:
@@ -87,8 +98,11 @@ def test_proxy_estimates_and_overcommitment_only_for_proxied_replicas():
 
 def test_stranded_capacity_uses_the_window_baseline():
     def pair(t, waiting_0):
-        return [scrape(t, dp_rank="0", requests_waiting=waiting_0, kv_usage_ratio=1.0),
-                scrape(t, dp_rank="1", requests_waiting=0.0, kv_usage_ratio=0.25)]
+        return [
+            scrape(t, dp_rank="0", requests_waiting=waiting_0, kv_usage_ratio=1.0),
+            scrape(t, dp_rank="1", requests_waiting=0.0, kv_usage_ratio=0.25),
+        ]
+
     view = run([pair(0.0, 2.0), pair(5.0, 3.0)])
     assert view.stranded[0].stranded_tokens == 750 * 16
 
@@ -100,9 +114,12 @@ def tiered(t: float, offloaded: float):
 def test_tier_links_join_the_replicas_gpus():
     view = None
     for t, offloaded, tx in [(0.0, 0.0, 0.0), (10.0, 5.5e11, 5.6e11)]:
-        inputs = NodeInputs(samples=(tiered(t, offloaded),), gpus=(gpu(at=t, tx=tx, rx=0.0),),
-                            replica_gpus={"r0": (("0", "GPU-0", "config"),)},
-                            link_bandwidth=link_bytes_per_second)
+        inputs = NodeInputs(
+            samples=(tiered(t, offloaded),),
+            gpus=(gpu(at=t, tx=tx, rx=0.0),),
+            replica_gpus={"r0": (("0", "GPU-0", "config"),)},
+            link_bandwidth=link_bytes_per_second,
+        )
         view = derive_node(view, inputs, t)
     offload = next(link for link in view.tier_links if link.direction == "offload")
     assert offload.kv_bytes_per_second == 5.5e10
@@ -110,18 +127,33 @@ def test_tier_links_join_the_replicas_gpus():
     assert offload.link_utilization == pytest.approx(5.5e10 / link_bytes_per_second(5, 16))
 
 
-@pytest.mark.parametrize("change", [
-    {"gpus": (gpu(at=10.0, lost=True),)},  # a mapped GPU fell off the bus
-    {"gpus": ()},  # not polled
-    {"link_bandwidth": None},
-    {"replica_gpus": {}},  # not mapped
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"gpus": (gpu(at=10.0, lost=True),)},  # a mapped GPU fell off the bus
+        {"gpus": ()},  # not polled
+        {"link_bandwidth": None},
+        {"replica_gpus": {}},  # not mapped
+    ],
+)
 def test_no_tier_join_without_every_mapped_gpu(change):
-    first = NodeInputs(samples=(tiered(0.0, 0.0),), gpus=(gpu(at=0.0),),
-                       replica_gpus={"r0": (("0", "GPU-0", "config"),)}, link_bandwidth=link_bytes_per_second)
-    second = NodeInputs(**{**{"samples": (tiered(10.0, 1e9),), "gpus": (gpu(at=10.0),),
-                              "replica_gpus": {"r0": (("0", "GPU-0", "config"),)},
-                              "link_bandwidth": link_bytes_per_second}, **change})
+    first = NodeInputs(
+        samples=(tiered(0.0, 0.0),),
+        gpus=(gpu(at=0.0),),
+        replica_gpus={"r0": (("0", "GPU-0", "config"),)},
+        link_bandwidth=link_bytes_per_second,
+    )
+    second = NodeInputs(
+        **{
+            **{
+                "samples": (tiered(10.0, 1e9),),
+                "gpus": (gpu(at=10.0),),
+                "replica_gpus": {"r0": (("0", "GPU-0", "config"),)},
+                "link_bandwidth": link_bytes_per_second,
+            },
+            **change,
+        }
+    )
     view = derive_node(derive_node(None, first, 0.0), second, 10.0)
     assert view.tier_links == ()
 
@@ -143,8 +175,9 @@ def test_preemption_windows_outlive_the_rate_window_and_an_outage():
     """A request's longest gap can be minutes old when it finishes: windows are kept for
     ``preemption_memory_s``, across target outages, per replica over all its ranks."""
     readings = [(0.0, 0.0), (5.0, 2.0), (10.0, 3.0), (15.0, 3.0), (100.0, 3.0), (105.0, 4.0)]
-    calls = [[scrape(t, preemptions_total=p), scrape(t, dp_rank="1", preemptions_total=0.0)]
-             for t, p in readings]
+    calls = [
+        [scrape(t, preemptions_total=p), scrape(t, dp_rank="1", preemptions_total=0.0)] for t, p in readings
+    ]
     calls.insert(4, [])  # target down between 15 and 100
     view = None
     for samples in calls:
@@ -171,8 +204,13 @@ def test_token_counted_tier_traffic_gets_bytes_for_every_gpu_of_the_rank():
     view = None
     for t, tokens in [(0.0, 0.0), (10.0, 1e6)]:
         sample = scrape(t, tier_traffic=(TierTraffic("lmcache", "gpu", "host", tokens_total=tokens),))
-        inputs = NodeInputs(samples=(sample,), gpus=(gpu(0, at=t), gpu(1, at=t)), replica_gpus=mapped,
-                            kv_bytes_per_token={"r0": 65536.0}, link_bandwidth=link_bytes_per_second)
+        inputs = NodeInputs(
+            samples=(sample,),
+            gpus=(gpu(0, at=t), gpu(1, at=t)),
+            replica_gpus=mapped,
+            kv_bytes_per_token={"r0": 65536.0},
+            link_bandwidth=link_bytes_per_second,
+        )
         view = derive_node(view, inputs, t)
     offload = next(link for link in view.tier_links if link.direction == "offload")
     assert offload.kv_bytes_per_second == 1e6 / 10 * 65536 * 2
@@ -182,8 +220,12 @@ def test_token_counted_tier_traffic_without_bytes_per_token_has_no_byte_rate():
     view = None
     for t, tokens in [(0.0, 0.0), (10.0, 1e6)]:
         sample = scrape(t, tier_traffic=(TierTraffic("lmcache", "gpu", "host", tokens_total=tokens),))
-        inputs = NodeInputs(samples=(sample,), gpus=(gpu(at=t),), link_bandwidth=link_bytes_per_second,
-                            replica_gpus={"r0": (("0", "GPU-0", "config"),)})
+        inputs = NodeInputs(
+            samples=(sample,),
+            gpus=(gpu(at=t),),
+            link_bandwidth=link_bytes_per_second,
+            replica_gpus={"r0": (("0", "GPU-0", "config"),)},
+        )
         view = derive_node(view, inputs, t)
     offload = next(link for link in view.tier_links if link.direction == "offload")
     assert offload.kv_bytes_per_second is None

@@ -7,17 +7,20 @@ from kvwatch.derive.overcommit import footprint, overcommitted_requests
 from .factories import request
 
 
-@pytest.mark.parametrize(("tokens", "block_size", "slots"), [
-    (17, 16, 32), (16, 16, 16), (0, 16, 0), (17, None, 17), (17, 1, 17)])
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "slots"), [(17, 16, 32), (16, 16, 16), (0, 16, 0), (17, None, 17), (17, 1, 17)]
+)
 def test_footprint_rounds_up_to_whole_blocks(tokens, block_size, slots):
     assert footprint(tokens, block_size) == slots
 
 
 def test_requests_beyond_the_capacity_in_admission_order_are_overcommitted():
-    in_flight = [request(3.0, 100, max_tokens=400),  # third: 500 -> 1500 total, over 1200
-                 request(1.0, 100, max_tokens=400),  # first: 500
-                 request(2.0, 100, max_tokens=400),  # second: 1000
-                 request(4.0, 100, max_tokens=400)]  # fourth: 2000, over
+    in_flight = [
+        request(3.0, 100, max_tokens=400),  # third: 500 -> 1500 total, over 1200
+        request(1.0, 100, max_tokens=400),  # first: 500
+        request(2.0, 100, max_tokens=400),  # second: 1000
+        request(4.0, 100, max_tokens=400),
+    ]  # fourth: 2000, over
     result = overcommitted_requests(in_flight, capacity_tokens=1200)
     assert (result.requests, result.running, result.worst_case_tokens) == (2, 4, 2000.0)
 
@@ -34,8 +37,10 @@ def test_queued_requests_are_not_running_and_not_counted():
 
 
 def test_requests_without_max_tokens_add_what_they_hold_and_are_never_counted():
-    in_flight = [request(1.0, 1000, generated=150),  # no limit: holds 1150
-                 request(2.0, 100, max_tokens=100)]  # 1150 + 200 > 1200
+    in_flight = [
+        request(1.0, 1000, generated=150),  # no limit: holds 1150
+        request(2.0, 100, max_tokens=100),
+    ]  # 1150 + 200 > 1200
     result = overcommitted_requests(in_flight, capacity_tokens=1200)
     assert (result.requests, result.worst_case_tokens) == (1, 1350.0)
     assert overcommitted_requests([request(1.0, 5000)], capacity_tokens=1200).requests == 0

@@ -46,10 +46,13 @@ def test_usage_ratio_and_token_capacity_are_the_last_resort():
     assert pool.allocated_tokens(sample) == 25_000.0
 
 
-@pytest.mark.parametrize("sample", [
-    vllm(),  # no usage at all
-    vllm(num_gpu_blocks=None, kv_usage_ratio=0.5),  # no capacity
-    sglang(kv_capacity_tokens=None, kv_used_tokens=5.0),
-])
+@pytest.mark.parametrize(
+    "sample",
+    [
+        vllm(),  # no usage at all
+        vllm(num_gpu_blocks=None, kv_usage_ratio=0.5),  # no capacity
+        sglang(kv_capacity_tokens=None, kv_used_tokens=5.0),
+    ],
+)
 def test_missing_inputs_give_unknown_free_tokens(sample):
     assert pool.free_tokens(sample) is None

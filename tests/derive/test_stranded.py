@@ -8,11 +8,23 @@ from kvwatch.derive.stranded import stranded_capacity
 from .factories import vllm
 
 
-def unit(rank: str, used: int, waiting: float = 0.0, preemptions: float = 0.0, model: str = "m",
-         replica: str = "r0"):
+def unit(
+    rank: str,
+    used: int,
+    waiting: float = 0.0,
+    preemptions: float = 0.0,
+    model: str = "m",
+    replica: str = "r0",
+):
     """A rank of 1000 usable blocks x 16 tokens with ``used`` blocks held."""
-    return vllm(replica=replica, dp_rank=rank, model_name=model, kv_used_blocks=used,
-                requests_waiting=waiting, preemptions_total=preemptions)
+    return vllm(
+        replica=replica,
+        dp_rank=rank,
+        model_name=model,
+        kv_used_blocks=used,
+        requests_waiting=waiting,
+        preemptions_total=preemptions,
+    )
 
 
 def test_balanced_ranks_strand_nothing():
@@ -52,9 +64,16 @@ def test_preempting_rank_is_not_idle_itself():
     assert stranded_capacity(now, before)["m"].stranded_tokens == 0.0
 
 
-@pytest.mark.parametrize(("before", "now", "expected"), [
-    (5.0, 7.0, True), (5.0, 5.0, False), (50.0, 2.0, True),  # restart: 2 counted since
-    (50.0, 0.0, False), (None, 3.0, False)])
+@pytest.mark.parametrize(
+    ("before", "now", "expected"),
+    [
+        (5.0, 7.0, True),
+        (5.0, 5.0, False),
+        (50.0, 2.0, True),  # restart: 2 counted since
+        (50.0, 0.0, False),
+        (None, 3.0, False),
+    ],
+)
 def test_preempting_means_the_counter_rose(before, now, expected):
     assert is_preempting(unit("0", 1, preemptions=now), unit("0", 1, preemptions=before)) is expected
 
@@ -64,8 +83,11 @@ def test_without_a_previous_sample_a_unit_is_not_preempting():
 
 
 def test_units_with_unknown_queue_or_free_tokens_add_nothing():
-    current = [unit("0", 1000, waiting=2), vllm(dp_rank="1", kv_used_blocks=10, requests_waiting=None),
-               vllm(dp_rank="2", requests_waiting=0.0)]  # no occupancy at all
+    current = [
+        unit("0", 1000, waiting=2),
+        vllm(dp_rank="1", kv_used_blocks=10, requests_waiting=None),
+        vllm(dp_rank="2", requests_waiting=0.0),
+    ]  # no occupancy at all
     result = stranded_capacity(current, {})
     assert result["m"].stranded_tokens == 0.0
     assert (result["m"].idle_units, result["m"].pressured_units) == (1, 1)
@@ -79,9 +101,11 @@ def test_samples_without_a_model_name_are_skipped_and_replicas_are_listed():
 
 def test_a_queue_must_last_from_the_previous_sample_to_count():
     idle = unit("1", 200)
-    caught_arriving = stranded_capacity([unit("0", 300, waiting=1), idle],
-                                        {unit("0", 300).key: unit("0", 300, waiting=0), idle.key: idle})
-    lasting = stranded_capacity([unit("0", 300, waiting=1), idle],
-                                {unit("0", 300).key: unit("0", 300, waiting=3), idle.key: idle})
+    caught_arriving = stranded_capacity(
+        [unit("0", 300, waiting=1), idle], {unit("0", 300).key: unit("0", 300, waiting=0), idle.key: idle}
+    )
+    lasting = stranded_capacity(
+        [unit("0", 300, waiting=1), idle], {unit("0", 300).key: unit("0", 300, waiting=3), idle.key: idle}
+    )
     assert caught_arriving["m"].stranded_tokens == 0.0
     assert lasting["m"].stranded_tokens == 800 * 16

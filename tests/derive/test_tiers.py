@@ -29,50 +29,74 @@ GEN5_X16 = link_bytes_per_second(5, 16)  # ~63 GB/s per direction
 QWEN3_06B_KV_BYTES_PER_TOKEN = 28 * 8 * 128 * 2 * 2  # layers x kv heads x head dim x (K, V) x bf16
 
 
-@pytest.mark.parametrize(("src", "dst", "way"), [
-    ("gpu", "host", OFFLOAD), ("gpu", "disk", OFFLOAD), ("gpu", "remote", OFFLOAD),
-    ("host", "gpu", ONLOAD), ("object", "gpu", ONLOAD),
-    ("host", "disk", None),  # does not cross the GPU's link
-    ("gpu", "gpu", None)])
+@pytest.mark.parametrize(
+    ("src", "dst", "way"),
+    [
+        ("gpu", "host", OFFLOAD),
+        ("gpu", "disk", OFFLOAD),
+        ("gpu", "remote", OFFLOAD),
+        ("host", "gpu", ONLOAD),
+        ("object", "gpu", ONLOAD),
+        ("host", "disk", None),  # does not cross the GPU's link
+        ("gpu", "gpu", None),
+    ],
+)
 def test_direction_is_seen_from_the_gpu(src, dst, way):
     assert direction(TierTraffic("f", src, dst)) == way
 
 
-@pytest.mark.parametrize(("traffic", "kv_bytes_per_token", "expected"), [
-    (TierTraffic("f", "gpu", "host", bytes_total=100.0, tokens_total=1.0), 10.0, 100.0),  # bytes win
-    (TierTraffic("f", "gpu", "host", tokens_total=5.0), 10.0, 50.0),
-    (TierTraffic("f", "gpu", "host", blocks_total=2.0), 10.0, 2 * 16 * 10.0),  # 16-token blocks
-    (TierTraffic("f", "gpu", "host", tokens_total=5.0), None, None),  # shape unknown
-    (TierTraffic("f", "gpu", "host", seconds_total=5.0), 10.0, None),
-])
+@pytest.mark.parametrize(
+    ("traffic", "kv_bytes_per_token", "expected"),
+    [
+        (TierTraffic("f", "gpu", "host", bytes_total=100.0, tokens_total=1.0), 10.0, 100.0),  # bytes win
+        (TierTraffic("f", "gpu", "host", tokens_total=5.0), 10.0, 50.0),
+        (TierTraffic("f", "gpu", "host", blocks_total=2.0), 10.0, 2 * 16 * 10.0),  # 16-token blocks
+        (TierTraffic("f", "gpu", "host", tokens_total=5.0), None, None),  # shape unknown
+        (TierTraffic("f", "gpu", "host", seconds_total=5.0), 10.0, None),
+    ],
+)
 def test_transferred_bytes_converts_tokens_and_blocks_only_when_the_shape_is_known(
-        traffic, kv_bytes_per_token, expected):
+    traffic, kv_bytes_per_token, expected
+):
     assert transferred_bytes(traffic, 16, kv_bytes_per_token) == expected
 
 
 def test_tier_rates_per_family_between_two_samples():
-    before = vllm(scraped_at=0.0, tier_traffic=(
-        TierTraffic("vllm_offload", "gpu", "host", bytes_total=1e9),
-        TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0),
-        TierTraffic("vllm_tiering", "host", "disk", bytes_total=0.0)))
-    now = vllm(scraped_at=10.0, tier_traffic=(
-        TierTraffic("vllm_offload", "gpu", "host", bytes_total=3e9),
-        TierTraffic("vllm_offload", "host", "gpu", bytes_total=5e8),
-        TierTraffic("vllm_tiering", "host", "disk", bytes_total=7e9),
-        TierTraffic("kvbm", "gpu", "host", blocks_total=10.0)))  # new family: no rate yet
-    assert tier_rates(now, before) == [TierRate("vllm_offload", OFFLOAD, 2e8),
-                                       TierRate("vllm_offload", ONLOAD, 5e7),
-                                       TierRate("kvbm", OFFLOAD, None)]
+    before = vllm(
+        scraped_at=0.0,
+        tier_traffic=(
+            TierTraffic("vllm_offload", "gpu", "host", bytes_total=1e9),
+            TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0),
+            TierTraffic("vllm_tiering", "host", "disk", bytes_total=0.0),
+        ),
+    )
+    now = vllm(
+        scraped_at=10.0,
+        tier_traffic=(
+            TierTraffic("vllm_offload", "gpu", "host", bytes_total=3e9),
+            TierTraffic("vllm_offload", "host", "gpu", bytes_total=5e8),
+            TierTraffic("vllm_tiering", "host", "disk", bytes_total=7e9),
+            TierTraffic("kvbm", "gpu", "host", blocks_total=10.0),
+        ),
+    )  # new family: no rate yet
+    assert tier_rates(now, before) == [
+        TierRate("vllm_offload", OFFLOAD, 2e8),
+        TierRate("vllm_offload", ONLOAD, 5e7),
+        TierRate("kvbm", OFFLOAD, None),
+    ]
 
 
-@pytest.mark.parametrize(("rates", "expected"), [
-    ([], 0.0),  # no tier counter: nothing offloaded
-    # vLLM 0.24+ counts CPU offload twice, in the new and the legacy family: the same bytes
-    ([TierRate("vllm_offload", OFFLOAD, 2e8), TierRate("vllm_offload_legacy", OFFLOAD, 2e8)], 2e8),
-    ([TierRate("lmcache", OFFLOAD, None), TierRate("vllm_offload", OFFLOAD, 1e8)], 1e8),
-    ([TierRate("lmcache", OFFLOAD, None)], None),
-    ([TierRate("vllm_offload", ONLOAD, 9e9)], 0.0),  # other direction
-])
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        ([], 0.0),  # no tier counter: nothing offloaded
+        # vLLM 0.24+ counts CPU offload twice, in the new and the legacy family: the same bytes
+        ([TierRate("vllm_offload", OFFLOAD, 2e8), TierRate("vllm_offload_legacy", OFFLOAD, 2e8)], 2e8),
+        ([TierRate("lmcache", OFFLOAD, None), TierRate("vllm_offload", OFFLOAD, 1e8)], 1e8),
+        ([TierRate("lmcache", OFFLOAD, None)], None),
+        ([TierRate("vllm_offload", ONLOAD, 9e9)], 0.0),  # other direction
+    ],
+)
 def test_unit_rate_is_the_largest_family_not_the_sum(rates, expected):
     assert unit_kv_rate(rates, OFFLOAD) == expected
 
@@ -84,13 +108,16 @@ def test_gpu_link_rates_and_capacity():
     assert link.down_trained is False
 
 
-@pytest.mark.parametrize(("fields", "traffic", "down"), [
-    ({"width": 8}, 0.0, True),  # x8 in an x16 slot: a fault whatever the load
-    ({"gen": 1}, 0.0, False),  # Gen1 while idle: power saving
-    ({"gen": 3}, 5e9, True),  # Gen3 while moving 0.5 GB/s: down-trained
-    ({"gen": None}, 0.0, False),  # width fine, generation unknown
-    ({"gen": None, "width": None}, 0.0, None),
-])
+@pytest.mark.parametrize(
+    ("fields", "traffic", "down"),
+    [
+        ({"width": 8}, 0.0, True),  # x8 in an x16 slot: a fault whatever the load
+        ({"gen": 1}, 0.0, False),  # Gen1 while idle: power saving
+        ({"gen": 3}, 5e9, True),  # Gen3 while moving 0.5 GB/s: down-trained
+        ({"gen": None}, 0.0, False),  # width fine, generation unknown
+        ({"gen": None, "width": None}, 0.0, None),
+    ],
+)
 def test_down_training_ignores_idle_power_saving(fields, traffic, down):
     link = gpu_link(gpu(at=10.0, tx=traffic, **fields), gpu(at=0.0, tx=0.0, **fields), link_bytes_per_second)
     assert link.down_trained is down
@@ -150,8 +177,10 @@ def test_no_gpus_mapped_means_no_join():
 
 def with_counter(text: str, name: str, value: float) -> str:
     """The page with the single sample of counter ``name`` set to ``value``."""
-    lines = [f"{line.rsplit(' ', 1)[0]} {value}" if line.startswith(name + "{") else line
-             for line in text.splitlines()]
+    lines = [
+        f"{line.rsplit(' ', 1)[0]} {value}" if line.startswith(name + "{") else line
+        for line in text.splitlines()
+    ]
     assert lines != text.splitlines(), name
     return "\n".join(lines) + "\n"
 
@@ -210,9 +239,16 @@ def test_real_lmcache_capture_recompute_avoided_per_byte_moved():
 
 def test_a_family_counting_tokens_and_bytes_needs_no_shape_and_ranks_add_up():
     def hicache(t, back_tokens, back_bytes, up_tokens, up_bytes):
-        return vllm(scraped_at=t, tier_traffic=(
-            TierTraffic("sglang_hicache", "host", "gpu", tokens_total=back_tokens, bytes_total=back_bytes),
-            TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up_tokens, bytes_total=up_bytes)))
+        return vllm(
+            scraped_at=t,
+            tier_traffic=(
+                TierTraffic(
+                    "sglang_hicache", "host", "gpu", tokens_total=back_tokens, bytes_total=back_bytes
+                ),
+                TierTraffic("sglang_hicache", "gpu", "host", tokens_total=up_tokens, bytes_total=up_bytes),
+            ),
+        )
+
     rank0 = tier_rates(hicache(10.0, 500.0, 5e7, 1000.0, 1e8), hicache(0.0, 0.0, 0.0, 0.0, 0.0))
     rank1 = tier_rates(hicache(10.0, 0.0, 0.0, 1000.0, 1e8), hicache(0.0, 0.0, 0.0, 0.0, 0.0))
     payback = tier_payback("r0", [rank0, rank1])
@@ -223,10 +259,20 @@ def test_a_family_counting_tokens_and_bytes_needs_no_shape_and_ranks_add_up():
 
 
 def test_stores_never_reused_avoid_nothing_and_no_traffic_is_no_ratio():
-    before = vllm(scraped_at=0.0, tier_traffic=(TierTraffic("vllm_offload", "gpu", "host", bytes_total=0.0),
-                                               TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0)))
-    stored = vllm(scraped_at=10.0, tier_traffic=(TierTraffic("vllm_offload", "gpu", "host", bytes_total=1e9),
-                                                TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0)))
+    before = vllm(
+        scraped_at=0.0,
+        tier_traffic=(
+            TierTraffic("vllm_offload", "gpu", "host", bytes_total=0.0),
+            TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0),
+        ),
+    )
+    stored = vllm(
+        scraped_at=10.0,
+        tier_traffic=(
+            TierTraffic("vllm_offload", "gpu", "host", bytes_total=1e9),
+            TierTraffic("vllm_offload", "host", "gpu", bytes_total=0.0),
+        ),
+    )
     payback = tier_payback("r0", [tier_rates(stored, before, 1e5)])  # vLLM counts bytes: 1e5 B/token
     assert payback is not None and payback.tokens_per_byte == 0.0
     idle = tier_payback("r0", [tier_rates(before, before, 1e5)])

@@ -32,9 +32,13 @@ class Cluster:
         return uid
 
 
-
-async def scrape_until(url: str, *present: str, absent: tuple[str, ...] = (), timeout_s: float = 15.0,
-                       show: tuple[str, ...] = ("llm/", "discovery", "reload", "gpu_memory_used")) -> str:
+async def scrape_until(
+    url: str,
+    *present: str,
+    absent: tuple[str, ...] = (),
+    timeout_s: float = 15.0,
+    show: tuple[str, ...] = ("llm/", "discovery", "reload", "gpu_memory_used"),
+) -> str:
     """Poll ``url`` until every ``present`` line fragment is there and no ``absent`` one."""
     body = ""
 

@@ -63,18 +63,33 @@ TOO_LARGE_RETRY_S = 1  # watch_cache.go resourceVersionTooHighRetrySeconds
 GZIP_THRESHOLD_BYTES = 128 * 1024
 
 
-def make_pod(name: str, namespace: str = "llm", node: str = "node-a", *,
-             containers: list[dict] | None = None, labels: dict[str, str] | None = None,
-             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def make_pod(
+    name: str,
+    namespace: str = "llm",
+    node: str = "node-a",
+    *,
+    containers: list[dict] | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """A pod as the API returns it right after scheduling: Pending, bound to ``node``."""
     return {
-        "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
-                     "labels": labels or {}, "annotations": annotations or {},
-                     "creationTimestamp": "2026-12-01T18:00:00Z"},
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": str(uuid.uuid4()),
+            "labels": labels or {},
+            "annotations": annotations or {},
+            "creationTimestamp": "2026-12-01T18:00:00Z",
+        },
         "spec": {"nodeName": node, "containers": containers or [{"name": "main", "image": "busybox"}]},
-        "status": {"phase": "Pending", "qosClass": "Burstable",
-                   "conditions": [{"type": "PodScheduled", "status": "True"}]},
+        "status": {
+            "phase": "Pending",
+            "qosClass": "Burstable",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+        },
     }
 
 
@@ -82,38 +97,59 @@ def with_managed_fields(pod: dict[str, Any], containers: int = 6) -> dict[str, A
     """``pod`` with the managedFields server-side apply writes for a controller-made pod: one
     FieldsV1 entry per manager, each naming every container field it owns (about 1.5 KiB per
     container, as in a GPU operator daemonset's pods)."""
-    owned = {f"k:{{\"name\":\"c{i}\"}}": {
-        ".": {}, "f:args": {}, "f:env": {f"k:{{\"name\":\"VAR_{j}\"}}": {".": {}, "f:name": {},
-                                                                          "f:value": {}}
-                                        for j in range(12)},
-        "f:image": {}, "f:imagePullPolicy": {}, "f:name": {}, "f:resources": {"f:limits": {},
-                                                                            "f:requests": {}},
-        "f:securityContext": {"f:privileged": {}}, "f:terminationMessagePath": {},
-        "f:volumeMounts": {}} for i in range(containers)}
+    owned = {
+        f'k:{{"name":"c{i}"}}': {
+            ".": {},
+            "f:args": {},
+            "f:env": {f'k:{{"name":"VAR_{j}"}}': {".": {}, "f:name": {}, "f:value": {}} for j in range(12)},
+            "f:image": {},
+            "f:imagePullPolicy": {},
+            "f:name": {},
+            "f:resources": {"f:limits": {}, "f:requests": {}},
+            "f:securityContext": {"f:privileged": {}},
+            "f:terminationMessagePath": {},
+            "f:volumeMounts": {},
+        }
+        for i in range(containers)
+    }
     pod["metadata"]["managedFields"] = [
-        {"manager": manager, "operation": "Update", "apiVersion": "v1", "time": "2026-12-01T18:00:00Z",
-         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:containers": owned}}}
-        for manager in ("kube-controller-manager", "kubelet")]
+        {
+            "manager": manager,
+            "operation": "Update",
+            "apiVersion": "v1",
+            "time": "2026-12-01T18:00:00Z",
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:spec": {"f:containers": owned}},
+        }
+        for manager in ("kube-controller-manager", "kubelet")
+    ]
     return pod
 
 
 def vllm_container(port: int = 8000, image: str = "vllm/vllm-openai:v0.11.0") -> dict[str, Any]:
-    return {"name": "vllm", "image": image,
-            "args": ["--model", "Qwen/Qwen3-8B", "--host", "0.0.0.0", "--port", str(port)],
-            "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+    return {
+        "name": "vllm",
+        "image": image,
+        "args": ["--model", "Qwen/Qwen3-8B", "--host", "0.0.0.0", "--port", str(port)],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+    }
 
 
 def _conditions(ready: bool) -> list[dict[str, str]]:
     flag = "True" if ready else "False"
-    return [{"type": "PodReadyToStartContainers", "status": "True"},
-            {"type": "Initialized", "status": "True"}, {"type": "Ready", "status": flag},
-            {"type": "ContainersReady", "status": flag},
-            {"type": "PodScheduled", "status": "True"}]
+    return [
+        {"type": "PodReadyToStartContainers", "status": "True"},
+        {"type": "Initialized", "status": "True"},
+        {"type": "Ready", "status": flag},
+        {"type": "ContainersReady", "status": flag},
+        {"type": "PodScheduled", "status": "True"},
+    ]
 
 
 class FakeApiServer:
-    def __init__(self, token: str | None = "test-token", clock_scale: float = 1.0,
-                 gone_as_http: bool = False) -> None:
+    def __init__(
+        self, token: str | None = "test-token", clock_scale: float = 1.0, gone_as_http: bool = False
+    ) -> None:
         self.token = token
         self.clock_scale = clock_scale
         self.gone_as_http = gone_as_http
@@ -140,8 +176,9 @@ class FakeApiServer:
     async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._pods)
-        self._runner, self.port = await serve_app(app, port or self.port, access_log=None,
-                                                  shutdown_timeout=0.1)
+        self._runner, self.port = await serve_app(
+            app, port or self.port, access_log=None, shutdown_timeout=0.1
+        )
         return self.url
 
     @property
@@ -180,12 +217,26 @@ class FakeApiServer:
 
     async def run(self, uid: str, pod_ip: str) -> None:
         """The kubelet started the containers: Running, not ready yet."""
+
         def started(pod: dict[str, Any]) -> None:
-            pod["status"].update(phase="Running", podIP=pod_ip, podIPs=[{"ip": pod_ip}], hostIP="10.0.0.1",
-                                 conditions=_conditions(False),
-                                 containerStatuses=[{"name": c["name"], "ready": False, "restartCount": 0,
-                                                     "started": True, "state": {"running": {}}}
-                                                    for c in pod["spec"]["containers"]])
+            pod["status"].update(
+                phase="Running",
+                podIP=pod_ip,
+                podIPs=[{"ip": pod_ip}],
+                hostIP="10.0.0.1",
+                conditions=_conditions(False),
+                containerStatuses=[
+                    {
+                        "name": c["name"],
+                        "ready": False,
+                        "restartCount": 0,
+                        "started": True,
+                        "state": {"running": {}},
+                    }
+                    for c in pod["spec"]["containers"]
+                ],
+            )
+
         await self.update(uid, started)
 
     async def set_ready(self, uid: str, ready: bool = True) -> None:
@@ -193,35 +244,54 @@ class FakeApiServer:
             pod["status"]["conditions"] = _conditions(ready)
             for status in pod["status"].get("containerStatuses", []):
                 status["ready"] = ready
+
         await self.update(uid, flag)
 
     async def restart_container(self, uid: str) -> None:
         """A container crashed and restarted: not ready meanwhile, restartCount + 1, same pod IP."""
+
         def crashed(pod: dict[str, Any]) -> None:
             pod["status"]["conditions"] = _conditions(False)
             for status in pod["status"].get("containerStatuses", []):
-                status.update(ready=False, restartCount=status["restartCount"] + 1,
-                              lastState={"terminated": {"exitCode": 1, "reason": "Error"}})
+                status.update(
+                    ready=False,
+                    restartCount=status["restartCount"] + 1,
+                    lastState={"terminated": {"exitCode": 1, "reason": "Error"}},
+                )
+
         await self.update(uid, crashed)
 
     async def finish(self, uid: str, phase: str = "Succeeded") -> None:
         """Every container exited (0 for Succeeded): the kubelet reports the terminal phase; the pod
         object stays until something deletes it (a Job's pods stay for their logs)."""
+
         def ended(pod: dict[str, Any]) -> None:
             pod["status"]["phase"] = phase
             pod["status"]["conditions"] = _conditions(False)
             pod["status"]["containerStatuses"] = [
-                {"name": c["name"], "ready": False, "restartCount": 0,
-                 "state": {"terminated": {"exitCode": 0 if phase == "Succeeded" else 1,
-                                          "reason": "Completed" if phase == "Succeeded" else "Error"}}}
-                for c in pod["spec"]["containers"]]
+                {
+                    "name": c["name"],
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {
+                        "terminated": {
+                            "exitCode": 0 if phase == "Succeeded" else 1,
+                            "reason": "Completed" if phase == "Succeeded" else "Error",
+                        }
+                    },
+                }
+                for c in pod["spec"]["containers"]
+            ]
+
         await self.update(uid, ended)
 
     async def delete(self, uid: str) -> None:
         """Graceful delete: deletionTimestamp first (the pod is terminating), then gone."""
+
         def terminating(pod: dict[str, Any]) -> None:
             pod["metadata"]["deletionTimestamp"] = "2026-12-01T18:30:00Z"
             pod["metadata"]["deletionGracePeriodSeconds"] = 30
+
         await self.update(uid, terminating)
         await self._write("DELETED", uid, None)
 
@@ -272,18 +342,27 @@ class FakeApiServer:
 
     @staticmethod
     def _status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
-        status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                  "message": message, "reason": reason, "code": code}
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        }
         return {**status, "details": details} if details else status
 
     def _too_large(self, wanted: int) -> dict[str, Any]:
         """storage.NewTooLargeResourceVersionError: apierrors.NewTimeoutError (504, reason Timeout,
         "Timeout: " + message) with one cause; a StatusCause's type is serialized as ``reason``."""
-        return self._status(504, "Timeout", f"Timeout: Too large resource version: {wanted}, current: "
-                                            f"{self.cache_rv}",
-                            causes=[{"reason": "ResourceVersionTooLarge",
-                                     "message": "Too large resource version"}],
-                            retryAfterSeconds=TOO_LARGE_RETRY_S)
+        return self._status(
+            504,
+            "Timeout",
+            f"Timeout: Too large resource version: {wanted}, current: {self.cache_rv}",
+            causes=[{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+            retryAfterSeconds=TOO_LARGE_RETRY_S,
+        )
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(dict(request.query))
@@ -297,8 +376,9 @@ class FakeApiServer:
             return await self._watch(request, node)
         wanted = request.query.get("resourceVersion", "")
         if wanted and not wanted.isdigit():
-            return web.json_response(self._status(400, "BadRequest", f"invalid resource version: "
-                                                                     f"{wanted[:40]}"), status=400)
+            return web.json_response(
+                self._status(400, "BadRequest", f"invalid resource version: {wanted[:40]}"), status=400
+            )
         if wanted == "":
             self.list_sources.append("etcd")
             version, pods = self.rv, self.pods
@@ -306,16 +386,24 @@ class FakeApiServer:
             if int(wanted) > self.cache_rv:  # the cache waits for itself to catch up, then gives up
                 with contextlib.suppress(TimeoutError):
                     async with self._changed:
-                        await asyncio.wait_for(self._changed.wait_for(lambda: int(wanted) <= self.cache_rv),
-                                               BLOCK_TIMEOUT_S * self.clock_scale)
+                        await asyncio.wait_for(
+                            self._changed.wait_for(lambda: int(wanted) <= self.cache_rv),
+                            BLOCK_TIMEOUT_S * self.clock_scale,
+                        )
                 if int(wanted) > self.cache_rv:
                     return web.json_response(self._too_large(int(wanted)), status=504)
             self.list_sources.append("cache")
             version, pods = self._cache if self._cache is not None else (self.rv, self.pods)
         self.list_times.append(time.monotonic())
         items = [p for p in pods.values() if p["spec"].get("nodeName") == node]
-        body = json.dumps({"kind": "PodList", "apiVersion": "v1",
-                           "metadata": {"resourceVersion": str(version)}, "items": items}).encode()
+        body = json.dumps(
+            {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(version)},
+                "items": items,
+            }
+        ).encode()
         return self._list_response(request, body)
 
     def _list_response(self, request: web.Request, body: bytes) -> web.Response:

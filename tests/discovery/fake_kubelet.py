@@ -65,10 +65,12 @@ class FakeKubelet(api_pb2_grpc.PodResourcesListerServicer):
                 container = pod.containers.add(name=container_name)
                 for entry in devices:
                     if isinstance(entry, DraDevice):
-                        claim = container.dynamic_resources.add(claim_name=entry.claim,
-                                                                claim_namespace=namespace)
-                        claim.claim_resources.add(driver_name=entry.driver, pool_name=entry.pool,
-                                                  device_name=entry.device)
+                        claim = container.dynamic_resources.add(
+                            claim_name=entry.claim, claim_namespace=namespace
+                        )
+                        claim.claim_resources.add(
+                            driver_name=entry.driver, pool_name=entry.pool, device_name=entry.device
+                        )
                     else:
                         resource_name, ids = entry
                         container.devices.add(resource_name=resource_name, device_ids=ids)

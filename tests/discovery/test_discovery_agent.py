@@ -22,11 +22,22 @@ from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_contain
 
 
 def _config(api: FakeApiServer, token_file: str) -> Config:
-    kube = KubernetesDiscoveryConfig(enabled=True, api_url=api.url, token_file=token_file, ca_file=None,
-                                     watch_timeout_s=30.0, backoff_max_s=0.3)
-    return Config(listen=HostPort("127.0.0.1", 0), node="node-a", intervals=IntervalsConfig(engine_s=0.3),
-                  scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5), nvml=NvmlConfig(enabled=False),
-                  discovery=DiscoveryConfig(kubernetes=kube))
+    kube = KubernetesDiscoveryConfig(
+        enabled=True,
+        api_url=api.url,
+        token_file=token_file,
+        ca_file=None,
+        watch_timeout_s=30.0,
+        backoff_max_s=0.3,
+    )
+    return Config(
+        listen=HostPort("127.0.0.1", 0),
+        node="node-a",
+        intervals=IntervalsConfig(engine_s=0.3),
+        scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5),
+        nvml=NvmlConfig(enabled=False),
+        discovery=DiscoveryConfig(kubernetes=kube),
+    )
 
 
 def _url(agent: Agent) -> str:
@@ -40,8 +51,10 @@ async def _until(agent: Agent, *present: str, absent: tuple[str, ...] = ()) -> s
 UP_0 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0'
 UP_1 = 'kvwatch_target_up{backend="vllm",replica="llm/qwen-1"} 1.0'
 READY_0 = 'kvwatch_discovery_replica_ready{{replica="llm/qwen-0"}} {}.0'
-KV_0 = ('kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="0",'
-        'model_name="meta-llama/Llama-3.1-8B-Instruct",replica="llm/qwen-0"}')
+KV_0 = (
+    'kvwatch_kv_capacity_tokens{backend="vllm",dp_rank="0",'
+    'model_name="meta-llama/Llama-3.1-8B-Instruct",replica="llm/qwen-0"}'
+)
 
 
 @pytest.mark.engines(2)
@@ -50,8 +63,9 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
     api, ports = cluster.api, cluster.ports
     qwen0 = await api.create(make_pod("qwen-0", containers=[vllm_container(ports[0])]))
     qwen1 = await api.create(make_pod("qwen-1", containers=[vllm_container(ports[1])]))
-    bad = await api.create(make_pod("typo", annotations={"kvwatch.io/port": "80800"},
-                                    containers=[vllm_container(ports[1])]))
+    bad = await api.create(
+        make_pod("typo", annotations={"kvwatch.io/port": "80800"}, containers=[vllm_container(ports[1])])
+    )
     await api.create(make_pod("not-an-engine", containers=[{"name": "redis", "image": "redis:7"}]))
     agent = Agent(_config(api, str(cluster.token)))
     await agent.start()
@@ -64,10 +78,14 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
         for uid in (qwen0, qwen1, bad):
             await api.set_ready(uid)
         body = await _until(agent, UP_0, UP_1, KV_0, "kvwatch_discovery_replicas 2.0")
-        assert ('kvwatch_discovery_pod_annotation_errors{annotation="kvwatch.io/port",namespace="llm",'
-                'pod="typo"} 1.0') in body
-        assert "pod llm/typo: kvwatch.io/port: port 80800 out of range 1..65535; not scraped until fixed" \
+        assert (
+            'kvwatch_discovery_pod_annotation_errors{annotation="kvwatch.io/port",namespace="llm",'
+            'pod="typo"} 1.0'
+        ) in body
+        assert (
+            "pod llm/typo: kvwatch.io/port: port 80800 out of range 1..65535; not scraped until fixed"
             in caplog.text
+        )
         assert "not-an-engine" not in body
 
         await api.restart_container(qwen0)  # not ready while it restarts: still a replica, said so
@@ -84,8 +102,11 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
         await api.set_ready(uid)
         fixed = {"kvwatch.io/port": str(ports[1])}
         await api.update(bad, lambda p: p["metadata"]["annotations"].update(fixed))
-        body = await _until(agent, 'kvwatch_target_up{backend="vllm",replica="llm/typo"} 1.0',
-                            absent=('replica="llm/qwen-1"', "kvwatch_discovery_pod_annotation_errors{"))
+        body = await _until(
+            agent,
+            'kvwatch_target_up{backend="vllm",replica="llm/typo"} 1.0',
+            absent=('replica="llm/qwen-1"', "kvwatch_discovery_pod_annotation_errors{"),
+        )
         assert "replica llm/qwen-0 gone" in caplog.text
     finally:
         await agent.stop()
@@ -140,8 +161,11 @@ async def test_a_replica_failing_its_readiness_probe_stays_with_its_series(clust
 async def test_a_missing_ca_file_stops_discovery_with_a_line_naming_it(cluster: Cluster, tmp_path, caplog):
     api = cluster.api
     config = _config(api, str(cluster.token))
-    kube = dataclasses.replace(config.discovery.kubernetes, api_url=f"https://127.0.0.1:{api.port}",
-                               ca_file=str(tmp_path / "missing-ca.crt"))
+    kube = dataclasses.replace(
+        config.discovery.kubernetes,
+        api_url=f"https://127.0.0.1:{api.port}",
+        ca_file=str(tmp_path / "missing-ca.crt"),
+    )
     agent = Agent(dataclasses.replace(config, discovery=DiscoveryConfig(kubernetes=kube)))
     await agent.start()
     try:

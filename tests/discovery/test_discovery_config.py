@@ -23,18 +23,35 @@ def test_discovery_is_off_unless_asked_and_defaults_to_the_in_cluster_api():
 
 def test_bad_discovery_keys_are_named_with_their_path():
     with pytest.raises(ConfigError) as err:
-        config_from_mapping({"discovery": {"kubernetes": {"enabled": "sometimes", "watch_timeout": "-1s",
-                                                          "api_url": "kubernetes.default"},
-                                           "pod_resource": {}}})
+        config_from_mapping(
+            {
+                "discovery": {
+                    "kubernetes": {
+                        "enabled": "sometimes",
+                        "watch_timeout": "-1s",
+                        "api_url": "kubernetes.default",
+                    },
+                    "pod_resource": {},
+                }
+            }
+        )
     paths = [path for path, _ in err.value.problems]
-    assert paths == ["discovery.pod_resource", "discovery.kubernetes.enabled",
-                     "discovery.kubernetes.api_url", "discovery.kubernetes.watch_timeout"]
+    assert paths == [
+        "discovery.pod_resource",
+        "discovery.kubernetes.enabled",
+        "discovery.kubernetes.api_url",
+        "discovery.kubernetes.watch_timeout",
+    ]
 
 
 def test_the_daemonset_can_switch_discovery_on_from_the_environment():
-    data = apply_env_overrides({}, {
-        "KVWATCH_DISCOVERY__KUBERNETES__ENABLED": "true",
-        "KVWATCH_DISCOVERY__POD_RESOURCES__RESOURCE_NAMES": "[nvidia.com/gpu, nvidia.com/gpu.shared]"})
+    data = apply_env_overrides(
+        {},
+        {
+            "KVWATCH_DISCOVERY__KUBERNETES__ENABLED": "true",
+            "KVWATCH_DISCOVERY__POD_RESOURCES__RESOURCE_NAMES": "[nvidia.com/gpu, nvidia.com/gpu.shared]",
+        },
+    )
     cfg = config_from_mapping(data)
     assert cfg.discovery.kubernetes.enabled
     assert cfg.discovery.pod_resources.resource_names == ("nvidia.com/gpu", "nvidia.com/gpu.shared")
@@ -43,7 +60,13 @@ def test_the_daemonset_can_switch_discovery_on_from_the_environment():
 def test_check_config_says_what_will_be_discovered(tmp_path):
     path = tmp_path / "kvwatch.yaml"
     path.write_text("node: gpu-7\ndiscovery: {kubernetes: {enabled: true}, pod_resources: {enabled: true}}\n")
-    out = subprocess.run([sys.executable, "-m", "kvwatch.cli", "check-config", str(path)],
-                         capture_output=True, text=True, check=True).stdout
-    assert "discovery: pods on node gpu-7 through the in-cluster API, GPU owners from " \
-           "/var/lib/kubelet/pod-resources/kubelet.sock" in out
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (
+        "discovery: pods on node gpu-7 through the in-cluster API, GPU owners from "
+        "/var/lib/kubelet/pod-resources/kubelet.sock" in out
+    )

@@ -72,12 +72,14 @@ def _env(container: dict[str, Any], uid: str) -> dict[str, str]:
 def _on_node(pod_spec: dict[str, Any], container: dict[str, Any], path: str, env: dict[str, str]) -> str:
     """Where ``path`` inside ``container`` lies on the node: through its hostPath mount (and
     ``subPathExpr``, expanded as the kubelet does)."""
-    mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
-                key=lambda m: len(m["mountPath"]))
+    mount = max(
+        (m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+        key=lambda m: len(m["mountPath"]),
+    )
     volume = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
     expression = mount.get("subPathExpr", mount.get("subPath", ""))
     sub = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], expression)
-    rest = path[len(mount["mountPath"].rstrip("/")) + 1:]
+    rest = path[len(mount["mountPath"].rstrip("/")) + 1 :]
     return os.path.normpath(os.path.join(volume["hostPath"]["path"], sub, rest))
 
 
@@ -112,8 +114,11 @@ def test_the_docs_engine_recipe_and_the_discovery_overlay_meet_at_one_socket() -
     mount = next(m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == "kvwatch-plugin")
     assert mount["readOnly"] is True  # the engine sends; it creates and removes nothing there
     objects = build(KUBE / "overlays" / "discovery")
-    agent_mount = next(m for m in _kvwatch_container(_kvwatch_pod(objects))["volumeMounts"]
-                       if m["mountPath"] == "/run/kvwatch/vllm")
+    agent_mount = next(
+        m
+        for m in _kvwatch_container(_kvwatch_pod(objects))["volumeMounts"]
+        if m["mountPath"] == "/run/kvwatch/vllm"
+    )
     assert not agent_mount.get("readOnly")  # the agent binds there
     # the agent's group is the one the recipe adds: the sockets are mode 0660
     agent_group = _kvwatch_pod(objects)["securityContext"]["runAsGroup"]
@@ -161,19 +166,39 @@ def stat_logger(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def _config(cluster: Cluster, plugin_dir: str) -> Config:
-    kube = KubernetesDiscoveryConfig(enabled=True, api_url=cluster.api.url, token_file=str(cluster.token),
-                                     ca_file=None, watch_timeout_s=30.0, backoff_max_s=0.3,
-                                     vllm_plugin_dir=plugin_dir)
-    return Config(listen=HostPort("127.0.0.1", 0), node="node-a", intervals=IntervalsConfig(engine_s=0.3),
-                  scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5), nvml=NvmlConfig(enabled=False),
-                  discovery=DiscoveryConfig(kubernetes=kube))
+    kube = KubernetesDiscoveryConfig(
+        enabled=True,
+        api_url=cluster.api.url,
+        token_file=str(cluster.token),
+        ca_file=None,
+        watch_timeout_s=30.0,
+        backoff_max_s=0.3,
+        vllm_plugin_dir=plugin_dir,
+    )
+    return Config(
+        listen=HostPort("127.0.0.1", 0),
+        node="node-a",
+        intervals=IntervalsConfig(engine_s=0.3),
+        scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5),
+        nvml=NvmlConfig(enabled=False),
+        discovery=DiscoveryConfig(kubernetes=kube),
+    )
 
 
 def _finished(output: int) -> SimpleNamespace:
-    return SimpleNamespace(finish_reason="stop", e2e_latency=1.5, queued_time=0.25, prefill_time=0.25,
-                           decode_time=1.0, inference_time=1.25, num_prompt_tokens=100,
-                           num_generation_tokens=output, num_cached_tokens=0, max_tokens_param=2048,
-                           num_preemptions=0)
+    return SimpleNamespace(
+        finish_reason="stop",
+        e2e_latency=1.5,
+        queued_time=0.25,
+        prefill_time=0.25,
+        decode_time=1.0,
+        inference_time=1.25,
+        num_prompt_tokens=100,
+        num_generation_tokens=output,
+        num_cached_tokens=0,
+        max_tokens_param=2048,
+        num_preemptions=0,
+    )
 
 
 def _is_socket(path: str) -> bool:
@@ -184,8 +209,12 @@ def _is_socket(path: str) -> bool:
 
 
 async def _until_socket(path: str, present: bool = True, timeout_s: float = 10.0) -> None:
-    await until(lambda: _is_socket(path) is present, timeout_s,
-                f"{path}: socket {'bound' if present else 'removed'}", interval_s=0.05)
+    await until(
+        lambda: _is_socket(path) is present,
+        timeout_s,
+        f"{path}: socket {'bound' if present else 'removed'}",
+        interval_s=0.05,
+    )
 
 
 #: run by the real vLLM venv's python: the plugin as vLLM loads it (vLLM's StatLoggerBase and stats
@@ -208,21 +237,30 @@ assert logger.sender.sent >= 1 and logger.sender.dropped == 0, (logger.sender.se
 def _send_from_real_vllm(socket_env: str) -> None:
     python = CACHE / "kvwatch-vllm" / "venv" / "bin" / "python"
     if not python.exists():
-        unavailable(f"real vLLM is not installed at {python}: run scripts/setup-test-env.sh",
-                    SKIP_REAL_ENGINES)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", wire.SOCKET_ENV: socket_env}
-    proc = subprocess.run([str(python), "-c", IN_VLLM], capture_output=True, text=True, env=env, timeout=240,
-                          check=False)
+        unavailable(
+            f"real vLLM is not installed at {python}: run scripts/setup-test-env.sh", SKIP_REAL_ENGINES
+        )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        wire.SOCKET_ENV: socket_env,
+    }
+    proc = subprocess.run(
+        [str(python), "-c", IN_VLLM], capture_output=True, text=True, env=env, timeout=240, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.engines(2)
-@pytest.mark.parametrize("sender", ["plugin",
-                                    pytest.param("plugin_in_real_vllm", marks=pytest.mark.real_vllm)])
+@pytest.mark.parametrize(
+    "sender", ["plugin", pytest.param("plugin_in_real_vllm", marks=pytest.mark.real_vllm)]
+)
 async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
-        cluster: Cluster, node_root: Path, stat_logger: type, monkeypatch: pytest.MonkeyPatch,
-        sender: str) -> None:
+    cluster: Cluster, node_root: Path, stat_logger: type, monkeypatch: pytest.MonkeyPatch, sender: str
+) -> None:
     with_plugin = await cluster.ready_vllm_pod("qwen-7d9f8-x2k4q", cluster.ports[0])
     without = await cluster.ready_vllm_pod("qwen-7d9f8-b8zlm", cluster.ports[1])  # mounts no plugin dir
     pods = {p["metadata"]["uid"]: p for p in cluster.api.pods.values()}
@@ -236,8 +274,11 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
     await agent.start()
     try:
         url = f"http://127.0.0.1:{agent.port}/metrics"
-        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-x2k4q"} 1.0',
-                           'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-b8zlm"} 1.0')
+        await scrape_until(
+            url,
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-x2k4q"} 1.0',
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-b8zlm"} 1.0',
+        )
         await _until_socket(f"{node_root}{sends_to}")
         assert not os.path.exists(f"{node_root}/run/kvwatch/vllm/{without}")  # no opt-in, no socket
 
@@ -248,34 +289,49 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
         else:
             monkeypatch.setenv(wire.SOCKET_ENV, f"{node_root}{inside}")
             logger = stat_logger(None, engine_index=0)
-            iteration = SimpleNamespace(num_generation_tokens=7, num_preempted_reqs=0,
-                                        finished_requests=[_finished(700), _finished(1200)])
+            iteration = SimpleNamespace(
+                num_generation_tokens=7,
+                num_preempted_reqs=0,
+                finished_requests=[_finished(700), _finished(1200)],
+            )
             scheduler = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5)
             logger.record(scheduler, iteration)
             assert logger.sender.sent >= 1 and logger.sender.dropped == 0
         replica = 'replica="llm/qwen-7d9f8-x2k4q"'
         body = await scrape_until(
-            url, f'kvwatch_vllm_plugin_datagrams_total{{{replica},result="accepted"}} 1.0',
+            url,
+            f'kvwatch_vllm_plugin_datagrams_total{{{replica},result="accepted"}} 1.0',
             # kvwatch_requests_total stays per replica in both metrics profiles
             'kvwatch_requests_total{length_band="0-1k",model_name="other",outcome="completed",'
-            f'{replica},source="vllm_plugin"}} 1.0')
-        assert 'kvwatch_requests_total{length_band="1k-5k",model_name="other",outcome="completed",' \
-               f'{replica},source="vllm_plugin"}} 1.0' in body
+            f'{replica},source="vllm_plugin"}} 1.0',
+        )
+        assert (
+            'kvwatch_requests_total{length_band="1k-5k",model_name="other",outcome="completed",'
+            f'{replica},source="vllm_plugin"}} 1.0' in body
+        )
         assert 'replica="llm/qwen-7d9f8-b8zlm",result=' not in body
 
         await cluster.api.delete(with_plugin)  # the pod goes: its socket and plugin series go with it
-        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-b8zlm"} 1.0',
-                           absent=(f'kvwatch_target_up{{backend="vllm",{replica}}}',
-                                   f'kvwatch_vllm_plugin_dropped_datagrams_total{{dp_rank="0",{replica}}}'))
+        await scrape_until(
+            url,
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-7d9f8-b8zlm"} 1.0',
+            absent=(
+                f'kvwatch_target_up{{backend="vllm",{replica}}}',
+                f'kvwatch_vllm_plugin_dropped_datagrams_total{{dp_rank="0",{replica}}}',
+            ),
+        )
         await _until_socket(f"{node_root}{sends_to}", present=False)
     finally:
         await agent.stop()
 
 
-@pytest.mark.parametrize(("value", "problem"), [
-    ("run/kvwatch", "expected an absolute directory"),
-    ("/" + "d" * 60, "at most 60 bytes"),
-])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("run/kvwatch", "expected an absolute directory"),
+        ("/" + "d" * 60, "at most 60 bytes"),
+    ],
+)
 def test_a_plugin_dir_that_cannot_hold_a_socket_is_refused(value: str, problem: str) -> None:
     from kvwatch.config import ConfigError, config_from_mapping
 

@@ -55,12 +55,19 @@ class Sinks:
 async def watching(server: FakeApiServer, tmp_path, url: str | None = None, **overrides):
     token = tmp_path / "token"
     token.write_text("test-token\n")
-    settings = dict(enabled=True, api_url=url or server.url, token_file=str(token), ca_file=None,
-                    watch_timeout_s=2.0, backoff_max_s=0.3)
+    settings = dict(
+        enabled=True,
+        api_url=url or server.url,
+        token_file=str(token),
+        ca_file=None,
+        watch_timeout_s=2.0,
+        backoff_max_s=0.3,
+    )
     settings.update(overrides)
     sinks = Sinks()
-    watch = PodWatch(KubernetesDiscoveryConfig(**settings), "node-a", sinks.on_change, sinks.count,
-                     sinks.report)
+    watch = PodWatch(
+        KubernetesDiscoveryConfig(**settings), "node-a", sinks.on_change, sinks.count, sinks.report
+    )
     task = asyncio.create_task(watch.run())
     try:
         yield watch, sinks
@@ -94,8 +101,12 @@ async def test_list_then_watch_from_the_lists_resource_version_with_bookmarks(tm
             assert watch_request["watch"] == "1" and watch_request["allowWatchBookmarks"] == "true"
             assert watch_request["resourceVersion"] == "102"  # the list's version, not a fresh one
             await server.create(make_pod("other-node", node="node-b"))  # filtered out, still moves rv
-            await until(lambda: sinks.counts[("kvwatch_discovery_watch_events", "BOOKMARK")] >= 1
-                        and watch.status.resource_version == str(server.rv))
+            await until(
+                lambda: (
+                    sinks.counts[("kvwatch_discovery_watch_events", "BOOKMARK")] >= 1
+                    and watch.status.resource_version == str(server.rv)
+                )
+            )
             assert sinks.counts[("kvwatch_discovery_relists",)] == 0
     finally:
         await server.stop()
@@ -165,12 +176,15 @@ async def test_a_stream_broken_mid_event_loses_nothing(tmp_path):
         await server.stop()
 
 
-@pytest.mark.parametrize(("raw", "reason"), [
-    (b'{"type": "ADDED", "object": {"metadata": \n', "malformed"),
-    (b'{"type": "UPSERTED", "object": {}}\n', "malformed"),
-    (b"[1, 2, 3]\n", "malformed"),
-    (b'{"type": "ADDED", "object": {"metadata": {"name": "' + b"x" * 5000 + b'"}}}\n', "too_large"),
-])
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"type": "ADDED", "object": {"metadata": \n', "malformed"),
+        (b'{"type": "UPSERTED", "object": {}}\n', "malformed"),
+        (b"[1, 2, 3]\n", "malformed"),
+        (b'{"type": "ADDED", "object": {"metadata": {"name": "' + b"x" * 5000 + b'"}}}\n', "too_large"),
+    ],
+)
 async def test_a_malformed_or_oversized_event_is_counted_and_the_watch_goes_on(tmp_path, raw, reason):
     server = FakeApiServer()
     await server.start()
@@ -219,7 +233,7 @@ def test_split_lines_is_bounded_and_keeps_partial_lines():
     buffer = bytearray()
     assert split_lines(buffer, b'{"a": 1}\n{"b"', 64) == [b'{"a": 1}']
     assert bytes(buffer) == b'{"b"'
-    assert split_lines(buffer, b': 2}\n\n', 64) == [b'{"b": 2}']
+    assert split_lines(buffer, b": 2}\n\n", 64) == [b'{"b": 2}']
     with pytest.raises(StreamError):
         split_lines(bytearray(), b"x" * 65, 64)
     with pytest.raises(StreamError):
@@ -227,8 +241,10 @@ def test_split_lines_is_bounded_and_keeps_partial_lines():
 
 
 def test_the_in_cluster_address_is_the_one_the_kubelet_injects():
-    assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}) \
+    assert (
+        in_cluster_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
         == "https://10.96.0.1:443"
+    )
     assert in_cluster_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
     with pytest.raises(ApiError, match="KUBERNETES_SERVICE_HOST is not set"):
         in_cluster_url({})
@@ -333,8 +349,10 @@ async def test_a_410_sent_to_every_agent_at_once_spreads_their_relists(tmp_path)
     agents = 6
     try:
         async with contextlib.AsyncExitStack() as stack:
-            watches = [await stack.enter_async_context(watching(server, tmp_path, backoff_max_s=30.0))
-                       for _ in range(agents)]
+            watches = [
+                await stack.enter_async_context(watching(server, tmp_path, backoff_max_s=30.0))
+                for _ in range(agents)
+            ]
             await until(lambda: sum(1 for r in server.requests if r.get("watch")) >= agents)
             listed = len(server.list_sources)
             gone = server._status(410, "Expired", "too old resource version: 1 (2)")
@@ -358,8 +376,9 @@ async def test_a_configured_ca_file_that_is_missing_is_an_error_naming_the_key(t
     server = FakeApiServer()
     await server.start()
     missing = tmp_path / "ca.crt"
-    config = KubernetesDiscoveryConfig(enabled=True, api_url=f"https://127.0.0.1:{server.port}",
-                                       ca_file=str(missing), backoff_max_s=0.3)
+    config = KubernetesDiscoveryConfig(
+        enabled=True, api_url=f"https://127.0.0.1:{server.port}", ca_file=str(missing), backoff_max_s=0.3
+    )
     sinks = Sinks()
 
     def agent() -> PodWatch:
@@ -384,12 +403,17 @@ async def test_the_fake_sends_bookmarks_every_minute_and_two_seconds_before_the_
     await server.create(make_pod("p"))
     try:
         async with httpx.AsyncClient(base_url=server.url) as client:
-            params = {"fieldSelector": "spec.nodeName=node-a", "watch": "1",
-                      "resourceVersion": str(server.rv), "allowWatchBookmarks": "true",
-                      "timeoutSeconds": "100"}
+            params = {
+                "fieldSelector": "spec.nodeName=node-a",
+                "watch": "1",
+                "resourceVersion": str(server.rv),
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": "100",
+            }
             started = time.monotonic()
-            response = await client.get("/api/v1/pods", params=params,
-                                        headers={"Authorization": "Bearer test-token"}, timeout=10)
+            response = await client.get(
+                "/api/v1/pods", params=params, headers={"Authorization": "Bearer test-token"}, timeout=10
+            )
             ended = time.monotonic() - started
         events = [json.loads(line) for line in response.text.splitlines()]
         assert [e["type"] for e in events] == ["BOOKMARK"] * 2
@@ -421,13 +445,18 @@ def test_a_504_status_is_told_apart_as_client_go_does():
     assert wanted["message"].startswith("Timeout: Too large resource version: 105, current: 100")
     assert isinstance(status_error(wanted, 504), TooLargeError)
     # Kubernetes 1.17.0-1.18.5: no cause type, only the cause message; before 1.17: only the message
-    legacy = {"code": 504, "reason": "Timeout",
-              "details": {"causes": [{"message": "Too large resource version"}]}}
+    legacy = {
+        "code": 504,
+        "reason": "Timeout",
+        "details": {"causes": [{"message": "Too large resource version"}]},
+    }
     assert isinstance(status_error(legacy, 504), TooLargeError)
-    assert isinstance(status_error({"code": 504, "message": "Timeout: Too large resource version: 9"}, 504),
-                      TooLargeError)
-    plain = status_error({"code": 504, "reason": "Timeout",
-                          "message": "Timeout: request did not complete"}, 504)
+    assert isinstance(
+        status_error({"code": 504, "message": "Timeout: Too large resource version: 9"}, 504), TooLargeError
+    )
+    plain = status_error(
+        {"code": 504, "reason": "Timeout", "message": "Timeout: request did not complete"}, 504
+    )
     assert not isinstance(plain, TooLargeError) and plain.reason == "http_status"
     assert isinstance(status_error({"code": 410, "reason": "Expired"}, 0), GoneError)
     assert isinstance(status_error({}, 410), GoneError)

@@ -34,16 +34,30 @@ GPU0, GPU1 = _uuid_for(0), _uuid_for(1)
 
 def test_committed_stubs_are_what_the_kubelets_proto_generates(tmp_path):
     pytest.importorskip("grpc_tools")
-    subprocess.run(["sh", str(ROOT / "scripts" / "gen-podresources.sh"), str(tmp_path)], check=True,
-                   env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, cwd=ROOT)
+    subprocess.run(
+        ["sh", str(ROOT / "scripts" / "gen-podresources.sh"), str(tmp_path)],
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+        cwd=ROOT,
+    )
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / name, STUBS / name, shallow=False), f"{name} is stale: run the script"
 
 
-@pytest.mark.parametrize(("device_id", "expected"), [
-    (GPU1, 1), (GPU1.lower(), 1), ("1", 1), (f"{GPU0}::3", 0), ("nvidia1", 1), ("nvidia0/vgpu2", 0),
-    ("MIG-5f1e0d2c-aaaa-bbbb-cccc-000000000000", None), ("GPU-00000000-dead", None), ("7", None),
-])
+@pytest.mark.parametrize(
+    ("device_id", "expected"),
+    [
+        (GPU1, 1),
+        (GPU1.lower(), 1),
+        ("1", 1),
+        (f"{GPU0}::3", 0),
+        ("nvidia1", 1),
+        ("nvidia0/vgpu2", 0),
+        ("MIG-5f1e0d2c-aaaa-bbbb-cccc-000000000000", None),
+        ("GPU-00000000-dead", None),
+        ("7", None),
+    ],
+)
 def test_device_ids_as_device_plugins_report_them(device_id, expected):
     gpus = [GpuRef(0, GPU0), GpuRef(1, GPU1)]
     ref = resolve_device_id(device_id, gpus)
@@ -51,18 +65,25 @@ def test_device_ids_as_device_plugins_report_them(device_id, expected):
 
 
 async def test_list_reads_gpu_grants_over_the_kubelet_socket(tmp_path):
-    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"), {
-        ("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU0, GPU1]), ("example.com/nic", ["eth7"])],
-                            "sidecar": []},
-        ("monitoring", "dcgm-exporter-x"): {"exporter": []},
-    })
+    kubelet = FakeKubelet(
+        str(tmp_path / "kubelet.sock"),
+        {
+            ("llm", "qwen-0"): {
+                "vllm": [("nvidia.com/gpu", [GPU0, GPU1]), ("example.com/nic", ["eth7"])],
+                "sidecar": [],
+            },
+            ("monitoring", "dcgm-exporter-x"): {"exporter": []},
+        },
+    )
     await kubelet.start()
     try:
         grants = await list_grants(kubelet.socket_path, ("nvidia.com/gpu",), 2.0)
     finally:
         await kubelet.stop()
-    assert grants == (GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU0),
-                      GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU1))
+    assert grants == (
+        GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU0),
+        GpuGrant("llm", "qwen-0", "vllm", "nvidia.com/gpu", GPU1),
+    )
 
 
 async def test_a_missing_socket_is_an_error_that_names_it(tmp_path):
@@ -73,16 +94,24 @@ async def test_a_missing_socket_is_an_error_that_names_it(tmp_path):
 async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_scan(tmp_path, cluster: Cluster):
     api, token = cluster.api, cluster.token
     await cluster.ready_vllm_pod("qwen-0", cluster.ports[0])
-    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"),
-                          {("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU1])]}})
+    kubelet = FakeKubelet(
+        str(tmp_path / "kubelet.sock"), {("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU1])]}}
+    )
     await kubelet.start()
     discovery = DiscoveryConfig(
-        kubernetes=KubernetesDiscoveryConfig(enabled=True, api_url=api.url, token_file=str(token),
-                                             ca_file=None),
-        pod_resources=PodResourcesConfig(enabled=True, socket=kubelet.socket_path, interval_s=0.3))
-    config = Config(listen=HostPort("127.0.0.1", 0), node="node-a", nvml=NvmlConfig(fake_gpus=0),
-                    intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
-                    scrape=ScrapeConfig(timeout_s=1.0), discovery=discovery)
+        kubernetes=KubernetesDiscoveryConfig(
+            enabled=True, api_url=api.url, token_file=str(token), ca_file=None
+        ),
+        pod_resources=PodResourcesConfig(enabled=True, socket=kubelet.socket_path, interval_s=0.3),
+    )
+    config = Config(
+        listen=HostPort("127.0.0.1", 0),
+        node="node-a",
+        nvml=NvmlConfig(fake_gpus=0),
+        intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
+        scrape=ScrapeConfig(timeout_s=1.0),
+        discovery=discovery,
+    )
 
     class NoProcessScan:
         def tree(self, pid):
@@ -93,16 +122,19 @@ async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_sca
     url = f"http://127.0.0.1:{agent.port}/metrics"
     try:
         body = await scrape_until(
-            url, f'kvwatch_gpu_memory_used_bytes{{container="vllm",gpu="1",namespace="llm",pod="qwen-0",'
-                 f'uuid="{GPU1}"}}',
+            url,
+            f'kvwatch_gpu_memory_used_bytes{{container="vllm",gpu="1",namespace="llm",pod="qwen-0",'
+            f'uuid="{GPU1}"}}',
             f'kvwatch_replica_gpu_info{{dp_rank="",gpu="1",mapped_by="pod_resources",replica="llm/qwen-0",'
-            f'uuid="{GPU1}"}} 1.0')
+            f'uuid="{GPU1}"}} 1.0',
+        )
         unowned = f'kvwatch_gpu_memory_used_bytes{{container="",gpu="0",namespace="",pod="",uuid="{GPU0}"}}'
         assert unowned in body
         assert 'kvwatch_collector_success{collector="pod_resources"} 1.0' in body
         kubelet.pods = {}  # the pod went away: the GPU is nobody's
-        await scrape_until(url, f'kvwatch_gpu_memory_used_bytes{{container="",gpu="1",namespace="",pod="",'
-                          f'uuid="{GPU1}"}}')
+        await scrape_until(
+            url, f'kvwatch_gpu_memory_used_bytes{{container="",gpu="1",namespace="",pod="",uuid="{GPU1}"}}'
+        )
         await kubelet.stop()
         await scrape_until(url, 'kvwatch_collector_success{collector="pod_resources"} 0.0')
     finally:

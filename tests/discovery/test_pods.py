@@ -27,38 +27,64 @@ def test_a_vllm_container_is_recognised_by_image_and_port_argument():
 
 def test_llm_d_decode_pod_scrapes_vllm_behind_its_routing_sidecar():
     # llm-d's modelservice: image ghcr.io/llm-d/llm-d, command vllm serve, --port 8200; sidecar on 8000
-    vllm = {"name": "vllm", "image": "ghcr.io/llm-d/llm-d:v0.2.0", "command": ["vllm", "serve"],
-            "args": ["Qwen/Qwen3-0.6B", "--port", "8200"]}
-    pod = make_pod("decode-1", labels={"llm-d.ai/inferenceServing": "true", "llm-d.ai/role": "decode"},
-                   containers=[vllm])
+    vllm = {
+        "name": "vllm",
+        "image": "ghcr.io/llm-d/llm-d:v0.2.0",
+        "command": ["vllm", "serve"],
+        "args": ["Qwen/Qwen3-0.6B", "--port", "8200"],
+    }
+    pod = make_pod(
+        "decode-1", labels={"llm-d.ai/inferenceServing": "true", "llm-d.ai/role": "decode"}, containers=[vllm]
+    )
     engine = judge_pod(_ready(pod)).engine
     assert engine is not None and engine.metrics_url == "http://10.1.2.3:8200/metrics"
     assert engine.recognised_by == "llm-d" and engine.backend == "vllm"
 
 
 def test_kserve_predictor_uses_kserves_prometheus_annotations():
-    container = {"name": "kserve-container", "image": "kserve/huggingfaceserver:v0.15.0",
-                 "args": ["--model_name=qwen", "--http_port=8080"]}
-    pod = make_pod("qwen-predictor-abc", labels={"serving.kserve.io/inferenceservice": "qwen"},
-                   annotations={"prometheus.kserve.io/port": "8080", "prometheus.kserve.io/path": "/metrics"},
-                   containers=[container])
+    container = {
+        "name": "kserve-container",
+        "image": "kserve/huggingfaceserver:v0.15.0",
+        "args": ["--model_name=qwen", "--http_port=8080"],
+    }
+    pod = make_pod(
+        "qwen-predictor-abc",
+        labels={"serving.kserve.io/inferenceservice": "qwen"},
+        annotations={"prometheus.kserve.io/port": "8080", "prometheus.kserve.io/path": "/metrics"},
+        containers=[container],
+    )
     engine = judge_pod(_ready(pod)).engine
     assert engine is not None and engine.recognised_by == "kserve"
     assert engine.metrics_url == "http://10.1.2.3:8080/metrics" and engine.backend == "auto"
 
 
 def test_kserve_pods_that_serve_no_llm_are_left_alone():
-    pod = make_pod("iris", labels={"serving.kserve.io/inferenceservice": "iris"},
-                   containers=[{"name": "kserve-container", "image": "kserve/sklearnserver:v0.15.0"}])
+    pod = make_pod(
+        "iris",
+        labels={"serving.kserve.io/inferenceservice": "iris"},
+        containers=[{"name": "kserve-container", "image": "kserve/sklearnserver:v0.15.0"}],
+    )
     verdict = judge_pod(_ready(pod))
     assert verdict.engine is None and not verdict.problems
 
 
 def test_annotations_select_any_pod_and_a_named_port_resolves():
-    pod = make_pod("tgi", annotations={"kvwatch.io/scrape": "true", "kvwatch.io/port": "prom",
-                                       "kvwatch.io/backend": "tgi", "kvwatch.io/model": "llama"},
-                   containers=[{"name": "tgi", "image": "ghcr.io/huggingface/text-generation-inference",
-                                "ports": [{"name": "prom", "containerPort": 9000}]}])
+    pod = make_pod(
+        "tgi",
+        annotations={
+            "kvwatch.io/scrape": "true",
+            "kvwatch.io/port": "prom",
+            "kvwatch.io/backend": "tgi",
+            "kvwatch.io/model": "llama",
+        },
+        containers=[
+            {
+                "name": "tgi",
+                "image": "ghcr.io/huggingface/text-generation-inference",
+                "ports": [{"name": "prom", "containerPort": 9000}],
+            }
+        ],
+    )
     engine = judge_pod(_ready(pod, "fd00::5")).engine
     assert engine is not None and engine.metrics_url == "http://[fd00::5]:9000/metrics"
     assert (engine.backend, engine.model_name) == ("tgi", "llama")
@@ -69,14 +95,17 @@ def test_scrape_false_excludes_a_recognised_engine():
     assert judge_pod(_ready(pod)).engine is None
 
 
-@pytest.mark.parametrize(("annotations", "key", "fragment"), [
-    ({"kvwatch.io/port": "99999"}, "kvwatch.io/port", "out of range"),
-    ({"kvwatch.io/port": "no_such"}, "kvwatch.io/port", "port number or a container port name"),
-    ({"kvwatch.io/port": "nope"}, "kvwatch.io/port", "no container port named 'nope'"),
-    ({"kvwatch.io/backend": "tensorflow"}, "kvwatch.io/backend", "unknown backend"),
-    ({"kvwatch.io/scrape": "maybe"}, "kvwatch.io/scrape", "expected true or false"),
-    ({"kvwatch.io/path": "metrics"}, "kvwatch.io/path", "absolute URL path"),
-])
+@pytest.mark.parametrize(
+    ("annotations", "key", "fragment"),
+    [
+        ({"kvwatch.io/port": "99999"}, "kvwatch.io/port", "out of range"),
+        ({"kvwatch.io/port": "no_such"}, "kvwatch.io/port", "port number or a container port name"),
+        ({"kvwatch.io/port": "nope"}, "kvwatch.io/port", "no container port named 'nope'"),
+        ({"kvwatch.io/backend": "tensorflow"}, "kvwatch.io/backend", "unknown backend"),
+        ({"kvwatch.io/scrape": "maybe"}, "kvwatch.io/scrape", "expected true or false"),
+        ({"kvwatch.io/path": "metrics"}, "kvwatch.io/path", "absolute URL path"),
+    ],
+)
 def test_a_malformed_annotation_is_named_with_the_reason(annotations, key, fragment):
     pod = make_pod("bad", annotations=annotations, containers=[vllm_container()])
     verdict = judge_pod(_ready(pod))
@@ -85,12 +114,15 @@ def test_a_malformed_annotation_is_named_with_the_reason(annotations, key, fragm
     assert fragment in verdict.problems[0][1]
 
 
-@pytest.mark.parametrize("change", [
-    lambda p: p["status"].update(phase="Pending"),
-    lambda p: p["status"].pop("podIP"),
-    lambda p: p["metadata"].update(deletionTimestamp="2026-12-01T18:30:00Z"),
-    lambda p: p["status"].update(phase="Succeeded"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p["status"].update(phase="Pending"),
+        lambda p: p["status"].pop("podIP"),
+        lambda p: p["metadata"].update(deletionTimestamp="2026-12-01T18:30:00Z"),
+        lambda p: p["status"].update(phase="Succeeded"),
+    ],
+)
 def test_only_running_pods_with_an_ip_that_are_not_terminating_are_engines(change):
     pod = _ready(make_pod("x", containers=[vllm_container()]))
     assert is_ready(pod)
@@ -113,9 +145,12 @@ def test_a_pod_object_of_the_wrong_shape_is_a_problem_not_a_crash():
 
 
 def test_an_sglang_container_is_recognised_by_its_launch_command_and_default_port():
-    sglang = {"name": "server", "image": "registry.example.com/llm/server:1.2",
-              "command": ["python3", "-m", "sglang.launch_server"],
-              "args": ["--model-path", "Qwen/Qwen3-8B", "--enable-metrics"]}
+    sglang = {
+        "name": "server",
+        "image": "registry.example.com/llm/server:1.2",
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["--model-path", "Qwen/Qwen3-8B", "--enable-metrics"],
+    }
     engine = judge_pod(_ready(make_pod("sgl", containers=[sglang]))).engine
     assert engine is not None and engine.backend == "sglang"
     assert engine.metrics_url == "http://10.1.2.3:30000/metrics"
@@ -130,20 +165,32 @@ def test_a_container_port_named_metrics_wins_over_the_arguments():
 def _shell_wrapped(script: str, shell: list[str] | None = None, **extra) -> dict:
     """A container as vLLM's Kubernetes guide (docs/deployment/k8s.md) writes it: the command line is
     one shell script, ``command: ["/bin/sh", "-c"]``, ``args: ["vllm serve ... --port N"]``."""
-    return {"name": "mistral-7b", "image": "registry.local/llm/engine:2026.11",
-            "command": shell or ["/bin/sh", "-c"], "args": [script],
-            "ports": [{"containerPort": 8000}], **extra}
+    return {
+        "name": "mistral-7b",
+        "image": "registry.local/llm/engine:2026.11",
+        "command": shell or ["/bin/sh", "-c"],
+        "args": [script],
+        "ports": [{"containerPort": 8000}],
+        **extra,
+    }
 
 
-@pytest.mark.parametrize(("shell", "script", "port"), [
-    (None, "vllm serve mistralai/Mistral-7B-v0.3 --port 8080 --trust-remote-code", 8080),
-    (None, "vllm serve mistralai/Mistral-7B-v0.3 --port=8081", 8081),
-    (["bash", "-ec"], "pip install -q extra && exec vllm serve 'my model' --port 9000", 9000),
-    # --port of the command before the engine's is not the engine's
-    (["/bin/sh", "-lc"], "python3 warmup.py --port 1234; python3 -m vllm.entrypoints.openai.api_server "
-                         "--model m --port \"8200\"", 8200),
-    (None, "vllm serve mistralai/Mistral-7B-v0.3 --trust-remote-code", 8000),  # vLLM's default
-])
+@pytest.mark.parametrize(
+    ("shell", "script", "port"),
+    [
+        (None, "vllm serve mistralai/Mistral-7B-v0.3 --port 8080 --trust-remote-code", 8080),
+        (None, "vllm serve mistralai/Mistral-7B-v0.3 --port=8081", 8081),
+        (["bash", "-ec"], "pip install -q extra && exec vllm serve 'my model' --port 9000", 9000),
+        # --port of the command before the engine's is not the engine's
+        (
+            ["/bin/sh", "-lc"],
+            "python3 warmup.py --port 1234; python3 -m vllm.entrypoints.openai.api_server "
+            '--model m --port "8200"',
+            8200,
+        ),
+        (None, "vllm serve mistralai/Mistral-7B-v0.3 --trust-remote-code", 8000),  # vLLM's default
+    ],
+)
 def test_a_shell_wrapped_command_line_is_read_as_the_shell_splits_it(shell, script, port):
     verdict = judge_pod(_ready(make_pod("mistral-0", containers=[_shell_wrapped(script, shell)])))
     assert verdict.engine is not None, verdict
@@ -159,9 +206,15 @@ def test_a_script_that_no_shell_could_parse_is_still_read_as_words():
 
 def test_prometheus_annotations_set_port_and_path_below_kvwatchs_own():
     containers = [vllm_container(8000)]
-    pod = make_pod("q", containers=containers,
-                   annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "8001",
-                                "prometheus.io/path": "/engine/metrics"})
+    pod = make_pod(
+        "q",
+        containers=containers,
+        annotations={
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "8001",
+            "prometheus.io/path": "/engine/metrics",
+        },
+    )
     engine = judge_pod(_ready(pod)).engine
     assert engine is not None and engine.metrics_url == "http://10.1.2.3:8001/engine/metrics"
     pod["metadata"]["annotations"].update({"kvwatch.io/port": "8002", "kvwatch.io/path": "/metrics"})
@@ -177,9 +230,11 @@ def test_prometheus_scrape_false_keeps_an_engine_out_unless_kvwatch_says_true():
 
 
 def test_prometheus_scrape_true_alone_makes_no_engine_of_an_exporter():
-    pod = make_pod("node-exporter-x",
-                   annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "9100"},
-                   containers=[{"name": "exporter", "image": "quay.io/prometheus/node-exporter:v1.9.0"}])
+    pod = make_pod(
+        "node-exporter-x",
+        annotations={"prometheus.io/scrape": "true", "prometheus.io/port": "9100"},
+        containers=[{"name": "exporter", "image": "quay.io/prometheus/node-exporter:v1.9.0"}],
+    )
     assert judge_pod(_ready(pod)) == PodVerdict()
 
 
@@ -192,8 +247,12 @@ def test_a_malformed_prometheus_port_on_an_engine_is_named():
 
 def test_port_arguments_from_the_containers_env_are_expanded_as_the_kubelet_and_shell_would():
     env = [{"name": "VLLM_PORT", "value": "8400"}, {"name": "SECRET", "valueFrom": {"secretKeyRef": {}}}]
-    kubelet = {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "env": env,
-               "args": ["--model", "m", "--port", "$(VLLM_PORT)"]}
+    kubelet = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "env": env,
+        "args": ["--model", "m", "--port", "$(VLLM_PORT)"],
+    }
     engine = judge_pod(_ready(make_pod("a", containers=[kubelet]))).engine
     assert engine is not None and engine.metrics_url.endswith(":8400/metrics")
     escaped = {**kubelet, "args": ["--port", "$$(VLLM_PORT)"]}  # $$ escapes: the literal "$(VLLM_PORT)"

@@ -61,18 +61,31 @@ async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path, cl
     listen = free_port()
     volume.write(_config(api, token, listen))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvwatch.cli", "run", "--config", volume.path,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.executable,
+        "-m",
+        "kvwatch.cli",
+        "run",
+        "--config",
+        volume.path,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{listen}/metrics"
     try:
-        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
-                     "kvwatch_config_last_reload_successful 1.0")
+        await scrape_until(
+            url,
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+            "kvwatch_config_last_reload_successful 1.0",
+        )
         # the ConfigMap gains a static replica: the kubelet swaps ..data; kvwatch follows
         static = f'replicas: [{{name: bare-1, metrics_url: "http://127.0.0.1:{ports[1]}/metrics"}}]'
         volume.write(_config(api, token, listen, static))
-        await scrape_until(url, 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0',
-                     'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0')
+        await scrape_until(
+            url,
+            'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0',
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+        )
         # a bad edit: refused, the running config kept, the metric says so
         volume.write(_config(api, token, listen, static + "\nintervals: {engine: fast}"))
         body = await scrape_until(url, "kvwatch_config_last_reload_successful 0.0")
@@ -80,9 +93,12 @@ async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path, cl
         # fixed in place (no swap) and SIGHUP: applied; bare-1 gone with its series
         Path(os.path.realpath(volume.path)).write_text(_config(api, token, listen))
         proc.send_signal(signal.SIGHUP)
-        await scrape_until(url, "kvwatch_config_last_reload_successful 1.0",
-                     'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
-                     absent=('replica="bare-1"',))
+        await scrape_until(
+            url,
+            "kvwatch_config_last_reload_successful 1.0",
+            'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
+            absent=('replica="bare-1"',),
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -100,16 +116,39 @@ def test_a_reload_applies_what_it_can_and_keeps_what_needs_a_restart():
     from kvwatch.agent.reload import applicable, restart_only_changes
     from kvwatch.config import config_from_mapping
 
-    running = config_from_mapping({"listen": "127.0.0.1:9477", "intervals": {"engine": "5s"}, "replicas": [
-        {"name": "a", "metrics_url": "http://127.0.0.1:8000/metrics", "api_url": "http://127.0.0.1:8000",
-         "proxy_listen": "127.0.0.1:8080"}]})
-    new = config_from_mapping({"listen": "127.0.0.1:9999", "intervals": {"engine": "1s"}, "replicas": [
-        {"name": "a", "metrics_url": "http://127.0.0.1:8001/metrics"},
-        {"name": "b", "metrics_url": "http://127.0.0.1:8002/metrics", "api_url": "http://127.0.0.1:8002",
-         "proxy_listen": "127.0.0.1:8081"}]})
+    running = config_from_mapping(
+        {
+            "listen": "127.0.0.1:9477",
+            "intervals": {"engine": "5s"},
+            "replicas": [
+                {
+                    "name": "a",
+                    "metrics_url": "http://127.0.0.1:8000/metrics",
+                    "api_url": "http://127.0.0.1:8000",
+                    "proxy_listen": "127.0.0.1:8080",
+                }
+            ],
+        }
+    )
+    new = config_from_mapping(
+        {
+            "listen": "127.0.0.1:9999",
+            "intervals": {"engine": "1s"},
+            "replicas": [
+                {"name": "a", "metrics_url": "http://127.0.0.1:8001/metrics"},
+                {
+                    "name": "b",
+                    "metrics_url": "http://127.0.0.1:8002/metrics",
+                    "api_url": "http://127.0.0.1:8002",
+                    "proxy_listen": "127.0.0.1:8081",
+                },
+            ],
+        }
+    )
     assert restart_only_changes(running, new) == ["listen", "replicas[].proxy_listen"]
     applied = applicable(running, new)
     assert applied.listen == running.listen and applied.intervals.engine_s == 1.0
     assert [(r.name, r.metrics_url, r.proxy_listen) for r in applied.replicas] == [
         ("a", "http://127.0.0.1:8001/metrics", running.replicas[0].proxy_listen),
-        ("b", "http://127.0.0.1:8002/metrics", None)]
+        ("b", "http://127.0.0.1:8002/metrics", None),
+    ]

@@ -88,9 +88,25 @@ class Demo:
         self.started = time.monotonic()
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch", "demo", "--listen", "127.0.0.1:0", "--view", "none",
-                 "--duration", str(DEMO_SAFETY_DURATION_S), *self.args],
-                cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvwatch",
+                    "demo",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--view",
+                    "none",
+                    "--duration",
+                    str(DEMO_SAFETY_DURATION_S),
+                    *self.args,
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         proc = self.proc
@@ -109,8 +125,10 @@ class Demo:
         wait_until(ready, timeout_s, f"demo {self.name} /-/ready", interval_s=0.5)
 
     def tails(self) -> str:
-        return (f"--- demo {self.name} stdout ---\n{_tail(self.stdout_path, 1500)}\n"
-                f"--- demo {self.name} stderr ---\n{_tail(self.stderr_path)}")
+        return (
+            f"--- demo {self.name} stdout ---\n{_tail(self.stdout_path, 1500)}\n"
+            f"--- demo {self.name} stderr ---\n{_tail(self.stderr_path)}"
+        )
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -171,10 +189,19 @@ class Alertmanager:
         alertmanager = require_tool("prometheus-alertmanager", path_env="KVWATCH_ALERTMANAGER")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [alertmanager, f"--config.file={self.config_path}",
-                 f"--storage.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-                 "--cluster.listen-address=", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    alertmanager,
+                    f"--config.file={self.config_path}",
+                    f"--storage.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--cluster.listen-address=",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = self.proc
 
         def ready() -> bool:
@@ -221,8 +248,9 @@ class WebhookReceiver:
     async def _handle(self, request: web.Request) -> web.Response:
         payload = await request.json()
         with self._lock:
-            self._deliveries.append(Delivery(request.path, request.headers.get("Authorization", ""),
-                                             payload, time.monotonic()))
+            self._deliveries.append(
+                Delivery(request.path, request.headers.get("Authorization", ""), payload, time.monotonic())
+            )
         return web.Response(text="ok")
 
     async def _start(self) -> str:
@@ -289,28 +317,42 @@ class AlertingStack:
         parts = [f"stack up for {self.elapsed():.0f} s; files under {self.workdir}"]
         with contextlib.suppress(Exception):
             alerts = self.prometheus.alerts()
-            lines = [f"  {a['state']:8} {a['labels'].get('alertname')} since {a.get('activeAt')} "
-                     f"{ {k: v for k, v in a['labels'].items() if k != 'alertname'} } value {a.get('value')}"
-                     for a in alerts]
+            lines = [
+                f"  {a['state']:8} {a['labels'].get('alertname')} since {a.get('activeAt')} "
+                f"{ {k: v for k, v in a['labels'].items() if k != 'alertname'} } value {a.get('value')}"
+                for a in alerts
+            ]
             parts.append("Prometheus alerts:\n" + ("\n".join(lines) or "  (none)"))
         with contextlib.suppress(Exception):
             errors = self.prometheus.rule_errors()
             parts.append("rule evaluation errors:\n  " + ("\n  ".join(errors) or "(none)"))
         with contextlib.suppress(Exception):
             targets = self.prometheus.api("targets")["activeTargets"]
-            parts.append("targets:\n" + "\n".join(
-                f"  {t['labels'].get('cluster')} {t['scrapeUrl']} {t['health']} {t.get('lastError', '')}"
-                for t in targets))
+            parts.append(
+                "targets:\n"
+                + "\n".join(
+                    f"  {t['labels'].get('cluster')} {t['scrapeUrl']} {t['health']} {t.get('lastError', '')}"
+                    for t in targets
+                )
+            )
         with contextlib.suppress(Exception):
-            parts.append("SLO error ratios (30m window) over 0.01:\n" + "\n".join(
-                f"  {r['metric']} {r['value'][1]}"
-                for r in self.query("kvwatch:slo_errors:ratio_rate30m > 0.01")))
+            parts.append(
+                "SLO error ratios (30m window) over 0.01:\n"
+                + "\n".join(
+                    f"  {r['metric']} {r['value'][1]}"
+                    for r in self.query("kvwatch:slo_errors:ratio_rate30m > 0.01")
+                )
+            )
         with contextlib.suppress(Exception):
-            parts.append("Alertmanager alerts:\n" + "\n".join(
-                f"  {a['status']['state']} {a['labels']}" for a in self.alertmanager.alerts()))
+            parts.append(
+                "Alertmanager alerts:\n"
+                + "\n".join(f"  {a['status']['state']} {a['labels']}" for a in self.alertmanager.alerts())
+            )
         deliveries = self.webhook.deliveries()
-        parts.append(f"webhook deliveries: {len(deliveries)}\n" + "\n".join(
-            f"  {d.path} {a['status']} {a['labels']}" for d, a in delivered_alerts(deliveries)))
+        parts.append(
+            f"webhook deliveries: {len(deliveries)}\n"
+            + "\n".join(f"  {d.path} {a['status']} {a['labels']}" for d, a in delivered_alerts(deliveries))
+        )
         parts.append(f"--- alertmanager log ---\n{_tail(self.alertmanager.log_path, 1500)}")
         parts.append(f"--- prometheus log ---\n{_tail(self.prometheus.log_path, 1500)}")
         parts.append(self.pressure.tails())
@@ -321,8 +363,13 @@ class AlertingStack:
         if self.stopped:
             return
         self.stopped = True
-        for stop in (self.pressure.stop, self.healthy.stop, self.prometheus.stop, self.alertmanager.stop,
-                     self.webhook.stop):
+        for stop in (
+            self.pressure.stop,
+            self.healthy.stop,
+            self.prometheus.stop,
+            self.alertmanager.stop,
+            self.webhook.stop,
+        ):
             with contextlib.suppress(Exception):
                 stop()
 
@@ -330,11 +377,14 @@ class AlertingStack:
 def _prometheus(workdir: Path, demos: list[Demo], alertmanager: Alertmanager) -> Prometheus:
     """Prometheus scraping the demos as job ``kvwatch``, one ``cluster`` label each, alerting to
     ``alertmanager``; its rule files are the shipped ones."""
-    job = {"job_name": "kvwatch",
-           "static_configs": [{"targets": [d.instance], "labels": {"cluster": d.name}} for d in demos]}
+    job = {
+        "job_name": "kvwatch",
+        "static_configs": [{"targets": [d.instance], "labels": {"cluster": d.name}} for d in demos],
+    }
     alerting = {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]}
-    return Prometheus(workdir, [], interval=INTERVAL, extra_scrape_configs=[job],
-                      extra_config={"alerting": alerting})
+    return Prometheus(
+        workdir, [], interval=INTERVAL, extra_scrape_configs=[job], extra_config={"alerting": alerting}
+    )
 
 
 def start_alerting_stack(workdir: Path, profile: str = "lean") -> AlertingStack:
@@ -364,8 +414,9 @@ def start_alerting_stack(workdir: Path, profile: str = "lean") -> AlertingStack:
             with contextlib.suppress(Exception):
                 part.stop()
         raise
-    return AlertingStack(pressure, healthy, prometheus, alertmanager, webhook, workdir,
-                         started=pressure.started)
+    return AlertingStack(
+        pressure, healthy, prometheus, alertmanager, webhook, workdir, started=pressure.started
+    )
 
 
 def dump(obj: Any) -> str:

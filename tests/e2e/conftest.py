@@ -43,8 +43,9 @@ _STACK_HOLDER = pytest.StashKey[_StackHolder]()
 
 
 @pytest.fixture(scope="session")
-def _alerting_stack_holder(request: pytest.FixtureRequest,
-                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[_StackHolder]:
+def _alerting_stack_holder(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[_StackHolder]:
     holder = _StackHolder(tmp_path_factory.mktemp("alerting-stack"))
     request.config.stash[_STACK_HOLDER] = holder
     try:
@@ -68,6 +69,9 @@ def alerting_stack(_alerting_stack_holder: _StackHolder, metrics_profile: str) -
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     holder = item.config.stash.get(_STACK_HOLDER, None)
-    if holder is not None and "alerting_stack" in getattr(item, "fixturenames", ()) and (
-            nextitem is None or "alerting_stack" not in getattr(nextitem, "fixturenames", ())):
+    if (
+        holder is not None
+        and "alerting_stack" in getattr(item, "fixturenames", ())
+        and (nextitem is None or "alerting_stack" not in getattr(nextitem, "fixturenames", ()))
+    ):
         holder.stop()

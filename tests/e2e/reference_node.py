@@ -44,14 +44,27 @@ async def _serve_captures(replicas: int) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
-def _record(replica: str, outcome: Outcome, output: int | None,
-            gap_bounds: tuple[float, ...]) -> RequestRecord:
+def _record(
+    replica: str, outcome: Outcome, output: int | None, gap_bounds: tuple[float, ...]
+) -> RequestRecord:
     gaps = [0] * (len(gap_bounds) + 1)
     gaps[3] = 10
-    return RequestRecord(replica=replica, model_name=MODEL, source="proxy", outcome=outcome,
-                         started_at=time.time(), prompt_tokens=1000, output_tokens=output, max_tokens=32000,
-                         ttft_seconds=0.4, e2e_seconds=60.0, gap_bounds=gap_bounds, gap_counts=tuple(gaps),
-                         gap_sum=0.2, output_tokens_estimated=output is not None)
+    return RequestRecord(
+        replica=replica,
+        model_name=MODEL,
+        source="proxy",
+        outcome=outcome,
+        started_at=time.time(),
+        prompt_tokens=1000,
+        output_tokens=output,
+        max_tokens=32000,
+        ttft_seconds=0.4,
+        e2e_seconds=60.0,
+        gap_bounds=gap_bounds,
+        gap_counts=tuple(gaps),
+        gap_sum=0.2,
+        output_tokens_estimated=output is not None,
+    )
 
 
 def _series(text: str) -> dict[str, int]:
@@ -63,19 +76,38 @@ def _series(text: str) -> dict[str, int]:
 
 
 @asynccontextmanager
-async def reference_node(profile: str = "lean", replicas: int = 8, gpus: int = 8, processes_per_gpu: int = 2,
-                         xids: tuple[int, ...] = (13, 79)) -> AsyncIterator[Agent]:
+async def reference_node(
+    profile: str = "lean",
+    replicas: int = 8,
+    gpus: int = 8,
+    processes_per_gpu: int = 2,
+    xids: tuple[int, ...] = (13, 79),
+) -> AsyncIterator[Agent]:
     """The running agent once every family is populated: two engine scrapes (headroom needs a
     baseline), a GPU poll, the GPU mapping and the XIDs."""
     runner, base = await _serve_captures(replicas)
     fake = FakeNvml(gpus)
-    config = config_from_mapping({
-        "node": "full-node", "listen": "127.0.0.1:0", "log_level": "error", "metrics": {"profile": profile},
-        "intervals": {"engine": "0.3s", "gpu": "0.3s", "process_map": "0.3s"},
-        "replicas": [{"name": f"replica-{i}", "backend": "vllm", "metrics_url": f"{base}/r{i}/metrics",
-                      "api_url": f"{base}/r{i}", "proxy_listen": "127.0.0.1:0", "model_name": MODEL,
-                      "gpus": [str(i)]} for i in range(replicas)],
-    })
+    config = config_from_mapping(
+        {
+            "node": "full-node",
+            "listen": "127.0.0.1:0",
+            "log_level": "error",
+            "metrics": {"profile": profile},
+            "intervals": {"engine": "0.3s", "gpu": "0.3s", "process_map": "0.3s"},
+            "replicas": [
+                {
+                    "name": f"replica-{i}",
+                    "backend": "vllm",
+                    "metrics_url": f"{base}/r{i}/metrics",
+                    "api_url": f"{base}/r{i}",
+                    "proxy_listen": "127.0.0.1:0",
+                    "model_name": MODEL,
+                    "gpus": [str(i)],
+                }
+                for i in range(replicas)
+            ],
+        }
+    )
     agent = Agent(config, nvml=fake)
     await agent.start()
     try:
@@ -85,8 +117,9 @@ async def reference_node(profile: str = "lean", replicas: int = 8, gpus: int = 8
                 for outcome in Outcome:
                     agent.record(_record(replica.name, outcome, output, gap_bounds))
             for band in config.length_bands.all_names:
-                agent.state.in_flight.start(InFlightRequest(replica.name, MODEL, band, 1000, 10, time.time(),
-                                                            16000))
+                agent.state.in_flight.start(
+                    InFlightRequest(replica.name, MODEL, band, 1000, 10, time.time(), 16000)
+                )
         for gpu in range(gpus):
             for p in range(processes_per_gpu):
                 fake.add_process(gpu, 4000 + 10 * gpu + p, 40 << 30)
@@ -97,9 +130,11 @@ async def reference_node(profile: str = "lean", replicas: int = 8, gpus: int = 8
             while True:
                 page = await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)
                 series = _series(page.text)
-                if (series.get("kvwatch_kv_headroom_seconds") == replicas
-                        and series.get("kvwatch_gpu_xid_errors_total") == gpus * len(xids)
-                        and series.get("kvwatch_replica_gpu_info") == replicas):
+                if (
+                    series.get("kvwatch_kv_headroom_seconds") == replicas
+                    and series.get("kvwatch_gpu_xid_errors_total") == gpus * len(xids)
+                    and series.get("kvwatch_replica_gpu_info") == replicas
+                ):
                     break
                 assert time.monotonic() < deadline, f"node not fully populated: {series}"
                 await asyncio.sleep(0.3)

@@ -58,8 +58,11 @@ class Sample:
 
 
 def parse(text: str) -> list[Sample]:
-    return [Sample(s.name, dict(s.labels), s.value)
-            for family in text_string_to_metric_families(text) for s in family.samples]
+    return [
+        Sample(s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def select(samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
@@ -133,10 +136,22 @@ class KvwatchRun:
     def start(self, ready_timeout_s: float = 60.0) -> KvwatchRun:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch", "run", "--config", str(self.config_path),
-                 "--listen", f"127.0.0.1:{self.port}"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvwatch",
+                    "run",
+                    "--config",
+                    str(self.config_path),
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = self.proc
 
         def ready() -> bool:
@@ -173,10 +188,20 @@ class Prometheus:
     """A real Prometheus scraping ``targets`` as job ``job`` every ``interval``, evaluating
     ``rule_files`` (default: the shipped ``alerts/*.rules.yaml``, unmodified) on the same interval."""
 
-    def __init__(self, workdir: Path, targets: list[str], *, job: str = "kvwatch", interval: str = "1s",
-                 rule_files: Iterable[Path] = SHIPPED_RULES, extra_scrape_configs: Iterable[dict] = (),
-                 external_labels: dict[str, str] | None = None, extra_config: dict | None = None,
-                 name: str = "prometheus", extra_args: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        *,
+        job: str = "kvwatch",
+        interval: str = "1s",
+        rule_files: Iterable[Path] = SHIPPED_RULES,
+        extra_scrape_configs: Iterable[dict] = (),
+        external_labels: dict[str, str] | None = None,
+        extra_config: dict | None = None,
+        name: str = "prometheus",
+        extra_args: Iterable[str] = (),
+    ) -> None:
         self.workdir = workdir / name
         self.extra_args = tuple(extra_args)  # e.g. --enable-feature=native-histograms
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -186,9 +211,12 @@ class Prometheus:
         self.proc: subprocess.Popen | None = None
         scrape = [{"job_name": job, "static_configs": [{"targets": targets}]}] if targets else []
         config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval,
-                       "scrape_timeout": interval, **({"external_labels": external_labels}
-                                                      if external_labels else {})},
+            "global": {
+                "scrape_interval": interval,
+                "evaluation_interval": interval,
+                "scrape_timeout": interval,
+                **({"external_labels": external_labels} if external_labels else {}),
+            },
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [*scrape, *extra_scrape_configs],
             **(extra_config or {}),
@@ -200,11 +228,20 @@ class Prometheus:
         prometheus = require_tool("prometheus", path_env="KVWATCH_PROMETHEUS")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [prometheus, f"--config.file={self.config_path}",
-                 f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn", *self.extra_args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    prometheus,
+                    f"--config.file={self.config_path}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                    "--log.level=warn",
+                    *self.extra_args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = self.proc
 
         def ready() -> bool:
@@ -231,8 +268,12 @@ class Prometheus:
 
     def rule_errors(self) -> list[str]:
         """Rules whose last evaluation failed (a rule file Prometheus could load but not evaluate)."""
-        return [f"{r['name']}: {r['lastError']}" for g in self.api("rules")["groups"] for r in g["rules"]
-                if r.get("lastError")]
+        return [
+            f"{r['name']}: {r['lastError']}"
+            for g in self.api("rules")["groups"]
+            for r in g["rules"]
+            if r.get("lastError")
+        ]
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -242,8 +283,9 @@ class Prometheus:
 class LlamaServer:
     """A llama-server of the test's own: ``binary`` and ``model`` from a running one's command line."""
 
-    def __init__(self, binary: str, model: str, args: Iterable[str], workdir: Path,
-                 name: str = "llama") -> None:
+    def __init__(
+        self, binary: str, model: str, args: Iterable[str], workdir: Path, name: str = "llama"
+    ) -> None:
         self.binary = binary
         self.model = model
         self.args = tuple(args)
@@ -262,9 +304,25 @@ class LlamaServer:
     def start(self, timeout_s: float = 60.0) -> LlamaServer:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--metrics",
-                 "--slots", "-t", "1", *self.args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    self.binary,
+                    "-m",
+                    self.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--metrics",
+                    "--slots",
+                    "-t",
+                    "1",
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = self.proc
 
         def healthy() -> bool:
@@ -288,7 +346,6 @@ class LlamaServer:
         return sum(1 for s in slots if s.get("is_processing"))
 
 
-
 class RecordingRelay:
     """A pass-through in front of an engine's ``/metrics`` (``relay.py``, its own process) that keeps
     every page it served, stamped with the wall-clock time the request arrived: which page a kvwatch
@@ -303,8 +360,16 @@ class RecordingRelay:
 
     def start(self) -> RecordingRelay:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("relay.py")), self.upstream, str(self.port),
-             str(self.pages_path)], stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                str(Path(__file__).with_name("relay.py")),
+                self.upstream,
+                str(self.port),
+                str(self.pages_path),
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         wait_until(self.pages_path.exists, 30, "the relay to listen")
         return self
 

@@ -44,9 +44,11 @@ BREACH_DEADLINE_S = 240.0  # from the stack's start; seen at ~60 s
 PENDING_DEADLINE_S = 180.0  # seen at ~30 s
 PAGE_DEADLINE_S = 420.0  # seen at ~190 s: breach + for: 2m
 #: the KV alerts the pressure story must put in pending, and the labels that locate the problem
-KV_ALERTS = {"KVWatchKVCachePressure": ("instance", "replica"),
-             "KVWatchPreemptionStorm": ("instance", "replica"),
-             "KVWatchKVCapacityStranded": ("model_name",)}
+KV_ALERTS = {
+    "KVWatchKVCachePressure": ("instance", "replica"),
+    "KVWatchPreemptionStorm": ("instance", "replica"),
+    "KVWatchKVCapacityStranded": ("model_name",),
+}
 
 T = TypeVar("T")
 
@@ -71,9 +73,10 @@ def test_pressure_demo_fills_replica0_preempts_strands_kv_and_breaches_the_long_
         "replica-0 queues": f"max_over_time(kvwatch_requests_waiting{{{r0}}}[10m]) >= 5",
         "an idle replica below 80% KV": f'min(kvwatch_kv_usage_ratio{{{p}, replica!="replica-0"}}) < 0.8',
         "stranded KV > 20% of capacity": f"max_over_time(kvwatch:kv_stranded:ratio{{{p}}}[10m]) > 0.2",
-        "long band TTFT error ratio > 6x budget (30m), >= 20 requests (6h)":
+        "long band TTFT error ratio > 6x budget (30m), >= 20 requests (6h)": (
             f"kvwatch:slo_errors:ratio_rate30m{{{band}}} > 0.06"
-            f" and kvwatch:slo_requests:rate6h{{{band}}} * 21600 >= 20",
+            f" and kvwatch:slo_requests:rate6h{{{band}}} * 21600 >= 20"
+        ),
     }
     seen: set[str] = set()
 
@@ -119,9 +122,13 @@ def test_kv_alerts_go_pending_for_the_pressure_demos_replica0_and_only_there(ale
 
 def _is_the_page(alert: dict[str, Any]) -> bool:
     labels = alert["labels"]
-    return (alert["status"] == "firing" and labels.get("alertname") == "KVWatchLatencyBudgetBurn"
-            and labels.get("slo") == "ttft-long" and labels.get("severity") == "critical"
-            and labels.get("length_band") in LONG_BANDS)
+    return (
+        alert["status"] == "firing"
+        and labels.get("alertname") == "KVWatchLatencyBudgetBurn"
+        and labels.get("slo") == "ttft-long"
+        and labels.get("severity") == "critical"
+        and labels.get("length_band") in LONG_BANDS
+    )
 
 
 def test_long_band_ttft_page_is_delivered_to_the_page_receiver_with_labels_and_runbook(alerting_stack):
@@ -144,8 +151,11 @@ def test_long_band_ttft_page_is_delivered_to_the_page_receiver_with_labels_and_r
     assert annotations["runbook_url"] == f"{DEFAULT_RUNBOOK_BASE}KVWatchLatencyBudgetBurn.md"
     assert (ROOT / "docs" / "runbooks" / "KVWatchLatencyBudgetBurn.md").exists()
     # Prometheus says the same, and Alertmanager holds it active (not inhibited or silenced)
-    firing = [a for a in stack.prometheus.alerts() if a["state"] == "firing"
-              and {k: a["labels"].get(k) for k in labels} == labels]
+    firing = [
+        a
+        for a in stack.prometheus.alerts()
+        if a["state"] == "firing" and {k: a["labels"].get(k) for k in labels} == labels
+    ]
     assert firing, stack.diagnostics()
     held = [a for a in stack.alertmanager.alerts() if a["labels"] == labels]
     assert held and held[0]["status"]["state"] == "active", dump(held)
@@ -158,15 +168,20 @@ def test_every_shipped_rule_loads_and_evaluates_on_live_data_without_error(alert
     def evaluated() -> list[dict[str, Any]] | None:
         groups = stack.prometheus.api("rules")["groups"]
         # every group evaluated at least once, after the first scrape of both demos
-        if {g["name"] for g in groups} != shipped or any(g.get("lastEvaluation", "").startswith("0001")
-                                                         for g in groups):
+        if {g["name"] for g in groups} != shipped or any(
+            g.get("lastEvaluation", "").startswith("0001") for g in groups
+        ):
             return None
         return groups if stack.query('count(up{job="kvwatch"} == 1) == 2') else None
 
     # the budget group runs every 2m, first at an offset Prometheus picks within that interval
     groups = _eventually(stack, evaluated, 200.0, "every shipped rule group evaluated once")
-    failing = [f"{g['name']}/{r.get('name')}: {r.get('health')} {r.get('lastError')}"
-               for g in groups for r in g["rules"] if r.get("health") == "err" or r.get("lastError")]
+    failing = [
+        f"{g['name']}/{r.get('name')}: {r.get('health')} {r.get('lastError')}"
+        for g in groups
+        for r in g["rules"]
+        if r.get("health") == "err" or r.get("lastError")
+    ]
     assert not failing, "\n".join(failing)
 
 
@@ -182,13 +197,20 @@ def test_healthy_demo_fires_nothing_although_its_bands_pass_the_traffic_guard(al
     # nothing fired for it at any evaluation since the stack started (ALERTS keeps every state)
     fired = stack.query(f'max_over_time(ALERTS{{alertstate="firing", {h}}}[{run}])')
     fired += stack.query(f'max_over_time(ALERTS{{alertstate="firing", instance="{healthy}"}}[{run}])')
-    fired += [a for a in stack.prometheus.alerts() if a["state"] == "firing"
-              and (a["labels"].get("cluster") == "healthy" or a["labels"].get("instance") == healthy)]
+    fired += [
+        a
+        for a in stack.prometheus.alerts()
+        if a["state"] == "firing"
+        and (a["labels"].get("cluster") == "healthy" or a["labels"].get("instance") == healthy)
+    ]
     assert not fired, f"{dump(fired)}\n\n{stack.diagnostics()}"
     # nor did its KV look pressured: no pressure, preemption or stranding alert even went pending
     # (headroom can: it extrapolates a batch that just grew, and waits 5m before it fires)
     pressured = stack.query(f'max_over_time(ALERTS{{{h}, alertname=~"{"|".join(KV_ALERTS)}"}}[{run}])')
     assert not pressured, f"{dump([p['metric'] for p in pressured])}\n\n{stack.diagnostics()}"
-    delivered = [a for _, a in delivered_alerts(stack.webhook.deliveries())
-                 if a["labels"].get("cluster") == "healthy" or a["labels"].get("instance") == healthy]
+    delivered = [
+        a
+        for _, a in delivered_alerts(stack.webhook.deliveries())
+        if a["labels"].get("cluster") == "healthy" or a["labels"].get("instance") == healthy
+    ]
     assert not delivered, dump(delivered)

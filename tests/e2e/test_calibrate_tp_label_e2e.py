@@ -28,8 +28,17 @@ from .stack import Prometheus, wait_until
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
-TINY = ModelSpec(key="tiny", served_name="tiny", layers=1, kv_heads=1, head_dim=1, params=1.0,
-                 active_params=1.0, weight_bytes=1.0, max_model_len=2048)
+TINY = ModelSpec(
+    key="tiny",
+    served_name="tiny",
+    layers=1,
+    kv_heads=1,
+    head_dim=1,
+    params=1.0,
+    active_params=1.0,
+    weight_bytes=1.0,
+    max_model_len=2048,
+)
 TP1 = StepCost(overhead_s=0.010, per_prefill_token_s=40e-6, per_decode_seq_s=0.004)
 TP2 = StepCost(overhead_s=0.005, per_prefill_token_s=20e-6, per_decode_seq_s=0.002)
 
@@ -38,9 +47,17 @@ class _Engine:
     """A simulated engine kept at wall-clock time in a thread, fed a steady trickle of requests."""
 
     def __init__(self, cost: StepCost, seed: int) -> None:
-        self.engine = SimEngine(EngineConfig(model=TINY, block_size=16, num_gpu_blocks_override=400,
-                                             max_num_seqs=8, max_num_batched_tokens=2048,
-                                             max_model_len=1024, step_cost=cost))
+        self.engine = SimEngine(
+            EngineConfig(
+                model=TINY,
+                block_size=16,
+                num_gpu_blocks_override=400,
+                max_num_seqs=8,
+                max_num_batched_tokens=2048,
+                max_model_len=1024,
+                step_cost=cost,
+            )
+        )
         self.lock = threading.Lock()
         self.seed = seed
         self.stop = threading.Event()
@@ -91,15 +108,22 @@ def test_prometheus_calibration_fits_each_tp_degree_apart(tmp_path):
         thread.start()
         threads.append(thread)
         scrape.append({"targets": [f"127.0.0.1:{port}"], "labels": {"tp": str(tp)}})
-    prom = Prometheus(tmp_path, [], rule_files=(),
-                      extra_scrape_configs=[{"job_name": "vllm", "static_configs": scrape}]).start()
+    prom = Prometheus(
+        tmp_path, [], rule_files=(), extra_scrape_configs=[{"job_name": "vllm", "static_configs": scrape}]
+    ).start()
     try:
         started = time.time()
         wait_until(lambda: len(prom.query("vllm:num_requests_running")) == 2, 30, "both targets scraped")
         time.sleep(24)
         obs, _desc, shape = observations_from_prometheus(
-            prom.url, since=f"{int(time.time() - started)}s", until=time.time(), window="4s", selector="",
-            shape=EngineShape(), tp_label="tp")
+            prom.url,
+            since=f"{int(time.time() - started)}s",
+            until=time.time(),
+            window="4s",
+            selector="",
+            shape=EngineShape(),
+            tp_label="tp",
+        )
     finally:
         prom.stop()
         for e in engines.values():

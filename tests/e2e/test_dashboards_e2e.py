@@ -62,7 +62,11 @@ def test_every_non_sparse_panel_query_returns_data_from_the_demo(alerting_stack)
     try:
         wait_until(all_have_data, max(DATA_DEADLINE_S - stack.elapsed(), 1.0), "data for every panel", 10.0)
     except AssertionError:
-        lines = [f"  {q.dashboard} / {q.panel} / {q.ref_id}: {why}\n      {q.concrete}"
-                 for q, why in failing.items()]
-        pytest.fail(f"{len(failing)} of {len(queries)} panel queries have no data:\n" + "\n".join(lines),
-                    pytrace=False)
+        lines = [
+            f"  {q.dashboard} / {q.panel} / {q.ref_id}: {why}\n      {q.concrete}"
+            for q, why in failing.items()
+        ]
+        pytest.fail(
+            f"{len(failing)} of {len(queries)} panel queries have no data:\n" + "\n".join(lines),
+            pytrace=False,
+        )

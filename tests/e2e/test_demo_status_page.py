@@ -50,8 +50,11 @@ async def _load_once(demo_url: str, profile: Path) -> tuple[str, list[tuple[str,
                 await asyncio.sleep(POLL_HOLD_S)
             async with client.get(demo_url + request.path_qs) as upstream:
                 body = await upstream.read()
-                headers = {k: v for k, v in upstream.headers.items()
-                           if k.lower() in ("content-type", "content-security-policy", "cache-control")}
+                headers = {
+                    k: v
+                    for k, v in upstream.headers.items()
+                    if k.lower() in ("content-type", "content-security-policy", "cache-control")
+                }
             served.append((request.path, body))
             return web.Response(body=body, status=upstream.status, headers=headers)
 

@@ -56,9 +56,16 @@ def _config(engine_url: str, **extra: Any) -> dict[str, Any]:
         "intervals": {"engine": "0.5s", "gpu": "0.5s"},
         "scrape": {"timeout": "5s", "backoff_max": "1s"},  # a restarted engine is seen within ~1 s
         "nvml": {"enabled": False},
-        "replicas": [{"name": REPLICA, "backend": "llamacpp", "metrics_url": f"{engine_url}/metrics",
-                      "api_url": engine_url, "proxy_listen": f"127.0.0.1:{free_port()}",
-                      "model_name": "tiny"}],
+        "replicas": [
+            {
+                "name": REPLICA,
+                "backend": "llamacpp",
+                "metrics_url": f"{engine_url}/metrics",
+                "api_url": engine_url,
+                "proxy_listen": f"127.0.0.1:{free_port()}",
+                "model_name": "tiny",
+            }
+        ],
         **extra,
     }
 
@@ -83,30 +90,58 @@ def own_llama(real_llamacpp, tmp_path: Path) -> Iterator[LlamaServer]:
 
 @pytest.mark.real_llamacpp
 def test_engine_killed_and_restarted_is_down_without_stale_values_then_counted_as_a_restart(
-        own_llama: LlamaServer, tmp_path: Path):
+    own_llama: LlamaServer, tmp_path: Path
+):
     agent = KvwatchRun(_config(own_llama.base_url), tmp_path)
     try:
         agent.start()
-        up_families = wait_until(lambda: _replica_series(agent.metrics()) >= {
-            "kvwatch_kv_capacity_tokens", "kvwatch_generation_tokens"} and _replica_series(agent.metrics()),
-            30, "the engine's series on kvwatch's /metrics")
+        up_families = wait_until(
+            lambda: (
+                _replica_series(agent.metrics())
+                >= {"kvwatch_kv_capacity_tokens", "kvwatch_generation_tokens"}
+                and _replica_series(agent.metrics())
+            ),
+            30,
+            "the engine's series on kvwatch's /metrics",
+        )
         with httpx.Client(timeout=30) as client:  # some tokens, so the restart shows as counters going back
             for _ in range(2):
-                client.post(f"{own_llama.base_url}/v1/completions",
-                            json={"prompt": "hi", "max_tokens": 16, "ignore_eos": True}).raise_for_status()
-        wait_until(lambda: total(agent.metrics(), "kvwatch_generation_tokens_total", replica=REPLICA) >= 32,
-                   30, "kvwatch to see the generated tokens")
+                client.post(
+                    f"{own_llama.base_url}/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 16, "ignore_eos": True},
+                ).raise_for_status()
+        wait_until(
+            lambda: total(agent.metrics(), "kvwatch_generation_tokens_total", replica=REPLICA) >= 32,
+            30,
+            "kvwatch to see the generated tokens",
+        )
 
         own_llama.kill()
-        down = wait_until(lambda: (m := agent.metrics()) and one(m, "kvwatch_target_up", replica=REPLICA) == 0
-                          and m, 30, "kvwatch_target_up 0")
+        down = wait_until(
+            lambda: (m := agent.metrics()) and one(m, "kvwatch_target_up", replica=REPLICA) == 0 and m,
+            30,
+            "kvwatch_target_up 0",
+        )
         assert _replica_series(down) == set(), "a dead engine's last values are still served"
         assert one(down, "kvwatch_collector_success", collector=f"engine:{REPLICA}") == 0
         first = one(down, "kvwatch_target_scrape_errors_total", replica=REPLICA, reason="connect")
         assert first >= 1
-        later = wait_until(lambda: (n := one(agent.metrics(), "kvwatch_target_scrape_errors_total",
-                                             replica=REPLICA, reason="connect")) >= first + 2 and n, 30,
-                           "more connect errors while the engine is down")
+        later = wait_until(
+            lambda: (
+                (
+                    n := one(
+                        agent.metrics(),
+                        "kvwatch_target_scrape_errors_total",
+                        replica=REPLICA,
+                        reason="connect",
+                    )
+                )
+                >= first + 2
+                and n
+            ),
+            30,
+            "more connect errors while the engine is down",
+        )
         errors = total(agent.metrics(), "kvwatch_target_scrape_errors_total", replica=REPLICA)
         assert errors <= later + 1  # refused connections (one scrape cut by the kill may read "malformed")
         assert _replica_series(agent.metrics()) == set()
@@ -117,8 +152,16 @@ def test_engine_killed_and_restarted_is_down_without_stale_values_then_counted_a
         assert any("(connect)" in line and own_llama.base_url in line for line in down + still), down + still
 
         own_llama.start()  # same port: a restart in place, its counters start from zero
-        back = wait_until(lambda: (m := agent.metrics()) and one(m, "kvwatch_target_up", replica=REPLICA) == 1
-                          and _replica_series(m) >= up_families and m, 30, "the engine back on /metrics")
+        back = wait_until(
+            lambda: (
+                (m := agent.metrics())
+                and one(m, "kvwatch_target_up", replica=REPLICA) == 1
+                and _replica_series(m) >= up_families
+                and m
+            ),
+            30,
+            "the engine back on /metrics",
+        )
         assert one(back, "kvwatch_target_restarts_total", replica=REPLICA) == 1
         assert total(back, "kvwatch_generation_tokens_total", replica=REPLICA) < 32
         log = agent.log()
@@ -156,8 +199,9 @@ async def _eventually(agent: Agent, check, timeout_s: float, what: str) -> list[
 @pytest.fixture
 async def agent_with_fake_nvml(real_llamacpp) -> AsyncIterator[tuple[Agent, FakeNvml]]:
     fake = FakeNvml(2)
-    config = config_from_mapping({**_config(real_llamacpp.base_url, nvml={"enabled": True, "events": True}),
-                                  "listen": "127.0.0.1:0"})
+    config = config_from_mapping(
+        {**_config(real_llamacpp.base_url, nvml={"enabled": True, "events": True}), "listen": "127.0.0.1:0"}
+    )
     agent = Agent(config, nvml=fake)
     await agent.start()
     try:
@@ -176,30 +220,51 @@ def _nvml_gone(fake: FakeNvml) -> None:
 
 
 @pytest.mark.real_llamacpp
-async def test_nvml_gone_drops_gpu_series_and_keeps_engine_and_requests_working(real_llamacpp,
-                                                                                agent_with_fake_nvml):
+async def test_nvml_gone_drops_gpu_series_and_keeps_engine_and_requests_working(
+    real_llamacpp, agent_with_fake_nvml
+):
     agent, fake = agent_with_fake_nvml
-    m = await _eventually(agent, lambda m: len(select(m, "kvwatch_gpu_memory_total_bytes")) == 2
-                          and select(m, "kvwatch_kv_capacity_tokens", replica=REPLICA), 30, "GPUs and engine")
+    m = await _eventually(
+        agent,
+        lambda m: (
+            len(select(m, "kvwatch_gpu_memory_total_bytes")) == 2
+            and select(m, "kvwatch_kv_capacity_tokens", replica=REPLICA)
+        ),
+        30,
+        "GPUs and engine",
+    )
     assert one(m, "kvwatch_collector_success", collector="nvml") == 1
     gpu_families = {s.name for s in _gpu_series(m)}
 
     _nvml_gone(fake)
-    m = await _eventually(agent, lambda m: one(m, "kvwatch_collector_success", collector="nvml") == 0, 15,
-                          "the nvml collector to report failure")
+    m = await _eventually(
+        agent,
+        lambda m: one(m, "kvwatch_collector_success", collector="nvml") == 0,
+        15,
+        "the nvml collector to report failure",
+    )
     assert _gpu_series(m) == [], "GPU values served after NVML went away"
     assert select(m, "kvwatch_kv_capacity_tokens", replica=REPLICA)  # the engine keeps being scraped
     assert one(m, "kvwatch_target_up", replica=REPLICA) == 1
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{agent.proxy_ports[REPLICA]}/v1",
-                                api_key="unused", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{agent.proxy_ports[REPLICA]}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+    )
     try:
-        reply = await client.completions.create(model="tiny", prompt="hi", max_tokens=8,
-                                                extra_body={"ignore_eos": True})
+        reply = await client.completions.create(
+            model="tiny", prompt="hi", max_tokens=8, extra_body={"ignore_eos": True}
+        )
         assert reply.usage.completion_tokens == 8
     finally:
         await client.close()
-    m = await _eventually(agent, lambda m: total(m, "kvwatch_requests_total", replica=REPLICA) == 1, 10,
-                          "the request counted while NVML is gone")
+    m = await _eventually(
+        agent,
+        lambda m: total(m, "kvwatch_requests_total", replica=REPLICA) == 1,
+        10,
+        "the request counted while NVML is gone",
+    )
     assert one(m, "kvwatch_requests_total", replica=REPLICA, outcome="truncated", length_band="0-1k") == 1
     await asyncio.sleep(1.5)  # several more polls (0.5 s) fail: still nothing, still no crash
     m = await _metrics(agent)
@@ -209,8 +274,15 @@ async def test_nvml_gone_drops_gpu_series_and_keeps_engine_and_requests_working(
 
     fake.clear_failures()
     fake.library_missing = False  # the driver is back: the collector re-initializes on its backoff
-    m = await _eventually(agent, lambda m: one(m, "kvwatch_collector_success", collector="nvml") == 1
-                          and len(select(m, "kvwatch_gpu_memory_total_bytes")) == 2, 40, "GPUs back")
+    m = await _eventually(
+        agent,
+        lambda m: (
+            one(m, "kvwatch_collector_success", collector="nvml") == 1
+            and len(select(m, "kvwatch_gpu_memory_total_bytes")) == 2
+        ),
+        40,
+        "GPUs back",
+    )
     assert {s.name for s in _gpu_series(m)} == gpu_families
 
 
@@ -235,8 +307,9 @@ def _stream_until_cut(base_url: str, started: threading.Event, result: dict[str,
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
     chunks = 0
     try:
-        stream = client.completions.create(model="tiny", prompt="hello", max_tokens=16000, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt="hello", max_tokens=16000, stream=True, extra_body={"ignore_eos": True}
+        )
         for _ in stream:
             chunks += 1
             if chunks == 5:
@@ -252,8 +325,9 @@ def _stream_until_cut(base_url: str, started: threading.Event, result: dict[str,
 
 
 @pytest.mark.real_llamacpp
-def test_agent_stopped_mid_stream_cuts_the_client_frees_the_slot_and_exits_zero(long_llama: LlamaServer,
-                                                                                 tmp_path: Path):
+def test_agent_stopped_mid_stream_cuts_the_client_frees_the_slot_and_exits_zero(
+    long_llama: LlamaServer, tmp_path: Path
+):
     ledger = tmp_path / "requests.jsonl"
     config = _config(long_llama.base_url, ledger={"path": str(ledger)})
     proxy = f"http://{config['replicas'][0]['proxy_listen']}/v1"
@@ -275,11 +349,15 @@ def test_agent_stopped_mid_stream_cuts_the_client_frees_the_slot_and_exits_zero(
         assert result["ended_at"] - sigterm < 10
         freed = wait_until(lambda: long_llama.busy_slots() == 0 and time.monotonic(), 10, "the slot freed")
         assert freed - exited < 2.0, f"llama.cpp kept generating {freed - exited:.1f} s after kvwatch exited"
-        print(f"SIGTERM -> agent exit {exited - sigterm:.2f} s, client saw {result['end']} after "
-              f"{result['chunks']} chunks at +{result['ended_at'] - sigterm:.2f} s, "
-              f"slot free at +{freed - sigterm:.2f} s")
-        predicted = total(parse(httpx.get(f"{long_llama.base_url}/metrics", timeout=10).text),
-                          "llamacpp:tokens_predicted_total")
+        print(
+            f"SIGTERM -> agent exit {exited - sigterm:.2f} s, client saw {result['end']} after "
+            f"{result['chunks']} chunks at +{result['ended_at'] - sigterm:.2f} s, "
+            f"slot free at +{freed - sigterm:.2f} s"
+        )
+        predicted = total(
+            parse(httpx.get(f"{long_llama.base_url}/metrics", timeout=10).text),
+            "llamacpp:tokens_predicted_total",
+        )
         assert predicted < 16000
         (line,) = ledger.read_text().splitlines()  # the cut request was written before the agent exited
         assert json.loads(line)["outcome"] == "aborted"
@@ -288,11 +366,17 @@ def test_agent_stopped_mid_stream_cuts_the_client_frees_the_slot_and_exits_zero(
         m = agent.metrics()
         assert total(m, "kvwatch_requests_total") == 0, "a fresh process starts its counters at zero"
         with openai.OpenAI(base_url=proxy, api_key="unused", max_retries=0, timeout=60) as client_:
-            chunks = list(client_.completions.create(model="tiny", prompt="hello", max_tokens=64, stream=True,
-                                                     extra_body={"ignore_eos": True}))
+            chunks = list(
+                client_.completions.create(
+                    model="tiny", prompt="hello", max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+                )
+            )
         assert chunks[-1].choices[0].finish_reason == "length"
-        m = wait_until(lambda: (m := agent.metrics()) and total(m, "kvwatch_requests_total") == 1 and m, 10,
-                       "the new stream counted")
+        m = wait_until(
+            lambda: (m := agent.metrics()) and total(m, "kvwatch_requests_total") == 1 and m,
+            10,
+            "the new stream counted",
+        )
         assert one(m, "kvwatch_requests_total", replica=REPLICA, outcome="truncated", length_band="0-1k") == 1
     finally:
         agent.stop()
@@ -332,8 +416,10 @@ class EngineThatEndsLate:
             b"[DONE]",
         ]
         body = b"".join(b"data: " + e + b"\n\n" for e in events)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%b\r\n" % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%b\r\n" % (len(body), body)
+        )
         await writer.drain()
         await asyncio.sleep(1.0)
         with contextlib.suppress(ConnectionError):
@@ -352,16 +438,28 @@ async def test_client_leaving_right_after_done_is_counted_by_its_finish_reason_n
     agent = Agent(config)
     await agent.start()
     try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{agent.proxy_ports[REPLICA]}/v1",
-                                    api_key="unused", max_retries=0, timeout=30)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{agent.proxy_ports[REPLICA]}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=30,
+        )
         try:
-            chunks = [c async for c in await client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True)]
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+                )
+            ]
         finally:
             await client.close()
         assert [c.choices[0].delta.content for c in chunks] == ["Hi", " there"]
-        m = await _eventually(agent, lambda m: total(m, "kvwatch_requests_total", replica=REPLICA) == 1, 10,
-                              "the request counted")
+        m = await _eventually(
+            agent,
+            lambda m: total(m, "kvwatch_requests_total", replica=REPLICA) == 1,
+            10,
+            "the request counted",
+        )
         counted = {s.labels["outcome"]: s.value for s in select(m, "kvwatch_requests_total") if s.value}
         assert counted == {"truncated": 1}, counted
         assert one(m, "kvwatch_request_output_tokens_sum", replica=REPLICA, length_band="0-1k") == 2

@@ -78,8 +78,9 @@ BREACHED = {("ttft-short", "0-1k"), ("ttft-medium", "5k-10k"), ("tpot-long", "20
 FAMILIES = {sli: family for sli, (family, _) in LATENCY_SLIS.items()}
 
 
-def _values(rng: random.Random, parts: list[tuple[int, tuple[float, float]]],
-            healthy: tuple[float, float]) -> list[float]:
+def _values(
+    rng: random.Random, parts: list[tuple[int, tuple[float, float]]], healthy: tuple[float, float]
+) -> list[float]:
     """N log-uniform values: each part's count in its range, the rest in ``healthy``; shuffled."""
     out: list[float] = []
     for count, (lo, hi) in [*parts, (N - sum(c for c, _ in parts), healthy)]:
@@ -96,10 +97,20 @@ def band_records() -> list[RequestRecord]:
         ttfts = _values(rng, BREACHES.get(band, {}).get("ttft", []), HEALTHY_TTFT)
         tpots = _values(rng, BREACHES.get(band, {}).get("tpot", []), HEALTHY_TPOT)
         for ttft, tpot in zip(ttfts, tpots, strict=True):
-            records.append(RequestRecord(
-                replica="replica-0", model_name=MODEL, source="proxy", outcome=Outcome.COMPLETED,
-                started_at=time.time(), prompt_tokens=1000, output_tokens=output, max_tokens=32000,
-                ttft_seconds=ttft, e2e_seconds=ttft + tpot * (output - 1)))
+            records.append(
+                RequestRecord(
+                    replica="replica-0",
+                    model_name=MODEL,
+                    source="proxy",
+                    outcome=Outcome.COMPLETED,
+                    started_at=time.time(),
+                    prompt_tokens=1000,
+                    output_tokens=output,
+                    max_tokens=32000,
+                    ttft_seconds=ttft,
+                    e2e_seconds=ttft + tpot * (output - 1),
+                )
+            )
     return records
 
 
@@ -133,6 +144,7 @@ class AgentThread:
         async def feed() -> None:
             for r in records:
                 self.agent.record(r)
+
         asyncio.run_coroutine_threadsafe(feed(), self._loop).result(timeout=60)
 
     def stop(self) -> None:
@@ -156,8 +168,11 @@ def _scrapes(prom: Prometheus) -> int:
 
 
 def _latency_alerts(prom: Prometheus) -> set[tuple[str, str, str]]:
-    return {(a["labels"]["slo"], a["labels"]["length_band"], a["labels"]["severity"])
-            for a in prom.alerts() if a["labels"]["alertname"] == LATENCY_ALERT}
+    return {
+        (a["labels"]["slo"], a["labels"]["length_band"], a["labels"]["severity"])
+        for a in prom.alerts()
+        if a["labels"]["alertname"] == LATENCY_ALERT
+    }
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +185,13 @@ def run(tmp_path_factory) -> Iterator[NativeRun]:
         records = band_records()
         agent.record(records)  # the baseline: every series starts at half its final value
         classic = Prometheus(workdir, [instance], name="classic")
-        native = Prometheus(workdir, [instance], rule_files=NATIVE_RULES, name="native",
-                            extra_args=["--enable-feature=native-histograms"])
+        native = Prometheus(
+            workdir,
+            [instance],
+            rule_files=NATIVE_RULES,
+            name="native",
+            extra_args=["--enable-feature=native-histograms"],
+        )
         started += [classic, native]
         with ThreadPoolExecutor(2) as pool:  # Debian's prometheus takes a while to start
             list(pool.map(lambda p: p.start(ready_timeout_s=120), started))
@@ -179,8 +199,12 @@ def run(tmp_path_factory) -> Iterator[NativeRun]:
             wait_until(lambda p=prom: _scrapes(p) >= 3, 60, f"{prom.workdir.name}: 3 scrapes of the baseline")
         agent.record(records)
         for prom in started:  # every breached band pages and tickets once the step is in the windows
-            wait_until(lambda p=prom: {(s, b) for s, b, _ in _latency_alerts(p)} >= BREACHED, 90,
-                       f"{prom.workdir.name}: the burn-rate alerts of {sorted(BREACHED)}", interval_s=1.0)
+            wait_until(
+                lambda p=prom: {(s, b) for s, b, _ in _latency_alerts(p)} >= BREACHED,
+                90,
+                f"{prom.workdir.name}: the burn-rate alerts of {sorted(BREACHED)}",
+                interval_s=1.0,
+            )
         time.sleep(3)  # a few more evaluations: every group has read the step
         yield NativeRun(instance, classic, native, records)
     finally:
@@ -223,7 +247,8 @@ def _classic_bucket_width(family: str, value: float) -> float:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES.values()))
 def test_histogram_quantile_native_and_classic_are_each_within_their_bound_of_the_true_quantile(
-        run: NativeRun, family: str) -> None:
+    run: NativeRun, family: str
+) -> None:
     worst_native, worst_classic = 0.0, 0.0
     for q in QUANTILES:
         classic = _by_band(run.classic, CLASSIC.quantile(q, family, _rated, "length_band"))
@@ -235,11 +260,18 @@ def test_histogram_quantile_native_and_classic_are_each_within_their_bound_of_th
             width = _classic_bucket_width(family, true)
             assert abs(classic[band] - true) <= width * (1 + 1e-9), (family, band, q, classic[band], true)
             assert abs(native[band] - true) <= RELATIVE_ERROR * true * (1 + 1e-9), (
-                family, band, q, native[band], true)
+                family,
+                band,
+                q,
+                native[band],
+                true,
+            )
             worst_native = max(worst_native, abs(native[band] - true) / true)
             worst_classic = max(worst_classic, abs(classic[band] - true) / true)
-    print(f"{family}: worst relative error native {worst_native:.2%} (bound {RELATIVE_ERROR:.2%}), "
-          f"classic {worst_classic:.2%}")
+    print(
+        f"{family}: worst relative error native {worst_native:.2%} (bound {RELATIVE_ERROR:.2%}), "
+        f"classic {worst_classic:.2%}"
+    )
 
 
 # ---- the SLO rules --------------------------------------------------------------------------------
@@ -258,7 +290,8 @@ def _native_bound(threshold: float, values: list[float]) -> float:
 
 
 def test_slo_error_ratios_match_natively_exactly_at_a_native_boundary_and_within_the_bound_elsewhere(
-        run: NativeRun) -> None:
+    run: NativeRun,
+) -> None:
     interpolated = 0
     for obj in (o for o in SLO.objectives if o.is_latency):
         assert obj.threshold is not None
@@ -276,8 +309,10 @@ def test_slo_error_ratios_match_natively_exactly_at_a_native_boundary_and_within
                 assert abs(native[band] - exact) <= bound + 1e-9, where
                 interpolated += bound > 0
                 if window == "5m" and exact > 0:
-                    print(f"{obj.name} {band}: error ratio exact {exact:.4f}, classic {classic[band]:.4f}, "
-                          f"native {native[band]:.4f} (bound {bound:.4f})")
+                    print(
+                        f"{obj.name} {band}: error ratio exact {exact:.4f}, classic {classic[band]:.4f}, "
+                        f"native {native[band]:.4f} (bound {bound:.4f})"
+                    )
         for window, seconds in (("5m", 300), ("1h", 3600)):  # N requests in the window, on both
             for prom in (run.classic, run.native):
                 rates = _by_band(prom, f"kvwatch:slo_requests:rate{window}{sel}")

@@ -68,12 +68,22 @@ def agent_config(vllm, llama, vllm_metrics_url: str | None = None) -> dict[str, 
         "scrape": {"timeout": "10s", "backoff_max": "2s"},  # vLLM's frontend stalls on a busy 2-core box
         "nvml": {"enabled": False},
         "replicas": [
-            {"name": VLLM, "backend": "vllm", "metrics_url": vllm_metrics_url or vllm.metrics_url,
-             "api_url": vllm.base_url,
-             "proxy_listen": f"127.0.0.1:{free_port()}", "model_name": "tiny"},
-            {"name": LLAMA, "backend": "llamacpp", "metrics_url": llama.metrics_url,
-             "api_url": llama.base_url, "proxy_listen": f"127.0.0.1:{free_port()}",
-             "model_name": llama.model},
+            {
+                "name": VLLM,
+                "backend": "vllm",
+                "metrics_url": vllm_metrics_url or vllm.metrics_url,
+                "api_url": vllm.base_url,
+                "proxy_listen": f"127.0.0.1:{free_port()}",
+                "model_name": "tiny",
+            },
+            {
+                "name": LLAMA,
+                "backend": "llamacpp",
+                "metrics_url": llama.metrics_url,
+                "api_url": llama.base_url,
+                "proxy_listen": f"127.0.0.1:{free_port()}",
+                "model_name": llama.model,
+            },
         ],
     }
 
@@ -123,6 +133,7 @@ def _usage_chunks(chunks: list) -> list:
 def _content_chunks(chunks: list) -> int:
     """Content-bearing chunks as the client saw them (kvwatch's definition, ``requests/sse.py``): a
     random-weight model's token can be an incomplete UTF-8 byte that the engine sends no text for."""
+
     def text(c) -> str:
         choice = c.choices[0]
         delta = getattr(choice, "delta", None)
@@ -144,8 +155,9 @@ def _send_every_shape(base_url: str, model: str) -> dict[str, list[int]]:
             assert chunks[-1].choices[0].finish_reason == "length"
             reply = client.chat.completions.create(model=model, messages=CHAT, **extra)
             assert reply.usage.completion_tokens == max_tokens and reply.choices[0].finish_reason == "length"
-            text = list(client.completions.create(model=model, prompt="Once upon a time", stream=True,
-                                                  **extra))
+            text = list(
+                client.completions.create(model=model, prompt="Once upon a time", stream=True, **extra)
+            )
             assert text and not _usage_chunks(text)
             done = client.completions.create(model=model, prompt="Once upon a time", **extra)
             assert done.usage.completion_tokens == max_tokens
@@ -160,15 +172,23 @@ def test_openai_traffic_through_both_proxies_is_counted_per_band(real_vllm, real
     Streaming requests have a TTFT when at least one content chunk came, a TPOT with it, and
     (chunks - 1) inter-chunk gaps; every request has an e2e and an output-token count."""
     agent = start_agent(agent_config(real_vllm, real_llamacpp))
-    streamed = {VLLM: _send_every_shape(proxy_url(agent, VLLM), "tiny"),
-                LLAMA: _send_every_shape(proxy_url(agent, LLAMA), real_llamacpp.model)}
-    wait_until(lambda: total(agent.metrics(), "kvwatch_requests_total") == 24, 30,
-               "every request in kvwatch_requests_total")
+    streamed = {
+        VLLM: _send_every_shape(proxy_url(agent, VLLM), "tiny"),
+        LLAMA: _send_every_shape(proxy_url(agent, LLAMA), real_llamacpp.model),
+    }
+    wait_until(
+        lambda: total(agent.metrics(), "kvwatch_requests_total") == 24,
+        30,
+        "every request in kvwatch_requests_total",
+    )
     m = agent.metrics()
     for replica, model in ((VLLM, "tiny"), (LLAMA, real_llamacpp.model)):
         mine = dict(replica=replica, model_name=model, source="proxy")
-        counted = {(s.labels["length_band"], s.labels["outcome"]): s.value
-                   for s in select(m, "kvwatch_requests_total", **mine) if s.value}
+        counted = {
+            (s.labels["length_band"], s.labels["outcome"]): s.value
+            for s in select(m, "kvwatch_requests_total", **mine)
+            if s.value
+        }
         assert counted == {(band, "truncated"): 4 for band in MAX_TOKENS}, (replica, counted)
         # pre-created: every band x outcome has a series from the start, zero where nothing happened
         assert len(select(m, "kvwatch_requests_total", **mine)) == len(BANDS.all_names) * len(OUTCOMES)
@@ -183,8 +203,9 @@ def test_openai_traffic_through_both_proxies_is_counted_per_band(real_vllm, real
             assert one(m, "kvwatch_request_ttft_seconds_bucket", le="+Inf", **where) == with_first_chunk
             assert one(m, "kvwatch_request_tpot_seconds_count", **where) == with_first_chunk
             assert one(m, "kvwatch_request_inter_chunk_seconds_count", **where) == gaps
-            assert (one(m, "kvwatch_request_ttft_seconds_sum", **where)
-                    <= one(m, "kvwatch_request_duration_seconds_sum", **where))
+            assert one(m, "kvwatch_request_ttft_seconds_sum", **where) <= one(
+                m, "kvwatch_request_duration_seconds_sum", **where
+            )
         assert sum(n > 0 for band in MAX_TOKENS for n in streamed[replica][band]) >= 4, streamed
         assert total(m, "kvwatch_request_output_tokens_estimated_total", **mine) == 0
         assert not select(m, "kvwatch_request_duration_seconds_count", length_band="unknown", **mine)
@@ -252,9 +273,13 @@ async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: 
 
 
 async def _long_stream(client: openai.AsyncOpenAI, i: int) -> int:
-    stream = await client.completions.create(model="tiny", prompt="hello world " * (20 + i % 40),
-                                             max_tokens=LOAD_MAX_TOKENS, stream=True,
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model="tiny",
+        prompt="hello world " * (20 + i % 40),
+        max_tokens=LOAD_MAX_TOKENS,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     return sum([1 async for _ in stream])
 
 
@@ -270,8 +295,12 @@ async def _alerts(http: httpx.AsyncClient, prom: Prometheus) -> list[dict[str, A
 
 async def _drive_load(agent: KvwatchRun, prom: Prometheus, engine_url: str) -> LoadRun:
     run = LoadRun()
-    client = openai.AsyncOpenAI(base_url=proxy_url(agent, VLLM), api_key="unused", max_retries=0,
-                                timeout=httpx.Timeout(600, connect=60))
+    client = openai.AsyncOpenAI(
+        base_url=proxy_url(agent, VLLM),
+        api_key="unused",
+        max_retries=0,
+        timeout=httpx.Timeout(600, connect=60),
+    )
     streams: list[asyncio.Task] = []
     started = time.monotonic()
     try:
@@ -314,6 +343,7 @@ def _gauges(samples: list[Sample], prefix: str) -> tuple[float, ...]:
 def _still_missing(run: LoadRun) -> list[str]:
     """What the tests below look for that this load has not shown yet: the load stops once it is all
     there (or at LOAD_DEADLINE_S), so a fast machine does not wait for a slow one's deadline."""
+
     def peak(name: str, **labels: str) -> float:
         return max(_series(run, name, **labels), default=0.0)
 
@@ -417,8 +447,10 @@ READ_BACK = (  # kvwatch series read back through Prometheus' HTTP API
 def test_prometheus_stores_kvwatchs_series_as_exported(preempting_load: LoadRun):
     """A real Prometheus scraping ``kvwatch run``: the series come back through its HTTP API with the
     values and labels kvwatch exported (the exposition is valid for Prometheus, not only promtool)."""
-    got = {expr: {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in result}
-           for expr, result in preempting_load.from_prometheus.items()}
+    got = {
+        expr: {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in result}
+        for expr, result in preempting_load.from_prometheus.items()
+    }
 
     def by_replica(expr: str) -> dict[str, float]:
         return {dict(k)["replica"]: v for k, v in got[expr].items()}
@@ -441,14 +473,17 @@ def test_preemption_storm_alert_goes_pending_in_prometheus_with_the_shipped_rule
     rate of a series Prometheus has seen for ~1 minute crosses 0.05/s (30 preemptions) within the
     time box; ``for: 10m`` then holds it in pending (firing would take 10 more minutes)."""
     run = preempting_load
-    print(f"{ALERT} pending after {run.seconds_to_alert} s; load ran {run.duration_s:.0f} s, "
-          f"{len(run.brackets)} brackets, {run.streams_finished} streams finished; seen {run.alert_states}")
+    print(
+        f"{ALERT} pending after {run.seconds_to_alert} s; load ran {run.duration_s:.0f} s, "
+        f"{len(run.brackets)} brackets, {run.streams_finished} streams finished; seen {run.alert_states}"
+    )
     assert not run.rule_errors, run.rule_errors
     recorded = {(a["metric"]["alertname"], a["metric"]["alertstate"]) for a in run.alerts_recorded}
     seen = run.alert_states.get(ALERT, set()) | {state for name, state in recorded if name == ALERT}
     assert "pending" in seen or "firing" in seen, (
         f"{ALERT} never pending in {run.duration_s:.0f} s; alerts seen: {run.alert_states}, "
-        f"recorded: {sorted(recorded)}")
+        f"recorded: {sorted(recorded)}"
+    )
     assert run.seconds_to_alert is not None and run.seconds_to_alert < LOAD_DEADLINE_S
     storm = [a for a in run.alerts_recorded if a["metric"]["alertname"] == ALERT]
     assert {a["metric"]["replica"] for a in storm} == {VLLM}
@@ -496,8 +531,10 @@ def test_kvwatch_agrees_with_vllms_own_metrics_bracketed(preempting_load: LoadRu
         # exactly the samples of one page vLLM served between the scrape and the render
         assert b.pages_read, f"the relay served nothing after kvwatch's scrape at {b.scrape_started}"
         read = [page for page in b.pages_read if _exported(mine) == _exported(page, "vllm:")]
-        assert read, (f"kvwatch exported {_exported(mine)}; vLLM's pages at that scrape said "
-                      f"{[_exported(page, 'vllm:') for page in b.pages_read]}")
+        assert read, (
+            f"kvwatch exported {_exported(mine)}; vLLM's pages at that scrape said "
+            f"{[_exported(page, 'vllm:') for page in b.pages_read]}"
+        )
         busy += _busy(read[0])
     assert busy >= 3, f"only {busy} brackets while vLLM was busy, of {len(run.brackets)}"
     # idle: everything agrees exactly
@@ -506,14 +543,16 @@ def test_kvwatch_agrees_with_vllms_own_metrics_bracketed(preempting_load: LoadRu
     for engine_name, kvwatch_name in COUNTERS:
         assert total(mine, kvwatch_name) == total(run.idle_engine, engine_name), kvwatch_name
     for reason in ("length", "abort", "stop"):
-        assert (total(mine, "kvwatch_engine_finished_requests_total", finished_reason=reason)
-                == total(run.idle_engine, "vllm:request_success_total", finished_reason=reason))
+        assert total(mine, "kvwatch_engine_finished_requests_total", finished_reason=reason) == total(
+            run.idle_engine, "vllm:request_success_total", finished_reason=reason
+        )
     assert one(run.idle_kvwatch, "kvwatch_target_up", replica=VLLM) == 1
 
 
 @pytest.mark.prometheus
-def test_kvwatch_inspect_reads_vllms_pages_under_preemption_as_vllm_does(preempting_load: LoadRun,
-                                                                          tmp_path: Path):
+def test_kvwatch_inspect_reads_vllms_pages_under_preemption_as_vllm_does(
+    preempting_load: LoadRun, tmp_path: Path
+):
     """``kvwatch inspect FILE`` on the pages vLLM served during the preempting load: what a user
     checking their engine would see, equal to vLLM's own numbers on the same page."""
     busy = 0
@@ -550,8 +589,10 @@ def _llama_bracket(agent: KvwatchRun, llama) -> tuple[list[Sample], list[Sample]
     return before, mine, after, slots
 
 
-LLAMA_COUNTERS = (("llamacpp:tokens_predicted_total", "kvwatch_generation_tokens_total"),
-                  ("llamacpp:prompt_tokens_total", "kvwatch_prompt_tokens_total"))
+LLAMA_COUNTERS = (
+    ("llamacpp:tokens_predicted_total", "kvwatch_generation_tokens_total"),
+    ("llamacpp:prompt_tokens_total", "kvwatch_prompt_tokens_total"),
+)
 
 
 def test_kvwatch_agrees_with_llamacpps_own_metrics(real_vllm, real_llamacpp, start_agent):
@@ -559,8 +600,9 @@ def test_kvwatch_agrees_with_llamacpps_own_metrics(real_vllm, real_llamacpp, sta
     client = openai.OpenAI(base_url=proxy_url(agent, LLAMA), api_key="unused", max_retries=0, timeout=60)
     try:
         for _ in range(3):  # some traffic, then a bracket; llama.cpp finishes these in milliseconds
-            client.completions.create(model=real_llamacpp.model, prompt="hello", max_tokens=32,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(
+                model=real_llamacpp.model, prompt="hello", max_tokens=32, extra_body={"ignore_eos": True}
+            )
             before, mine, after, slots = _llama_bracket(agent, real_llamacpp)
             for engine_name, kvwatch_name in LLAMA_COUNTERS:
                 lo, got, hi = total(before, engine_name), total(mine, kvwatch_name), total(after, engine_name)

@@ -133,14 +133,23 @@ class NodeShape:
 
 
 #: what only an engine-side source (OTLP spans, SGLang files, the vLLM plugin) knows; a proxy never does
-ENGINE_SIDE_HISTOGRAMS = frozenset({
-    "kvwatch_request_queue_seconds", "kvwatch_request_prefill_seconds", "kvwatch_request_decode_seconds",
-    "kvwatch_request_preemptions", "kvwatch_request_prefix_reuse_ratio"})
+ENGINE_SIDE_HISTOGRAMS = frozenset(
+    {
+        "kvwatch_request_queue_seconds",
+        "kvwatch_request_prefill_seconds",
+        "kvwatch_request_decode_seconds",
+        "kvwatch_request_preemptions",
+        "kvwatch_request_prefix_reuse_ratio",
+    }
+)
 
 
 def _histogram_series(name: str, shape: NodeShape) -> int:
-    bounds = (buckets.output_token_bounds(shape.band_edges) if name == "kvwatch_request_output_tokens"
-              else HISTOGRAM_FAMILIES[name])
+    bounds = (
+        buckets.output_token_bounds(shape.band_edges)
+        if name == "kvwatch_request_output_tokens"
+        else HISTOGRAM_FAMILIES[name]
+    )
     proxy = name not in ENGINE_SIDE_HISTOGRAMS and not (shape.lean and name in ENGINE_SIDE_ONLY_FAMILIES)
     keys = shape.keys_of(name, proxy=proxy)
     return keys * shape.bands * (len(bounds) + 3)  # buckets, +Inf, _sum, _count
@@ -151,9 +160,18 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     # kvwatch itself
     "kvwatch_build": lambda s: 1,
     # the agent process (prometheus_client's process and platform collectors): one series each
-    **{name: (lambda s: 1) for name in (
-        "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds",
-        "process_open_fds", "process_max_fds", "process_start_time_seconds", "python_info")},
+    **{
+        name: (lambda s: 1)
+        for name in (
+            "process_resident_memory_bytes",
+            "process_virtual_memory_bytes",
+            "process_cpu_seconds",
+            "process_open_fds",
+            "process_max_fds",
+            "process_start_time_seconds",
+            "python_info",
+        )
+    },
     "kvwatch_collector_success": lambda s: s.collectors,
     "kvwatch_collector_duration_seconds": lambda s: s.collectors,
     "kvwatch_source_last_success_timestamp_seconds": lambda s: s.sources,
@@ -174,8 +192,9 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_proxy_requests_refused": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
     "kvwatch_proxy_refusals_undelivered": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
     # only on an out-of-range count: per replica and source, x the request fields that were
-    "kvwatch_request_values_dropped": lambda s: ((s.replicas * int(s.proxied) + s.engine_keys)
-                                                 * s.out_of_range_fields),
+    "kvwatch_request_values_dropped": lambda s: (
+        (s.replicas * int(s.proxied) + s.engine_keys) * s.out_of_range_fields
+    ),
     # terminal_pod, stale_duplicate, mig_unresolved, dra, unknown_device (with pod resources only)
     "kvwatch_gpu_grants_unattributed": lambda s: 5 * int(s.discovery),
     "kvwatch_config_last_reload_successful": lambda s: int(s.config_reloads),
@@ -192,47 +211,105 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_vllm_plugin_dropped_datagrams": lambda s: s.plugin_units,
     "kvwatch_vllm_plugin_dropped_steps": lambda s: s.plugin_units,
     "kvwatch_vllm_plugin_refused_requests": lambda s: s.plugin_units * s.plugin_refusal_reasons,
-    "kvwatch_engine_step_seconds": lambda s: (s.plugin_units * s.step_batch_buckets
-                                              * (len(buckets.STEP_SECONDS) + 3)),
-    **{name: (lambda s: s.plugin_units * (len(buckets.KV_BLOCK_SECONDS) + 3)) for name in (
-        "kvwatch_kv_block_lifetime_seconds", "kvwatch_kv_block_idle_seconds",
-        "kvwatch_kv_block_reuse_gap_seconds")},
+    "kvwatch_engine_step_seconds": lambda s: (
+        s.plugin_units * s.step_batch_buckets * (len(buckets.STEP_SECONDS) + 3)
+    ),
+    **{
+        name: (lambda s: s.plugin_units * (len(buckets.KV_BLOCK_SECONDS) + 3))
+        for name in (
+            "kvwatch_kv_block_lifetime_seconds",
+            "kvwatch_kv_block_idle_seconds",
+            "kvwatch_kv_block_reuse_gap_seconds",
+        )
+    },
     # engine replicas: one series per replica and DP rank, x finish reasons / tier pairs
-    **{name: (lambda s: s.units) for name in (
-        "kvwatch_replica", "kvwatch_kv_capacity_tokens", "kvwatch_kv_capacity_bytes",
-        "kvwatch_kv_block_size_tokens", "kvwatch_kv_usage_ratio", "kvwatch_kv_used_blocks",
-        "kvwatch_kv_used_tokens", "kvwatch_kv_evictable_tokens", "kvwatch_kv_free_tokens",
-        "kvwatch_requests_running", "kvwatch_requests_waiting", "kvwatch_preemptions",
-        "kvwatch_prompt_tokens", "kvwatch_generation_tokens", "kvwatch_prefix_cache_queried_tokens",
-        "kvwatch_prefix_cache_hit_tokens",
-        # derived, one per unit (one source each)
-        "kvwatch_kv_live_tokens", "kvwatch_kv_fragmentation_ratio", "kvwatch_kv_headroom_seconds",
-        "kvwatch_kv_overcommitted_requests", "kvwatch_recomputed_tokens")},
+    **{
+        name: (lambda s: s.units)
+        for name in (
+            "kvwatch_replica",
+            "kvwatch_kv_capacity_tokens",
+            "kvwatch_kv_capacity_bytes",
+            "kvwatch_kv_block_size_tokens",
+            "kvwatch_kv_usage_ratio",
+            "kvwatch_kv_used_blocks",
+            "kvwatch_kv_used_tokens",
+            "kvwatch_kv_evictable_tokens",
+            "kvwatch_kv_free_tokens",
+            "kvwatch_requests_running",
+            "kvwatch_requests_waiting",
+            "kvwatch_preemptions",
+            "kvwatch_prompt_tokens",
+            "kvwatch_generation_tokens",
+            "kvwatch_prefix_cache_queried_tokens",
+            "kvwatch_prefix_cache_hit_tokens",
+            # derived, one per unit (one source each)
+            "kvwatch_kv_live_tokens",
+            "kvwatch_kv_fragmentation_ratio",
+            "kvwatch_kv_headroom_seconds",
+            "kvwatch_kv_overcommitted_requests",
+            "kvwatch_recomputed_tokens",
+        )
+    },
     "kvwatch_engine_finished_requests": lambda s: s.units * s.finish_reasons,
-    **{name: (lambda s: s.units * s.tier_pairs) for name in (
-        "kvwatch_kv_tier_transfer_bytes", "kvwatch_kv_tier_transfer_tokens",
-        "kvwatch_kv_tier_transfer_blocks", "kvwatch_kv_tier_transfer_seconds")},
+    **{
+        name: (lambda s: s.units * s.tier_pairs)
+        for name in (
+            "kvwatch_kv_tier_transfer_bytes",
+            "kvwatch_kv_tier_transfer_tokens",
+            "kvwatch_kv_tier_transfer_blocks",
+            "kvwatch_kv_tier_transfer_seconds",
+        )
+    },
     "kvwatch_replica_gpu": lambda s: s.replicas * s.gpus_per_replica,
     "kvwatch_kv_stranded_tokens": lambda s: s.replicas * s.models_per_replica,  # per model: at most this
     "kvwatch_kv_tier_link_utilization_ratio": lambda s: s.replicas * 2,  # offload, onload
     "kvwatch_kv_tier_link_condition": lambda s: s.replicas * 2 * 3,  # x 3 conditions
     "kvwatch_kv_tier_recompute_avoided_tokens_per_byte": lambda s: s.replicas,
     # GPUs
-    **{name: (lambda s: s.gpus) for name in (
-        "kvwatch_gpu", "kvwatch_gpu_lost", "kvwatch_gpu_memory_total_bytes",
-        "kvwatch_gpu_memory_used_bytes", "kvwatch_gpu_memory_reserved_bytes", "kvwatch_gpu_memory_free_bytes",
-        "kvwatch_gpu_utilization_ratio", "kvwatch_gpu_memory_utilization_ratio", "kvwatch_gpu_pcie_tx_bytes",
-        "kvwatch_gpu_pcie_rx_bytes", "kvwatch_gpu_pcie_replays", "kvwatch_gpu_pcie_link_generation",
-        "kvwatch_gpu_pcie_link_generation_max", "kvwatch_gpu_pcie_link_width",
-        "kvwatch_gpu_pcie_link_width_max", "kvwatch_gpu_power_watts", "kvwatch_gpu_power_limit_watts",
-        "kvwatch_gpu_energy_joules", "kvwatch_gpu_row_remap_pending", "kvwatch_gpu_row_remap_failure",
-        "kvwatch_gpu_pcie_link_max_bytes_per_second")},
-    **{name: (lambda s: s.gpus * 2) for name in (  # gpu/memory, sm/memory, corrected/uncorrected, ...
-        "kvwatch_gpu_temperature_celsius", "kvwatch_gpu_clock_hertz", "kvwatch_gpu_ecc_errors",
-        "kvwatch_gpu_remapped_rows")},
+    **{
+        name: (lambda s: s.gpus)
+        for name in (
+            "kvwatch_gpu",
+            "kvwatch_gpu_lost",
+            "kvwatch_gpu_memory_total_bytes",
+            "kvwatch_gpu_memory_used_bytes",
+            "kvwatch_gpu_memory_reserved_bytes",
+            "kvwatch_gpu_memory_free_bytes",
+            "kvwatch_gpu_utilization_ratio",
+            "kvwatch_gpu_memory_utilization_ratio",
+            "kvwatch_gpu_pcie_tx_bytes",
+            "kvwatch_gpu_pcie_rx_bytes",
+            "kvwatch_gpu_pcie_replays",
+            "kvwatch_gpu_pcie_link_generation",
+            "kvwatch_gpu_pcie_link_generation_max",
+            "kvwatch_gpu_pcie_link_width",
+            "kvwatch_gpu_pcie_link_width_max",
+            "kvwatch_gpu_power_watts",
+            "kvwatch_gpu_power_limit_watts",
+            "kvwatch_gpu_energy_joules",
+            "kvwatch_gpu_row_remap_pending",
+            "kvwatch_gpu_row_remap_failure",
+            "kvwatch_gpu_pcie_link_max_bytes_per_second",
+        )
+    },
+    **{
+        name: (lambda s: s.gpus * 2)
+        for name in (  # gpu/memory, sm/memory, corrected/uncorrected, ...
+            "kvwatch_gpu_temperature_celsius",
+            "kvwatch_gpu_clock_hertz",
+            "kvwatch_gpu_ecc_errors",
+            "kvwatch_gpu_remapped_rows",
+        )
+    },
     "kvwatch_gpu_clock_event_active": lambda s: s.gpus * s.clock_event_reasons,
-    **{name: (lambda s: s.gpus * s.nvlink_series) for name in (
-        "kvwatch_gpu_nvlink_tx_bytes", "kvwatch_gpu_nvlink_rx_bytes", "kvwatch_gpu_nvlink_active")},
+    **{
+        name: (lambda s: s.gpus * s.nvlink_series)
+        for name in (
+            "kvwatch_gpu_nvlink_tx_bytes",
+            "kvwatch_gpu_nvlink_rx_bytes",
+            "kvwatch_gpu_nvlink_active",
+        )
+    },
     "kvwatch_gpu_xid_errors": lambda s: s.gpus * s.xid_codes,
     "kvwatch_gpu_process_memory_bytes": lambda s: s.gpus * s.processes_per_gpu,
     "kvwatch_gpu_nvml_errors": lambda s: s.nvml_error_kinds,
@@ -240,17 +317,27 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     **{name: (lambda s, name=name: _histogram_series(name, s)) for name in HISTOGRAM_FAMILIES},
     "kvwatch_request_output_tokens": lambda s: _histogram_series("kvwatch_request_output_tokens", s),
     "kvwatch_requests": lambda s: (s.proxy_keys + s.engine_keys) * s.bands * len(OUTCOMES),
-    "kvwatch_request_preemption_stalls": lambda s: s.keys_of("kvwatch_request_preemption_stalls",
-                                                              engine=False) * s.bands,
-    "kvwatch_request_output_tokens_estimated": lambda s: s.keys_of("kvwatch_request_output_tokens_estimated")
-    * s.bands,
-    **{name: (lambda s, name=name: s.keys_of(name, engine=False) * s.bands)  # by admission band
-       for name in ("kvwatch_requests_in_flight", "kvwatch_in_flight_tokens")},
+    "kvwatch_request_preemption_stalls": lambda s: (
+        s.keys_of("kvwatch_request_preemption_stalls", engine=False) * s.bands
+    ),
+    "kvwatch_request_output_tokens_estimated": lambda s: (
+        s.keys_of("kvwatch_request_output_tokens_estimated") * s.bands
+    ),
+    **{
+        name: (lambda s, name=name: s.keys_of(name, engine=False) * s.bands)  # by admission band
+        for name in ("kvwatch_requests_in_flight", "kvwatch_in_flight_tokens")
+    },
     "kvwatch_request_unused_max_tokens": lambda s: s.keys_of("kvwatch_request_unused_max_tokens") * s.bands,
 }
 
-GROUPS = {"self": "kvwatch itself", "replica": "engine replicas", "derived": "derived KV signals",
-          "gpu": "GPUs (NVML)", "request": "requests by band", "plugin": "vLLM plugin"}
+GROUPS = {
+    "self": "kvwatch itself",
+    "replica": "engine replicas",
+    "derived": "derived KV signals",
+    "gpu": "GPUs (NVML)",
+    "request": "requests by band",
+    "plugin": "vLLM plugin",
+}
 
 
 def series_budget(shape: NodeShape) -> dict[str, int]:
@@ -277,16 +364,21 @@ LEAN_MAX_BYTES = 300 * 1024
 def test_every_catalog_family_has_a_budget_rule_and_the_documented_number_is_the_formulas():
     assert {s.name for s in CATALOG} <= set(RULES), (
         f"families without a series budget: {sorted({s.name for s in CATALOG} - set(RULES))}; "
-        "add them to RULES here and to the tables of docs/scale.md")
+        "add them to RULES here and to the tables of docs/scale.md"
+    )
     doc = SCALE_DOC.read_text()
     lean, full = NodeShape(), NodeShape(profile="full")
-    documented = re.search(r"Budget: ([\d,]+) series per node in the lean default, ([\d,]+) in the full "
-                           r"profile", doc)
+    documented = re.search(
+        r"Budget: ([\d,]+) series per node in the lean default, ([\d,]+) in the full "
+        r"profile",
+        doc,
+    )
     assert documented, "docs/scale.md states no 'Budget: N series per node in the lean default, M in ...'"
     for shape, number in zip((lean, full), documented.groups(), strict=True):
         total = sum(series_budget(shape).values())
         assert int(number.replace(",", "")) == total, (
-            f"docs/scale.md says {number} series ({shape.profile}), the formula gives {total:,}: update it")
+            f"docs/scale.md says {number} series ({shape.profile}), the formula gives {total:,}: update it"
+        )
     assert sum(series_budget(lean).values()) <= LEAN_MAX_SERIES
     by_lean, by_full = budget_by_area(lean), budget_by_area(full)
     for area, title in GROUPS.items():
@@ -300,8 +392,12 @@ def test_every_catalog_family_has_a_budget_rule_and_the_documented_number_is_the
 @pytest.mark.parametrize("profile", ["lean", "full"])
 async def test_the_reference_node_stays_within_the_series_budget(profile: str):
     shape = NodeShape(profile=profile)
-    async with reference_node(profile, shape.replicas, shape.gpus, shape.processes_per_gpu,
-                              (13, 79)[: shape.xid_codes]) as agent, httpx.AsyncClient() as client:
+    async with (
+        reference_node(
+            profile, shape.replicas, shape.gpus, shape.processes_per_gpu, (13, 79)[: shape.xid_codes]
+        ) as agent,
+        httpx.AsyncClient() as client,
+    ):
         text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)).text
     counts = count_by_family(parse(text))
     size = len(text.encode())
@@ -314,8 +410,10 @@ async def test_the_reference_node_stays_within_the_series_budget(profile: str):
     request_budget = budget_by_area(shape)["request"]
     request_used = sum(n for name, n in counts.items() if _area(name) == "request")
     assert request_used >= 0.9 * request_budget, (request_used, request_budget)
-    print(f"{profile} 8x8 node: {total:,} series (budget {allowed:,}), {size / 1024:.0f} KiB; requests "
-          f"{request_used:,} of {request_budget:,}; by area {_by_area(counts)}")
+    print(
+        f"{profile} 8x8 node: {total:,} series (budget {allowed:,}), {size / 1024:.0f} KiB; requests "
+        f"{request_used:,} of {request_budget:,}; by area {_by_area(counts)}"
+    )
     if profile == "lean":
         assert total <= LEAN_MAX_SERIES, total
         assert size <= LEAN_MAX_BYTES, f"{size / 1024:.0f} KiB"
@@ -352,8 +450,9 @@ class SimulatedNode:
         self._targets: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
         self._stop = threading.Event()
         self.sent = 0
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="sim-node",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._main()), name="sim-node", daemon=True
+        )
 
     def start(self) -> list[str]:
         self._thread.start()
@@ -384,8 +483,12 @@ class SimulatedNode:
             targets = await asyncio.to_thread(self._targets.result)
             if not targets:
                 return
-            loadgen = LoadGenerator(targets, model=self.model, router=router_spec(self.settings),
-                                    config=LoadGenConfig(speed=self.settings.speed, seed=0))
+            loadgen = LoadGenerator(
+                targets,
+                model=self.model,
+                router=router_spec(self.settings),
+                config=LoadGenConfig(speed=self.settings.speed, seed=0),
+            )
             requests = generate(demo_workload(0), duration=24 * 3600.0)
             load = asyncio.create_task(loadgen.run(requests, duration=None, drain=False))
             await asyncio.to_thread(self._stop.wait)
@@ -515,29 +618,68 @@ def soak(tmp_path_factory) -> Iterator[SoakRun]:
     try:
         urls = sim.start()
         proxy_ports = [free_port() for _ in urls]
-        agent = KvwatchRun({
-            "node": "soak-node", "log_level": "warning",
-            "intervals": {"engine": "1s", "gpu": "1s"},
-            "nvml": {"fake_gpus": len(urls)},
-            "replicas": [{"name": f"replica-{i}", "backend": "vllm", "metrics_url": f"{url}/metrics",
-                          "api_url": url, "proxy_listen": f"127.0.0.1:{port}", "model_name": sim.model,
-                          "gpus": [str(i)]}
-                         for i, (url, port) in enumerate(zip(urls, proxy_ports, strict=True))],
-        }, workdir).start()
+        agent = KvwatchRun(
+            {
+                "node": "soak-node",
+                "log_level": "warning",
+                "intervals": {"engine": "1s", "gpu": "1s"},
+                "nvml": {"fake_gpus": len(urls)},
+                "replicas": [
+                    {
+                        "name": f"replica-{i}",
+                        "backend": "vllm",
+                        "metrics_url": f"{url}/metrics",
+                        "api_url": url,
+                        "proxy_listen": f"127.0.0.1:{port}",
+                        "model_name": sim.model,
+                        "gpus": [str(i)],
+                    }
+                    for i, (url, port) in enumerate(zip(urls, proxy_ports, strict=True))
+                ],
+            },
+            workdir,
+        ).start()
         sim.send_load_to([f"http://127.0.0.1:{port}" for port in proxy_ports])
-        cluster = Prometheus(workdir, [], external_labels={"cluster": CLUSTER}, name="cluster",
-                             extra_scrape_configs=[{"job_name": "kvwatch", "static_configs": [
-                                 {"targets": [f"127.0.0.1:{agent.port}"], "labels": {"node": "soak-node"}}]}],
-                             extra_config={"remote_write": [{"url": f"http://127.0.0.1:{sink.port}/write",
-                                                             "queue_config": {"batch_send_deadline": "1s"}}]})
+        cluster = Prometheus(
+            workdir,
+            [],
+            external_labels={"cluster": CLUSTER},
+            name="cluster",
+            extra_scrape_configs=[
+                {
+                    "job_name": "kvwatch",
+                    "static_configs": [
+                        {"targets": [f"127.0.0.1:{agent.port}"], "labels": {"node": "soak-node"}}
+                    ],
+                }
+            ],
+            extra_config={
+                "remote_write": [
+                    {
+                        "url": f"http://127.0.0.1:{sink.port}/write",
+                        "queue_config": {"batch_send_deadline": "1s"},
+                    }
+                ]
+            },
+        )
         cluster.start()
         run.federated_raw = raw_families_read_by(fleet_rule_files())
         run.selectors = federation_selectors(fleet_rule_files())
-        global_ = Prometheus(workdir, [], rule_files=fleet_rule_files(), name="global",
-                             extra_scrape_configs=[{
-                                 "job_name": "federate-kvwatch", "honor_labels": True,
-                                 "metrics_path": "/federate", "params": {"match[]": run.selectors},
-                                 "static_configs": [{"targets": [f"127.0.0.1:{cluster.port}"]}]}]).start()
+        global_ = Prometheus(
+            workdir,
+            [],
+            rule_files=fleet_rule_files(),
+            name="global",
+            extra_scrape_configs=[
+                {
+                    "job_name": "federate-kvwatch",
+                    "honor_labels": True,
+                    "metrics_path": "/federate",
+                    "params": {"match[]": run.selectors},
+                    "static_configs": [{"targets": [f"127.0.0.1:{cluster.port}"]}],
+                }
+            ],
+        ).start()
 
         started = time.monotonic()
         cpu0 = cpu_seconds(agent.pid)
@@ -555,15 +697,23 @@ def soak(tmp_path_factory) -> Iterator[SoakRun]:
         for name, expr in QUERIES.items():  # the cluster's own results have no cluster label yet:
             run.cluster_values[name] = cluster.query(expr)  # external labels are added on the way out
             run.global_values[name] = global_.query(expr.replace("{}", f'{{cluster="{CLUSTER}"}}'))
-        federate = httpx.get(f"{cluster.url}/federate", params={"match[]": '{__name__=~"kvwatch:.+"}'},
-                             timeout=30)
+        federate = httpx.get(
+            f"{cluster.url}/federate", params={"match[]": '{__name__=~"kvwatch:.+"}'}, timeout=30
+        )
         run.federated_recordings = parse(federate.text) if federate.status_code == 200 else []
-        run.federated_series = len(parse(httpx.get(f"{cluster.url}/federate", params=[
-            ("match[]", m) for m in run.selectors], timeout=30).text))
+        run.federated_series = len(
+            parse(
+                httpx.get(
+                    f"{cluster.url}/federate", params=[("match[]", m) for m in run.selectors], timeout=30
+                ).text
+            )
+        )
         run.cluster_rule_errors = cluster.rule_errors()
         run.global_rule_errors = global_.rule_errors()
-        run.global_groups = {g["name"]: not g.get("lastEvaluation", "0001").startswith("0001")
-                             for g in global_.api("rules")["groups"]}
+        run.global_groups = {
+            g["name"]: not g.get("lastEvaluation", "0001").startswith("0001")
+            for g in global_.api("rules")["groups"]
+        }
         run.remote_write = {
             "samples": _prometheus_counter(cluster, "prometheus_remote_storage_samples_total"),
             "bytes": _prometheus_counter(cluster, "prometheus_remote_storage_bytes_total"),
@@ -588,6 +738,7 @@ QUERIES = {  # "{}" becomes the cluster matcher in the global Prometheus
     "slo_requests": "kvwatch:slo_requests:rate5m{}",
 }
 
+
 @pytest.mark.slow
 @pytest.mark.prometheus
 def test_agent_memory_stays_flat_over_a_long_run_under_load(soak: SoakRun):
@@ -601,11 +752,13 @@ def test_agent_memory_stays_flat_over_a_long_run_under_load(soak: SoakRun):
     half = len(after) // 2
     first_half = statistics.median(r for _, r in after[:half])
     second_half = statistics.median(r for _, r in after[half:])
-    print(f"agent RSS: start {soak.rss[0][1] / mib:.1f} MiB, after warm-up {early / mib:.1f} MiB, "
-          f"end {late / mib:.1f} MiB, max {max(r for _, r in soak.rss) / mib:.1f} MiB; "
-          f"CPU {soak.cpu_s:.1f} s over {soak.wall_s:.0f} s "
-          f"({100 * soak.cpu_s / soak.wall_s:.1f}% of a core); "
-          f"series {soak.series}; requests sent {soak.requests_sent}")
+    print(
+        f"agent RSS: start {soak.rss[0][1] / mib:.1f} MiB, after warm-up {early / mib:.1f} MiB, "
+        f"end {late / mib:.1f} MiB, max {max(r for _, r in soak.rss) / mib:.1f} MiB; "
+        f"CPU {soak.cpu_s:.1f} s over {soak.wall_s:.0f} s "
+        f"({100 * soak.cpu_s / soak.wall_s:.1f}% of a core); "
+        f"series {soak.series}; requests sent {soak.requests_sent}"
+    )
     assert late - early < 10 * mib, (early / mib, late / mib)
     assert second_half - first_half < 4 * mib, (first_half / mib, second_half / mib)
     assert soak.requests_sent > 50, "the workload did not flow"
@@ -639,13 +792,19 @@ def test_fleet_rules_evaluate_on_a_global_prometheus_fed_by_federation(soak: Soa
     assert soak.global_groups["kvwatch-fleet.recording"] and soak.global_groups["kvwatch-fleet.alerts"]
     assert "kvwatch_requests_total" in soak.federated_raw
     assert not [n for n in soak.federated_raw if n.startswith("kvwatch_gpu")], "fleet rules read GPU series"
-    print(f"federated for the fleet rules: {soak.federated_series} series of {len(soak.last_metrics)}; "
-          f"selectors {soak.selectors}")
+    print(
+        f"federated for the fleet rules: {soak.federated_series} series of {len(soak.last_metrics)}; "
+        f"selectors {soak.selectors}"
+    )
     assert 0 < soak.federated_series < len(soak.last_metrics) / 2
 
     def values(result: list[dict[str, Any]]) -> dict[tuple, float]:
-        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k not in ("__name__", "cluster"))):
-                float(r["value"][1]) for r in result}
+        return {
+            tuple(sorted((k, v) for k, v in r["metric"].items() if k not in ("__name__", "cluster"))): float(
+                r["value"][1]
+            )
+            for r in result
+        }
 
     for name in QUERIES:
         assert soak.global_values[name], f"{name}: nothing in the global Prometheus"
@@ -669,9 +828,11 @@ def test_remote_write_cost_per_node_is_within_the_documented_budget(soak: SoakRu
     assert rw["samples"] > 10_000 and rw["bytes"] > 0, rw
     per_sample = rw["bytes"] / rw["samples"]
     series = len(soak.last_metrics)
-    print(f"remote write: {rw['samples']:.0f} samples, {rw['bytes'] / 1e6:.2f} MB "
-          f"({rw['sink_bytes'] / 1e6:.2f} MB received), {per_sample:.2f} bytes/sample; "
-          f"{series} series -> {series / 15 * per_sample / 1024:.1f} KiB/s per node at 15 s")
+    print(
+        f"remote write: {rw['samples']:.0f} samples, {rw['bytes'] / 1e6:.2f} MB "
+        f"({rw['sink_bytes'] / 1e6:.2f} MB received), {per_sample:.2f} bytes/sample; "
+        f"{series} series -> {series / 15 * per_sample / 1024:.1f} KiB/s per node at 15 s"
+    )
     assert per_sample <= 25.0, per_sample
     assert abs(rw["sink_bytes"] - rw["bytes"]) <= 0.05 * rw["bytes"] + 65536
     assert rw["samples"] >= soak.series[0] * 20

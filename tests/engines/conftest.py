@@ -58,14 +58,14 @@ class EngineServer:
             return resp
         if self.mode == "short_body":  # Content-Length promises more than is sent, then close
             body = self.body.encode()
-            resp = web.StreamResponse(headers={"Content-Type": METRICS_CT,
-                                               "Content-Length": str(len(body))})
+            resp = web.StreamResponse(headers={"Content-Type": METRICS_CT, "Content-Length": str(len(body))})
             await resp.prepare(request)
             await resp.write(body[: len(body) // 2])
             request.transport.close()
             return resp
-        return web.Response(body=self.body.encode(), status=self.status,
-                            headers={"Content-Type": self.content_type})
+        return web.Response(
+            body=self.body.encode(), status=self.status, headers={"Content-Type": self.content_type}
+        )
 
     async def _slots(self, request: web.Request) -> web.Response:
         if self.slots_body is None:

@@ -14,8 +14,12 @@ def vllm_page() -> str:
 
 
 #: the per-rank families repeated by ``many_ranks``
-RANK_FAMILIES = ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{",
-                 "vllm:num_preemptions_total{")
+RANK_FAMILIES = (
+    "vllm:num_requests_running{",
+    "vllm:num_requests_waiting{",
+    "vllm:kv_cache_usage_perc{",
+    "vllm:num_preemptions_total{",
+)
 
 
 def many_ranks(ranks: int) -> str:
@@ -34,8 +38,10 @@ def many_ranks(ranks: int) -> str:
 
 def many_finished_reasons(values: int) -> str:
     """The real page plus ``values`` distinct ``finished_reason`` label values."""
-    extra = "".join(f'vllm:request_success_total{{engine="0",finished_reason="r{i}",model_name="tiny"}} 1\n'
-                    for i in range(values))
+    extra = "".join(
+        f'vllm:request_success_total{{engine="0",finished_reason="r{i}",model_name="tiny"}} 1\n'
+        for i in range(values)
+    )
     return vllm_page() + extra
 
 

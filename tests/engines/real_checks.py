@@ -29,7 +29,7 @@ def metrics_of(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def value(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
-    (_, v), = metrics[name]
+    ((_, v),) = metrics[name]
     return v
 
 

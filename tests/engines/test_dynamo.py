@@ -24,11 +24,11 @@ def test_frontend_groups_model_label_case_insensitively():
 def test_kvbm_direction_names_map_to_plain_tiers_in_blocks():
     found = tiers(only("dynamo_kvbm_1_6.prom"))
     assert {k: t.blocks_total for k, t in found.items()} == {
-        ("kvbm", "gpu", "host"): 1200.0,   # offload d2h
-        ("kvbm", "host", "disk"): 300.0,   # offload h2d: host-to-disk
-        ("kvbm", "gpu", "disk"): 0.0,      # offload d2d
-        ("kvbm", "host", "gpu"): 450.0,    # onboard h2d: host-to-device
-        ("kvbm", "disk", "gpu"): 20.0,     # onboard d2d
+        ("kvbm", "gpu", "host"): 1200.0,  # offload d2h
+        ("kvbm", "host", "disk"): 300.0,  # offload h2d: host-to-disk
+        ("kvbm", "gpu", "disk"): 0.0,  # offload d2d
+        ("kvbm", "host", "gpu"): 450.0,  # onboard h2d: host-to-device
+        ("kvbm", "disk", "gpu"): 20.0,  # onboard d2d
     }
     assert all(t.bytes_total is None for t in found.values())
 
@@ -45,10 +45,12 @@ def test_worker_kv_stats_per_dp_rank():
 
 def test_old_kvstats_names():
     labels = '{dynamo_component="backend",dynamo_namespace="ns"}'
-    text = (f"dynamo_component_kvstats_active_blocks{labels} 30\n"
-            f"dynamo_component_kvstats_total_blocks{labels} 100\n"
-            f"dynamo_component_kvstats_gpu_cache_usage_percent{labels} 0.3\n")
-    s, = dynamo.parse(parse_text(text), "r0", SCRAPED_AT)
+    text = (
+        f"dynamo_component_kvstats_active_blocks{labels} 30\n"
+        f"dynamo_component_kvstats_total_blocks{labels} 100\n"
+        f"dynamo_component_kvstats_gpu_cache_usage_percent{labels} 0.3\n"
+    )
+    (s,) = dynamo.parse(parse_text(text), "r0", SCRAPED_AT)
     assert (s.kv_used_blocks, s.num_gpu_blocks, s.kv_usage_ratio) == (30.0, 100, 0.3)
     assert s.version_hint == "dynamo 0.7-0.8 (kvstats_* names)"
 

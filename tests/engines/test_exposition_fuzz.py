@@ -18,9 +18,39 @@ assert _spec is not None and _spec.loader is not None
 fuzz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
-PIECES = ['vllm:x', 'm_total', 'h_bucket', '{', '}', 'a="1"', 'engine="', '"', ",", "=", " ", "\t", "1",
-          "-5", "NaN", "+Inf", "1e3", "\\", "\\n", "\n", "\r\n", "# TYPE m counter\n", "# HELP m x\n",
-          "# EOF", "_created", "other", "²", "\x1b", "\x07", "\u202e", "\x00"]
+PIECES = [
+    "vllm:x",
+    "m_total",
+    "h_bucket",
+    "{",
+    "}",
+    'a="1"',
+    'engine="',
+    '"',
+    ",",
+    "=",
+    " ",
+    "\t",
+    "1",
+    "-5",
+    "NaN",
+    "+Inf",
+    "1e3",
+    "\\",
+    "\\n",
+    "\n",
+    "\r\n",
+    "# TYPE m counter\n",
+    "# HELP m x\n",
+    "# EOF",
+    "_created",
+    "other",
+    "²",
+    "\x1b",
+    "\x07",
+    "\u202e",
+    "\x00",
+]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

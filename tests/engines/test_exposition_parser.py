@@ -21,8 +21,10 @@ def test_created_samples_and_families_are_dropped():
 
 
 def test_counter_names_are_kept_as_exposed_without_total_suffix():
-    expo = parse_text("# TYPE kvbm_offload_blocks_d2h counter\nkvbm_offload_blocks_d2h 5\n"
-                      "# TYPE llamacpp:n_tokens_max counter\nllamacpp:n_tokens_max 61\n")
+    expo = parse_text(
+        "# TYPE kvbm_offload_blocks_d2h counter\nkvbm_offload_blocks_d2h 5\n"
+        "# TYPE llamacpp:n_tokens_max counter\nllamacpp:n_tokens_max 61\n"
+    )
     assert expo.series("kvbm_offload_blocks_d2h") == [({}, 5.0)]
     assert expo.series("llamacpp:n_tokens_max") == [({}, 61.0)]
     assert not expo.has("kvbm_offload_blocks_d2h_total")
@@ -34,7 +36,9 @@ def test_multiprocess_histogram_with_sum_before_buckets_groups_into_one_family()
     fam = expo.families["vllm:time_to_first_token_seconds"]
     assert fam.type == "histogram"
     assert [name for name, _, _ in fam.samples][:2] == [
-        "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"]
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
+    ]
     assert len(expo.series("vllm:time_to_first_token_seconds_bucket")) == 3
 
 
@@ -47,7 +51,7 @@ def test_help_and_type_without_samples_is_an_empty_family():
 
 def test_pid_label_from_multiprocess_gauges_is_kept():
     expo = parse_text(page(SGLANG_DYNAMO))
-    (labels, _), = expo.series("sglang:num_retracted_reqs")
+    ((labels, _),) = expo.series("sglang:num_retracted_reqs")
     assert labels["pid"] == "697544"
 
 
@@ -87,19 +91,22 @@ def test_real_vllm_dynamo_capture_parses_every_family():
     assert len(expo.series("vllm:time_to_first_token_seconds_bucket")) > 10
 
 
-@pytest.mark.parametrize(("text", "line", "fragment"), [
-    ('ok 1\nbad{a="1" 2\n', 2, "malformed label set"),
-    ('ok 1\nbad{a="1"} 2 3 4\n', 2, "not a sample line"),
-    ('ok 1\nbad 2 1.5\n', 2, "not a sample line"),
-    ("x 1_000\n", 1, "is not a number"),
-    ("x{a=\"1\",,} 1\n", 1, "malformed label set"),
-    ("ok 1\nx notanumber\n", 2, "is not a number"),
-    ("x{a=unquoted} 1\n", 1, "malformed label set"),
-    ("# TYPE x flobber\nx 1\n", 1, "unknown metric type 'flobber'"),
-    ("# TYPE 9bad gauge\n", 1, "invalid metric name"),
-    ("# HELP\n", 1, "HELP without a metric name"),
-    ("<!DOCTYPE html>\n<html></html>\n", 1, "not a sample line"),
-])
+@pytest.mark.parametrize(
+    ("text", "line", "fragment"),
+    [
+        ('ok 1\nbad{a="1" 2\n', 2, "malformed label set"),
+        ('ok 1\nbad{a="1"} 2 3 4\n', 2, "not a sample line"),
+        ("ok 1\nbad 2 1.5\n", 2, "not a sample line"),
+        ("x 1_000\n", 1, "is not a number"),
+        ('x{a="1",,} 1\n', 1, "malformed label set"),
+        ("ok 1\nx notanumber\n", 2, "is not a number"),
+        ("x{a=unquoted} 1\n", 1, "malformed label set"),
+        ("# TYPE x flobber\nx 1\n", 1, "unknown metric type 'flobber'"),
+        ("# TYPE 9bad gauge\n", 1, "invalid metric name"),
+        ("# HELP\n", 1, "HELP without a metric name"),
+        ("<!DOCTYPE html>\n<html></html>\n", 1, "not a sample line"),
+    ],
+)
 def test_malformed_text_names_the_line_and_what_is_wrong(text, line, fragment):
     with pytest.raises(ExpositionError) as err:
         parse_text(text)

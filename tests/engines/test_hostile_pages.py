@@ -72,8 +72,9 @@ def test_vllm_parse_is_linear_in_the_ranks_when_every_rank_is_kept():
     assert fastest(lambda: results.append(parse_families(expo, "r0", "vllm")), under_s=3.0) < 3.0
     samples = results[-1].samples
     assert len(samples) == 3200
-    assert {s.requests_running for s in samples} == {parse_families(parse_text(hostile.vllm_page()), "r0",
-                                                                    "vllm").samples[0].requests_running}
+    assert {s.requests_running for s in samples} == {
+        parse_families(parse_text(hostile.vllm_page()), "r0", "vllm").samples[0].requests_running
+    }
 
 
 def test_20000_finished_reasons_fold_into_other_with_their_sum():

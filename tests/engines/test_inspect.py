@@ -40,8 +40,15 @@ def test_json_document_of_two_dp_ranks(capsys):
     first = doc["replicas"][0]
     assert (first["kv_capacity_tokens"], first["block_size"]) == (950272.0, 64)
     assert first["preemptions_total"] == 120.0
-    assert {"family": "vllm_tiering", "src_tier": "host", "dst_tier": "disk", "bytes_total": 1.6e10,
-            "tokens_total": None, "blocks_total": None, "seconds_total": 8.0} in first["tier_traffic"]
+    assert {
+        "family": "vllm_tiering",
+        "src_tier": "host",
+        "dst_tier": "disk",
+        "bytes_total": 1.6e10,
+        "tokens_total": None,
+        "blocks_total": None,
+        "seconds_total": 8.0,
+    } in first["tier_traffic"]
     assert first["histograms"]["num_preemptions"]["buckets"][-1] == ["+Inf", 1003.0]
     assert first["finished_requests_total"]["stop"] == 900.0
     assert "live_tokens" in first["missing"]

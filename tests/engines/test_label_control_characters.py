@@ -43,8 +43,14 @@ async def test_metrics_carry_no_raw_control_character_from_an_engine() -> None:
     runner, port = await serve_app(app)
     listen = HostPort("127.0.0.1", 0)
     replica = ReplicaConfig(name="r0", metrics_url=f"http://127.0.0.1:{port}/metrics")
-    agent = Agent(Config(replicas=(replica,), listen=listen, intervals=IntervalsConfig(engine_s=0.5),
-                         nvml=NvmlConfig(fake_gpus=0)))
+    agent = Agent(
+        Config(
+            replicas=(replica,),
+            listen=listen,
+            intervals=IntervalsConfig(engine_s=0.5),
+            nvml=NvmlConfig(fake_gpus=0),
+        )
+    )
     await agent.start()
     try:
         async with httpx.AsyncClient() as client:
@@ -69,11 +75,23 @@ def test_a_served_model_name_the_proxy_learns_is_escaped() -> None:
 
 
 def test_a_model_annotation_is_escaped() -> None:
-    pod = {"metadata": {"namespace": "ns", "name": "p", "uid": "u",
-                        "annotations": {"kvwatch.io/scrape": "true", "kvwatch.io/port": "8000",
-                                        "kvwatch.io/model": HOSTILE_MODEL}},
-           "spec": {"containers": [{"name": "c", "image": "vllm/vllm-openai"}]},
-           "status": {"phase": "Running", "podIP": "10.0.0.1",
-                      "conditions": [{"type": "Ready", "status": "True"}]}}
+    pod = {
+        "metadata": {
+            "namespace": "ns",
+            "name": "p",
+            "uid": "u",
+            "annotations": {
+                "kvwatch.io/scrape": "true",
+                "kvwatch.io/port": "8000",
+                "kvwatch.io/model": HOSTILE_MODEL,
+            },
+        },
+        "spec": {"containers": [{"name": "c", "image": "vllm/vllm-openai"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     verdict = judge_pod(pod)
     assert verdict.engine is not None and verdict.engine.model_name == SHOWN

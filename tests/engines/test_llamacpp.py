@@ -33,34 +33,47 @@ def test_old_build_kv_gauges():
 def test_slots_of_a_2026_build():
     slots = parse_slots(page("llamacpp_slots_2026_two_slots.json"))
     assert [(s.slot_id, s.n_ctx, s.tokens_in_use, s.is_processing) for s in slots] == [
-        (0, 256, 42, True), (1, 256, 217, False)]
+        (0, 256, 42, True),
+        (1, 256, 217, False),
+    ]
 
 
 def test_slots_keep_no_prompt_or_generated_text():
     slots = parse_slots(page("llamacpp_slots_2026_two_slots.json"))
     assert "SECRET" not in repr(slots)
-    assert {f.name for f in dataclasses.fields(slots[0])} == {"slot_id", "n_ctx", "tokens_in_use",
-                                                              "is_processing"}
+    assert {f.name for f in dataclasses.fields(slots[0])} == {
+        "slot_id",
+        "n_ctx",
+        "tokens_in_use",
+        "is_processing",
+    }
 
 
 def test_slots_of_a_2024_build_with_state_field():
     slots = parse_slots(page("llamacpp_slots_2024_state_field.json"))
     assert [(s.n_ctx, s.tokens_in_use, s.is_processing) for s in slots] == [
-        (2048, None, True), (2048, None, False)]
+        (2048, None, True),
+        (2048, None, False),
+    ]
 
 
 def test_tokens_in_use_falls_back_to_parts_when_prompt_count_is_the_prompt_only():
-    slots = parse_slots('[{"id": 0, "n_ctx": 100, "is_processing": true, "n_prompt_tokens": 10, '
-                        '"n_prompt_tokens_processed": 4, "n_prompt_tokens_cache": 6, '
-                        '"next_token": {"n_decoded": 5}}]')
+    slots = parse_slots(
+        '[{"id": 0, "n_ctx": 100, "is_processing": true, "n_prompt_tokens": 10, '
+        '"n_prompt_tokens_processed": 4, "n_prompt_tokens_cache": 6, '
+        '"next_token": {"n_decoded": 5}}]'
+    )
     assert slots[0].tokens_in_use == 15
 
 
-@pytest.mark.parametrize(("body", "fragment"), [
-    ("<html>nope</html>", "not JSON"),
-    ('{"error": "slots disabled"}', "expected a JSON list"),
-    ('[1, 2]', "slot 0 is a int"),
-])
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("<html>nope</html>", "not JSON"),
+        ('{"error": "slots disabled"}', "expected a JSON list"),
+        ("[1, 2]", "slot 0 is a int"),
+    ],
+)
 def test_bad_slots_body_raises_slots_error(body, fragment):
     with pytest.raises(SlotsError, match=fragment):
         parse_slots(body)
@@ -88,4 +101,5 @@ def test_apply_no_slots_changes_nothing():
 
 def test_detect_needs_llamacpp_families():
     from kvwatch.engines.exposition_parser import parse_text
+
     assert not llamacpp.detect(parse_text("process_cpu_seconds_total 1\n"))

@@ -33,8 +33,9 @@ def _hammer(base_url: str, model: str, stop: threading.Event) -> int:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60)
     done = 0
     while not stop.is_set():
-        client.completions.create(model=model, prompt="hello world the a", max_tokens=200,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=model, prompt="hello world the a", max_tokens=200, extra_body={"ignore_eos": True}
+        )
         done += 1
     return done
 
@@ -98,8 +99,12 @@ def test_idle_slots_keep_their_tokens_as_evictable(real_llamacpp):
 async def test_scraper_reads_metrics_and_slots_of_the_real_server(real_llamacpp):
     state = NodeState("n", LengthBands())
     async with httpx.AsyncClient() as client:
-        await scrape_target(client, ReplicaConfig("cpu-llama", real_llamacpp.metrics_url, model_name="tiny"),
-                            ScrapeConfig(timeout_s=30), state)
+        await scrape_target(
+            client,
+            ReplicaConfig("cpu-llama", real_llamacpp.metrics_url, model_name="tiny"),
+            ScrapeConfig(timeout_s=30),
+            state,
+        )
     target = state.target("cpu-llama")
     assert target.up and target.backend == "llamacpp", target.last_error
     assert target.extra_page_error is None

@@ -20,9 +20,13 @@ from .real_checks import engine_metrics, inspect_json, value
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
+
 def _gauges(metrics) -> tuple[float, float, float]:
-    return (value(metrics, "vllm:kv_cache_usage_perc"), value(metrics, "vllm:num_requests_running"),
-            value(metrics, "vllm:num_requests_waiting"))
+    return (
+        value(metrics, "vllm:kv_cache_usage_perc"),
+        value(metrics, "vllm:num_requests_running"),
+        value(metrics, "vllm:num_requests_waiting"),
+    )
 
 
 def _counters(metrics) -> tuple[float, float]:
@@ -44,7 +48,7 @@ def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):
     _wait_idle(url)
     engine = engine_metrics(url)
     (x,) = inspect_json(url)["replicas"]
-    (config, _), = engine["vllm:cache_config_info"]
+    ((config, _),) = engine["vllm:cache_config_info"]
     assert x["block_size"] == int(config["block_size"]) == 128
     assert x["num_gpu_blocks"] == int(config["num_gpu_blocks"])
     assert x["kv_capacity_tokens"] == float(config["kv_cache_size_tokens"]) == x["num_gpu_blocks"] * 128
@@ -63,8 +67,9 @@ def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):
 async def test_scraper_reads_the_real_engine(real_vllm):
     state = NodeState("n", LengthBands())
     async with httpx.AsyncClient() as client:
-        await scrape_target(client, ReplicaConfig("cpu-vllm", real_vllm.metrics_url),
-                            ScrapeConfig(timeout_s=30), state)
+        await scrape_target(
+            client, ReplicaConfig("cpu-vllm", real_vllm.metrics_url), ScrapeConfig(timeout_s=30), state
+        )
     target = state.target("cpu-vllm")
     assert target.up and target.backend == "vllm", target.last_error
     (s,) = target.samples

@@ -69,11 +69,13 @@ async def test_good_scrape_marks_up_and_stores_samples(server, client, state, cl
     assert (s.replica, s.model_name, s.dp_rank, s.scraped_at) == ("r0", "tiny", "0", 1000.0)
     assert state.collectors["engine:r0"].success
     assert log_lines(caplog) == [
-        "replica r0 up: vllm, 1 replica sample(s), vllm>=0.32 (prompt_tokens_cached_by_source)"]
+        "replica r0 up: vllm, 1 replica sample(s), vllm>=0.32 (prompt_tokens_cached_by_source)"
+    ]
 
 
-async def test_repeated_failures_log_once_count_each_and_serve_nothing_stale(server, client, state, clock,
-                                                                            caplog):
+async def test_repeated_failures_log_once_count_each_and_serve_nothing_stale(
+    server, client, state, clock, caplog
+):
     caplog.set_level(logging.INFO, logger=LOGGER)
     await scrape(client, server.url, state, clock)
     assert 'kvwatch_kv_usage_ratio{backend="vllm"' in exported(state)
@@ -145,13 +147,16 @@ async def test_replica_scrape_timeout_overrides_the_global_one(server, client, s
     assert state.target("r0").up
 
 
-@pytest.mark.parametrize(("setup", "reason"), [
-    (lambda s: setattr(s, "body", s.body[:-40]), "malformed"),  # cut inside the last sample line
-    (lambda s: setattr(s, "mode", "short_body"), "malformed"),
-    (lambda s: setattr(s, "body", "<html><body>502 Bad Gateway</body></html>"), "not_metrics"),
-    (lambda s: setattr(s, "body", "process_cpu_seconds_total 1.0\n"), "no_engine_metrics"),
-    (lambda s: setattr(s, "body", "x 1\n" * 300_000), "too_large"),
-])
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        (lambda s: setattr(s, "body", s.body[:-40]), "malformed"),  # cut inside the last sample line
+        (lambda s: setattr(s, "mode", "short_body"), "malformed"),
+        (lambda s: setattr(s, "body", "<html><body>502 Bad Gateway</body></html>"), "not_metrics"),
+        (lambda s: setattr(s, "body", "process_cpu_seconds_total 1.0\n"), "no_engine_metrics"),
+        (lambda s: setattr(s, "body", "x 1\n" * 300_000), "too_large"),
+    ],
+)
 async def test_bad_pages_are_counted_by_reason(server, client, state, clock, caplog, setup, reason):
     await scrape(client, server.url, state, clock)
     assert "kvwatch_kv_capacity_tokens{" in exported(state)

@@ -12,14 +12,15 @@ from .helpers import SCRAPED_AT, SGLANG_DYNAMO, only, page, parse, samples, tier
 
 def test_real_dynamo_capture():
     result = parse(SGLANG_DYNAMO)
-    s, = result.samples
+    (s,) = result.samples
     assert (s.backend, s.model_name, s.dp_rank) == ("sglang", "Qwen/Qwen3-0.6B", None)
     assert (s.kv_capacity_tokens, s.kv_usage_ratio, s.kv_used_tokens) == (92962.0, 0.0, 0.0)
     assert (s.prompt_tokens_total, s.generation_tokens_total) == (33.0, 300.0)
     assert s.histogram("ttft").count == 1.0
     assert s.histogram("num_preemptions").count == 1.0
-    assert s.version_hint == ("sglang 0.5.6-0.5.8 (max_total_num_tokens; "
-                              "retractions only as a per-interval gauge)")
+    assert s.version_hint == (
+        "sglang 0.5.6-0.5.8 (max_total_num_tokens; retractions only as a per-interval gauge)"
+    )
 
 
 def test_per_interval_retraction_gauge_is_not_a_counter():
@@ -37,8 +38,9 @@ def test_0_4_10_has_no_capacity_and_no_retraction_counter():
     assert (s.prefix_cache_hits_total, s.prefix_cache_queries_total) == (52000.0, 210000.0)
     ttft = s.histogram("ttft")
     assert (ttft.sum, ttft.count) == (160.0, 400.0)
-    assert s.version_hint == ("sglang 0.4.10-0.5.1 (no capacity gauge; "
-                              "retractions only as a per-interval gauge)")
+    assert s.version_hint == (
+        "sglang 0.4.10-0.5.1 (no capacity gauge; retractions only as a per-interval gauge)"
+    )
 
 
 def test_0_5_8_retraction_counters_and_recompute_upper_bound():
@@ -73,7 +75,10 @@ class TestTwoDataParallelRanksWithHiCache:
 
     def test_capacity_and_pages(self, ranks):
         assert (ranks["1"].kv_capacity_tokens, ranks["1"].block_size, ranks["1"].num_gpu_blocks) == (
-            500000.0, 64, 7812)
+            500000.0,
+            64,
+            7812,
+        )
 
     def test_live_tokens_unknown_with_pages_larger_than_one_token(self, ranks):
         assert ranks["0"].live_tokens is None
@@ -97,20 +102,24 @@ class TestTwoDataParallelRanksWithHiCache:
 
 
 def test_single_rank_sums_is_streaming_split_and_reads_device_cache_hits():
-    text = ('sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
-            'sglang:prompt_tokens_total{is_streaming="true",model_name="m"} 30\n'
-            'sglang:prompt_tokens_total{is_streaming="false",model_name="m"} 10\n'
-            'sglang:cached_tokens_total{cache_source="device",model_name="m"} 7\n'
-            'sglang:cached_tokens_total{cache_source="total",model_name="m"} 9\n')
-    s, = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
+    text = (
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
+        'sglang:prompt_tokens_total{is_streaming="true",model_name="m"} 30\n'
+        'sglang:prompt_tokens_total{is_streaming="false",model_name="m"} 10\n'
+        'sglang:cached_tokens_total{cache_source="device",model_name="m"} 7\n'
+        'sglang:cached_tokens_total{cache_source="total",model_name="m"} 9\n'
+    )
+    (s,) = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
     assert (s.prompt_tokens_total, s.prefix_cache_queries_total) == (40.0, 40.0)
     assert s.prefix_cache_hits_total == 7.0
 
 
 def test_remote_storage_backend_is_the_remote_tier():
-    text = ('sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
-            'sglang:backuped_tokens_total{storage_backend="mooncake",tp_rank="0"} 5\n')
-    s, = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
+    text = (
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 1\n'
+        'sglang:backuped_tokens_total{storage_backend="mooncake",tp_rank="0"} 5\n'
+    )
+    (s,) = sglang.parse(parse_text(text), "r0", SCRAPED_AT)
     assert tiers(s)[("sglang_storage", "host", "remote")].tokens_total == 5.0
 
 
@@ -126,15 +135,18 @@ def test_kv_bytes_per_token_from_the_pool_size_in_gib():
     assert s.kv_bytes_per_token != pytest.approx(73.242e9 / 1200001, rel=1e-3)  # not decimal GB
 
 
-@pytest.mark.parametrize(("gib", "tokens", "page", "expected"), [
-    (1.0, 1023.0, 1, 1024 * 1024.0),  # 2^30 bytes over 1023 slots + 1 padding slot
-    (1.0, 1024.0 - 64, 64, 1024 * 1024.0),  # one padding page
-    (1.0, 1023.0, None, 1024 * 1024.0),  # no page_size gauge: page size 1
-    (None, 1023.0, 1, None),
-    (0.0, 1023.0, 1, None),  # SGLang reports 0 where torch did not allocate the pool (MLX stub)
-    (1.0, None, 1, None),
-    (1.0, 0.0, 1, None),
-])
+@pytest.mark.parametrize(
+    ("gib", "tokens", "page", "expected"),
+    [
+        (1.0, 1023.0, 1, 1024 * 1024.0),  # 2^30 bytes over 1023 slots + 1 padding slot
+        (1.0, 1024.0 - 64, 64, 1024 * 1024.0),  # one padding page
+        (1.0, 1023.0, None, 1024 * 1024.0),  # no page_size gauge: page size 1
+        (None, 1023.0, 1, None),
+        (0.0, 1023.0, 1, None),  # SGLang reports 0 where torch did not allocate the pool (MLX stub)
+        (1.0, None, 1, None),
+        (1.0, 0.0, 1, None),
+    ],
+)
 def test_kv_bytes_per_token_formula(gib, tokens, page, expected):
     assert sglang.kv_bytes_per_token(gib, tokens, page) == expected
 
@@ -170,15 +182,18 @@ def test_prompt_and_output_token_histograms_feed_headroom():
     from kvwatch.derive.headroom import finished_total, mean_finished_tokens
 
     tok = '{engine_type="unified",model_name="llama-3.1-8b"}'
-    later = _with_values(page(MEMORY_PAGE), {
-        f'sglang:num_requests_total{tok[:-1]},is_streaming="true"}}': 1000,
-        f"sglang:prompt_tokens_histogram_sum{tok}": 2_800_000,
-        f"sglang:prompt_tokens_histogram_count{tok}": 1100,
-        f"sglang:generation_tokens_histogram_sum{tok}": 6_700_000,
-        f"sglang:generation_tokens_histogram_count{tok}": 1100,
-    })
+    later = _with_values(
+        page(MEMORY_PAGE),
+        {
+            f'sglang:num_requests_total{tok[:-1]},is_streaming="true"}}': 1000,
+            f"sglang:prompt_tokens_histogram_sum{tok}": 2_800_000,
+            f"sglang:prompt_tokens_histogram_count{tok}": 1100,
+            f"sglang:generation_tokens_histogram_sum{tok}": 6_700_000,
+            f"sglang:generation_tokens_histogram_count{tok}": 1100,
+        },
+    )
     before = only(MEMORY_PAGE)
-    after, = sglang.parse(parse_text(later), "r0", SCRAPED_AT + 10)
+    (after,) = sglang.parse(parse_text(later), "r0", SCRAPED_AT + 10)
     prompt = after.histogram("prompt_tokens")
     assert prompt is not None and (prompt.count, prompt.sum) == (1100.0, 2_800_000.0)
     assert finished_total(after) - finished_total(before) == 100.0

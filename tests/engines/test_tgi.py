@@ -17,4 +17,8 @@ def test_tgi_router_page():
 def test_tgi_exports_no_kv_occupancy_or_preemptions():
     s = only("tgi_3_3_router.prom")
     assert (s.kv_usage_ratio, s.kv_used_tokens, s.preemptions_total, s.prefix_cache_hits_total) == (
-        None, None, None, None)
+        None,
+        None,
+        None,
+        None,
+    )

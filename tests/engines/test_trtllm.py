@@ -13,7 +13,8 @@ def test_2025_collector_has_request_histograms_and_no_kv():
     assert dict(s.finished_requests_total) == {"length": 50.0, "stop": 250.0}
     assert [name for name, _ in s.histograms] == ["ttft", "e2e", "itl"]
     assert {"kv_capacity_tokens", "kv_usage_ratio", "requests_running", "preemptions_total"} <= set(
-        missing_fields(s))
+        missing_fields(s)
+    )
     assert s.version_hint.startswith("trtllm 1.1")
 
 

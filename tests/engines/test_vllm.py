@@ -26,8 +26,14 @@ def test_real_cpu_vllm_under_load_reads_kv_preemptions_and_capacity():
 
 def test_real_cpu_vllm_keeps_histograms_for_cross_checks():
     s = only("vllm_0_32_cpu_preempting.prom")
-    assert [name for name, _ in s.histograms] == ["ttft", "e2e", "itl", "prompt_tokens",
-                                                   "generation_tokens", "num_preemptions"]
+    assert [name for name, _ in s.histograms] == [
+        "ttft",
+        "e2e",
+        "itl",
+        "prompt_tokens",
+        "generation_tokens",
+        "num_preemptions",
+    ]
     pre = s.histogram("num_preemptions")
     assert pre is not None
     assert pre.bounds == (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0, float("inf"))
@@ -37,13 +43,18 @@ def test_real_cpu_vllm_keeps_histograms_for_cross_checks():
 def test_fields_vllm_does_not_export_are_none_not_zero():
     s = only("vllm_0_32_cpu_idle.prom")
     assert s.kv_usage_ratio == 0.0 and s.preemptions_total == 0.0  # measured zero
-    assert missing_fields(s) == ["kv_used_tokens", "kv_evictable_tokens", "live_tokens",
-                                 "requests_swapped_or_paused", "recomputed_tokens_total"]
+    assert missing_fields(s) == [
+        "kv_used_tokens",
+        "kv_evictable_tokens",
+        "live_tokens",
+        "requests_swapped_or_paused",
+        "recomputed_tokens_total",
+    ]
 
 
 def test_dynamo_worker_capture_with_lmcache():
     result = parse(VLLM_DYNAMO_LMCACHE)
-    s, = result.samples
+    (s,) = result.samples
     assert (s.model_name, s.dp_rank, s.block_size, s.num_gpu_blocks) == ("Qwen/Qwen3-0.6B", "0", 16, 5943)
     assert s.kv_capacity_tokens == 5943 * 16
     assert s.version_hint == "vllm>=0.12 (kv_cache_usage_perc; no gpu_cache_usage_perc)"
@@ -137,8 +148,9 @@ class TestTwoDataParallelRanks:
 
     def test_lmcache_without_rank_labels_is_not_attributed(self, ranks):
         assert not [t for s in ranks.values() for t in s.tier_traffic if t.family == "lmcache"]
-        assert any("LMCache traffic not attributed" in n
-                   for n in parse("vllm_0_33_two_dp_ranks_offload.prom").notes)
+        assert any(
+            "LMCache traffic not attributed" in n for n in parse("vllm_0_33_two_dp_ranks_offload.prom").notes
+        )
 
     def test_finished_requests_by_reason_per_rank(self, ranks):
         assert dict(ranks["1"].finished_requests_total)["stop"] == 700.0
@@ -149,8 +161,9 @@ def test_legacy_offload_family_alone_is_read_by_transfer_type():
     text = page("vllm_0_12_old_names_gone.prom") + (
         f"# TYPE {name} counter\n"
         f'{name}{{{labels},transfer_type="CPU_to_GPU"}} 5.0\n'
-        f'{name}{{{labels},transfer_type="GPU_to_CPU"}} 7.0\n')
-    s, = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
+        f'{name}{{{labels},transfer_type="GPU_to_CPU"}} 7.0\n'
+    )
+    (s,) = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
     found = tiers(s)
     assert found[("vllm_offload_legacy", "host", "gpu")].bytes_total == 5.0
     assert found[("vllm_offload_legacy", "gpu", "host")].bytes_total == 7.0
@@ -159,14 +172,18 @@ def test_legacy_offload_family_alone_is_read_by_transfer_type():
 
 def test_cache_config_without_engine_label_is_shared_by_every_rank():
     """0.8.3-0.8.x: metrics carry engine, cache_config_info does not (it gained it in 0.9)."""
-    text = ('vllm:num_requests_running{engine="0",model_name="m"} 1\n'
-            'vllm:num_requests_running{engine="1",model_name="m"} 2\n'
-            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
-            'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
-            'vllm:cache_config_info{block_size="16",num_gpu_blocks="101"} 1\n')
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2\n'
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="101"} 1\n'
+    )
     found = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
     assert [(s.dp_rank, s.kv_capacity_tokens, s.kv_used_blocks) for s in found] == [
-        ("0", 1616.0, 50.0), ("1", 1616.0, 25.0)]
+        ("0", 1616.0, 50.0),
+        ("1", 1616.0, 25.0),
+    ]
     assert found[0].version_hint == "vllm 0.8.3-0.9.1 (engine label; gpu_cache_usage_perc only)"
 
 
@@ -176,16 +193,20 @@ def test_ranks_sort_numerically():
 
 
 def test_none_string_in_cache_config_leaves_capacity_unknown():
-    text = ('vllm:num_requests_running{engine="0",model_name="m"} 1\n'
-            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="None"} 1\n')
-    s, = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="None"} 1\n'
+    )
+    (s,) = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
     assert (s.block_size, s.num_gpu_blocks, s.kv_capacity_tokens) == (16, None, None)
 
 
 def test_nan_gauge_is_not_measured():
-    text = ('vllm:num_requests_running{engine="0",model_name="m"} 1\n'
-            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} NaN\n')
-    s, = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} NaN\n'
+    )
+    (s,) = vllm.parse(parse_text(text), "r0", SCRAPED_AT)
     assert s.kv_usage_ratio is None
 
 
@@ -202,16 +223,19 @@ def test_kv_cache_memory_bytes_none_leaves_bytes_per_token_unknown():
     assert all(s.kv_bytes_per_token is None for s in samples("vllm_0_33_two_dp_ranks_offload.prom"))
 
 
-@pytest.mark.parametrize(("memory", "blocks", "block_size", "expected"), [
-    (20971520, 20, 128, 8192.0),  # the null block takes memory too: every block is in the divisor
-    (1000, 3, 16, 1000 / 48),  # a budget that is not a whole number of blocks: at most a block high
-    (None, 20, 128, None),
-    (20971520, None, 128, None),
-    (20971520, 20, None, None),
-    (0, 20, 128, None),
-    (-5, 20, 128, None),
-    (20971520, 0, 128, None),
-])
+@pytest.mark.parametrize(
+    ("memory", "blocks", "block_size", "expected"),
+    [
+        (20971520, 20, 128, 8192.0),  # the null block takes memory too: every block is in the divisor
+        (1000, 3, 16, 1000 / 48),  # a budget that is not a whole number of blocks: at most a block high
+        (None, 20, 128, None),
+        (20971520, None, 128, None),
+        (20971520, 20, None, None),
+        (0, 20, 128, None),
+        (-5, 20, 128, None),
+        (20971520, 0, 128, None),
+    ],
+)
 def test_kv_bytes_per_token_formula(memory, blocks, block_size, expected):
     assert vllm.kv_bytes_per_token(memory, blocks, block_size) == expected
 

@@ -28,8 +28,11 @@ def _string_constants(trees: list[ast.Module]) -> dict[str, str]:
     found: dict[str, str] = {}
     for tree in trees:
         for node in tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
-                    and isinstance(node.value.value, str):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
                 for target in node.targets:
                     if isinstance(target, ast.Name):
                         found[target.id] = node.value.value
@@ -50,8 +53,13 @@ def counted_families() -> set[str]:
             if not isinstance(name, str) or not COUNTING.fullmatch(name.lstrip("_")):
                 continue
             first = node.args[0]
-            value = first.value if isinstance(first, ast.Constant) else \
-                constants.get(first.id) if isinstance(first, ast.Name) else None
+            value = (
+                first.value
+                if isinstance(first, ast.Constant)
+                else constants.get(first.id)
+                if isinstance(first, ast.Name)
+                else None
+            )
             if value in catalog:
                 families.add(value)
     return families
@@ -59,8 +67,13 @@ def counted_families() -> set[str]:
 
 def test_the_scan_finds_the_proxy_self_counters():
     families = counted_families()
-    assert {"kvwatch_proxy_requests_shed", "kvwatch_proxy_accept_errors", "kvwatch_otlp_spans",
-            "kvwatch_ledger_write_errors", "kvwatch_proxy_usage_injection_refused"} <= families
+    assert {
+        "kvwatch_proxy_requests_shed",
+        "kvwatch_proxy_accept_errors",
+        "kvwatch_otlp_spans",
+        "kvwatch_ledger_write_errors",
+        "kvwatch_proxy_usage_injection_refused",
+    } <= families
 
 
 def test_every_counted_family_appears_on_metrics_once_counted():
@@ -70,7 +83,11 @@ def test_every_counted_family_appears_on_metrics_once_counted():
         state.count(family, *("counted",) * len(spec(family).labels))
     state.discovery = DiscoveryStatus()  # discovery's own counters are exported while it is on
     text = generate_latest(registry_for(state, config)).decode()
-    missing = [f for f in families
-               if not any(line.startswith(f"{f}_total{{") or line.startswith(f"{f}_total ")
-                          for line in text.splitlines())]
+    missing = [
+        f
+        for f in families
+        if not any(
+            line.startswith(f"{f}_total{{") or line.startswith(f"{f}_total ") for line in text.splitlines()
+        )
+    ]
     assert not missing, f"counted but never exported: {missing}"

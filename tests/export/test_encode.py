@@ -38,7 +38,7 @@ def test_second_render_uses_the_caches_and_stays_identical():
 
 
 def test_escaping_of_label_values_and_help_matches():
-    gauge = GaugeMetricFamily("x_gauge", 'help with \\ and\nnewline', labels=["model_name"])
+    gauge = GaugeMetricFamily("x_gauge", "help with \\ and\nnewline", labels=["model_name"])
     gauge.add_metric(['quote " back \\ nl \n'], 1.5)
     gauge.add_metric(["plain"], float("inf"))
     gauge.add_metric(["nan"], float("nan"))
@@ -55,6 +55,11 @@ def test_escaping_of_label_values_and_help_matches():
 
 def test_histogram_rows_lint_clean_with_promtool(tmp_path):
     body = TextEncoder().encode(full_node_registry())
-    result = subprocess.run([require_tool("promtool"), "check", "metrics"], input=body, capture_output=True,
-                            timeout=60, check=False)
+    result = subprocess.run(
+        [require_tool("promtool"), "check", "metrics"],
+        input=body,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()

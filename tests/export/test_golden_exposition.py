@@ -37,8 +37,9 @@ def test_exposition_matches_the_golden_file(profile: str):
     if text != golden:
         import difflib
 
-        diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True),
-                                            "golden", "now", n=1))
+        diff = "".join(
+            difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden", "now", n=1)
+        )
         raise AssertionError(f"exposition changed (regenerate with KVWATCH_UPDATE_GOLDEN=1):\n{diff[:6000]}")
 
 

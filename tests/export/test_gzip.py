@@ -14,17 +14,20 @@ from kvwatch.export.server import accepts_gzip, metrics_app
 from .node import full_node_registry
 
 
-@pytest.mark.parametrize(("header", "gzipped"), [
-    ("gzip", True),  # Prometheus
-    ("gzip, deflate", True),  # httpx, aiohttp, curl --compressed
-    ("deflate, GZIP;q=0.5", True),
-    ("*", True),
-    ("", False),
-    ("identity", False),
-    ("gzip;q=0", False),
-    ("gzip; q=0.000", False),
-    ("x-gzip-not", False),
-])
+@pytest.mark.parametrize(
+    ("header", "gzipped"),
+    [
+        ("gzip", True),  # Prometheus
+        ("gzip, deflate", True),  # httpx, aiohttp, curl --compressed
+        ("deflate, GZIP;q=0.5", True),
+        ("*", True),
+        ("", False),
+        ("identity", False),
+        ("gzip;q=0", False),
+        ("gzip; q=0.000", False),
+        ("x-gzip-not", False),
+    ],
+)
 def test_which_accept_encodings_get_gzip(header: str, gzipped: bool):
     assert accepts_gzip(header) is gzipped
 

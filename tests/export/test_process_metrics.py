@@ -28,9 +28,15 @@ def _rendered() -> dict[str, object]:
 def test_process_and_platform_families_are_rendered_as_the_catalog_says() -> None:
     assert sys.platform == "linux"  # the process collector reads /proc
     families = _rendered()
-    assert set(STANDARD) == {"process_resident_memory_bytes", "process_virtual_memory_bytes",
-                             "process_cpu_seconds", "process_open_fds", "process_max_fds",
-                             "process_start_time_seconds", "python_info"}
+    assert set(STANDARD) == {
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_cpu_seconds",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+        "python_info",
+    }
     for name, spec in STANDARD.items():
         family = families[name]
         assert (family.type, family.documentation) == (spec.kind, spec.help), name

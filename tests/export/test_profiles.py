@@ -34,9 +34,12 @@ def _family(name: str) -> str:
 
 def _samples(profile: str) -> dict[tuple[str, Labels], float]:
     text = TextEncoder().encode(full_node_registry(replicas=3, profile=profile)).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name != "kvwatch_build_info"}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name != "kvwatch_build_info"
+    }
 
 
 def _without(labels: Labels, label: str) -> Labels:
@@ -67,8 +70,9 @@ def test_each_lean_series_is_the_sum_of_the_full_series_it_folds():
     # what the fold bought on this 3-replica node: at least a third of the request histogram series
     assert len(lean) < 0.7 * len(full), (len(lean), len(full))
     # the engine-side histograms a per-replica alert reads stay per replica
-    assert any(n == "kvwatch_request_preemptions_count" and dict(ls)["replica"] == "replica-2"
-               for n, ls in lean)
+    assert any(
+        n == "kvwatch_request_preemptions_count" and dict(ls)["replica"] == "replica-2" for n, ls in lean
+    )
 
 
 def test_lean_native_histograms_are_the_merged_replicas():
@@ -95,7 +99,7 @@ def test_lean_native_histograms_are_the_merged_replicas():
 
 def test_merging_native_histograms_equals_observing_everything_at_the_coarsest_schema():
     wide, narrow = NativeHistogram(), NativeHistogram()
-    values_wide = [1e-4 * 1.05 ** i for i in range(400)]  # 19 doublings: more than 160 buckets at schema 3
+    values_wide = [1e-4 * 1.05**i for i in range(400)]  # 19 doublings: more than 160 buckets at schema 3
     values_narrow = [0.0, 0.5, 0.51, 2.0, 3.0]
     for v in values_wide:
         wide.observe(v)

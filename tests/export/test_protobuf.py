@@ -21,15 +21,21 @@ from .test_encode import Frozen
 
 # Accept headers exactly as Prometheus sends them: 2.42 scrape/scrape.go scrapeAcceptHeader(WithProtobuf);
 # 3.8 acceptHeader() over config.ScrapeProtocolsHeaders with scrape_native_histograms (PrometheusProto first)
-PROM_242_NATIVE = ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
-                   "encoding=delimited,application/openmetrics-text;version=1.0.0;q=0.8,application/openmetrics-text;version=0.0.1;"
-                   "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
-PROM_242_TEXT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
-                 "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
-PROM_3_NATIVE = ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;"
-                 "q=0.6,application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
-                 "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
-                 "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1")
+PROM_242_NATIVE = (
+    "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+    "encoding=delimited,application/openmetrics-text;version=1.0.0;q=0.8,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROM_242_TEXT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROM_3_NATIVE = (
+    "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;"
+    "q=0.6,application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
+    "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
 
 
 def decode(body: bytes) -> list[pb.MetricFamily]:
@@ -37,13 +43,14 @@ def decode(body: bytes) -> list[pb.MetricFamily]:
     while pos < len(body):
         size, pos = _DecodeVarint(body, pos)
         family = pb.MetricFamily()
-        family.ParseFromString(body[pos:pos + size])
+        family.ParseFromString(body[pos : pos + size])
         families.append(family)
         pos += size
     return families
 
 
 # ---- native-histogram arithmetic --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("schema", [3, 2, 1, 0, -1, -2, -4])
 def test_a_boundary_value_is_in_the_bucket_it_closes_and_just_above_is_the_next(schema):
@@ -70,7 +77,7 @@ def test_spans_fill_gaps_of_up_to_two_buckets_and_open_a_span_after_a_longer_one
 
 
 def test_over_the_bucket_limit_the_schema_drops_and_merged_buckets_equal_observing_at_that_schema():
-    values = [0.001 * 1.07 ** k for k in range(200)]  # 200 values over ~6 doublings
+    values = [0.001 * 1.07**k for k in range(200)]  # 200 values over ~6 doublings
     limited = NativeHistogram(schema=3, bucket_limit=20)
     for v in values:
         limited.observe(v)
@@ -94,30 +101,43 @@ def test_zero_and_negative_values_have_their_own_buckets():
 
 # ---- content negotiation ----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("accept", "protobuf"), [
-    (PROM_242_NATIVE, True),
-    (PROM_3_NATIVE, True),
-    (PROM_242_TEXT, False),
-    ("", False),
-    ("*/*", False),
-    ("text/plain", False),
-    ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited", True),
-    # a protobuf type we do not serve (text encoding, another message), or refused with q=0
-    ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=text", False),
-    ("application/vnd.google.protobuf;proto=other.Message;encoding=delimited", False),
-    ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0,*/*",
-     False),
-    # text preferred over protobuf
-    ("text/plain;q=0.9,application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
-     "encoding=delimited;q=0.5", False),
-    ("application/vnd.google.protobuf; proto=\"io.prometheus.client.MetricFamily\"; encoding=delimited; "
-     "q=bad", False),
-])
+
+@pytest.mark.parametrize(
+    ("accept", "protobuf"),
+    [
+        (PROM_242_NATIVE, True),
+        (PROM_3_NATIVE, True),
+        (PROM_242_TEXT, False),
+        ("", False),
+        ("*/*", False),
+        ("text/plain", False),
+        ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited", True),
+        # a protobuf type we do not serve (text encoding, another message), or refused with q=0
+        ("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=text", False),
+        ("application/vnd.google.protobuf;proto=other.Message;encoding=delimited", False),
+        (
+            "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0,*/*",
+            False,
+        ),
+        # text preferred over protobuf
+        (
+            "text/plain;q=0.9,application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+            "encoding=delimited;q=0.5",
+            False,
+        ),
+        (
+            'application/vnd.google.protobuf; proto="io.prometheus.client.MetricFamily"; encoding=delimited; '
+            "q=bad",
+            False,
+        ),
+    ],
+)
 def test_protobuf_is_chosen_only_when_the_accept_header_rates_it_above_text(accept, protobuf):
     assert wants_protobuf(accept) is protobuf
 
 
 # ---- the exposition ---------------------------------------------------------------------------
+
 
 def _text_samples(body: bytes) -> set[tuple[str, frozenset[tuple[str, str]], str]]:
     out = set()
@@ -144,10 +164,20 @@ def _proto_samples(families: list[pb.MetricFamily]) -> set[tuple[str, frozenset[
                 h = m.histogram
                 for b in h.bucket:
                     le = repr(b.upper_bound)
-                    out.add((f"{f.name}_bucket", frozenset({**labels, "le": le}.items()),
-                             repr(float(b.cumulative_count))))
-                out.add((f"{f.name}_bucket", frozenset({**labels, "le": "+Inf"}.items()),
-                         repr(float(h.sample_count))))
+                    out.add(
+                        (
+                            f"{f.name}_bucket",
+                            frozenset({**labels, "le": le}.items()),
+                            repr(float(b.cumulative_count)),
+                        )
+                    )
+                out.add(
+                    (
+                        f"{f.name}_bucket",
+                        frozenset({**labels, "le": "+Inf"}.items()),
+                        repr(float(h.sample_count)),
+                    )
+                )
                 out.add((f"{f.name}_count", key, repr(float(h.sample_count))))
                 out.add((f"{f.name}_sum", key, repr(h.sample_sum)))
             else:
@@ -169,7 +199,7 @@ def test_request_histograms_carry_native_buckets_that_add_up_to_the_count():
     assert ttft.type == pb.HISTOGRAM and ttft.metric
     for m in ttft.metric:
         h = m.histogram
-        assert h.schema == 3 and h.zero_threshold == 2.0 ** -128
+        assert h.schema == 3 and h.zero_threshold == 2.0**-128
         assert h.bucket, "the classic buckets travel in the same message"
         counts, running = [], 0
         for d in h.positive_delta:

@@ -45,8 +45,10 @@ def snapshot(value: Any, seen: set[int] | None = None) -> Any:
         items = [snapshot(v, seen) for v in value]
         return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
     if is_dataclass(value):
-        return (type(value).__name__,
-                [(f.name, snapshot(getattr(value, f.name), seen)) for f in fields(value)])
+        return (
+            type(value).__name__,
+            [(f.name, snapshot(getattr(value, f.name), seen)) for f in fields(value)],
+        )
     attrs = getattr(value, "__dict__", None)
     slots = [s for cls in type(value).__mro__ for s in getattr(cls, "__slots__", ())]
     if attrs is None and not slots:
@@ -64,9 +66,12 @@ class Broken:
 
 def _areas(state: NodeState, config: Any, broken: bool) -> dict[str, Any]:
     areas: dict[str, Any] = {
-        "replicas": ReplicaCollector(state, config), "derived": DerivedCollector(state, config),
-        "gpus": GpuCollector(state, config), "requests": RequestCollector(state, config),
-        "plugin": PluginCollector(state, config)}
+        "replicas": ReplicaCollector(state, config),
+        "derived": DerivedCollector(state, config),
+        "gpus": GpuCollector(state, config),
+        "requests": RequestCollector(state, config),
+        "plugin": PluginCollector(state, config),
+    }
     if broken:
         areas["gpus"] = Broken()
     return areas
@@ -94,12 +99,17 @@ async def test_rendering_metrics_twice_leaves_the_state_unchanged() -> None:
     assert not any(name.startswith("export_") for name in state.collectors)
     success = _collector_values(second, "kvwatch_collector_success")
     assert {k: v for k, v in success.items() if k.startswith("export_")} == {
-        f"export_{a}": 1.0 for a in ("replicas", "derived", "gpus", "requests", "plugin")}
+        f"export_{a}": 1.0 for a in ("replicas", "derived", "gpus", "requests", "plugin")
+    }
     durations = _collector_values(second, "kvwatch_collector_duration_seconds")
     assert all(durations[f"export_{a}"] > 0 for a in ("replicas", "requests"))
     # the areas have no schedule to go stale against: no last-success time, only the sources have one
-    last = {s.labels["source"] for m in text_string_to_metric_families(second)
-            if m.name == "kvwatch_source_last_success_timestamp_seconds" for s in m.samples}
+    last = {
+        s.labels["source"]
+        for m in text_string_to_metric_families(second)
+        if m.name == "kvwatch_source_last_success_timestamp_seconds"
+        for s in m.samples
+    }
     assert last == set(state.collectors) and not any(n.startswith("export_") for n in last)
     assert "kvwatch_kv_usage_ratio{" in first and "kvwatch_kv_usage_ratio{" in second
 

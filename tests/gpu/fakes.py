@@ -23,13 +23,21 @@ class FakeProc:
         self.root = root
         self.children_files = children_files
 
-    def add(self, pid: int, ppid: int, ns_pids: tuple[int, ...] = (), comm: str = "python3",
-            environ: dict[str, str] | None = None, children: tuple[int, ...] = ()) -> None:
+    def add(
+        self,
+        pid: int,
+        ppid: int,
+        ns_pids: tuple[int, ...] = (),
+        comm: str = "python3",
+        environ: dict[str, str] | None = None,
+        children: tuple[int, ...] = (),
+    ) -> None:
         d = self.root / str(pid)
         (d / "task" / str(pid)).mkdir(parents=True)
         nspid = "\t".join(str(p) for p in (ns_pids or (pid,)))
-        (d / "status").write_text(f"Name:\t{comm}\nState:\tS (sleeping)\nPid:\t{pid}\nPPid:\t{ppid}\n"
-                                  f"NSpid:\t{nspid}\nThreads:\t4\n")
+        (d / "status").write_text(
+            f"Name:\t{comm}\nState:\tS (sleeping)\nPid:\t{pid}\nPPid:\t{ppid}\nNSpid:\t{nspid}\nThreads:\t4\n"
+        )
         (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 4194560 0 0 0 0\n")
         env = environ or {}
         (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")

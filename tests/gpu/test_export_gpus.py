@@ -77,8 +77,11 @@ def node() -> tuple[FakeNvml, NodeState]:
 def test_every_gpu_family_of_the_catalog_is_exported(node):
     _, state, _ = node
     names = {f.name for f in text_string_to_metric_families(render(state))}  # counters without _total
-    specs = [s for s in CATALOG if s.area == "gpu"
-             or s.name in ("kvwatch_replica_gpu", "kvwatch_gpu_pcie_link_max_bytes_per_second")]
+    specs = [
+        s
+        for s in CATALOG
+        if s.area == "gpu" or s.name in ("kvwatch_replica_gpu", "kvwatch_gpu_pcie_link_max_bytes_per_second")
+    ]
     wanted = {f"{s.name}_info" if s.kind == "info" else s.name for s in specs}
     assert names == wanted
 
@@ -87,8 +90,17 @@ def test_values_are_in_base_units_with_identity_labels(node):
     fake, state, _ = node
     out = samples(render(state))
     u0, u1 = fake.gpu(0).uuid, fake.gpu(1).uuid
-    assert value(out["kvwatch_gpu_info"], gpu="0", uuid=u0, name="NVIDIA H200", pci_bus_id="00000000:19:00.0",
-                 driver_version="550.90.12") == 1
+    assert (
+        value(
+            out["kvwatch_gpu_info"],
+            gpu="0",
+            uuid=u0,
+            name="NVIDIA H200",
+            pci_bus_id="00000000:19:00.0",
+            driver_version="550.90.12",
+        )
+        == 1
+    )
     assert value(out["kvwatch_gpu_memory_total_bytes"], gpu="0") == 143_771 * MIB
     assert value(out["kvwatch_gpu_power_watts"], gpu="1") == pytest.approx(74.58)
     assert value(out["kvwatch_gpu_temperature_celsius"], gpu="0", sensor="gpu") == 28
@@ -152,7 +164,8 @@ def test_promtool_accepts_the_exposition(node):
     refresh_gpu_state(collector, state)
     text = render(state)
     promtool = require_tool("promtool")
-    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout + done.stderr == ""

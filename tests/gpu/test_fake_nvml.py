@@ -35,6 +35,7 @@ def nvml_names_used(path: Path) -> set[str]:
 # drift against the real module
 # ------------------------------------------------------------------------------------------------
 
+
 def test_every_nvml_name_kvwatch_uses_exists_in_real_pynvml_and_in_the_fake():
     used = set().union(*(nvml_names_used(p) for p in NVML_USERS))
     assert {"nvmlDeviceGetFieldValues", "nvmlEventSetWait_v2", "NVMLError_GpuIsLost"} <= used  # scan works
@@ -63,6 +64,7 @@ def test_fake_constants_and_errors_are_the_real_ones():
 # ------------------------------------------------------------------------------------------------
 # NVML semantics
 # ------------------------------------------------------------------------------------------------
+
 
 def test_every_call_before_init_raises_uninitialized():
     f = FakeNvml(gpus=1)
@@ -99,8 +101,11 @@ def test_lost_gpu_answers_gpu_is_lost_even_to_handle_lookup():
     f.nvmlInit()
     h = f.nvmlDeviceGetHandleByIndex(1)
     f.set_lost(1)
-    for call in (lambda: f.nvmlDeviceGetUUID(h), lambda: f.nvmlDeviceGetHandleByIndex(1),
-                 lambda: f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP])):
+    for call in (
+        lambda: f.nvmlDeviceGetUUID(h),
+        lambda: f.nvmlDeviceGetHandleByIndex(1),
+        lambda: f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP]),
+    ):
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             call()
     assert f.nvmlDeviceGetCount() == 2  # still enumerated
@@ -115,8 +120,11 @@ def test_returns_real_ctypes_structures():
     assert isinstance(f.nvmlDeviceGetMemoryInfo(h), pynvml.c_nvmlMemory_t)
     values = f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, (138, 17), (138, 18)])
     assert isinstance(values[0], pynvml.c_nvmlFieldValue_t)
-    assert [v.nvmlReturn for v in values] == [pynvml.NVML_SUCCESS, pynvml.NVML_SUCCESS,
-                                              pynvml.NVML_ERROR_INVALID_ARGUMENT]  # 18 links: 0..17
+    assert [v.nvmlReturn for v in values] == [
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+    ]  # 18 links: 0..17
     assert (values[1].fieldId, values[1].scopeId) == (138, 17)
     assert f.nvmlDeviceGetPciInfo_v3(h).busId == "00000000:19:00.0"
 
@@ -136,8 +144,12 @@ def test_memory_v2_adds_up_and_v1_used_includes_reserved():
 
 def test_counters_cannot_go_down():
     f = FakeNvml(gpus=1)
-    for lower in (lambda: f.add_pcie_traffic(0, tx_bytes=-1), lambda: f.add_energy(0, -5),
-                  lambda: f.add_ecc_errors(0, corrected=-1), lambda: f.advance(-1)):
+    for lower in (
+        lambda: f.add_pcie_traffic(0, tx_bytes=-1),
+        lambda: f.add_energy(0, -5),
+        lambda: f.add_ecc_errors(0, corrected=-1),
+        lambda: f.advance(-1),
+    ):
         with pytest.raises(ValueError, match="only go up"):
             lower()
     f.set_remapped_rows(0, correctable=3)
@@ -185,8 +197,9 @@ def test_registering_an_unsupported_event_type_fails_the_whole_registration():
     h = f.nvmlDeviceGetHandleByIndex(0)
     es = f.nvmlEventSetCreate()
     with pytest.raises(pynvml.NVMLError_NotSupported):
-        f.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError
-                                   | pynvml.nvmlEventTypeGpuUnavailableError, es)
+        f.nvmlDeviceRegisterEvents(
+            h, pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeGpuUnavailableError, es
+        )
     f.inject_xid(0, 13)
     with pytest.raises(pynvml.NVMLError_Timeout):
         f.nvmlEventSetWait_v2(es, 10)  # nothing registered, nothing delivered

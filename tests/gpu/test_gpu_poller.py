@@ -35,8 +35,9 @@ def test_refresh_stores_samples_and_reports_success(state: NodeState, collector:
     assert status.success and status.last_success_ts == clock.now and status.last_error is None
 
 
-def test_refresh_counts_call_errors_without_failing_the_collector(state: NodeState, fake: FakeNvml,
-                                                                  collector: NvmlCollector):
+def test_refresh_counts_call_errors_without_failing_the_collector(
+    state: NodeState, fake: FakeNvml, collector: NvmlCollector
+):
     fake.fail("nvmlDeviceGetTemperature", pynvml.NVMLError_Unknown)
     refresh_gpu_state(collector, state)
     refresh_gpu_state(collector, state)
@@ -44,8 +45,9 @@ def test_refresh_counts_call_errors_without_failing_the_collector(state: NodeSta
     assert state.counters_for("kvwatch_gpu_nvml_errors") == [(("nvmlDeviceGetTemperature", "Unknown"), 4.0)]
 
 
-def test_refresh_without_nvml_empties_gpus_and_reports_failure(state: NodeState, fake: FakeNvml,
-                                                               collector: NvmlCollector):
+def test_refresh_without_nvml_empties_gpus_and_reports_failure(
+    state: NodeState, fake: FakeNvml, collector: NvmlCollector
+):
     refresh_gpu_state(collector, state)
     assert state.gpus
     fake.nvmlShutdown()  # the driver went away
@@ -72,8 +74,9 @@ def test_nvml_backend_follows_config():
     assert isinstance(fake, FakeNvml) and fake.gpu(2).name == "NVIDIA H200"
 
 
-def test_refresh_mapping_end_to_end(state: NodeState, proc: FakeProc, tmp_path: Path,
-                                    caplog: pytest.LogCaptureFixture):
+def test_refresh_mapping_end_to_end(
+    state: NodeState, proc: FakeProc, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     # r0: vLLM engine 100 with TP workers 101, 102 on GPUs 0 and 1 (NVML lists host PIDs)
     proc.add(100, ppid=1, children=(101, 102))
     proc.add(101, ppid=100)
@@ -81,12 +84,14 @@ def test_refresh_mapping_end_to_end(state: NodeState, proc: FakeProc, tmp_path: 
     # r1: found through its pid file; NVML does not list it yet, its environment says GPU 3
     proc.add(200, ppid=1, environ={"CUDA_VISIBLE_DEVICES": "3", "HF_TOKEN": "secret"})
     (tmp_path / "r1.pid").write_text("200\n")
-    config = Config(replicas=(
-        replica("r0", pid=100),
-        replica("r1", pid_file=str(tmp_path / "r1.pid")),
-        replica("r2", gpus=("1",)),
-        replica("r3", pid_file=str(tmp_path / "missing.pid")),
-    ))
+    config = Config(
+        replicas=(
+            replica("r0", pid=100),
+            replica("r1", pid_file=str(tmp_path / "r1.pid")),
+            replica("r2", gpus=("1",)),
+            replica("r3", pid_file=str(tmp_path / "missing.pid")),
+        )
+    )
     fake = FakeNvml(gpus=4)
     for pid, gpu in ((101, 0), (102, 1)):
         fake.add_process(gpu, pid, 60 * 1024 * MIB)

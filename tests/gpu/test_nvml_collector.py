@@ -27,6 +27,7 @@ def by_index(samples: list[GpuSample]) -> dict[int, GpuSample]:
 # every field, with units converted
 # ------------------------------------------------------------------------------------------------
 
+
 def test_every_field_is_read_with_units_converted(fake: FakeNvml, collector: NvmlCollector, clock: Clock):
     g = fake.gpu(0)
     g.utilization_gpu, g.utilization_memory = 57, 31
@@ -71,8 +72,9 @@ def test_every_field_is_read_with_units_converted(fake: FakeNvml, collector: Nvm
 
 
 def test_clock_event_reasons_name_every_bit(fake: FakeNvml, collector: NvmlCollector):
-    fake.set_throttle(0, pynvml.nvmlClocksEventReasonSwPowerCap
-                      | pynvml.nvmlClocksEventReasonHwThermalSlowdown)
+    fake.set_throttle(
+        0, pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    )
     reasons = dict(by_index(collector.poll())[0].clock_event_reasons)
     assert list(reasons) == [name for name, _ in CLOCK_EVENT_REASONS]
     assert {name for name, active in reasons.items() if active} == {"sw_power_cap", "hw_thermal_slowdown"}
@@ -96,11 +98,19 @@ def test_process_gpus_maps_pids_to_uuids(fake: FakeNvml, collector: NvmlCollecto
 
 #: call -> the sample fields it feeds
 CALL_FIELDS = {
-    "nvmlDeviceGetMemoryInfo": ("memory_total_bytes", "memory_used_bytes", "memory_reserved_bytes",
-                                "memory_free_bytes"),
+    "nvmlDeviceGetMemoryInfo": (
+        "memory_total_bytes",
+        "memory_used_bytes",
+        "memory_reserved_bytes",
+        "memory_free_bytes",
+    ),
     "nvmlDeviceGetUtilizationRates": ("utilization_gpu_ratio", "utilization_memory_ratio"),
-    "nvmlDeviceGetFieldValues": ("pcie_tx_bytes_total", "pcie_rx_bytes_total", "temperature_memory_celsius",
-                                 "nvlinks"),
+    "nvmlDeviceGetFieldValues": (
+        "pcie_tx_bytes_total",
+        "pcie_rx_bytes_total",
+        "temperature_memory_celsius",
+        "nvlinks",
+    ),
     "nvmlDeviceGetPcieReplayCounter": ("pcie_replay_total",),
     "nvmlDeviceGetCurrPcieLinkGeneration": ("pcie_link_gen_current",),
     "nvmlDeviceGetMaxPcieLinkGeneration": ("pcie_link_gen_max",),
@@ -114,8 +124,12 @@ CALL_FIELDS = {
     "nvmlDeviceGetClockInfo": ("sm_clock_hz", "memory_clock_hz"),
     "nvmlDeviceGetCurrentClocksEventReasons": ("clock_event_reasons",),
     "nvmlDeviceGetTotalEccErrors": ("ecc_corrected_volatile_total", "ecc_uncorrected_volatile_total"),
-    "nvmlDeviceGetRemappedRows": ("remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending",
-                                  "remap_failure"),
+    "nvmlDeviceGetRemappedRows": (
+        "remapped_rows_correctable",
+        "remapped_rows_uncorrectable",
+        "remap_pending",
+        "remap_failure",
+    ),
     "nvmlDeviceGetComputeRunningProcesses": ("processes",),
 }
 
@@ -196,8 +210,9 @@ def test_failing_field_is_counted_and_its_neighbours_kept(fake: FakeNvml, collec
     assert collector.report.call_errors == ((label, "Unknown"),)
 
 
-def test_warning_for_a_failing_call_is_logged_once(fake: FakeNvml, collector: NvmlCollector,
-                                                   caplog: pytest.LogCaptureFixture):
+def test_warning_for_a_failing_call_is_logged_once(
+    fake: FakeNvml, collector: NvmlCollector, caplog: pytest.LogCaptureFixture
+):
     fake.fail("nvmlDeviceGetTemperature", pynvml.NVMLError_Unknown)
     with caplog.at_level(logging.WARNING, logger="kvwatch.gpu.nvml"):
         for _ in range(3):
@@ -210,8 +225,10 @@ def test_warning_for_a_failing_call_is_logged_once(fake: FakeNvml, collector: Nv
 # older drivers: v2 memory, clock "throttle" reasons, _v2 process lists
 # ------------------------------------------------------------------------------------------------
 
-def test_memory_falls_back_to_v1_once_and_keeps_reserved_inside_used(fake: FakeNvml,
-                                                                     collector: NvmlCollector):
+
+def test_memory_falls_back_to_v1_once_and_keeps_reserved_inside_used(
+    fake: FakeNvml, collector: NvmlCollector
+):
     for i in range(2):
         fake.gpu(i).memory_v2 = False
     s = by_index(collector.poll())[0]
@@ -224,8 +241,9 @@ def test_memory_falls_back_to_v1_once_and_keeps_reserved_inside_used(fake: FakeN
     assert fake.calls["nvmlDeviceGetMemoryInfo"] - before == 2  # v1 only: one call per GPU
 
 
-def test_clock_reasons_use_the_deprecated_call_on_drivers_without_the_new_one(fake: FakeNvml,
-                                                                               collector: NvmlCollector):
+def test_clock_reasons_use_the_deprecated_call_on_drivers_without_the_new_one(
+    fake: FakeNvml, collector: NvmlCollector
+):
     fake.fail("nvmlDeviceGetCurrentClocksEventReasons", pynvml.NVMLError_FunctionNotFound)
     fake.set_throttle(0, pynvml.nvmlClocksEventReasonSwPowerCap)
     reasons = dict(by_index(collector.poll())[0].clock_event_reasons)
@@ -233,8 +251,9 @@ def test_clock_reasons_use_the_deprecated_call_on_drivers_without_the_new_one(fa
     assert collector.report.call_errors == ()
 
 
-def test_process_list_uses_v2_when_pynvml_reports_a_library_mismatch(fake: FakeNvml,
-                                                                      collector: NvmlCollector):
+def test_process_list_uses_v2_when_pynvml_reports_a_library_mismatch(
+    fake: FakeNvml, collector: NvmlCollector
+):
     fake.fail("nvmlDeviceGetComputeRunningProcesses", pynvml.NVMLLibraryMismatchError)
     fake.add_process(0, 9, MIB)
     assert by_index(collector.poll())[0].processes == (GpuProcess(9, MIB),)
@@ -245,11 +264,15 @@ def test_process_list_uses_v2_when_pynvml_reports_a_library_mismatch(fake: FakeN
 # NVLink variants
 # ------------------------------------------------------------------------------------------------
 
-def test_nvlink_byte_counters_are_used_where_throughput_fields_are_not_supported(fake: FakeNvml,
-                                                                                 collector: NvmlCollector):
+
+def test_nvlink_byte_counters_are_used_where_throughput_fields_are_not_supported(
+    fake: FakeNvml, collector: NvmlCollector
+):
     g = fake.gpu(0)
-    g.unsupported_fields = {pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+    g.unsupported_fields = {
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+    }
     fake.add_nvlink_traffic(0, 2, tx_bytes=1000, rx_bytes=1)
     link = by_index(collector.poll())[0].nvlinks[2]
     assert (link.tx_bytes_total, link.rx_bytes_total) == (1000, 1)  # bytes, not KiB-truncated
@@ -262,11 +285,14 @@ def test_nvlink_source_is_chosen_once_so_a_counter_never_switches(fake: FakeNvml
     assert by_index(collector.poll())[0].nvlinks[0].tx_bytes_total == 2 * 1024
 
 
-def test_nvlink_traffic_absent_when_no_field_is_supported_and_not_asked_again(fake: FakeNvml,
-                                                                                collector: NvmlCollector):
+def test_nvlink_traffic_absent_when_no_field_is_supported_and_not_asked_again(
+    fake: FakeNvml, collector: NvmlCollector
+):
     for i in range(2):
-        fake.gpu(i).unsupported_fields |= {pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                                           pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+        fake.gpu(i).unsupported_fields |= {
+            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+        }
     links = by_index(collector.poll())[0].nvlinks
     assert len(links) == 18 and all(li.tx_bytes_total is None and li.active for li in links)
     before = fake.calls["nvmlDeviceGetFieldValues"]
@@ -293,6 +319,7 @@ def test_links_are_probed_when_the_link_count_field_is_missing(fake: FakeNvml, c
 # lost GPUs
 # ------------------------------------------------------------------------------------------------
 
+
 def test_lost_gpu_keeps_its_identity_and_skips_its_other_calls(fake: FakeNvml, collector: NvmlCollector):
     collector.poll()
     fake.set_lost(1)
@@ -306,8 +333,9 @@ def test_lost_gpu_keeps_its_identity_and_skips_its_other_calls(fake: FakeNvml, c
     assert collector.report.success and collector.report.lost == (1,)  # lost is a metric, not a failure
 
 
-def test_gpu_lost_in_the_middle_of_its_poll_reports_nothing_half_read(fake: FakeNvml,
-                                                                      collector: NvmlCollector):
+def test_gpu_lost_in_the_middle_of_its_poll_reports_nothing_half_read(
+    fake: FakeNvml, collector: NvmlCollector
+):
     fake.fail("nvmlDeviceGetPowerUsage", pynvml.NVMLError_GpuIsLost, gpu=0)
     s = by_index(collector.poll())[0]
     assert s.lost and s.memory_total_bytes is None  # memory was read before, but the GPU is gone
@@ -340,8 +368,10 @@ def test_gpu_that_answers_nothing_fails_the_collector(fake: FakeNvml, collector:
 # no NVML: one line, backoff, recovery
 # ------------------------------------------------------------------------------------------------
 
-def test_library_missing_gives_one_clear_line_and_retries_with_backoff(clock: Clock,
-                                                                        caplog: pytest.LogCaptureFixture):
+
+def test_library_missing_gives_one_clear_line_and_retries_with_backoff(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+):
     fake = FakeNvml(gpus=2, library_missing=True)
     c = NvmlCollector(fake, now=clock)
     with caplog.at_level(logging.DEBUG, logger="kvwatch.gpu.nvml"):
@@ -380,8 +410,9 @@ def test_host_without_gpus_is_unavailable(clock: Clock, caplog: pytest.LogCaptur
     assert not fake.initialized  # the reference taken by nvmlInit was given back
 
 
-def test_driver_going_away_mid_run_drops_samples_then_recovers(fake: FakeNvml, collector: NvmlCollector,
-                                                                clock: Clock):
+def test_driver_going_away_mid_run_drops_samples_then_recovers(
+    fake: FakeNvml, collector: NvmlCollector, clock: Clock
+):
     assert len(collector.poll()) == 2
     fake.nvmlShutdown()  # as if the driver were unloaded: every call answers Uninitialized
     assert collector.poll() == []
@@ -400,8 +431,14 @@ def test_stop_gives_back_the_nvml_reference(fake: FakeNvml, collector: NvmlColle
 # counters
 # ------------------------------------------------------------------------------------------------
 
-COUNTERS = ("pcie_tx_bytes_total", "pcie_rx_bytes_total", "pcie_replay_total", "energy_joules_total",
-            "ecc_corrected_volatile_total", "ecc_uncorrected_volatile_total")
+COUNTERS = (
+    "pcie_tx_bytes_total",
+    "pcie_rx_bytes_total",
+    "pcie_replay_total",
+    "energy_joules_total",
+    "ecc_corrected_volatile_total",
+    "ecc_uncorrected_volatile_total",
+)
 
 
 def test_counters_only_go_up_and_by_what_happened(fake: FakeNvml, collector: NvmlCollector):

@@ -28,9 +28,17 @@ def test_missing_process_reads_none(proc: FakeProc):
 
 
 def test_only_the_two_visible_device_variables_are_kept(proc: FakeProc):
-    proc.add(10, ppid=1, environ={"HF_TOKEN": "hf_secret", "CUDA_VISIBLE_DEVICES": "2,3",
-                                  "NVIDIA_VISIBLE_DEVICES": "GPU-abc", "OPENAI_API_KEY": "sk-secret",
-                                  "CUDA_VISIBLE_DEVICES_EXTRA": "9"})
+    proc.add(
+        10,
+        ppid=1,
+        environ={
+            "HF_TOKEN": "hf_secret",
+            "CUDA_VISIBLE_DEVICES": "2,3",
+            "NVIDIA_VISIBLE_DEVICES": "GPU-abc",
+            "OPENAI_API_KEY": "sk-secret",
+            "CUDA_VISIBLE_DEVICES_EXTRA": "9",
+        },
+    )
     info = ProcReader(proc.root).info(10)
     assert (info.cuda_visible_devices, info.nvidia_visible_devices) == ("2,3", "GPU-abc")
     assert "secret" not in repr(info)
@@ -69,12 +77,15 @@ def test_pid_file_is_read(tmp_path: Path):
     assert read_pid_file(path) == 4242
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (None, "cannot read"),
-    ("", "expected a positive process id"),
-    ("vllm\n", "expected a positive process id"),
-    ("0\n", "expected a positive process id"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read"),
+        ("", "expected a positive process id"),
+        ("vllm\n", "expected a positive process id"),
+        ("0\n", "expected a positive process id"),
+    ],
+)
 def test_bad_pid_file_names_the_file_and_the_problem(tmp_path: Path, content: str | None, message: str):
     path = tmp_path / "engine.pid"
     if content is not None:

@@ -31,8 +31,14 @@ def _has_driver() -> bool:
 
 
 def run_smoke(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SMOKE), *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, str(SMOKE), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 no_driver = pytest.mark.skipif(_has_driver(), reason="this machine has an NVIDIA driver")
@@ -91,8 +97,13 @@ def test_smoke_script_on_the_fake_lists_every_call_and_times_the_poll(tmp_path: 
     out = tmp_path / "smoke.json"
     done = run_smoke("--fake", "2", "--polls", "3", "--events-seconds", "0.2", "--json", str(out))
     assert done.returncode == 0, done.stderr
-    for call in ("nvmlDeviceGetFieldValues", "nvmlDeviceGetMemoryInfo(version=v2)",
-                 "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlDeviceGetComputeRunningProcesses"):
+    for call in (
+        "nvmlDeviceGetFieldValues",
+        "nvmlDeviceGetMemoryInfo(version=v2)",
+        "nvmlDeviceRegisterEvents",
+        "nvmlEventSetWait_v2",
+        "nvmlDeviceGetComputeRunningProcesses",
+    ):
         assert call in done.stdout
     assert "full poll of 2 GPU(s)" in done.stdout and "ratio" in done.stdout
     assert out.stat().st_size > 0

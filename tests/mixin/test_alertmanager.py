@@ -30,12 +30,15 @@ def test_amtool_check_config_passes() -> None:
     assert "SUCCESS" in result.stdout
 
 
-@pytest.mark.parametrize(("labels", "receiver"), [
-    (["severity=critical", "alertname=KVWatchLatencyBudgetBurn"], "page"),
-    (["severity=warning", "alertname=KVWatchKVCachePressure"], "ticket"),
-    (["severity=info", "alertname=Something"], "webhook"),
-    (["alertname=NoSeverity"], "webhook"),
-])
+@pytest.mark.parametrize(
+    ("labels", "receiver"),
+    [
+        (["severity=critical", "alertname=KVWatchLatencyBudgetBurn"], "page"),
+        (["severity=warning", "alertname=KVWatchKVCachePressure"], "ticket"),
+        (["severity=info", "alertname=Something"], "webhook"),
+        (["alertname=NoSeverity"], "webhook"),
+    ],
+)
 def test_routes_by_severity(labels, receiver) -> None:
     result = run_tool(tool("amtool"), "config", "routes", "test", f"--config.file={CONFIG}", *labels)
     assert result.returncode == 0, result.stderr
@@ -83,10 +86,16 @@ def alertmanager(tmp_path) -> Iterator[str]:
     (tmp_path / "am.yml").write_text(yaml.safe_dump(doc))
     port = free_port()
     proc = subprocess.Popen(
-        [tool("prometheus-alertmanager"), f"--config.file={tmp_path / 'am.yml'}",
-         f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-         "--cluster.listen-address="],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            tool("prometheus-alertmanager"),
+            f"--config.file={tmp_path / 'am.yml'}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -106,10 +115,16 @@ def alertmanager(tmp_path) -> Iterator[str]:
 
 def _post(url: str, alerts: list[dict[str, str]]) -> None:
     now = datetime.now(UTC)
-    body = [{"labels": labels, "startsAt": now.isoformat(), "endsAt": (now + timedelta(hours=1)).isoformat()}
-            for labels in alerts]
-    request = urllib.request.Request(f"{url}/api/v2/alerts", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    body = [
+        {"labels": labels, "startsAt": now.isoformat(), "endsAt": (now + timedelta(hours=1)).isoformat()}
+        for labels in alerts
+    ]
+    request = urllib.request.Request(
+        f"{url}/api/v2/alerts",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         response.read()
 
@@ -120,8 +135,10 @@ def _inhibited(url: str, expected: int) -> dict[tuple[str, str], bool]:
     while True:
         with urllib.request.urlopen(f"{url}/api/v2/alerts", timeout=10) as response:
             alerts = json.loads(response.read())
-        state = {(a["labels"]["alertname"], a["labels"].get("key", "")): bool(a["status"]["inhibitedBy"])
-                 for a in alerts}
+        state = {
+            (a["labels"]["alertname"], a["labels"].get("key", "")): bool(a["status"]["inhibitedBy"])
+            for a in alerts
+        }
         if (len(state) >= expected and any(state.values())) or time.monotonic() > deadline:
             return state
         time.sleep(0.3)
@@ -129,27 +146,70 @@ def _inhibited(url: str, expected: int) -> dict[tuple[str, str], bool]:
 
 @pytest.mark.prometheus
 def test_inhibitions_in_a_real_alertmanager(alertmanager) -> None:
-    _post(alertmanager, [
-        # kvwatch down on node a: node a's KV alert is a symptom, node b's is not
-        {"alertname": "KVWatchDown", "severity": "warning", "instance": "a:9477", "job": "kvwatch"},
-        {"alertname": "KVWatchKVCachePressure", "severity": "warning", "instance": "a:9477", "replica": "r0",
-         "key": "node-a"},
-        {"alertname": "KVWatchKVCachePressure", "severity": "warning", "instance": "b:9477", "replica": "r0",
-         "key": "node-b"},
-        # a lost GPU hides its own XID alert, not another GPU's
-        {"alertname": "KVWatchGPULost", "severity": "critical", "instance": "c:9477", "uuid": "GPU-1"},
-        {"alertname": "KVWatchGPUCriticalXID", "severity": "critical", "instance": "c:9477", "uuid": "GPU-1",
-         "xid": "79", "key": "lost-gpu"},
-        {"alertname": "KVWatchGPUCriticalXID", "severity": "critical", "instance": "c:9477", "uuid": "GPU-2",
-         "xid": "48", "key": "other-gpu"},
-        # the page hides the ticket of the same SLO and band, not of another band
-        {"alertname": "KVWatchLatencyBudgetBurn", "severity": "critical", "slo": "tpot-long",
-         "model_name": "m", "length_band": "20k+", "key": "page"},
-        {"alertname": "KVWatchLatencyBudgetBurn", "severity": "warning", "slo": "tpot-long",
-         "model_name": "m", "length_band": "20k+", "key": "ticket-same-band"},
-        {"alertname": "KVWatchLatencyBudgetBurn", "severity": "warning", "slo": "tpot-long",
-         "model_name": "m", "length_band": "10k-20k", "key": "ticket-other-band"},
-    ])
+    _post(
+        alertmanager,
+        [
+            # kvwatch down on node a: node a's KV alert is a symptom, node b's is not
+            {"alertname": "KVWatchDown", "severity": "warning", "instance": "a:9477", "job": "kvwatch"},
+            {
+                "alertname": "KVWatchKVCachePressure",
+                "severity": "warning",
+                "instance": "a:9477",
+                "replica": "r0",
+                "key": "node-a",
+            },
+            {
+                "alertname": "KVWatchKVCachePressure",
+                "severity": "warning",
+                "instance": "b:9477",
+                "replica": "r0",
+                "key": "node-b",
+            },
+            # a lost GPU hides its own XID alert, not another GPU's
+            {"alertname": "KVWatchGPULost", "severity": "critical", "instance": "c:9477", "uuid": "GPU-1"},
+            {
+                "alertname": "KVWatchGPUCriticalXID",
+                "severity": "critical",
+                "instance": "c:9477",
+                "uuid": "GPU-1",
+                "xid": "79",
+                "key": "lost-gpu",
+            },
+            {
+                "alertname": "KVWatchGPUCriticalXID",
+                "severity": "critical",
+                "instance": "c:9477",
+                "uuid": "GPU-2",
+                "xid": "48",
+                "key": "other-gpu",
+            },
+            # the page hides the ticket of the same SLO and band, not of another band
+            {
+                "alertname": "KVWatchLatencyBudgetBurn",
+                "severity": "critical",
+                "slo": "tpot-long",
+                "model_name": "m",
+                "length_band": "20k+",
+                "key": "page",
+            },
+            {
+                "alertname": "KVWatchLatencyBudgetBurn",
+                "severity": "warning",
+                "slo": "tpot-long",
+                "model_name": "m",
+                "length_band": "20k+",
+                "key": "ticket-same-band",
+            },
+            {
+                "alertname": "KVWatchLatencyBudgetBurn",
+                "severity": "warning",
+                "slo": "tpot-long",
+                "model_name": "m",
+                "length_band": "10k-20k",
+                "key": "ticket-other-band",
+            },
+        ],
+    )
     state = _inhibited(alertmanager, expected=9)
     assert state[("KVWatchKVCachePressure", "node-a")] is True
     assert state[("KVWatchKVCachePressure", "node-b")] is False

@@ -67,8 +67,7 @@ def test_generator_refuses_a_panel_on_a_series_kvwatch_does_not_export(monkeypat
     def with_bad_panel(opts=None):
         out = real(opts)
         bad = g.timeseries("Preemptions (typo)", [g.Query("rate(kvwatch_preemptions[5m])")], description="x")
-        out[0] = Board(out[0].uid, out[0].title, out[0].description, out[0].variables,
-                       (*out[0].panels, bad))
+        out[0] = Board(out[0].uid, out[0].title, out[0].description, out[0].variables, (*out[0].panels, bad))
         return out
 
     monkeypatch.setattr(dash, "boards", with_bad_panel)
@@ -137,8 +136,11 @@ def test_panel_queries_flag_external_and_sparse_queries() -> None:
     sparse = {q.panel for q in queries if q.sparse}
     assert "Firing SLO alerts" in sparse and "Engine scrape errors" in sparse
     # the "Inside the engine" row needs the vLLM plugin (an optional feature the demo does not run)
-    plugin = {q.panel for q in queries
-              if 'source="vllm_plugin"' in q.expr or "kvwatch_engine_step_seconds" in q.expr}
+    plugin = {
+        q.panel
+        for q in queries
+        if 'source="vllm_plugin"' in q.expr or "kvwatch_engine_step_seconds" in q.expr
+    }
     assert len(plugin) == 10 and plugin <= sparse
     assert len(sparse - plugin) < len(queries) / 10  # the rest must return data against a live kvwatch
 
@@ -227,16 +229,49 @@ def test_dcgm_dashboard_uid_is_configurable(tmp_path) -> None:
     assert "/d/my-dcgm/" in text and "Oxed_c6Wz" not in text
 
 
-@pytest.mark.parametrize(("name", "titles"), [
-    (FILES[0], ["KV occupancy per replica", "Internal fragmentation", "KV headroom", "Preemptions",
-                "Recompute waste", "KV tier traffic (engine)", "PCIe traffic (NVML) and link bandwidth",
-                "GPU memory", "NVLink traffic", "Clock events (throttling)", "XIDs and ECC errors"]),
-    (FILES[1], [f"{m} p{q}" for m in ("TTFT", "TPOT", "End to end") for q in (50, 90, 99)]
-     + ["Inter-chunk gap p99", "Burn rate, 1h", "Error budget left", "Finished requests by outcome",
-        "In flight by admission band", "Output length distribution"]),
-    (FILES[2], ["Stranded KV tokens per model", "Fullest KV caches", "Least KV headroom", "Most preemptions",
-                "Error budget left"]),
-])
+@pytest.mark.parametrize(
+    ("name", "titles"),
+    [
+        (
+            FILES[0],
+            [
+                "KV occupancy per replica",
+                "Internal fragmentation",
+                "KV headroom",
+                "Preemptions",
+                "Recompute waste",
+                "KV tier traffic (engine)",
+                "PCIe traffic (NVML) and link bandwidth",
+                "GPU memory",
+                "NVLink traffic",
+                "Clock events (throttling)",
+                "XIDs and ECC errors",
+            ],
+        ),
+        (
+            FILES[1],
+            [f"{m} p{q}" for m in ("TTFT", "TPOT", "End to end") for q in (50, 90, 99)]
+            + [
+                "Inter-chunk gap p99",
+                "Burn rate, 1h",
+                "Error budget left",
+                "Finished requests by outcome",
+                "In flight by admission band",
+                "Output length distribution",
+            ],
+        ),
+        (
+            FILES[2],
+            [
+                "Stranded KV tokens per model",
+                "Fullest KV caches",
+                "Least KV headroom",
+                "Most preemptions",
+                "Error budget left",
+            ],
+        ),
+    ],
+)
 def test_dashboards_have_the_panels_on_call_needs(name, titles) -> None:
     present = {p["title"] for p in _panels(name)}
     assert set(titles) <= present, set(titles) - present
@@ -245,9 +280,10 @@ def test_dashboards_have_the_panels_on_call_needs(name, titles) -> None:
 def test_latency_quantiles_are_per_band_from_kvwatch_histograms() -> None:
     p99 = next(p for p in _panels(FILES[1]) if p["title"] == "TPOT p99")
     assert p99["targets"][0]["expr"] == (
-        'histogram_quantile(0.99, sum by (le, length_band) (rate(kvwatch_request_tpot_seconds_bucket{'
+        "histogram_quantile(0.99, sum by (le, length_band) (rate(kvwatch_request_tpot_seconds_bucket{"
         'cluster=~"$cluster", instance=~"$node", model_name=~"$model", replica=~"$replica", '
-        'length_band=~"$band"}[$__rate_interval])))')
+        'length_band=~"$band"}[$__rate_interval])))'
+    )
 
 
 def test_gpu_panels_are_not_filtered_by_model_or_replica() -> None:

@@ -30,18 +30,23 @@ CLASSIC_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
 def _classic_reads(expr: str) -> set[str]:
-    return {n for n in referenced_metrics(expr) for f in NATIVE_FAMILIES for s in CLASSIC_SUFFIXES
-            if n == f + s}
+    return {
+        n for n in referenced_metrics(expr) for f in NATIVE_FAMILIES for s in CLASSIC_SUFFIXES if n == f + s
+    }
 
 
 def _rules(path) -> list[dict]:
     return [r for group in yaml.safe_load(path.read_text())["groups"] for r in group["rules"]]
 
 
-@pytest.mark.parametrize("command", [
-    ["rules", "--slo", str(ALERTS / "slo.yaml"), "--native", "--out", str(NATIVE_ALERTS), "--check"],
-    ["dashboards", "--native", "--out", str(NATIVE_DASHBOARDS), "--check"],
-], ids=["rules", "dashboards"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["rules", "--slo", str(ALERTS / "slo.yaml"), "--native", "--out", str(NATIVE_ALERTS), "--check"],
+        ["dashboards", "--native", "--out", str(NATIVE_DASHBOARDS), "--check"],
+    ],
+    ids=["rules", "dashboards"],
+)
 def test_committed_native_variants_are_up_to_date(command, capsys) -> None:
     assert cli(command) == 0, capsys.readouterr().out
 
@@ -57,7 +62,8 @@ def test_native_goes_to_its_own_directory_by_default(tmp_path, monkeypatch, caps
     # only the board that reads histograms, under its own uid (Grafana's provider reads dashboards/
     # recursively: the same uid twice would be a conflict)
     assert [p.name for p in (tmp_path / "dashboards" / "native").iterdir()] == [
-        "kvwatch-latency-by-band-native.json"]
+        "kvwatch-latency-by-band-native.json"
+    ]
     uids = {b.uid for b in boards()} | {b.uid for b in boards(Options(native=True))}
     assert len(uids) == 4
     assert "--native" in (tmp_path / "alerts" / "native" / "kvwatch-slo.rules.yaml").read_text()
@@ -79,8 +85,12 @@ def test_native_rules_read_no_classic_series_of_a_native_family_and_the_classic_
             classic_reads |= referenced_metrics(rule["expr"]) & NATIVE_FAMILIES
     assert not classic_reads
     # the SLIs' three latency families and the plugin's preemption counts
-    assert native_reads == {"kvwatch_request_ttft_seconds", "kvwatch_request_tpot_seconds",
-                            "kvwatch_request_duration_seconds", "kvwatch_request_preemptions"}
+    assert native_reads == {
+        "kvwatch_request_ttft_seconds",
+        "kvwatch_request_tpot_seconds",
+        "kvwatch_request_duration_seconds",
+        "kvwatch_request_preemptions",
+    }
 
 
 def test_native_and_classic_rule_files_differ_only_in_expressions_that_read_histograms() -> None:
@@ -105,11 +115,11 @@ def test_native_dashboards_read_native_series_except_the_prebinned_gap_histogram
     assert classic_left == {f"{f}_bucket" for f in PREBINNED_FAMILIES} | {step}
     assert not dashboard_name_problems(boards(Options(native=True)), native=True)
     classic = {b.uid: json.dumps(b.json()) for b in boards()}
-    assert all(f not in text for f in (f'{n}{{' for n in NATIVE_FAMILIES) for text in classic.values())
+    assert all(f not in text for f in (f"{n}{{" for n in NATIVE_FAMILIES) for text in classic.values())
 
 
 def test_the_native_check_refuses_a_classic_bucket_of_a_native_family_and_allows_the_native_series() -> None:
-    expr = 'histogram_quantile(0.9, sum by (le) (rate(kvwatch_request_ttft_seconds_bucket[5m])))'
+    expr = "histogram_quantile(0.9, sum by (le) (rate(kvwatch_request_ttft_seconds_bucket[5m])))"
     assert unknown_names(expr) == []
     (problem,) = unknown_names(expr, native=True)
     assert "kvwatch_request_ttft_seconds_bucket is a classic series of a native histogram" in problem

@@ -68,8 +68,11 @@ def test_every_case_file_orders_recording_groups_before_the_alerts_that_read_the
     before its recording rule sees the previous step's value (or none, at coarse steps): flaky."""
     for path in TEST_FILES:
         doc = yaml.safe_load(path.read_text())
-        groups = [g["name"] for f in doc["rule_files"]
-                  for g in yaml.safe_load((path.parent / f).read_text())["groups"]]
+        groups = [
+            g["name"]
+            for f in doc["rule_files"]
+            for g in yaml.safe_load((path.parent / f).read_text())["groups"]
+        ]
         assert doc.get("group_eval_order") == groups, path.name
 
 
@@ -97,8 +100,11 @@ SLO_CASES = PROMTOOL_TESTS / "slo.yaml"
 
 
 def test_unmutated_rules_pass_the_cases_the_mutations_use(tmp_path) -> None:
-    runs = [("slo-page.test.yaml", "", SLO_CASES), ("kv.test.yaml", "", ALERTS / "slo.yaml"),
-            ("gpu-self.test.yaml", "XID", ALERTS / "slo.yaml")]
+    runs = [
+        ("slo-page.test.yaml", "", SLO_CASES),
+        ("kv.test.yaml", "", ALERTS / "slo.yaml"),
+        ("gpu-self.test.yaml", "XID", ALERTS / "slo.yaml"),
+    ]
     for case_file, only, slo in runs:
         sub = tmp_path / case_file
         sub.mkdir()
@@ -155,18 +161,23 @@ def test_missing_the_first_xid_of_a_gpu_is_caught(tmp_path, monkeypatch) -> None
 
 
 def test_starvation_that_ignores_abandonment_is_caught(tmp_path) -> None:
-    slo = _with_alert_knobs(tmp_path, ALERTS / "slo.yaml",
-                            "alerts: {thresholds: {starving_aborted_ratio: 0.5}}")
+    slo = _with_alert_knobs(
+        tmp_path, ALERTS / "slo.yaml", "alerts: {thresholds: {starving_aborted_ratio: 0.5}}"
+    )
     rc, output = _mutated_run(tmp_path, "kv.test.yaml", "starvation", slo)
     assert rc != 0 and "KVWatchLongRequestsStarving" in output
 
 
-@pytest.mark.parametrize(("case", "files"), [
-    ("kv.test.yaml", [NODE_FILE, FLEET_FILE]),
-    ("gpu-self.test.yaml", [NODE_FILE]),
-])
+@pytest.mark.parametrize(
+    ("case", "files"),
+    [
+        ("kv.test.yaml", [NODE_FILE, FLEET_FILE]),
+        ("gpu-self.test.yaml", [NODE_FILE]),
+    ],
+)
 def test_cases_read_the_committed_rule_files(case, files) -> None:
     """The operational cases point at alerts/ itself, so what they test is what ships."""
     doc = yaml.safe_load((PROMTOOL_TESTS / case).read_text())
     assert [(PROMTOOL_TESTS / f).resolve() for f in doc["rule_files"]] == [
-        (ALERTS / f).resolve() for f in files]
+        (ALERTS / f).resolve() for f in files
+    ]

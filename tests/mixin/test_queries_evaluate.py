@@ -32,23 +32,46 @@ EVAL = "30m"
 
 # values of the labels that are not replica or GPU identity
 _LABEL_VALUES: dict[str, tuple[str, ...]] = {
-    "collector": ("nvml", "engine:r0"), "source": ("proxy", "vllm_plugin"),
+    "collector": ("nvml", "engine:r0"),
+    "source": ("proxy", "vllm_plugin"),
     "reason": ("hw_slowdown", "sw_power_cap"),
-    "type": ("uncorrected", "uncorrectable"), "xid": ("13",), "link": ("0",), "sensor": ("gpu",),
+    "type": ("uncorrected", "uncorrectable"),
+    "xid": ("13",),
+    "link": ("0",),
+    "sensor": ("gpu",),
     "clock": ("sm",),
-    "finished_reason": ("stop", "length"), "length_band": ("0-1k", "20k+"), "outcome": OUTCOMES,
-    "admission_band": ("0-1k", "20k+"), "pid": ("4242",), "result": ("request",), "version_hint": ("v1",),
-    "cache_dtype": ("auto",), "call": ("nvmlDeviceGetPowerUsage",), "error": ("NotSupported",),
-    "mapped_by": ("config",), "name": ("NVIDIA H200",), "pci_bus_id": ("00000000:18:00.0",),
-    "driver_version": ("570.1",), "version": ("0.1.0",), "python": ("3.11",), "nvidia_ml_py": ("13",),
-    "node": ("gpu-node",), "model_name": ("m",),
+    "finished_reason": ("stop", "length"),
+    "length_band": ("0-1k", "20k+"),
+    "outcome": OUTCOMES,
+    "admission_band": ("0-1k", "20k+"),
+    "pid": ("4242",),
+    "result": ("request",),
+    "version_hint": ("v1",),
+    "cache_dtype": ("auto",),
+    "call": ("nvmlDeviceGetPowerUsage",),
+    "error": ("NotSupported",),
+    "mapped_by": ("config",),
+    "name": ("NVIDIA H200",),
+    "pci_bus_id": ("00000000:18:00.0",),
+    "driver_version": ("570.1",),
+    "version": ("0.1.0",),
+    "python": ("3.11",),
+    "nvidia_ml_py": ("13",),
+    "node": ("gpu-node",),
+    "model_name": ("m",),
 }
-_TIERS = ({"family": "vllm_offload", "src_tier": "gpu", "dst_tier": "host"},
-          {"family": "vllm_offload", "src_tier": "host", "dst_tier": "gpu"})
+_TIERS = (
+    {"family": "vllm_offload", "src_tier": "gpu", "dst_tier": "host"},
+    {"family": "vllm_offload", "src_tier": "host", "dst_tier": "gpu"},
+)
 _GAUGES = {
-    "kvwatch_kv_usage_ratio": "0.7", "kvwatch_kv_headroom_seconds": "600", "kvwatch_gpu_lost": "0",
-    "kvwatch_requests_waiting": "2", "kvwatch_gpu_pcie_link_max_bytes_per_second": "32e9",
-    "kvwatch_collector_success": "1", "kvwatch_target_up": "1",
+    "kvwatch_kv_usage_ratio": "0.7",
+    "kvwatch_kv_headroom_seconds": "600",
+    "kvwatch_gpu_lost": "0",
+    "kvwatch_requests_waiting": "2",
+    "kvwatch_gpu_pcie_link_max_bytes_per_second": "32e9",
+    "kvwatch_collector_success": "1",
+    "kvwatch_target_up": "1",
 }
 
 
@@ -125,8 +148,10 @@ def _histogram(name: str, labels: dict[str, str]) -> list[dict[str, str]]:
         "kvwatch_kv_block_reuse_gap_seconds": buckets.KV_BLOCK_SECONDS,
     }[name]
     total = len(bounds) + 1
-    out = [_series(f"{name}_bucket", {**labels, "le": buckets.le_label(b)}, f"0+{i + 1}x{STEPS}")
-           for i, b in enumerate(bounds)]
+    out = [
+        _series(f"{name}_bucket", {**labels, "le": buckets.le_label(b)}, f"0+{i + 1}x{STEPS}")
+        for i, b in enumerate(bounds)
+    ]
     out.append(_series(f"{name}_bucket", {**labels, "le": "+Inf"}, f"0+{total}x{STEPS}"))
     out.append(_series(f"{name}_count", labels, f"0+{total}x{STEPS}"))
     out.append(_series(f"{name}_sum", labels, f"0+{total}x{STEPS}"))
@@ -145,14 +170,26 @@ _RESULT = re.compile(r'expr: ("(?:[^"\\]|\\.)*"), time: [^,]+,\s*(err: .*|exp: .
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory) -> dict[str, str]:
     """expr -> "error: ..." | "data" for every query that did not come back empty."""
-    exprs = sorted({q.concrete for q in panel_queries()} | {f"count({name})" for name in recorded_series()}
-                   | {_with_instance(name, has) for name in recorded_series() for has in (True, False)}
-                   | {MANY_TO_MANY})
+    exprs = sorted(
+        {q.concrete for q in panel_queries()}
+        | {f"count({name})" for name in recorded_series()}
+        | {_with_instance(name, has) for name in recorded_series() for has in (True, False)}
+        | {MANY_TO_MANY}
+    )
     rule_files = [str(ALERTS / f) for f in LEVELS]
     groups = [g["name"] for f in rule_files for g in yaml.safe_load(Path(f).read_text())["groups"]]
-    doc = {"rule_files": rule_files, "evaluation_interval": "30s", "group_eval_order": groups, "tests": [{
-        "interval": "30s", "input_series": _input_series(),
-        "promql_expr_test": [{"expr": e, "eval_time": EVAL, "exp_samples": []} for e in exprs]}]}
+    doc = {
+        "rule_files": rule_files,
+        "evaluation_interval": "30s",
+        "group_eval_order": groups,
+        "tests": [
+            {
+                "interval": "30s",
+                "input_series": _input_series(),
+                "promql_expr_test": [{"expr": e, "eval_time": EVAL, "exp_samples": []} for e in exprs],
+            }
+        ],
+    }
     path = tmp_path_factory.mktemp("queries") / "queries.test.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False, width=10_000))
     result = run_tool(tool("promtool"), "test", "rules", path, timeout=600)
@@ -174,8 +211,11 @@ def test_every_dashboard_query_evaluates_without_error(outcome) -> None:
 
 
 def test_every_dashboard_query_has_data_where_kvwatch_exports_it(outcome) -> None:
-    empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.concrete}" for q in panel_queries()
-             if not (q.sparse or q.external) and outcome.get(q.concrete) != "data"]
+    empty = [
+        f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.concrete}"
+        for q in panel_queries()
+        if not (q.sparse or q.external) and outcome.get(q.concrete) != "data"
+    ]
     assert not empty, "queries without data:\n" + "\n".join(empty)
 
 
@@ -187,11 +227,18 @@ def test_every_recording_rule_produces_series(outcome) -> None:
 def test_node_level_recordings_keep_instance_and_fleet_level_ones_aggregate_it_away(outcome) -> None:
     """The file a recording is in says where it can run: node rules keep each node's ``instance``
     (any Prometheus that scrapes the node), fleet and SLO rules sum across nodes."""
-    levels = {rule["record"]: level for file, level in LEVELS.items()
-              for group in yaml.safe_load((ALERTS / file).read_text())["groups"]
-              for rule in group["rules"] if "record" in rule}
+    levels = {
+        rule["record"]: level
+        for file, level in LEVELS.items()
+        for group in yaml.safe_load((ALERTS / file).read_text())["groups"]
+        for rule in group["rules"]
+        if "record" in rule
+    }
     assert set(levels) == recorded_series() and {"node", "fleet"} == set(levels.values())
-    wrong = [f"{name} ({level})" for name, level in sorted(levels.items())
-             if (outcome.get(_with_instance(name, True)) == "data") != (level == "node")
-             or (outcome.get(_with_instance(name, False)) == "data") != (level == "fleet")]
+    wrong = [
+        f"{name} ({level})"
+        for name, level in sorted(levels.items())
+        if (outcome.get(_with_instance(name, True)) == "data") != (level == "node")
+        or (outcome.get(_with_instance(name, False)) == "data") != (level == "fleet")
+    ]
     assert not wrong, wrong

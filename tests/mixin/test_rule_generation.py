@@ -125,8 +125,9 @@ def test_generation_is_deterministic() -> None:
 def test_runbook_base_is_configurable(tmp_path) -> None:
     base = "https://runbooks.example.com/kvwatch"
     assert _rules("--out", tmp_path, "--runbook-base", base) == 0
-    urls = [r["annotations"]["runbook_url"]
-            for f in RULE_FILES for r in _loaded(tmp_path / f) if "alert" in r]
+    urls = [
+        r["annotations"]["runbook_url"] for f in RULE_FILES for r in _loaded(tmp_path / f) if "alert" in r
+    ]
     assert urls and all(re.fullmatch(re.escape(base) + r"/KVWatch\w+\.md", u) for u in urls)
 
 
@@ -189,24 +190,41 @@ def test_each_file_reads_only_raw_series_and_what_it_records_itself() -> None:
 
 
 def test_fleet_alerts_live_with_the_fleet_recordings_and_node_alerts_with_the_node_ones() -> None:
-    groups = {f.filename: [(g.name, [getattr(r, "alert", None) for r in g.rules]) for g in f.groups]
-              for f in _default_files()}
+    groups = {
+        f.filename: [(g.name, [getattr(r, "alert", None) for r in g.rules]) for g in f.groups]
+        for f in _default_files()
+    }
     assert groups[FLEET_FILE] == [
         ("kvwatch-fleet.recording", [None] * 9),
-        ("kvwatch-fleet.alerts", ["KVWatchKVCapacityStranded", "KVWatchLongRequestsStarving"])]
+        ("kvwatch-fleet.alerts", ["KVWatchKVCapacityStranded", "KVWatchLongRequestsStarving"]),
+    ]
     assert [name for name, _ in groups[NODE_FILE]] == [
-        "kvwatch-node.recording", "kvwatch-kv.alerts", "kvwatch-tier.alerts", "kvwatch-gpu.alerts",
-        "kvwatch-self.alerts"]
+        "kvwatch-node.recording",
+        "kvwatch-kv.alerts",
+        "kvwatch-tier.alerts",
+        "kvwatch-gpu.alerts",
+        "kvwatch-self.alerts",
+    ]
     assert set(LEVELS) == set(RULE_FILES) and LEVELS[NODE_FILE] == "node"
     assert LEVELS[FLEET_FILE] == LEVELS[SLO_FILE] == "fleet"
 
 
 def test_pages_are_reserved_for_slo_burn_lost_gpus_gpu_errors_and_kvwatch_absent() -> None:
-    critical = {r.alert for f in _default_files() for r in f.rules()
-                if isinstance(r, Alert) and r.severity == "critical"}
-    assert critical == {"KVWatchLatencyBudgetBurn", "KVWatchCompletionBudgetBurn", "KVWatchGPULost",
-                        "KVWatchGPUCriticalXID", "KVWatchGPUUncorrectableECC", "KVWatchGPURowRemapFailure",
-                        "KVWatchAbsent"}
+    critical = {
+        r.alert
+        for f in _default_files()
+        for r in f.rules()
+        if isinstance(r, Alert) and r.severity == "critical"
+    }
+    assert critical == {
+        "KVWatchLatencyBudgetBurn",
+        "KVWatchCompletionBudgetBurn",
+        "KVWatchGPULost",
+        "KVWatchGPUCriticalXID",
+        "KVWatchGPUUncorrectableECC",
+        "KVWatchGPURowRemapFailure",
+        "KVWatchAbsent",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,14 +236,17 @@ def test_every_shipped_rule_queries_only_exported_recorded_or_allowed_names() ->
     assert name_problems(_default_files()) == []
 
 
-@pytest.mark.parametrize(("expr", "problem"), [
-    # a counter without _total: vLLM's published alert on vllm:num_preemptions could never fire
-    ("rate(kvwatch_preemptions[5m])", "kvwatch_preemptions is not a kvwatch metric"),
-    ("rate(vllm:num_preemptions_total[5m])", "vllm:num_preemptions_total is not a kvwatch metric"),
-    ('kvwatch_kv_usage_ratio{modelname="m"}', "has no label 'modelname'"),
-    ('kvwatch_request_ttft_seconds_count{le="1.0"}', "has no label 'le'"),
-    ("kvwatch:not_recorded:ratio", "kvwatch:not_recorded:ratio is not a kvwatch metric"),
-])
+@pytest.mark.parametrize(
+    ("expr", "problem"),
+    [
+        # a counter without _total: vLLM's published alert on vllm:num_preemptions could never fire
+        ("rate(kvwatch_preemptions[5m])", "kvwatch_preemptions is not a kvwatch metric"),
+        ("rate(vllm:num_preemptions_total[5m])", "vllm:num_preemptions_total is not a kvwatch metric"),
+        ('kvwatch_kv_usage_ratio{modelname="m"}', "has no label 'modelname'"),
+        ('kvwatch_request_ttft_seconds_count{le="1.0"}', "has no label 'le'"),
+        ("kvwatch:not_recorded:ratio", "kvwatch:not_recorded:ratio is not a kvwatch metric"),
+    ],
+)
 def test_the_generator_refuses_a_query_on_a_name_kvwatch_does_not_export(expr, problem) -> None:
     bad = RuleFile("x.rules.yaml", "x", (Group("g", (Recording("kvwatch:x:y", expr),)),))
     problems = name_problems([*_default_files(), bad])
@@ -233,25 +254,31 @@ def test_the_generator_refuses_a_query_on_a_name_kvwatch_does_not_export(expr, p
     assert problems[0].startswith("x.rules.yaml: g: kvwatch:x:y")
 
 
-@pytest.mark.parametrize("expr", [
-    'up{job="kvwatch"} == 0',
-    'DCGM_FI_DEV_GPU_TEMP * on (UUID) group_left () '
-    'label_replace(kvwatch_gpu_info, "UUID", "$1", "uuid", "(.*)")',
-    'ALERTS{alertstate="firing"}',
-    'histogram_quantile(0.99, sum by (le) '
-    '(rate(kvwatch_request_tpot_seconds_bucket{instance=~"$node"}[5m])))',
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        'up{job="kvwatch"} == 0',
+        "DCGM_FI_DEV_GPU_TEMP * on (UUID) group_left () "
+        'label_replace(kvwatch_gpu_info, "UUID", "$1", "uuid", "(.*)")',
+        'ALERTS{alertstate="firing"}',
+        "histogram_quantile(0.99, sum by (le) "
+        '(rate(kvwatch_request_tpot_seconds_bucket{instance=~"$node"}[5m])))',
+    ],
+)
 def test_external_metrics_on_the_allow_list_and_catalog_labels_pass(expr) -> None:
     assert unknown_names(expr) == []
 
 
-@pytest.mark.parametrize(("expr", "names"), [
-    ("sum by (le) (rate(a_bucket{x=\"1\"}[5m])) / on () group_left b", {"a_bucket", "b"}),
-    ("a offset 5m + 1e3 * b[5m:1m] unless on (x) c", {"a", "b", "c"}),
-    ('label_replace(a, "dst", "$1", "src", "(.*)") > bool 0', {"a"}),
-    ('count(up{job=~"$job"} == 0) or vector(0)', {"up"}),
-    ("sum(x) by (le) and time() - y > inf", {"x", "y"}),
-])
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ('sum by (le) (rate(a_bucket{x="1"}[5m])) / on () group_left b', {"a_bucket", "b"}),
+        ("a offset 5m + 1e3 * b[5m:1m] unless on (x) c", {"a", "b", "c"}),
+        ('label_replace(a, "dst", "$1", "src", "(.*)") > bool 0', {"a"}),
+        ('count(up{job=~"$job"} == 0) or vector(0)', {"up"}),
+        ("sum(x) by (le) and time() - y > inf", {"x", "y"}),
+    ],
+)
 def test_metric_references_are_found_past_strings_groupings_functions_and_keywords(expr, names) -> None:
     assert {n for n, _ in referenced_selectors(expr)} == names
 
@@ -276,13 +303,18 @@ def test_le_matched_by_the_rules_is_exactly_what_kvwatch_exports_for_each_thresh
 
 
 def test_burn_thresholds_are_factor_times_budget_without_float_noise() -> None:
-    obj = slo_from_mapping({"objectives": [{"name": "x", "sli": "tpot", "threshold": 0.06,
-                                            "objective": 0.999, "bands": ["5k-10k"]}]}).objectives[0]
+    obj = slo_from_mapping(
+        {
+            "objectives": [
+                {"name": "x", "sli": "tpot", "threshold": 0.06, "objective": 0.999, "bands": ["5k-10k"]}
+            ]
+        }
+    ).objectives[0]
     page, ticket = (burn_alert(obj, sev, "28d").expr for sev in BURNS)
     assert "> 0.0144\n" in page and "> 0.006\n" in page
     assert "> 0.003\n" in ticket and "> 0.001\n" in ticket
-    assert '* 3600 >= 20' in page and '* 21600 >= 20' in page
-    assert '* 86400 >= 20' in ticket and '* 259200 >= 20' in ticket
+    assert "* 3600 >= 20" in page and "* 21600 >= 20" in page
+    assert "* 86400 >= 20" in ticket and "* 259200 >= 20" in ticket
 
 
 def test_each_objective_records_every_window_and_its_budget() -> None:
@@ -290,8 +322,12 @@ def test_each_objective_records_every_window_and_its_budget() -> None:
     tpot = [r.record for r in records if dict(r.labels).get("slo") == "tpot-medium"]
     for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d"):
         assert f"kvwatch:slo_errors:ratio_rate{w}" in tpot and f"kvwatch:slo_requests:rate{w}" in tpot
-    assert {"kvwatch:slo_errors:rate5m", "kvwatch:slo_errors:ratio_rate28d",
-            "kvwatch:slo_error_budget_remaining:ratio", "kvwatch:slo_objective:ratio"} <= set(tpot)
+    assert {
+        "kvwatch:slo_errors:rate5m",
+        "kvwatch:slo_errors:ratio_rate28d",
+        "kvwatch:slo_error_budget_remaining:ratio",
+        "kvwatch:slo_objective:ratio",
+    } <= set(tpot)
 
 
 def test_slo_alerts_are_two_per_objective_and_severity() -> None:
@@ -299,15 +335,22 @@ def test_slo_alerts_are_two_per_objective_and_severity() -> None:
     burns = [r for r in _default_file(SLO_FILE).rules() if isinstance(r, Alert)]
     assert len(burns) == 2 * len(slo.objectives)
     assert {(dict(r.labels)["slo"], r.severity) for r in burns} == {
-        (o.name, s) for o in slo.objectives for s in ("critical", "warning")}
+        (o.name, s) for o in slo.objectives for s in ("critical", "warning")
+    }
 
 
 def test_starvation_alert_follows_the_slo_files_long_and_short_bands() -> None:
-    slo = slo_from_mapping({
-        "length_bands": [2000, 8000], "long_bands": ["8k+"], "short_bands": ["0-2k"],
-        "objectives": [{"name": "c", "sli": "completion", "objective": 0.99, "bands": "*"}]})
-    starving = next(r for r in alerts_mod.fleet_alert_group(slo).rules
-                    if r.alert == "KVWatchLongRequestsStarving")
+    slo = slo_from_mapping(
+        {
+            "length_bands": [2000, 8000],
+            "long_bands": ["8k+"],
+            "short_bands": ["0-2k"],
+            "objectives": [{"name": "c", "sli": "completion", "objective": 0.99, "bands": "*"}],
+        }
+    )
+    starving = next(
+        r for r in alerts_mod.fleet_alert_group(slo).rules if r.alert == "KVWatchLongRequestsStarving"
+    )
     assert 'length_band="8k+"' in starving.expr and 'length_band="0-2k"' in starving.expr
     assert "0-2k" in starving.description
 

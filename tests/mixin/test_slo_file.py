@@ -180,8 +180,13 @@ def test_alert_knobs_default_to_the_shipped_values_and_can_be_set() -> None:
     from kvwatch.mixin.thresholds import DEFAULT_FOR, AlertConfig
 
     assert slo_from_mapping(VALID).alerts == AlertConfig()
-    data = {**VALID, "alerts": {"thresholds": {"kv_pressure_usage": 0.9, "headroom_seconds": 600},
-                                "for": {"KVWatchGPUThrottled": "30m", "KVWatchGPULost": "0s"}}}
+    data = {
+        **VALID,
+        "alerts": {
+            "thresholds": {"kv_pressure_usage": 0.9, "headroom_seconds": 600},
+            "for": {"KVWatchGPUThrottled": "30m", "KVWatchGPULost": "0s"},
+        },
+    }
     knobs = slo_from_mapping(data).alerts
     assert (knobs.kv_pressure_usage, knobs.headroom_seconds, knobs.stranded_ratio) == (0.9, 600, 0.2)
     assert knobs.for_of("KVWatchGPUThrottled") == "30m" and knobs.for_of("KVWatchGPULost") is None
@@ -189,11 +194,21 @@ def test_alert_knobs_default_to_the_shipped_values_and_can_be_set() -> None:
 
 
 def test_bad_alert_knobs_are_named_by_key_path() -> None:
-    found = _problems({**VALID, "alerts": {
-        "thresholds": {"kv_pressure_usage": 1.5, "headroom_seconds": -1, "kv_presure_usage": 0.9,
-                       "starving_min_requests": 2.5},
-        "for": {"KVWatchDown": "five minutes", "KVWatchNope": "5m"},
-        "selector": "x"}})
+    found = _problems(
+        {
+            **VALID,
+            "alerts": {
+                "thresholds": {
+                    "kv_pressure_usage": 1.5,
+                    "headroom_seconds": -1,
+                    "kv_presure_usage": 0.9,
+                    "starving_min_requests": 2.5,
+                },
+                "for": {"KVWatchDown": "five minutes", "KVWatchNope": "5m"},
+                "selector": "x",
+            },
+        }
+    )
     assert "from 0 to 1" in found["alerts.thresholds.kv_pressure_usage"]
     assert "non-negative" in found["alerts.thresholds.headroom_seconds"]
     assert "unknown threshold" in found["alerts.thresholds.kv_presure_usage"]
@@ -208,6 +223,7 @@ def test_every_alert_kvwatch_ships_has_a_for_knob() -> None:
     from kvwatch.mixin.rules import FLEET_FILE, NODE_FILE, rule_files
     from kvwatch.mixin.thresholds import DEFAULT_FOR
 
-    files = [f for f in rule_files(load_slo_file(ALERTS / "slo.yaml"))
-             if f.filename in (NODE_FILE, FLEET_FILE)]
+    files = [
+        f for f in rule_files(load_slo_file(ALERTS / "slo.yaml")) if f.filename in (NODE_FILE, FLEET_FILE)
+    ]
     assert set(alert_names(files)) == set(DEFAULT_FOR)

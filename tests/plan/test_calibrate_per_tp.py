@@ -29,8 +29,13 @@ def _samples(path, with_tp: bool = True) -> None:
             for _ in range(300):
                 p, s = rng.choice([0, rng.randint(1, 2000)]), rng.randint(1, 8)
                 ms = cost.seconds(p, s, 0) * 1e3 * (1 + rng.gauss(0, 0.01))
-                line = {"context_tokens": p, "generation_tokens": s, "num_context_reqs": int(p > 0),
-                        "num_generation_reqs": s, "elapsed_ms": ms}
+                line = {
+                    "context_tokens": p,
+                    "generation_tokens": s,
+                    "num_context_reqs": int(p > 0),
+                    "num_generation_reqs": s,
+                    "elapsed_ms": ms,
+                }
                 if with_tp:
                     line["tp"] = tp
                 fh.write(json.dumps(line) + "\n")
@@ -79,8 +84,12 @@ def test_a_layout_never_observed_is_timed_by_the_roofline_and_says_so(tmp_path, 
 def test_compare_names_how_each_candidate_was_timed(tmp_path, capsys):
     cal, _ = _calibrate(tmp_path, capsys)
     # the engine's shape, as --engine-url would have read it
-    cal = dataclasses.replace(cal, engine=dataclasses.replace(
-        cal.engine, block_size=16, num_gpu_blocks=80, max_model_len=1024, max_num_batched_tokens=2048))
+    cal = dataclasses.replace(
+        cal,
+        engine=dataclasses.replace(
+            cal.engine, block_size=16, num_gpu_blocks=80, max_model_len=1024, max_num_batched_tokens=2048
+        ),
+    )
     ledger = tmp_path / "ledger.jsonl"
     write_ledger(ledger, tiny_engine(), requests(60))
     workload = read_workload([str(ledger)])
@@ -93,8 +102,17 @@ def test_compare_names_how_each_candidate_was_timed(tmp_path, capsys):
     assert "never observed" in by_layout[("h200", 4, 1)].error
     assert "never observed" in by_layout[("h200", 2, 2)].error
     # a preset measured on H200: its unobserved layouts fall back to the roofline, and the text says so
-    out = sweep(workload, slo.objectives, slo.bands, 4, "llama-3.1-8b", grid="small", calibration=cal,
-                jobs=1, calibrated_on="h200")
+    out = sweep(
+        workload,
+        slo.objectives,
+        slo.bands,
+        4,
+        "llama-3.1-8b",
+        grid="small",
+        calibration=cal,
+        jobs=1,
+        calibrated_on="h200",
+    )
     by_layout = {(e.candidate.gpu, e.candidate.tp, e.candidate.pp): e for e in out}
     assert by_layout[("h200", 4, 1)].timed_by == "roofline (never observed)"
     assert by_layout[("h200", 2, 1)].timed_by == "fit TP=2"
@@ -124,8 +142,12 @@ def test_replay_of_a_calibration_measured_at_tp2_is_the_tp2_engine(tmp_path, cap
     cal = tmp_path / "cal.yaml"
     assert main(["plan", "calibrate", "--step-samples", str(steps), "--tp", "2", "-o", str(cal)]) == 0
     loaded = load_calibration(cal)
-    shaped = dataclasses.replace(loaded, engine=dataclasses.replace(
-        loaded.engine, block_size=16, num_gpu_blocks=80, max_model_len=1024, max_num_batched_tokens=2048))
+    shaped = dataclasses.replace(
+        loaded,
+        engine=dataclasses.replace(
+            loaded.engine, block_size=16, num_gpu_blocks=80, max_model_len=1024, max_num_batched_tokens=2048
+        ),
+    )
     shaped.dump(cal)
     ledger = tmp_path / "ledger.jsonl"
     write_ledger(ledger, tiny_engine(), requests(30))

@@ -26,10 +26,15 @@ def test_plugin_datagrams_calibrate_every_term_including_kv(tmp_path, monkeypatc
         gen_r = rng.randint(0 if ctx_t else 1, 8)
         kv = rng.uniform(0.05, 1.0)
         ms = TRUE_COST.seconds(ctx_t, gen_r, kv * CAPACITY) * 1000 * (1 + rng.gauss(0, 0.02))
-        step = {"run": gen_r + (1 if ctx_t else 0), "wait": 0, "kv": kv,
-                "it": [1 if ctx_t else 0, ctx_t, gen_r, gen_r, ms]}
-        for body in wire.encode({"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": n, "t": 1.7e9 + n, "d": 0},
-                                [step], [], [], 0):
+        step = {
+            "run": gen_r + (1 if ctx_t else 0),
+            "wait": 0,
+            "kv": kv,
+            "it": [1 if ctx_t else 0, ctx_t, gen_r, gen_r, ms],
+        }
+        for body in wire.encode(
+            {"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": n, "t": 1.7e9 + n, "d": 0}, [step], [], [], 0
+        ):
             lines.append(json.dumps(body))
     path = tmp_path / "datagrams.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -37,11 +42,27 @@ def test_plugin_datagrams_calibrate_every_term_including_kv(tmp_path, monkeypatc
     from kvwatch.plan import sources
     from kvwatch.plan.calibration import EngineShape
 
-    monkeypatch.setattr(sources, "engine_shape", lambda *a, **k: EngineShape(
-        model_name="tiny", block_size=128, num_gpu_blocks=200))
+    monkeypatch.setattr(
+        sources,
+        "engine_shape",
+        lambda *a, **k: EngineShape(model_name="tiny", block_size=128, num_gpu_blocks=200),
+    )
     out = tmp_path / "cal.yaml"
-    assert main(["plan", "calibrate", "--step-samples", str(path), "--engine-url", "http://127.0.0.1:9",
-                 "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "calibrate",
+                "--step-samples",
+                str(path),
+                "--engine-url",
+                "http://127.0.0.1:9",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cal = load_calibration(out)
     assert cal.source == "step_samples" and cal.fit.quality.unfitted_terms == ()
     assert cal.cost.per_kv_token_s == pytest.approx(TRUE_COST.per_kv_token_s, rel=0.1)
@@ -49,8 +70,13 @@ def test_plugin_datagrams_calibrate_every_term_including_kv(tmp_path, monkeypatc
 
 
 def test_datagrams_without_the_batch_shape_say_which_vllm_flag_is_missing(tmp_path, capsys):
-    body = wire.encode({"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": 0, "t": 1.7e9, "d": 0},
-                       [{"run": 1, "wait": 0, "kv": 0.1}], [], [], 0)[0]
+    body = wire.encode(
+        {"v": wire.WIRE_VERSION, "e": 0, "p": 1, "n": 0, "t": 1.7e9, "d": 0},
+        [{"run": 1, "wait": 0, "kv": 0.1}],
+        [],
+        [],
+        0,
+    )[0]
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(body) + "\n")
     assert main(["plan", "calibrate", "--step-samples", str(path), "-o", str(tmp_path / "c.yaml")]) == 1

@@ -56,14 +56,22 @@ def test_gpus_per_pcie_switch_is_a_candidate_key_and_must_be_positive():
 
 def test_compare_reports_the_ratio_and_the_extra_work_against_the_same_candidate_without_the_tier():
     base = Evaluated(BASE, None, (), 448.4, 660)
-    tier = Evaluated(dataclasses.replace(BASE, name="small-cache-offload200", cpu_offload_gb=200.0), None, (),
-                     555.5, 236, offload_bytes=156e9, recompute_avoided_per_byte=3.8e-6,
-                     offload_queue_seconds=0.4)
+    tier = Evaluated(
+        dataclasses.replace(BASE, name="small-cache-offload200", cpu_offload_gb=200.0),
+        None,
+        (),
+        555.5,
+        236,
+        offload_bytes=156e9,
+        recompute_avoided_per_byte=3.8e-6,
+        offload_queue_seconds=0.4,
+    )
     [line] = tier_report([base, tier])
     assert "156.0 GB over PCIe" in line and "3.80 tokens loaded back per MB moved" in line
     assert "extra work admitted: +107.1 completed/GPU-h" in line and "preemptions 660 -> 236" in line
     assert "(without the tier: small-cache)" in line
     assert tier_report([base]) == []
     unused = dataclasses.replace(tier, offload_bytes=0.0, recompute_avoided_per_byte=None)
-    assert tier_report([base, unused]) == ["- small-cache-offload200: never used (nothing was preempted, so "
-                                           "nothing was kept)"]
+    assert tier_report([base, unused]) == [
+        "- small-cache-offload200: never used (nothing was preempted, so nothing was kept)"
+    ]

@@ -28,8 +28,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def engine_counters() -> dict[str, Counter[str]]:
     """vLLM's own counters per ``engine`` label."""
     text = (FIXTURES / "vllm-0.32-dp2-metrics.prom").read_text().replace("vllm:", "vllm_")
-    out: dict[str, Counter[str]] = {"finished": Counter(), "generated": Counter(), "computed": Counter(),
-                                    "preemptions": Counter()}
+    out: dict[str, Counter[str]] = {
+        "finished": Counter(),
+        "generated": Counter(),
+        "computed": Counter(),
+        "preemptions": Counter(),
+    }
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             engine = s.labels["engine"]
@@ -46,8 +50,9 @@ def engine_counters() -> dict[str, Counter[str]]:
 
 def test_both_dp_ranks_arrive_as_dp_rank_0_and_1_and_agree_with_the_engines_counters() -> None:
     stats = PluginStats()
-    mine: dict[str, Counter[str]] = {k: Counter() for k in ("finished", "generated", "computed",
-                                                            "preemptions")}
+    mine: dict[str, Counter[str]] = {
+        k: Counter() for k in ("finished", "generated", "computed", "preemptions")
+    }
     senders: dict[str, set[int | None]] = {}
     lengths = []
     for line in (FIXTURES / "vllm-0.32-dp2-datagrams.jsonl").read_bytes().splitlines():

@@ -35,10 +35,21 @@ def sent(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("facts") / "p.sock")
     sock = bind_socket(path)
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu",
-               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_harness_engine_facts.py")),
-                               path], capture_output=True, text=True, env=env, timeout=180, check=False)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        proc = subprocess.run(
+            [str(python), str(Path(__file__).with_name("vllm_harness_engine_facts.py")), path],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         sock.setblocking(False)
@@ -97,8 +108,12 @@ def test_requests_that_never_got_a_token_keep_their_datagram_and_their_outcome(s
     # vLLM reads decode 0.0 (0.0 - 0.0) for both: no first token, so unknown too
     assert (error.outcome, error.prefill_seconds, error.decode_seconds) == (Outcome.ERROR, None, None)
     assert error.queue_seconds == pytest.approx(0.4, abs=0.05)
-    assert (abort.outcome, abort.queue_seconds, abort.prefill_seconds, abort.decode_seconds) == \
-        (Outcome.ABORTED, None, None, None)
+    assert (abort.outcome, abort.queue_seconds, abort.prefill_seconds, abort.decode_seconds) == (
+        Outcome.ABORTED,
+        None,
+        None,
+        None,
+    )
     assert abort.e2e_seconds == pytest.approx(2.0, abs=0.5)
     assert ok.prefill_seconds == pytest.approx(0.3, abs=0.05)
 
@@ -107,8 +122,11 @@ def test_only_a_limit_the_client_set_is_sent_as_max_tokens(sent):
     _, by_engine = sent
     [body] = by_engine[4]
     remaining_context, generation_config_default, client = decoded(body).records
-    assert (remaining_context.max_tokens, generation_config_default.max_tokens, client.max_tokens) == \
-        (None, None, 64)
+    assert (remaining_context.max_tokens, generation_config_default.max_tokens, client.max_tokens) == (
+        None,
+        None,
+        64,
+    )
 
 
 def test_a_forked_child_sends_under_its_own_pid_though_the_parent_held_the_lock(sent):

@@ -33,11 +33,26 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     path = str(tmp_path / "p.sock")
     sock = bind_socket(path)
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins" / "vllm"), "VLLM_TARGET_DEVICE": "cpu",
-               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_harness.py")), path,
-                               str(tmp_path / "absent.sock")], capture_output=True, text=True, env=env,
-                              timeout=180, check=False)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        proc = subprocess.run(
+            [
+                str(python),
+                str(Path(__file__).with_name("vllm_harness.py")),
+                path,
+                str(tmp_path / "absent.sock"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         sock.setblocking(False)
@@ -51,8 +66,14 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
         sock.close()
     stalled = {k: result.pop(k) for k in list(result) if k.startswith("stalled_")}
     assert (result.pop("older_sent"), result.pop("older_failures")) == (2, 0)
-    assert result == {"sent": 2, "dropped": 0, "failures": 1, "absent_sent": 0, "absent_dropped": 5,
-                      "absent_dropped_steps": 5}  # each of the 5 datagrams carried its one step
+    assert result == {
+        "sent": 2,
+        "dropped": 0,
+        "failures": 1,
+        "absent_sent": 0,
+        "absent_dropped": 5,
+        "absent_dropped_steps": 5,
+    }  # each of the 5 datagrams carried its one step
     # a stalled agent: the kernel queue filled, the rest waited in the plugin and came in order
     assert stalled["stalled_waiting"] > 0 and stalled["stalled_dropped"] == 0
     assert stalled["stalled_seq"] == list(range(1, 101)) and stalled["stalled_finished"] == 200
@@ -66,15 +87,30 @@ def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
     [s] = full.steps
     assert (s.running, s.waiting, s.kv_usage_ratio, s.preempted) == (3, 2, 0.75, 1)
     assert (s.ctx_requests, s.ctx_tokens, s.gen_requests, s.gen_tokens, s.elapsed_ms) == (1, 444, 2, 2, 12.5)
-    assert (s.resumed_requests, s.resumed_queried_tokens, s.resumed_hit_tokens, s.recomputed_tokens) == \
-        (1, 700, 256, 444)
-    assert [(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds) for e in s.evictions] == \
-        [(3.0, 1.0, (0.5, 0.25)), (9.0, 4.0, ())]
+    assert (s.resumed_requests, s.resumed_queried_tokens, s.resumed_hit_tokens, s.recomputed_tokens) == (
+        1,
+        700,
+        256,
+        444,
+    )
+    assert [(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds) for e in s.evictions] == [
+        (3.0, 1.0, (0.5, 0.25)),
+        (9.0, 4.0, ()),
+    ]
     long, short = full.records
-    assert (long.outcome, long.finish_reason, long.output_tokens, long.max_tokens, long.preemptions) == \
-        (Outcome.TRUNCATED, "length", 64, 64, 2)
-    assert (long.queue_seconds, long.prefill_seconds, long.decode_seconds, long.e2e_seconds) == \
-        (0.5, 0.25, 1.75, 2.5)
+    assert (long.outcome, long.finish_reason, long.output_tokens, long.max_tokens, long.preemptions) == (
+        Outcome.TRUNCATED,
+        "length",
+        64,
+        64,
+        2,
+    )
+    assert (long.queue_seconds, long.prefill_seconds, long.decode_seconds, long.e2e_seconds) == (
+        0.5,
+        0.25,
+        1.75,
+        2.5,
+    )
     assert (long.prompt_tokens, long.cached_prompt_tokens) == (300, 128)
     assert (short.outcome, short.max_tokens) == (Outcome.COMPLETED, None)  # no limit: unknown, not 0
     # objects without vLLM's fields: every value unknown, nothing invented

@@ -35,10 +35,13 @@ MAX_TOKENS = (300, 400, 500, 600)  # ~1,950 tokens at the end into 1,280 KV slot
 
 
 async def scenario(base: str, socket_path: str) -> tuple[dict, dict[str, float], dict[str, float]]:
-    config = Config(replicas=(ReplicaConfig("r0", f"{base}/metrics", backend="vllm", model_name="tiny"),),
-                    listen=HostPort("127.0.0.1", 0), intervals=IntervalsConfig(engine_s=0.5),
-                    nvml=NvmlConfig(enabled=False),
-                    vllm_plugin_sockets=(VllmPluginSocketConfig("r0", socket_path),))
+    config = Config(
+        replicas=(ReplicaConfig("r0", f"{base}/metrics", backend="vllm", model_name="tiny"),),
+        listen=HostPort("127.0.0.1", 0),
+        intervals=IntervalsConfig(engine_s=0.5),
+        nvml=NvmlConfig(enabled=False),
+        vllm_plugin_sockets=(VllmPluginSocketConfig("r0", socket_path),),
+    )
     agent = Agent(config)
     await agent.start()
     try:
@@ -56,8 +59,10 @@ async def scenario(base: str, socket_path: str) -> tuple[dict, dict[str, float],
             after = engine_counters((await client.get(f"{base}/metrics")).text)
             for _ in range(60):  # until the agent has all five requests and has scraped the engine
                 fams = await agent_metrics(client, agent)
-                if total(fams, "kvwatch_requests", source="vllm_plugin") >= 5 and \
-                        total(fams, "kvwatch_recomputed_tokens", source="estimate") > 0:
+                if (
+                    total(fams, "kvwatch_requests", source="vllm_plugin") >= 5
+                    and total(fams, "kvwatch_recomputed_tokens", source="estimate") > 0
+                ):
                     break
                 await asyncio.sleep(0.5)
     finally:
@@ -70,8 +75,12 @@ def test_without_prefix_caching_the_estimate_stays_and_an_unset_max_tokens_is_un
         socket_path = str(Path(tmp) / "vllm.sock")
         port = free_port()
         log = CACHE / "kvwatch-vllm" / f"vllm-test-nopc-{port}.log"
-        env = {"KVWATCH_VLLM_SOCKET": socket_path, "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
-               "KV_BLOCKS": "10", "MAX_MODEL_LEN": "1024"}
+        env = {
+            "KVWATCH_VLLM_SOCKET": socket_path,
+            "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
+            "KV_BLOCKS": "10",
+            "MAX_MODEL_LEN": "1024",
+        }
         pid = start_vllm(port, log, "--no-enable-prefix-caching", env)
         try:
             fams, before, after = asyncio.run(scenario(f"http://127.0.0.1:{port}", socket_path))

@@ -17,11 +17,29 @@ PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "vllm"
 
 
 def test_pip_install_of_the_plugin_pulls_in_nothing(tmp_path):
-    source = shutil.copytree(PLUGIN, tmp_path / "plugin",
-                             ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
-                           "--no-build-isolation", "--quiet", "--report", "-", str(source)],
-                          capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path)
+    source = shutil.copytree(
+        PLUGIN, tmp_path / "plugin", ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__")
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--no-build-isolation",
+            "--quiet",
+            "--report",
+            "-",
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert [item["metadata"]["name"] for item in report["install"]] == ["kvwatch-vllm-plugin"]

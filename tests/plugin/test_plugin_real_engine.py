@@ -42,8 +42,10 @@ from kvwatch.model import DEFAULT_BANDS
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
 MAX_TOKENS = (300, 500, 700, 900, 1100, 1300)  # 4 answers in 0-1k, 2 in 1k-5k; ~4800 tokens > 2560 slots
-ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
-                       r"(\d+) generation requests, (\d+) generation tokens")
+ITERATION = re.compile(
+    r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+    r"(\d+) generation requests, (\d+) generation tokens"
+)
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,12 @@ def families(text: str) -> dict[str, list]:
 
 def total(fams: dict[str, list], name: str, **labels: str) -> float:
     """Sum of the samples named ``name`` (a counter's ``name_total``; a histogram's ``name_sum``, ...)."""
-    return sum(s.value for samples in fams.values() for s in samples
-               if s.name in (name, f"{name}_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for samples in fams.values()
+        for s in samples
+        if s.name in (name, f"{name}_total") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def engine_counters(text: str) -> dict[str, float]:
@@ -83,15 +89,19 @@ def agent_config(plugin, ledger: Path | None) -> Config:
     engine = plugin.engine
     return Config(
         replicas=(ReplicaConfig("r0", engine.metrics_url, backend="vllm", model_name="tiny"),),
-        listen=HostPort("127.0.0.1", 0), intervals=IntervalsConfig(engine_s=1.0),
+        listen=HostPort("127.0.0.1", 0),
+        intervals=IntervalsConfig(engine_s=1.0),
         nvml=NvmlConfig(enabled=False),
         vllm_plugin_sockets=(VllmPluginSocketConfig("r0", plugin.socket_path),),
-        ledger=LedgerConfig(path=str(ledger)) if ledger else LedgerConfig())
+        ledger=LedgerConfig(path=str(ledger)) if ledger else LedgerConfig(),
+    )
 
 
 async def complete(client: httpx.AsyncClient, base: str, max_tokens: int, i: int) -> dict:
-    r = await client.post(f"{base}/v1/completions", json={
-        "model": "tiny", "prompt": f"request {i} " * 12, "max_tokens": max_tokens, "ignore_eos": True})
+    r = await client.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": f"request {i} " * 12, "max_tokens": max_tokens, "ignore_eos": True},
+    )
     r.raise_for_status()
     return r.json()["usage"]
 
@@ -134,8 +144,9 @@ async def scenario(plugin, ledger: Path) -> Observed:
         try:
             before = engine_counters((await client.get(engine.metrics_url)).text)
             offset = engine.log.stat().st_size
-            usage = await asyncio.gather(*(complete(client, engine.base_url, m, i)
-                                           for i, m in enumerate(MAX_TOKENS)))
+            usage = await asyncio.gather(
+                *(complete(client, engine.base_url, m, i) for i, m in enumerate(MAX_TOKENS))
+            )
             fams = await wait_for_requests(client, agent, len(MAX_TOKENS))
             after = engine_counters((await client.get(engine.metrics_url)).text)
             with engine.log.open("rb") as f:
@@ -153,9 +164,17 @@ async def scenario(plugin, ledger: Path) -> Observed:
         finally:
             await restarted.stop()
     ledger_lines = [json.loads(line) for line in ledger.read_text().splitlines()]
-    return Observed(unobserved, usage, {k: after[k] - before[k] for k in after},
-                    sum(int(ctx) + int(gen) for _, ctx, _, gen in lines), len(lines), len(before_load), fams,
-                    ledger_lines, restarted_fams)
+    return Observed(
+        unobserved,
+        usage,
+        {k: after[k] - before[k] for k in after},
+        sum(int(ctx) + int(gen) for _, ctx, _, gen in lines),
+        len(lines),
+        len(before_load),
+        fams,
+        ledger_lines,
+        restarted_fams,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +187,9 @@ def observed(plugin_vllm) -> Observed:
 def test_vllm_keeps_serving_without_an_agent_and_the_drops_are_counted(observed):
     assert [u["completion_tokens"] for u in observed.unobserved_usage] == [24, 24, 24]
     first = total(observed.agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0", dp_rank="0")
-    later = total(observed.restarted_agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0",
-                  dp_rank="0")
+    later = total(
+        observed.restarted_agent, "kvwatch_vllm_plugin_dropped_datagrams", replica="r0", dp_rank="0"
+    )
     assert first > 0  # the steps of the two unobserved requests (batched: a few datagrams)
     assert later > first  # the request while no agent listened, then data resumed
     assert total(observed.restarted_agent, "kvwatch_requests", source="vllm_plugin") == 1
@@ -216,14 +236,18 @@ def test_every_iteration_the_engine_logged_is_a_step_sample_or_a_counted_drop(ob
     machine starved enough to refuse a datagram, the few of the load that went with it."""
     steps = total(observed.agent, "kvwatch_engine_step_seconds_count", replica="r0")
     dropped_steps = total(observed.agent, "kvwatch_vllm_plugin_dropped_steps", replica="r0")
-    results = {s.labels["result"]: s.value for s in observed.agent["kvwatch_vllm_plugin_datagrams"]
-               if s.labels.get("replica") == "r0"}
+    results = {
+        s.labels["result"]: s.value
+        for s in observed.agent["kvwatch_vllm_plugin_datagrams"]
+        if s.labels.get("replica") == "r0"
+    }
     assert observed.iterations > sum(MAX_TOKENS) / 8  # at most 8 sequences per step
     assert observed.iterations_before > 0 and results["accepted"] > 0
     assert all(n == 0 for result, n in results.items() if result != "accepted"), results  # none refused
     assert steps + dropped_steps == observed.iterations_before + observed.iterations, (
         f"load: {observed.iterations} iterations, {steps} step samples; dropped steps since the engine "
-        f"started {dropped_steps} of {observed.iterations_before} before the load")
+        f"started {dropped_steps} of {observed.iterations_before} before the load"
+    )
     assert steps >= 0.9 * observed.iterations  # losing datagrams under load is rare, never the rule
     lifetimes = total(observed.agent, "kvwatch_kv_block_lifetime_seconds_count", replica="r0")
     assert lifetimes > 0  # preempted and finished requests free blocks that get evicted

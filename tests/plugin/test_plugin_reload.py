@@ -86,8 +86,9 @@ async def _scrape_until(agent: Agent, *present: str, timeout_s: float = 10.0) ->
         if all(p in body for p in present):
             return body
         await asyncio.sleep(0.05)
-    raise AssertionError(f"not reached: {present}\n" + "\n".join(
-        line for line in body.splitlines() if "vllm_plugin" in line))
+    raise AssertionError(
+        f"not reached: {present}\n" + "\n".join(line for line in body.splitlines() if "vllm_plugin" in line)
+    )
 
 
 def _accepted(replica: str, n: int) -> str:
@@ -101,8 +102,9 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
     _write(config_file, [("r1", a)])
     agent = Agent(load_config(str(config_file)))
     await agent.start()
-    reloader = ConfigReloader(str(config_file), lambda: agent.file_config, agent.apply_config,
-                              agent.state.config_reload)
+    reloader = ConfigReloader(
+        str(config_file), lambda: agent.file_config, agent.apply_config, agent.state.config_reload
+    )
     try:
         assert _is_socket(a)
         _send(a, 5)
@@ -111,8 +113,9 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         # r1 moves to b, r2 gains c: both apply now, a is closed and removed
         _write(config_file, [("r1", b), ("r2", c)])
         assert reloader.reload("test")
-        await _until(lambda: _is_socket(b) and _is_socket(c) and not os.path.lexists(a),
-                     "b and c bound, a gone")
+        await _until(
+            lambda: _is_socket(b) and _is_socket(c) and not os.path.lexists(a), "b and c bound, a gone"
+        )
         assert "changed; it takes effect at the next restart" not in caplog.text
         _send(b, 7)
         _send(c, 9)
@@ -127,8 +130,10 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         assert reloader.reload("test")  # the file is valid; binding is what failed
         await _until(lambda: not os.path.lexists(c), "c closed")
         assert blocked.read_text() == "not a socket"  # never replaced
-        await _until(lambda: f"cannot be bound: {blocked} exists and is not a socket" in caplog.text,
-                     "the bind failure logged")
+        await _until(
+            lambda: f"cannot be bound: {blocked} exists and is not a socket" in caplog.text,
+            "the bind failure logged",
+        )
         assert agent.state.collectors["vllm_plugin:r2"].success is False
         _send(b, 11)
         await _until(lambda: agent.state.plugin.snapshot()[("r1", "0")].datagrams == 3, "b still read")

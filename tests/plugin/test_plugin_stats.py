@@ -25,10 +25,22 @@ def step(**fields):
 
 
 def record(output, max_tokens, preemptions, outcome=Outcome.COMPLETED, cached=None, prompt=100):
-    return RequestRecord("r0", "tiny", "vllm_plugin", outcome, 0.0, prompt_tokens=prompt,
-                         output_tokens=output, max_tokens=max_tokens, preemptions=preemptions,
-                         e2e_seconds=3.0, queue_seconds=0.5,
-                         prefill_seconds=0.2, decode_seconds=2.0, cached_prompt_tokens=cached)
+    return RequestRecord(
+        "r0",
+        "tiny",
+        "vllm_plugin",
+        outcome,
+        0.0,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        max_tokens=max_tokens,
+        preemptions=preemptions,
+        e2e_seconds=3.0,
+        queue_seconds=0.5,
+        prefill_seconds=0.2,
+        decode_seconds=2.0,
+        cached_prompt_tokens=cached,
+    )
 
 
 def render(collector) -> dict[str, list]:
@@ -87,14 +99,22 @@ def test_per_band_request_facts():
     state.requests.observe(record(800, 1000, 3, cached=0))
     state.requests.observe(record(2000, 2000, 5, outcome=Outcome.TRUNCATED))
     families = render(RequestCollector(state, CONFIG))
-    pre = {(s.labels["length_band"], s.name): s.value for s in families["kvwatch_request_preemptions"]
-           if not s.name.endswith("_bucket")}
-    assert pre == {("0-1k", "kvwatch_request_preemptions_sum"): 3,
-                   ("0-1k", "kvwatch_request_preemptions_count"): 2,
-                   ("1k-5k", "kvwatch_request_preemptions_sum"): 5,
-                   ("1k-5k", "kvwatch_request_preemptions_count"): 1}
-    never = [s for s in families["kvwatch_request_preemptions"]
-             if s.name.endswith("_bucket") and s.labels["le"] == "0.0" and s.labels["length_band"] == "0-1k"]
+    pre = {
+        (s.labels["length_band"], s.name): s.value
+        for s in families["kvwatch_request_preemptions"]
+        if not s.name.endswith("_bucket")
+    }
+    assert pre == {
+        ("0-1k", "kvwatch_request_preemptions_sum"): 3,
+        ("0-1k", "kvwatch_request_preemptions_count"): 2,
+        ("1k-5k", "kvwatch_request_preemptions_sum"): 5,
+        ("1k-5k", "kvwatch_request_preemptions_count"): 1,
+    }
+    never = [
+        s
+        for s in families["kvwatch_request_preemptions"]
+        if s.name.endswith("_bucket") and s.labels["le"] == "0.0" and s.labels["length_band"] == "0-1k"
+    ]
     assert never[0].value == 1
     unused = {s.labels["length_band"]: s.value for s in families["kvwatch_request_unused_max_tokens"]}
     assert unused == {"0-1k": 1500 + 200}  # the truncated one used its whole limit and is not counted
@@ -102,16 +122,26 @@ def test_per_band_request_facts():
     assert {s.labels["length_band"]: s.value for s in ratio} == {"0-1k": 0.25 + 0.8, "1k-5k": 1.0}
     reuse = [s for s in families["kvwatch_request_prefix_reuse_ratio"] if s.name.endswith("_count")]
     assert [s.value for s in reuse] == [2]  # the one without a cached count is not observed
-    for name in ("kvwatch_request_queue_seconds", "kvwatch_request_prefill_seconds",
-                 "kvwatch_request_decode_seconds", "kvwatch_request_duration_seconds"):
+    for name in (
+        "kvwatch_request_queue_seconds",
+        "kvwatch_request_prefill_seconds",
+        "kvwatch_request_decode_seconds",
+        "kvwatch_request_duration_seconds",
+    ):
         assert {s.labels["source"] for s in families[name]} == {"vllm_plugin"}
 
 
 def test_plugin_area_renders_its_catalog_families():
     state = NodeState("n", DEFAULT_BANDS)
-    state.plugin.observe(link(dropped=2, dropped_steps=40),
-                         step(ctx_tokens=3000, gen_tokens=8, elapsed_ms=40.0,
-                              evictions=(EvictionSample(30.0, 10.0, (2.0, 4.0)),)))
+    state.plugin.observe(
+        link(dropped=2, dropped_steps=40),
+        step(
+            ctx_tokens=3000,
+            gen_tokens=8,
+            elapsed_ms=40.0,
+            evictions=(EvictionSample(30.0, 10.0, (2.0, 4.0)),),
+        ),
+    )
     families = render(PluginCollector(state, CONFIG))
     assert set(families) == {s.name for s in CATALOG if s.area == "plugin"}
     [count] = [s for s in families["kvwatch_engine_step_seconds"] if s.name.endswith("_count")]
@@ -142,14 +172,17 @@ def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports()
     scraped(state, 5.0, preemptions_total=3.0)
     [estimate] = [s for s in exposition(state)["kvwatch_recomputed_tokens"] if s.name.endswith("_total")]
     assert estimate.labels["source"] == "estimate" and estimate.value > 0
-    state.plugin.observe(PluginLink("r0", estimate.labels["dp_rank"], 1, 1, 0, per_admission=True),
-                         EngineStep("r0", estimate.labels["dp_rank"], 5.0, resumed_queried_tokens=900,
-                                    resumed_hit_tokens=256))
-    [exact] = [s for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"]
-               if s.name.endswith("_total")]
+    state.plugin.observe(
+        PluginLink("r0", estimate.labels["dp_rank"], 1, 1, 0, per_admission=True),
+        EngineStep("r0", estimate.labels["dp_rank"], 5.0, resumed_queried_tokens=900, resumed_hit_tokens=256),
+    )
+    [exact] = [
+        s for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"] if s.name.endswith("_total")
+    ]
     assert (exact.labels["source"], exact.value) == ("vllm_plugin", 644)
-    assert {k: v for k, v in exact.labels.items() if k != "source"} == \
-        {k: v for k, v in estimate.labels.items() if k != "source"}
+    assert {k: v for k, v in exact.labels.items() if k != "source"} == {
+        k: v for k, v in estimate.labels.items() if k != "source"
+    }
 
 
 def _recompute_series(per_admission, **step_fields) -> dict[str, float]:
@@ -160,10 +193,15 @@ def _recompute_series(per_admission, **step_fields) -> dict[str, float]:
     scraped(state, 5.0, preemptions_total=3.0)
     [estimate] = [s for s in exposition(state)["kvwatch_recomputed_tokens"] if s.name.endswith("_total")]
     rank = estimate.labels["dp_rank"]
-    state.plugin.observe(PluginLink("r0", rank, 1, 1, 0, per_admission=per_admission),
-                         EngineStep("r0", rank, 5.0, preempted=3, **step_fields))
-    return {s.labels["source"]: s.value for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"]
-            if s.name.endswith("_total")}
+    state.plugin.observe(
+        PluginLink("r0", rank, 1, 1, 0, per_admission=per_admission),
+        EngineStep("r0", rank, 5.0, preempted=3, **step_fields),
+    )
+    return {
+        s.labels["source"]: s.value
+        for s in exposition(state, PROXIED)["kvwatch_recomputed_tokens"]
+        if s.name.endswith("_total")
+    }
 
 
 def test_where_vllm_did_not_count_the_estimate_stays():
@@ -182,6 +220,11 @@ def test_an_older_vllm_recompute_is_labelled_an_upper_bound_and_the_estimate_sta
 
 def test_a_kv_connector_figure_is_exact_in_every_vllm():
     """vLLM records the connector's lookups after allocation, at admission, in 0.26.0 as in 0.32.0."""
-    series = _recompute_series(None, resumed_queried_tokens=1000, resumed_hit_tokens=400,
-                               connector_resumed_queried_tokens=600, connector_resumed_hit_tokens=500)
+    series = _recompute_series(
+        None,
+        resumed_queried_tokens=1000,
+        resumed_hit_tokens=400,
+        connector_resumed_queried_tokens=600,
+        connector_resumed_hit_tokens=500,
+    )
     assert series == {"vllm_plugin": 100}

@@ -30,28 +30,62 @@ def header(**extra):
     return {"v": 1, "e": 0, "p": 4242, "n": 1, "t": 1000.0, "d": 0, **extra}
 
 
-FINISHED = {"reason": "length", "e2e": 2.5, "queue": 0.5, "prefill": 0.25, "decode": 1.75, "inference": 2.0,
-            "prompt": 300, "output": 64, "cached": 128, "max_tokens": 64, "preemptions": 2}
+FINISHED = {
+    "reason": "length",
+    "e2e": 2.5,
+    "queue": 0.5,
+    "prefill": 0.25,
+    "decode": 1.75,
+    "inference": 2.0,
+    "prompt": 300,
+    "output": 64,
+    "cached": 128,
+    "max_tokens": 64,
+    "preemptions": 2,
+}
 
 
 def test_a_step_with_requests_round_trips_and_missing_fields_stay_unknown():
-    step = {"run": 3, "wait": 2, "kv": 0.75, "pre_req": 1, "pre_q": 700, "pre_h": 256, "preempted": 1,
-            "it": [1, 444, 2, 2, 12.5]}
-    bodies = wire.encode(header(), [{**step, "t": 999.5}], [FINISHED, {"reason": "stop", "output": 5}],
-                         [wire.eviction_sample(3.0, 1.0, (0.5, float("nan"), "x"))], 0)
+    step = {
+        "run": 3,
+        "wait": 2,
+        "kv": 0.75,
+        "pre_req": 1,
+        "pre_q": 700,
+        "pre_h": 256,
+        "preempted": 1,
+        "it": [1, 444, 2, 2, 12.5],
+    }
+    bodies = wire.encode(
+        header(),
+        [{**step, "t": 999.5}],
+        [FINISHED, {"reason": "stop", "output": 5}],
+        [wire.eviction_sample(3.0, 1.0, (0.5, float("nan"), "x"))],
+        0,
+    )
     assert len(bodies) == 1
     decoded = decode(wire.dumps(bodies[0]), "r0", "tiny")
     assert decoded.link == PluginLink("r0", "0", 4242, 1, 0)
     [s] = decoded.steps
     assert s.at == 999.5  # the step's own time, not the datagram's
-    assert (s.running, s.waiting, s.kv_usage_ratio, s.ctx_tokens, s.gen_tokens, s.elapsed_ms) == \
-        (3, 2, 0.75, 444, 2, 12.5)
+    assert (s.running, s.waiting, s.kv_usage_ratio, s.ctx_tokens, s.gen_tokens, s.elapsed_ms) == (
+        3,
+        2,
+        0.75,
+        444,
+        2,
+        12.5,
+    )
     assert s.recomputed_tokens == 444 and s.batch_tokens == 446
     assert s.evictions[0].reuse_gaps_seconds == (0.5,)  # NaN and a string are not sent
     first, second = decoded.records
     assert first.source == "vllm_plugin" and first.outcome is Outcome.TRUNCATED
-    assert (first.preemptions, first.max_tokens, first.cached_prompt_tokens, first.prefill_seconds) == \
-        (2, 64, 128, 0.25)
+    assert (first.preemptions, first.max_tokens, first.cached_prompt_tokens, first.prefill_seconds) == (
+        2,
+        64,
+        128,
+        0.25,
+    )
     assert first.started_at == pytest.approx(1000.0 - 2.5)
     assert second.outcome is Outcome.COMPLETED
     assert (second.max_tokens, second.preemptions, second.e2e_seconds, second.prompt_tokens) == (None,) * 4
@@ -65,26 +99,29 @@ def test_many_finished_requests_are_split_below_the_size_limit():
     assert max(len(wire.dumps(b)) for b in bodies) < MAX_DATAGRAM_BYTES // 4
 
 
-@pytest.mark.parametrize(("data", "result"), [
-    (b"x" * (MAX_DATAGRAM_BYTES + 1), "oversized"),
-    (b"not json", "malformed"),
-    (b"\xff\xfe", "malformed"),
-    (b"[1, 2]", "malformed"),
-    (json.dumps({**header(), "v": 2}).encode(), "unknown_version"),
-    (json.dumps({**header(), "v": True}).encode(), "unknown_version"),
-    (json.dumps({k: v for k, v in header().items() if k != "e"}).encode(), "malformed"),
-    (json.dumps({**header(), "e": 5000}).encode(), "malformed"),
-    (json.dumps({**header(), "t": None}).encode(), "malformed"),
-    (json.dumps({**header(), "s": [{"run": -1}]}).encode(), "malformed"),
-    (json.dumps({**header(), "s": [{"it": [1, 2]}]}).encode(), "malformed"),
-    (json.dumps({**header(), "s": {"run": 1}}).encode(), "malformed"),
-    (json.dumps({**header(), "f": {"output": 1}}).encode(), "malformed"),
-    (json.dumps({**header(), "pa": True}).encode(), "malformed"),
-    (json.dumps({**header(), "s": [{"cpre_q": -5}]}).encode(), "malformed"),
-    (json.dumps({**header(), "ev": [[1.0]], "s": [{}]}).encode(), "malformed"),
-    (b"[" * 100_000, "oversized"),
-    (b"[" * 60_000, "malformed"),  # deep nesting: RecursionError is caught
-])
+@pytest.mark.parametrize(
+    ("data", "result"),
+    [
+        (b"x" * (MAX_DATAGRAM_BYTES + 1), "oversized"),
+        (b"not json", "malformed"),
+        (b"\xff\xfe", "malformed"),
+        (b"[1, 2]", "malformed"),
+        (json.dumps({**header(), "v": 2}).encode(), "unknown_version"),
+        (json.dumps({**header(), "v": True}).encode(), "unknown_version"),
+        (json.dumps({k: v for k, v in header().items() if k != "e"}).encode(), "malformed"),
+        (json.dumps({**header(), "e": 5000}).encode(), "malformed"),
+        (json.dumps({**header(), "t": None}).encode(), "malformed"),
+        (json.dumps({**header(), "s": [{"run": -1}]}).encode(), "malformed"),
+        (json.dumps({**header(), "s": [{"it": [1, 2]}]}).encode(), "malformed"),
+        (json.dumps({**header(), "s": {"run": 1}}).encode(), "malformed"),
+        (json.dumps({**header(), "f": {"output": 1}}).encode(), "malformed"),
+        (json.dumps({**header(), "pa": True}).encode(), "malformed"),
+        (json.dumps({**header(), "s": [{"cpre_q": -5}]}).encode(), "malformed"),
+        (json.dumps({**header(), "ev": [[1.0]], "s": [{}]}).encode(), "malformed"),
+        (b"[" * 100_000, "oversized"),
+        (b"[" * 60_000, "malformed"),  # deep nesting: RecursionError is caught
+    ],
+)
 def test_bad_datagrams_are_refused_with_a_reason(data, result):
     with pytest.raises(DatagramError) as err:
         decode(data, "r0", "m")
@@ -105,9 +142,14 @@ def test_one_bad_request_costs_that_request_and_keeps_the_steps_and_the_others()
 def test_the_receiver_counts_refused_requests_by_reason(tmp_path):
     counted: list[tuple] = []
     steps: list = []
-    receiver = PluginReceiver("r0", str(tmp_path / "x.sock"), "m", lambda r: None,
-                              lambda link, step: steps.append(step),
-                              lambda family, *labels, amount=1: counted.append((family, *labels, amount)))
+    receiver = PluginReceiver(
+        "r0",
+        str(tmp_path / "x.sock"),
+        "m",
+        lambda r: None,
+        lambda link, step: steps.append(step),
+        lambda family, *labels, amount=1: counted.append((family, *labels, amount)),
+    )
     body = {**header(), "s": [{"it": [0, 0, 1, 1, 2.0]}], "f": [{**FINISHED, "queue": -3.0}]}
     receiver.handle(json.dumps(body).encode())
     assert ("kvwatch_vllm_plugin_datagrams", "r0", "accepted", 1) in counted
@@ -298,14 +340,19 @@ async def test_receiver_counts_bad_datagrams_and_keeps_serving(tmp_path):
         counts[(family, *labels)] = counts.get((family, *labels), 0) + amount
 
     path = str(tmp_path / "r0.sock")
-    receiver = PluginReceiver("r0", path, "tiny", records.append,
-                              lambda link, step: steps.append((link, step)), count)
+    receiver = PluginReceiver(
+        "r0", path, "tiny", records.append, lambda link, step: steps.append((link, step)), count
+    )
     await receiver.start()
     (tmp_path / "stale").touch()
     try:
         sender = wire.DatagramSender(path)
-        for data in (b"garbage", json.dumps({**header(), "v": 9}).encode(), b"y" * (MAX_DATAGRAM_BYTES + 10),
-                     wire.dumps(wire.encode(header(), [{"run": 1}], [FINISHED], [], 0)[0])):
+        for data in (
+            b"garbage",
+            json.dumps({**header(), "v": 9}).encode(),
+            b"y" * (MAX_DATAGRAM_BYTES + 10),
+            wire.dumps(wire.encode(header(), [{"run": 1}], [FINISHED], [], 0)[0]),
+        ):
             assert sender.send(data)
         deadline = time.monotonic() + 5
         while not records and time.monotonic() < deadline:

@@ -22,6 +22,7 @@ from kvwatch_vllm_plugin.logger import KvwatchStatLogger
 try:
     from kvwatch_vllm_plugin.logger import prefix_stats_per_admission
 except ImportError:  # a plugin before it (the test then shows what that one sends)
+
     def prefix_stats_per_admission():
         return None
 
@@ -30,11 +31,13 @@ def config(caching: bool, connector: bool = False, default_max_tokens=None):
     """A VllmConfig's parts the plugin reads: vLLM's CacheConfig; max_model_len and the generation
     config's defaults as ``ModelConfig.get_diff_sampling_param`` returns them."""
     diff = {} if default_max_tokens is None else {"max_tokens": default_max_tokens}
-    return SimpleNamespace(cache_config=CacheConfig(enable_prefix_caching=caching),
-                           kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector")
-                           if connector else None,
-                           model_config=SimpleNamespace(max_model_len=2048, override_generation_config={},
-                                                        get_diff_sampling_param=lambda: diff))
+    return SimpleNamespace(
+        cache_config=CacheConfig(enable_prefix_caching=caching),
+        kv_transfer_config=SimpleNamespace(kv_connector="OffloadingConnector") if connector else None,
+        model_config=SimpleNamespace(
+            max_model_len=2048, override_generation_config={}, get_diff_sampling_param=lambda: diff
+        ),
+    )
 
 
 def resumed_step(caching: bool, connector: bool) -> tuple[SchedulerStats, IterationStats]:
@@ -46,8 +49,9 @@ def resumed_step(caching: bool, connector: bool) -> tuple[SchedulerStats, Iterat
         sched.prefix_cache_stats.record(num_tokens=1000, num_hits=400, preempted=True)
     if connector:
         sched.connector_prefix_cache_stats = PrefixCacheStats()
-        sched.connector_prefix_cache_stats.record(num_tokens=1000 - (400 if caching else 0),
-                                                  num_hits=500, preempted=True)
+        sched.connector_prefix_cache_stats.record(
+            num_tokens=1000 - (400 if caching else 0), num_hits=500, preempted=True
+        )
     it = IterationStats()
     it.num_preempted_reqs = 1
     return sched, it
@@ -70,13 +74,28 @@ connector_only.flush()
 errors = KvwatchStatLogger(config(caching=True), engine_index=3)
 it = IterationStats()
 now = time.monotonic()
-it.update_from_finished_request(FinishReason.ERROR, "SECRET-E1", 40, 64,
-                                RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9,
-                                                  scheduled_ts=now - 0.5))
-it.update_from_finished_request(FinishReason.ABORT, "SECRET-E2", 40, 64,
-                                RequestStateStats(arrival_time=time.time() - 2.0, queued_ts=now - 1.9))
-ok = RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9, scheduled_ts=now - 0.8,
-                       first_token_ts=now - 0.5, last_token_ts=now - 0.1, num_generation_tokens=5)
+it.update_from_finished_request(
+    FinishReason.ERROR,
+    "SECRET-E1",
+    40,
+    64,
+    RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9, scheduled_ts=now - 0.5),
+)
+it.update_from_finished_request(
+    FinishReason.ABORT,
+    "SECRET-E2",
+    40,
+    64,
+    RequestStateStats(arrival_time=time.time() - 2.0, queued_ts=now - 1.9),
+)
+ok = RequestStateStats(
+    arrival_time=time.time() - 1.0,
+    queued_ts=now - 0.9,
+    scheduled_ts=now - 0.8,
+    first_token_ts=now - 0.5,
+    last_token_ts=now - 0.1,
+    num_generation_tokens=5,
+)
 it.update_from_finished_request(FinishReason.STOP, "SECRET-E3", 40, 64, ok)
 negative = [(f.queued_time, f.prefill_time, f.inference_time) for f in it.finished_requests]
 errors.record(SchedulerStats(), it)
@@ -114,17 +133,24 @@ holder.join()
 _, status = os.waitpid(child, 0)
 
 
-
 class KVCacheManagerBefore027(KVCacheManager):
     """vLLM 0.26.0's shape: no record_prefix_cache_stats (get_computed_blocks recorded each lookup)."""
 
     record_prefix_cache_stats = None
 
 
-print(json.dumps({"per_admission_before_027": prefix_stats_per_admission(KVCacheManagerBefore027)
-                  if prefix_stats_per_admission.__code__.co_argcount else None,
-                  "negative": negative, "child": child, "child_status": os.waitstatus_to_exitcode(status),
-                  "per_admission": prefix_stats_per_admission(),
-                  "installed_has_recorder": hasattr(KVCacheManager, "record_prefix_cache_stats"),
-                  "failures": sum(x.failures for x in (off, with_connector, connector_only, errors,
-                                                       limits))}))
+print(
+    json.dumps(
+        {
+            "per_admission_before_027": prefix_stats_per_admission(KVCacheManagerBefore027)
+            if prefix_stats_per_admission.__code__.co_argcount
+            else None,
+            "negative": negative,
+            "child": child,
+            "child_status": os.waitstatus_to_exitcode(status),
+            "per_admission": prefix_stats_per_admission(),
+            "installed_has_recorder": hasattr(KVCacheManager, "record_prefix_cache_stats"),
+            "failures": sum(x.failures for x in (off, with_connector, connector_only, errors, limits)),
+        }
+    )
+)

@@ -77,8 +77,9 @@ def test_text_report_is_aligned_and_names_each_replica(ledger: Path) -> None:
     assert header.index("requests") + len("requests") == first.index("3") + 1  # right-aligned
 
 
-def test_cli_writes_csv_and_html_and_prints_text(ledger: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_csv_and_html_and_prints_text(
+    ledger: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_csv, out_html = tmp_path / "bands.csv", tmp_path / "report.html"
     assert main(["report", str(ledger), "--csv", str(out_csv), "--html", str(out_html)]) == 0
     assert out_csv.read_text().startswith("replica,length_band,")

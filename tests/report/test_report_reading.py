@@ -77,8 +77,7 @@ def test_careful_path_reads_the_same_values(tmp_path: Path) -> None:
 
 
 def test_escaped_strings_are_decoded_like_json(tmp_path: Path) -> None:
-    recs = [ledgers.record('r"quoted"', Outcome.COMPLETED, 0, 10, 20, 0.1, 1.0, model="m\\x"),
-            *ledgers.HAND]
+    recs = [ledgers.record('r"quoted"', Outcome.COMPLETED, 0, 10, 20, 0.1, 1.0, model="m\\x"), *ledgers.HAND]
     report = build_report([str(ledgers.write(tmp_path / "l.jsonl", recs))])
     assert 'r"quoted"' in report.replicas
     assert report.malformed == 0
@@ -86,16 +85,21 @@ def test_escaped_strings_are_decoded_like_json(tmp_path: Path) -> None:
 
 def test_pieces_read_every_line_once_in_parallel(tmp_path: Path) -> None:
     """Cut into many small pieces read by two worker processes: same columns, same line numbers."""
-    many = [ledgers.record(f"r{i % 3}", Outcome.COMPLETED, i, 100 + i, 10 * i + 1, 0.1, 1.0 + i)
-            for i in range(400)]
+    many = [
+        ledgers.record(f"r{i % 3}", Outcome.COMPLETED, i, 100 + i, 10 * i + 1, 0.1, 1.0 + i)
+        for i in range(400)
+    ]
     path = ledgers.write(tmp_path / "l.jsonl", many, extra_lines={150: "garbage", 399: "{broken"})
     files = expand([str(path)])
     whole = read_json_lines(files, LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=1)
     split = read_json_lines(files, LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=2, piece_bytes=4096)
     assert len(split.frame) == len(whole.frame) == 400
     assert sorted(split.frame["output_tokens"]) == sorted(whole.frame["output_tokens"])
-    assert split.problems.example_lines() == whole.problems.example_lines() == [
-        f"{path}:151: not JSON", f"{path}:401: not JSON"]
+    assert (
+        split.problems.example_lines()
+        == whole.problems.example_lines()
+        == [f"{path}:151: not JSON", f"{path}:401: not JSON"]
+    )
 
 
 def test_gzip_and_rotated_files_and_globs(tmp_path: Path) -> None:

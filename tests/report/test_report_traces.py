@@ -27,8 +27,10 @@ BURSTGPT = """Timestamp,Session ID,Elapsed time,Model,Request tokens,Response to
 
 def mooncake_lines() -> list[str]:
     rows = [(0, 6955, 52), (3052, 6472, 26), (3660, 3000, 2400), (5000, 20000, 12000)]
-    return [json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": [1, 2, 3]})
-            for t, i, o in rows]
+    return [
+        json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": [1, 2, 3]})
+        for t, i, o in rows
+    ]
 
 
 def write(path: Path, text: str) -> str:

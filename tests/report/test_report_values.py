@@ -155,8 +155,10 @@ def test_bad_band_edges_are_a_clear_error() -> None:
 
 
 def test_estimated_output_tokens_are_noted(tmp_path: Path) -> None:
-    recs = [*ledgers.HAND, ledgers.record("r0", Outcome.COMPLETED, 6, 10, 20, 0.1, 1.0,
-                                          output_tokens_estimated=True)]
+    recs = [
+        *ledgers.HAND,
+        ledgers.record("r0", Outcome.COMPLETED, 6, 10, 20, 0.1, 1.0, output_tokens_estimated=True),
+    ]
     report = build_report([str(ledgers.write(tmp_path / "l.jsonl", recs))])
     assert report.estimated_output_requests == 1
     assert any("counted from chunks" in n for n in report.notes)

@@ -29,5 +29,3 @@ async def proxy(engine: ScriptedEngine) -> AsyncIterator[ProxyHarness]:
 async def http() -> AsyncIterator[ClientSession]:
     async with ClientSession(auto_decompress=False) as session:
         yield session
-
-

@@ -50,8 +50,14 @@ class H11Engine:
                 elif isinstance(event, h11.EndOfMessage):
                     await asyncio.sleep(self.delay)
                     body = b"response to " + self.targets[-1]
-                    writer.write(conn.send(h11.Response(status_code=200, headers=[
-                        ("content-type", "text/plain"), ("content-length", str(len(body)))])))
+                    writer.write(
+                        conn.send(
+                            h11.Response(
+                                status_code=200,
+                                headers=[("content-type", "text/plain"), ("content-length", str(len(body)))],
+                            )
+                        )
+                    )
                     writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
                     await writer.drain()
                     if conn.our_state is h11.MUST_CLOSE:

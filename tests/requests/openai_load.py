@@ -30,8 +30,11 @@ async def main(base_url: str, out: str, workers: int, lengths: list[int], allowe
     async def note_connection(response: httpx.Response) -> None:
         connections.add(id(response.extensions.get("network_stream")))
 
-    http = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=workers),
-                             event_hooks={"response": [note_connection]})
+    http = httpx.AsyncClient(
+        timeout=120,
+        limits=httpx.Limits(max_keepalive_connections=workers),
+        event_hooks={"response": [note_connection]},
+    )
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for n in lengths:
@@ -46,16 +49,29 @@ async def main(base_url: str, out: str, workers: int, lengths: list[int], allowe
             ttft = None
             usage = None
             stream = await client.completions.create(
-                model="tiny", prompt="Once upon a time", max_tokens=n, temperature=0, stream=True,
+                model="tiny",
+                prompt="Once upon a time",
+                max_tokens=n,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+                extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+            )
             async for chunk in stream:
                 if ttft is None and chunk.choices and chunk.choices[0].text:
                     ttft = time.perf_counter() - start
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
-            rows.append({"output_tokens": usage, "ttft": ttft, "e2e": time.perf_counter() - start,
-                         "start": start, "start_wall": start_wall, "connections": len(connections)})
+            rows.append(
+                {
+                    "output_tokens": usage,
+                    "ttft": ttft,
+                    "e2e": time.perf_counter() - start,
+                    "start": start,
+                    "start_wall": start_wall,
+                    "connections": len(connections),
+                }
+            )
 
     try:
         await asyncio.gather(*(worker() for _ in range(workers)))
@@ -67,5 +83,6 @@ async def main(base_url: str, out: str, workers: int, lengths: list[int], allowe
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]),
-                     json.loads(sys.argv[5])))
+    asyncio.run(
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]))
+    )

@@ -31,26 +31,50 @@ CREATED = 1_700_000_000
 FINGERPRINT = {"system_fingerprint": "vllm-0.32.0-a34bd6f4"}
 
 
-def chat_chunk(delta: dict | None = None, finish: str | None = None, model: str = "tiny",
-               extra: dict | None = None) -> bytes:
+def chat_chunk(
+    delta: dict | None = None, finish: str | None = None, model: str = "tiny", extra: dict | None = None
+) -> bytes:
     choice: dict = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
-    doc = {"id": FIXED_ID, "object": "chat.completion.chunk", "created": CREATED, "model": model,
-           "choices": [choice], **(extra or {})}
+    doc = {
+        "id": FIXED_ID,
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": model,
+        "choices": [choice],
+        **(extra or {}),
+    }
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
 def text_chunk(text: str, finish: str | None = None, model: str = "tiny", extra: dict | None = None) -> bytes:
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    doc = {"id": FIXED_ID, "object": "text_completion", "created": CREATED, "model": model,
-           "choices": [choice], **(extra or {})}
+    doc = {
+        "id": FIXED_ID,
+        "object": "text_completion",
+        "created": CREATED,
+        "model": model,
+        "choices": [choice],
+        **(extra or {}),
+    }
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_chunk(prompt: int, completion: int, obj: str = "chat.completion.chunk",
-                extra: dict | None = None) -> bytes:
-    doc = {"id": FIXED_ID, "object": obj, "created": CREATED, "model": "tiny", "choices": [],
-           "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                     "completion_tokens": completion}, **(extra or {})}
+def usage_chunk(
+    prompt: int, completion: int, obj: str = "chat.completion.chunk", extra: dict | None = None
+) -> bytes:
+    doc = {
+        "id": FIXED_ID,
+        "object": obj,
+        "created": CREATED,
+        "model": "tiny",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        },
+        **(extra or {}),
+    }
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -125,9 +149,12 @@ class ScriptedEngine:
     async def other(self, request: web.Request) -> web.Response:
         body = await request.read()
         self.seen.append(Seen(request.path, body, dict(request.headers), time.perf_counter()))
-        return web.Response(body=b"engine says: " + request.method.encode() + b" " + request.path_qs.encode(),
-                            status=218, reason="Engine Teapot",
-                            headers={"X-Engine": "scripted", "Content-Type": "text/plain"})
+        return web.Response(
+            body=b"engine says: " + request.method.encode() + b" " + request.path_qs.encode(),
+            status=218,
+            reason="Engine Teapot",
+            headers={"X-Engine": "scripted", "Content-Type": "text/plain"},
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -138,8 +165,13 @@ class ScriptedEngine:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         received = time.perf_counter()
         body = await request.read()
-        seen = Seen(request.path, body, dict(request.headers), received,
-                    peer=request.transport.get_extra_info("peername") if request.transport else None)
+        seen = Seen(
+            request.path,
+            body,
+            dict(request.headers),
+            received,
+            peer=request.transport.get_extra_info("peername") if request.transport else None,
+        )
         self.seen.append(seen)
         script = self.script
         try:
@@ -149,8 +181,11 @@ class ScriptedEngine:
         if script.status != 200:
             return web.Response(status=script.status, body=script.error_body, content_type="application/json")
         if script.reject_stream_options and "stream_options" in doc:
-            return web.Response(status=400, body=b'{"error":{"message":"unknown field stream_options"}}',
-                                content_type="application/json")
+            return web.Response(
+                status=400,
+                body=b'{"error":{"message":"unknown field stream_options"}}',
+                content_type="application/json",
+            )
         texts = [t for _, t in script.contents]
         completion = script.completion_tokens if script.completion_tokens is not None else len(texts)
         if not doc.get("stream"):
@@ -165,9 +200,13 @@ class ScriptedEngine:
             if not continuous:
                 return event
             usage = b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}}' % (
-                script.prompt_tokens, script.prompt_tokens + running, running)
+                script.prompt_tokens,
+                script.prompt_tokens + running,
+                running,
+            )
             end = event.rindex(b"}")
-            return event[:end] + usage + event[end + 1:]
+            return event[:end] + usage + event[end + 1 :]
+
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         try:
@@ -186,15 +225,22 @@ class ScriptedEngine:
                 seen.writes.append(time.perf_counter())
             usage = include_usage and script.send_usage
             on_finish = {} if usage else FINGERPRINT
-            tail = on_chunk(chat_chunk({"content": ""}, script.finish, extra=on_finish) if chat
-                            else text_chunk("", script.finish, extra=on_finish))
+            tail = on_chunk(
+                chat_chunk({"content": ""}, script.finish, extra=on_finish)
+                if chat
+                else text_chunk("", script.finish, extra=on_finish)
+            )
             if usage and script.usage_delay:
                 await response.write(tail)
                 await asyncio.sleep(script.usage_delay)
                 tail = b""
             if usage:
-                tail += usage_chunk(script.prompt_tokens, completion,
-                                    "chat.completion.chunk" if chat else "text_completion", FINGERPRINT)
+                tail += usage_chunk(
+                    script.prompt_tokens,
+                    completion,
+                    "chat.completion.chunk" if chat else "text_completion",
+                    FINGERPRINT,
+                )
             await response.write(tail + DONE)
             await response.write_eof()
             seen.done_at = time.perf_counter()
@@ -209,12 +255,23 @@ class ScriptedEngine:
     def _whole(chat: bool, texts: list[str], script: Script, completion: int) -> web.Response:
         text = "".join(texts)
         message = {"role": "assistant", "content": text}
-        choice = ({"index": 0, "message": message, "finish_reason": script.finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": script.finish})
-        doc = {"id": FIXED_ID, "object": "chat.completion" if chat else "text_completion", "created": CREATED,
-               "model": "tiny", "choices": [choice],
-               "usage": {"prompt_tokens": script.prompt_tokens, "completion_tokens": completion,
-                         "total_tokens": script.prompt_tokens + completion}}
+        choice = (
+            {"index": 0, "message": message, "finish_reason": script.finish}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": script.finish}
+        )
+        doc = {
+            "id": FIXED_ID,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": CREATED,
+            "model": "tiny",
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": script.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": script.prompt_tokens + completion,
+            },
+        }
         return web.Response(body=json.dumps(doc).encode(), content_type="application/json")
 
 
@@ -230,10 +287,16 @@ class ProxyHarness:
         return self.counters[(family, *labels)]
 
 
-async def launch_proxy(api_url: str, *, config: ProxyConfig | None = None, model_name: str | None = "tiny",
-                       known: frozenset[str] = frozenset(), learn_models: bool = False,
-                       meter_factory: Callable[..., RequestMeter] = RequestMeter,
-                       sink: Callable[[RequestRecord], None] | None = None) -> ProxyHarness:
+async def launch_proxy(
+    api_url: str,
+    *,
+    config: ProxyConfig | None = None,
+    model_name: str | None = "tiny",
+    known: frozenset[str] = frozenset(),
+    learn_models: bool = False,
+    meter_factory: Callable[..., RequestMeter] = RequestMeter,
+    sink: Callable[[RequestRecord], None] | None = None,
+) -> ProxyHarness:
     records: list[RequestRecord] = []
     counters: Counter = Counter()
 
@@ -241,9 +304,22 @@ async def launch_proxy(api_url: str, *, config: ProxyConfig | None = None, model
         counters[(family, *labels)] += amount
 
     in_flight = InFlightTracker()
-    replica = ReplicaConfig(name="r0", metrics_url=f"{api_url}/metrics", api_url=api_url,
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name=model_name)
-    server = await start_proxy(replica, config or ProxyConfig(), known, DEFAULT_BANDS, in_flight,
-                               sink or records.append, count, meter_factory=meter_factory,
-                               learn_models=learn_models)
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url=f"{api_url}/metrics",
+        api_url=api_url,
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name=model_name,
+    )
+    server = await start_proxy(
+        replica,
+        config or ProxyConfig(),
+        known,
+        DEFAULT_BANDS,
+        in_flight,
+        sink or records.append,
+        count,
+        meter_factory=meter_factory,
+        learn_models=learn_models,
+    )
     return ProxyHarness(server, records, counters, in_flight, f"http://127.0.0.1:{server.port}")

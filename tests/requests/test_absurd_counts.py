@@ -35,25 +35,48 @@ LISTEN = HostPort("127.0.0.1", 0)
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == name}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
 
 
 async def test_an_absurd_usage_count_through_the_proxy_is_recorded_and_counted(
-        engine: ScriptedEngine, tmp_path: Path) -> None:
+    engine: ScriptedEngine, tmp_path: Path
+) -> None:
     path = tmp_path / "ledger.jsonl"
-    replica = ReplicaConfig(name="r0", metrics_url=f"{engine.url}/metrics", api_url=engine.url,
-                            proxy_listen=LISTEN, model_name="tiny")
-    agent = Agent(Config(replicas=(replica,), listen=LISTEN, nvml=NvmlConfig(fake_gpus=0),
-                         ledger=LedgerConfig(path=str(path))))
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url=f"{engine.url}/metrics",
+        api_url=engine.url,
+        proxy_listen=LISTEN,
+        model_name="tiny",
+    )
+    agent = Agent(
+        Config(
+            replicas=(replica,),
+            listen=LISTEN,
+            nvml=NvmlConfig(fake_gpus=0),
+            ledger=LedgerConfig(path=str(path)),
+        )
+    )
     engine.script = Script(completion_tokens=ABSURD)
     await agent.start()
     try:
         proxy = f"http://127.0.0.1:{agent.proxy_ports['r0']}"
         async with httpx.AsyncClient() as client:
-            response = await client.post(f"{proxy}/v1/chat/completions", timeout=10, json={
-                "model": "tiny", "stream": True, "max_tokens": int("9" * 4001),
-                "messages": [{"role": "user", "content": "hi"}]})
+            response = await client.post(
+                f"{proxy}/v1/chat/completions",
+                timeout=10,
+                json={
+                    "model": "tiny",
+                    "stream": True,
+                    "max_tokens": int("9" * 4001),
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
             assert response.status_code == 200 and b"Hello" in response.content  # the stream is intact
             await until(lambda: agent.state.requests.observed == 1)
             text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics")).text
@@ -62,8 +85,10 @@ async def test_an_absurd_usage_count_through_the_proxy_is_recorded_and_counted(
     requests = _samples(text, "kvwatch_requests_total")
     assert sum(requests.values()) == 1  # the request is counted (it was missing before)
     dropped = _samples(text, "kvwatch_request_values_dropped_total")
-    assert dropped == {(("reason", f"{field}_out_of_range"), ("replica", "r0"), ("source", "proxy")): 1.0
-                       for field in ("max_tokens", "output_tokens")}
+    assert dropped == {
+        (("reason", f"{field}_out_of_range"), ("replica", "r0"), ("source", "proxy")): 1.0
+        for field in ("max_tokens", "output_tokens")
+    }
     [line] = [json.loads(raw) for raw in path.read_text().splitlines()]
     assert line["output_tokens"] == 2 and line["output_tokens_estimated"] is True  # counted chunks instead
     assert line["max_tokens"] is None  # the client's 4,001 digits are not stored
@@ -72,8 +97,15 @@ async def test_an_absurd_usage_count_through_the_proxy_is_recorded_and_counted(
 
 
 def test_absurd_counts_in_an_otlp_span_leave_the_field_unknown() -> None:
-    export = _export({}, **{TOKENS: 2**63 - 1, "gen_ai.usage.prompt_tokens": 5,
-                            "gen_ai.latency.e2e": 2.0, "gen_ai.latency.time_to_first_token": 1.0})
+    export = _export(
+        {},
+        **{
+            TOKENS: 2**63 - 1,
+            "gen_ai.usage.prompt_tokens": 5,
+            "gen_ai.latency.e2e": 2.0,
+            "gen_ai.latency.time_to_first_token": 1.0,
+        },
+    )
     [record], results = records_from_export(export, _one_replica(), otlp_labels())
     assert results["request"] == 1
     assert (record.output_tokens, record.prompt_tokens) == (None, 5)
@@ -83,12 +115,27 @@ def test_absurd_counts_in_an_otlp_span_leave_the_field_unknown() -> None:
 
 
 def test_absurd_counts_in_a_plugin_datagram_keep_its_requests() -> None:
-    datagram = json.dumps({
-        "v": 1, "e": 0, "t": 1.7e9, "p": 1, "n": 1, "d": 0,
-        "s": [{"run": ABSURD, "wait": 0, "kv": 0.5, "it": [1, ABSURD, 1, 1, 2.0]}],
-        "f": [{"reason": "stop", "prompt": 3, "output": ABSURD, "preemptions": ABSURD, "e2e": 1.0,
-               "decode": 0.5}],
-    }).encode()
+    datagram = json.dumps(
+        {
+            "v": 1,
+            "e": 0,
+            "t": 1.7e9,
+            "p": 1,
+            "n": 1,
+            "d": 0,
+            "s": [{"run": ABSURD, "wait": 0, "kv": 0.5, "it": [1, ABSURD, 1, 1, 2.0]}],
+            "f": [
+                {
+                    "reason": "stop",
+                    "prompt": 3,
+                    "output": ABSURD,
+                    "preemptions": ABSURD,
+                    "e2e": 1.0,
+                    "decode": 0.5,
+                }
+            ],
+        }
+    ).encode()
     decoded = decode(datagram, "r0", "tiny")
     [record] = decoded.records
     assert (record.output_tokens, record.preemptions, record.prompt_tokens) == (None, None, 3)
@@ -99,9 +146,14 @@ def test_absurd_counts_in_a_plugin_datagram_keep_its_requests() -> None:
 
 
 def test_absurd_counts_in_an_sglang_file_line_keep_the_request() -> None:
-    line = {"completion_tokens": ABSURD, "prompt_tokens": 4, "e2e_latency": 1.0, "decode_throughput": 10.0,
-            "finish_reason": {"type": "stop", "status_code": 10**30},
-            "request_parameters": json.dumps({"sampling_params": {"max_new_tokens": ABSURD}})}
+    line = {
+        "completion_tokens": ABSURD,
+        "prompt_tokens": 4,
+        "e2e_latency": 1.0,
+        "decode_throughput": 10.0,
+        "finish_reason": {"type": "stop", "status_code": 10**30},
+        "request_parameters": json.dumps({"sampling_params": {"max_new_tokens": ABSURD}}),
+    }
     record = line_record(line, "r0", "tiny", now=1.7e9)
     assert (record.output_tokens, record.max_tokens, record.status_code) == (None, None, None)
     assert record.dropped_values == ("output_tokens", "max_tokens")
@@ -117,5 +169,7 @@ def test_a_client_max_tokens_is_bounded(limit: int, stored: int | None) -> None:
 def test_an_sglang_finish_reason_reaches_the_ledger_only_as_a_short_plain_token() -> None:
     huge = {"completion_tokens": 3, "finish_reason": {"type": "x" * 100_000 + "\x1b"}}
     assert line_record(huge, "r0", "tiny", now=1.7e9).finish_reason == "other"
-    assert line_record({"completion_tokens": 3, "finish_reason": "stop"}, "r0", "tiny", now=1.7e9
-                       ).finish_reason == "stop"
+    assert (
+        line_record({"completion_tokens": 3, "finish_reason": "stop"}, "r0", "tiny", now=1.7e9).finish_reason
+        == "stop"
+    )

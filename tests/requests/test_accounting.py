@@ -20,13 +20,16 @@ from kvwatch.requests.accounting import (
 )
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    (b'{"model":"m","stream":true,"max_tokens":100}', ("m", True, 100, False)),
-    (b'{"model":"m","stream":true,"max_completion_tokens":50,"max_tokens":9}', ("m", True, 50, False)),
-    (b'{"stream":"yes","max_tokens":true}', (None, False, None, False)),
-    (b'{"model":7,"max_tokens":-3,"stream_options":{"include_usage":true}}', (None, False, None, True)),
-    (b'{"model":"m","max_tokens":0}', ("m", False, None, False)),
-])
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"model":"m","stream":true,"max_tokens":100}', ("m", True, 100, False)),
+        (b'{"model":"m","stream":true,"max_completion_tokens":50,"max_tokens":9}', ("m", True, 50, False)),
+        (b'{"stream":"yes","max_tokens":true}', (None, False, None, False)),
+        (b'{"model":7,"max_tokens":-3,"stream_options":{"include_usage":true}}', (None, False, None, True)),
+        (b'{"model":"m","max_tokens":0}', ("m", False, None, False)),
+    ],
+)
 def test_inspect_request(body: bytes, expected: tuple) -> None:
     info = inspect_request(body, "chat")
     assert (info.model, info.streaming, info.max_tokens, info.wants_usage) == expected
@@ -51,12 +54,19 @@ def test_usage_is_added_to_existing_stream_options() -> None:
     assert json.loads(new)["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
     body = b'{"stream": true, "stream_options": null}'
     assert json.loads(body_requesting_usage(body, inspect_request(body, "chat")))["stream_options"] == {
-        "include_usage": True}
+        "include_usage": True
+    }
 
 
-@pytest.mark.parametrize("body", [
-    b'{"stream": false}', b'{"stream": true, "stream_options": {"include_usage": true}}',
-    b'{"stream": true, "stream_options": "weird"}', b'{"stream": true, "n": 2}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"stream": false}',
+        b'{"stream": true, "stream_options": {"include_usage": true}}',
+        b'{"stream": true, "stream_options": "weird"}',
+        b'{"stream": true, "n": 2}',
+    ],
+)
 def test_usage_is_not_requested(body: bytes) -> None:
     assert body_requesting_usage(body, inspect_request(body, "chat")) is None
 
@@ -65,22 +75,25 @@ def test_prompt_estimate_is_a_quarter_of_the_body() -> None:
     assert estimate_prompt_tokens(4000) == 1000
 
 
-@pytest.mark.parametrize(("status", "end", "finish", "outcome"), [
-    (200, End.COMPLETE, "stop", Outcome.COMPLETED),
-    (200, End.COMPLETE, None, Outcome.COMPLETED),
-    (200, End.COMPLETE, "tool_calls", Outcome.COMPLETED),
-    (200, End.COMPLETE, "length", Outcome.TRUNCATED),
-    (200, End.COMPLETE, "abort", Outcome.ERROR),
-    (200, End.CLIENT_GONE, None, Outcome.ABORTED),
-    (503, End.CLIENT_GONE, None, Outcome.ABORTED),
-    (200, End.UPSTREAM_FAILED, "length", Outcome.ERROR),
-    (None, End.UPSTREAM_FAILED, None, Outcome.ERROR),
-    (502, End.UPSTREAM_FAILED, None, Outcome.ERROR),
-    (500, End.COMPLETE, None, Outcome.ERROR),
-    (400, End.COMPLETE, None, Outcome.REJECTED),
-    (413, End.COMPLETE, None, Outcome.REJECTED),
-    (429, End.COMPLETE, None, Outcome.REJECTED),
-])
+@pytest.mark.parametrize(
+    ("status", "end", "finish", "outcome"),
+    [
+        (200, End.COMPLETE, "stop", Outcome.COMPLETED),
+        (200, End.COMPLETE, None, Outcome.COMPLETED),
+        (200, End.COMPLETE, "tool_calls", Outcome.COMPLETED),
+        (200, End.COMPLETE, "length", Outcome.TRUNCATED),
+        (200, End.COMPLETE, "abort", Outcome.ERROR),
+        (200, End.CLIENT_GONE, None, Outcome.ABORTED),
+        (503, End.CLIENT_GONE, None, Outcome.ABORTED),
+        (200, End.UPSTREAM_FAILED, "length", Outcome.ERROR),
+        (None, End.UPSTREAM_FAILED, None, Outcome.ERROR),
+        (502, End.UPSTREAM_FAILED, None, Outcome.ERROR),
+        (500, End.COMPLETE, None, Outcome.ERROR),
+        (400, End.COMPLETE, None, Outcome.REJECTED),
+        (413, End.COMPLETE, None, Outcome.REJECTED),
+        (429, End.COMPLETE, None, Outcome.REJECTED),
+    ],
+)
 def test_outcome_rules(status: int | None, end: End, finish: str | None, outcome: Outcome) -> None:
     assert decide_outcome(status, end, finish) is outcome
 

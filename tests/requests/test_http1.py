@@ -15,24 +15,32 @@ def test_request_head_is_parsed_with_headers_kept_as_sent() -> None:
     assert head.keep_alive
 
 
-@pytest.mark.parametrize(("head", "status"), [
-    (b"GET /\r\n", 400),
-    (b"GET / HTTP/2.0\r\n", 505),
-    (b"GET  / HTTP/1.1", 400),
-    (b"GET / HTTP/1.1\r\nBad Header: x", 400),
-    (b"GET / HTTP/1.1\r\n folded", 400),
-    (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 200, 431),
-])
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /\r\n", 400),
+        (b"GET / HTTP/2.0\r\n", 505),
+        (b"GET  / HTTP/1.1", 400),
+        (b"GET / HTTP/1.1\r\nBad Header: x", 400),
+        (b"GET / HTTP/1.1\r\n folded", 400),
+        (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 200, 431),
+    ],
+)
 def test_bad_request_heads_are_refused(head: bytes, status: int) -> None:
     with pytest.raises(HttpError) as err:
         http1.parse_request_head(head.removesuffix(b"\r\n"))
     assert err.value.status == status
 
 
-@pytest.mark.parametrize(("version", "connection", "keep"), [
-    (b"HTTP/1.1", None, True), (b"HTTP/1.1", b"close", False), (b"HTTP/1.0", None, False),
-    (b"HTTP/1.0", b"Keep-Alive", True),
-])
+@pytest.mark.parametrize(
+    ("version", "connection", "keep"),
+    [
+        (b"HTTP/1.1", None, True),
+        (b"HTTP/1.1", b"close", False),
+        (b"HTTP/1.0", None, False),
+        (b"HTTP/1.0", b"Keep-Alive", True),
+    ],
+)
 def test_keep_alive(version: bytes, connection: bytes | None, keep: bool) -> None:
     headers = [(b"Connection", connection)] if connection else []
     assert http1.RequestHead(b"GET", b"/", version, headers, http1.index_of(headers)).keep_alive is keep
@@ -53,9 +61,16 @@ def test_unknown_transfer_coding_is_refused() -> None:
 
 
 def test_end_to_end_headers_drop_hop_by_hop_and_connection_named_ones() -> None:
-    headers = [(b"Connection", b"keep-alive, X-Hop"), (b"X-Hop", b"1"), (b"Keep-Alive", b"timeout=5"),
-               (b"Transfer-Encoding", b"chunked"), (b"Content-Length", b"5"), (b"X-Kept", b"yes"),
-               (b"Upgrade", b"h2c"), (b"Content-Type", b"text/plain")]
+    headers = [
+        (b"Connection", b"keep-alive, X-Hop"),
+        (b"X-Hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Content-Length", b"5"),
+        (b"X-Kept", b"yes"),
+        (b"Upgrade", b"h2c"),
+        (b"Content-Type", b"text/plain"),
+    ]
     head = http1.RequestHead(b"GET", b"/", b"HTTP/1.1", headers, http1.index_of(headers))
     assert http1.end_to_end(head) == [(b"X-Kept", b"yes"), (b"Content-Type", b"text/plain")]
 
@@ -76,7 +91,7 @@ def test_chunked_decoder_any_split(step: int) -> None:
     decoder = ChunkedDecoder()
     out = b""
     for i in range(0, len(ENCODED), step):
-        out += decoder.feed(ENCODED[i:i + step])
+        out += decoder.feed(ENCODED[i : i + step])
     assert out == b"".join(BODY)
     assert decoder.done and decoder.rest.endswith(b"NEXT")
 
@@ -97,10 +112,20 @@ def test_chunked_decoder_refuses_garbage(bad: bytes) -> None:
 # -- RFC 9112 grammar (what an engine's parser could read differently is refused) -------------------
 
 
-@pytest.mark.parametrize("line", [
-    b"X-A: a\nTransfer-Encoding: chunked", b"X-A: a\rb", b"X-A: a\x00b", b"X-A: \x7f", b"X(A): b",
-    b"X@A: b", b"X\x00A: b", b": empty name", b"X-A\t: b",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"X-A: a\nTransfer-Encoding: chunked",
+        b"X-A: a\rb",
+        b"X-A: a\x00b",
+        b"X-A: \x7f",
+        b"X(A): b",
+        b"X@A: b",
+        b"X\x00A: b",
+        b": empty name",
+        b"X-A\t: b",
+    ],
+)
 def test_header_lines_with_control_characters_or_non_token_names_are_refused(line: bytes) -> None:
     with pytest.raises(HttpError) as err:
         http1.parse_request_head(b"GET / HTTP/1.1\r\n" + line)
@@ -122,23 +147,32 @@ def test_targets_outside_visible_ascii_or_origin_and_absolute_form_are_refused(t
     assert err.value.status == 400
 
 
-@pytest.mark.parametrize(("target", "forwarded", "path"), [
-    (b"/v1/chat/completions?x=1", b"/v1/chat/completions?x=1", b"/v1/chat/completions"),
-    (b"http://h:8000/v1/completions", b"/v1/completions", b"/v1/completions"),
-    (b"HTTPS://h?x=1", b"/?x=1", b"/"),
-    (b"http://h", b"/", b"/"),
-    (b"/v1/chat%2Fcompletions", b"/v1/chat%2Fcompletions", b"/v1/chat/completions"),
-])
+@pytest.mark.parametrize(
+    ("target", "forwarded", "path"),
+    [
+        (b"/v1/chat/completions?x=1", b"/v1/chat/completions?x=1", b"/v1/chat/completions"),
+        (b"http://h:8000/v1/completions", b"/v1/completions", b"/v1/completions"),
+        (b"HTTPS://h?x=1", b"/?x=1", b"/"),
+        (b"http://h", b"/", b"/"),
+        (b"/v1/chat%2Fcompletions", b"/v1/chat%2Fcompletions", b"/v1/chat/completions"),
+    ],
+)
 def test_targets_become_origin_form_and_paths_are_routed_as_uvicorn_does(
-        target: bytes, forwarded: bytes, path: bytes) -> None:
+    target: bytes, forwarded: bytes, path: bytes
+) -> None:
     head = http1.parse_request_head(b"POST " + target + b" HTTP/1.1")
     assert (head.target, head.path) == (forwarded, path)
     assert http1.parse_request_head(b"OPTIONS * HTTP/1.1").target == b"*"
 
 
 def test_status_lines_are_checked() -> None:
-    for bad in (b"HTTP/1.1 200 O\x00K", b"HTTP/1.2 200 OK", b"HTTP/1.1 2000 OK", b"HTTP/1.1 20x OK",
-                b"HTTP/1.1 002 OK"):  # status codes are 100-599 (RFC 9110, 15); 0xx would be relayed as "2"
+    for bad in (
+        b"HTTP/1.1 200 O\x00K",
+        b"HTTP/1.2 200 OK",
+        b"HTTP/1.1 2000 OK",
+        b"HTTP/1.1 20x OK",
+        b"HTTP/1.1 002 OK",
+    ):  # status codes are 100-599 (RFC 9110, 15); 0xx would be relayed as "2"
         with pytest.raises(HttpError):
             http1.parse_response_head(bad)
     assert http1.parse_response_head(b"HTTP/1.0 200").status == 200
@@ -162,9 +196,16 @@ def test_negative_chunk_size_in_one_read_ends() -> None:
 
 
 @pytest.mark.parametrize("from_client", [True, False])
-@pytest.mark.parametrize("line", [
-    b"5;name", b"5;name=value", b'5;name="quoted \\" value"', b"5 ; a = b ; c", b"005",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"5;name",
+        b"5;name=value",
+        b'5;name="quoted \\" value"',
+        b"5 ; a = b ; c",
+        b"005",
+    ],
+)
 def test_chunk_extensions_of_rfc_9112_are_accepted(line: bytes, from_client: bool) -> None:
     decoder = ChunkedDecoder(from_client=from_client)
     assert decoder.feed(line + b"\r\nhello\r\n0\r\n\r\n") == b"hello" and decoder.done
@@ -182,8 +223,9 @@ def test_whitespace_after_an_engines_chunk_size_is_tolerated_as_h11_tolerates_it
     assert decoder.feed(line + b"\r\nhello\r\n0\r\n\r\n") == b"hello" and decoder.done
 
 
-@pytest.mark.parametrize("data", [b"FFFFFFFFFFFFFFFF\r\n", b"FFFFFFFFFFFFFFFF\r\nAB",
-                                  b"5\r\nhello\r\n" + b"FFFF\r\n"])
+@pytest.mark.parametrize(
+    "data", [b"FFFFFFFFFFFFFFFF\r\n", b"FFFFFFFFFFFFFFFF\r\nAB", b"5\r\nhello\r\n" + b"FFFF\r\n"]
+)
 def test_chunk_sizes_announcing_more_than_the_body_limit_are_413_before_the_bytes_come(data: bytes) -> None:
     with pytest.raises(HttpError) as refused:
         ChunkedDecoder(1024, from_client=True).feed(data)

@@ -65,8 +65,11 @@ HERE = Path(__file__).parent
 def ascii_word_tokens(model_dir: Path = MODEL_DIR) -> list[int]:
     """Token ids whose text is a whole ASCII word piece (byte-level BPE: optional leading space)."""
     vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    return sorted(i for token, i in vocab.items()
-                  if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha())
+    return sorted(
+        i
+        for token, i in vocab.items()
+        if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha()
+    )
 
 
 @pytest.fixture
@@ -104,11 +107,25 @@ async def tcpdump(port: int, pcap: Path) -> AsyncIterator[None]:
     kernel dropped packets of fails here, as the instrument's fault, not kvwatch's."""
     binary = shutil.which("tcpdump") or "/usr/bin/tcpdump"
     if not Path(binary).exists():
-        pytest.fail("tcpdump is not installed: run scripts/setup-test-env.sh (apt-get install tcpdump)",
-                    pytrace=False)
+        pytest.fail(
+            "tcpdump is not installed: run scripts/setup-test-env.sh (apt-get install tcpdump)", pytrace=False
+        )
     proc = await asyncio.create_subprocess_exec(
-        binary, "-i", "lo", "-n", "-U", "-s", "0", "-B", "32768", "-w", str(pcap), f"tcp dst port {port}",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        binary,
+        "-i",
+        "lo",
+        "-n",
+        "-U",
+        "-s",
+        "0",
+        "-B",
+        "32768",
+        "-w",
+        str(pcap),
+        f"tcp dst port {port}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         line = await asyncio.wait_for(proc.stderr.readline(), 10)  # type: ignore[union-attr]
         assert b"listening on" in line, line
@@ -123,9 +140,12 @@ async def tcpdump(port: int, pcap: Path) -> AsyncIterator[None]:
 
 async def run(argv: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
     """A client process; the proxy keeps serving on this loop meanwhile. Its output on failure."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT,
-                                                env={**os.environ, **(env or {})})
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
@@ -137,8 +157,9 @@ async def run(argv: Sequence[str], timeout_s: float, env: dict[str, str] | None 
     return text
 
 
-def pair_by_length(client: list[dict], records: list[RequestRecord],
-                   client_start: Callable[[dict], float]) -> list[tuple[dict, RequestRecord]]:
+def pair_by_length(
+    client: list[dict], records: list[RequestRecord], client_start: Callable[[dict], float]
+) -> list[tuple[dict, RequestRecord]]:
     """Client rows and kvwatch records with the same output length, in start order on each side."""
     rows: dict[int, list[dict]] = defaultdict(list)
     mine: dict[int, list[RequestRecord]] = defaultdict(list)
@@ -149,10 +170,12 @@ def pair_by_length(client: list[dict], records: list[RequestRecord],
     assert sorted(rows) == sorted(mine), "the clients' output lengths are not kvwatch's max_tokens"
     pairs = []
     for length, group in rows.items():
-        assert len(group) == len(mine[length]), f"{len(group)} requests of {length} tokens sent, " \
-                                                f"{len(mine[length])} recorded"
-        pairs += zip(sorted(group, key=client_start), sorted(mine[length], key=lambda r: r.started_at),
-                     strict=True)
+        assert len(group) == len(mine[length]), (
+            f"{len(group)} requests of {length} tokens sent, {len(mine[length])} recorded"
+        )
+        pairs += zip(
+            sorted(group, key=client_start), sorted(mine[length], key=lambda r: r.started_at), strict=True
+        )
     return pairs
 
 
@@ -162,79 +185,148 @@ def assert_agree(pairs: list[tuple[dict, RequestRecord]]) -> None:
     for row, record in pairs:
         assert record.output_tokens == row["output_tokens"] == record.max_tokens
         assert not record.output_tokens_estimated
-        worst.append((abs(record.ttft_seconds - row["ttft"]), abs(record.e2e_seconds - row["e2e"]),  # type: ignore[operator]
-                      row["output_tokens"], row["ttft"], record.ttft_seconds, row["e2e"], record.e2e_seconds))
+        worst.append(
+            (
+                abs(record.ttft_seconds - row["ttft"]),
+                abs(record.e2e_seconds - row["e2e"]),  # type: ignore[operator]
+                row["output_tokens"],
+                row["ttft"],
+                record.ttft_seconds,
+                row["e2e"],
+                record.e2e_seconds,
+            )
+        )
     off = [w for w in worst if w[0] > TIMING_TOLERANCE_S or w[1] > TIMING_TOLERANCE_S]
-    assert not off, f"{len(off)} of {len(pairs)} requests disagree by more than 50 ms " \
-                    f"(|dTTFT|, |de2e|, tokens, client TTFT, kvwatch TTFT, client e2e, kvwatch e2e): {off}"
+    assert not off, (
+        f"{len(off)} of {len(pairs)} requests disagree by more than 50 ms "
+        f"(|dTTFT|, |de2e|, tokens, client TTFT, kvwatch TTFT, client e2e, kvwatch e2e): {off}"
+    )
     client_bands: dict[str, int] = defaultdict(int)
     kvwatch_bands: dict[str, int] = defaultdict(int)
     for row, record in pairs:
         client_bands[BANDS.band_for(row["output_tokens"])] += 1
         kvwatch_bands[ledger_line(record, BANDS)["length_band"]] += 1
     assert client_bands == kvwatch_bands, (client_bands, kvwatch_bands)
-    print(f"max |dTTFT| {max(w[0] for w in worst) * 1e3:.1f} ms, "
-          f"max |de2e| {max(w[1] for w in worst) * 1e3:.1f} ms over {len(worst)} requests")
+    print(
+        f"max |dTTFT| {max(w[0] for w in worst) * 1e3:.1f} ms, "
+        f"max |de2e| {max(w[1] for w in worst) * 1e3:.1f} ms over {len(worst)} requests"
+    )
 
 
 def assert_started_at_first_byte(pcap: Path, port: int, records: list[RequestRecord]) -> None:
     wire = [r for r in requests_on_wire(pcap, port) if r.path == "/v1/completions"]
     sent = [{"output_tokens": r.json()["max_tokens"], "at": r.first_byte_at} for r in wire]
-    gaps = [(row["output_tokens"], record.started_at - row["at"])
-            for row, record in pair_by_length(sent, records, lambda row: row["at"])]
+    gaps = [
+        (row["output_tokens"], record.started_at - row["at"])
+        for row, record in pair_by_length(sent, records, lambda row: row["at"])
+    ]
     (pcap.parent / "wire.json").write_text(json.dumps(gaps))
     late = [g for g in gaps if abs(g[1]) > WIRE_TOLERANCE_S]
     assert not late, f"started_at more than 5 ms from the request's first byte on the wire: {late}"
-    print(f"started_at - first byte on the wire: max {max(abs(g) for _, g in gaps) * 1e3:.2f} ms "
-          f"over {len(gaps)} requests")
+    print(
+        f"started_at - first byte on the wire: max {max(abs(g) for _, g in gaps) * 1e3:.2f} ms "
+        f"over {len(gaps)} requests"
+    )
 
 
 async def _vllm_bench(proxy: ProxyHarness, out: Path) -> list[dict]:
     extra = {"allowed_token_ids": ascii_word_tokens(), "temperature": 0}
-    await run([str(VLLM_VENV / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
-               "--base-url", proxy.url, "--endpoint", "/v1/completions", "--model", "tiny",
-               "--tokenizer", str(MODEL_DIR), "--dataset-name", "random", "--random-input-len", "32",
-               "--random-output-len", "80", "--random-range-ratio", "0.7",
-               "--num-prompts", str(BENCH_REQUESTS),
-               "--max-concurrency", str(IN_FLIGHT), "--request-rate", "30", "--ignore-eos", "--seed", "12",
-               "--extra-body", json.dumps(extra), "--save-result", "--save-detailed",
-               "--result-dir", str(out.parent), "--result-filename", out.name],
-              timeout_s=240,
-              env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"})
+    await run(
+        [
+            str(VLLM_VENV / "bin" / "vllm"),
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--base-url",
+            proxy.url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(MODEL_DIR),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "80",
+            "--random-range-ratio",
+            "0.7",
+            "--num-prompts",
+            str(BENCH_REQUESTS),
+            "--max-concurrency",
+            str(IN_FLIGHT),
+            "--request-rate",
+            "30",
+            "--ignore-eos",
+            "--seed",
+            "12",
+            "--extra-body",
+            json.dumps(extra),
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(out.parent),
+            "--result-filename",
+            out.name,
+        ],
+        timeout_s=240,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
     bench: dict[str, Any] = json.loads(out.read_text())
     assert bench["completed"] == BENCH_REQUESTS and bench["failed"] == 0
-    return [{"output_tokens": n, "ttft": ttft, "e2e": e2e, "start": start}
-            for n, ttft, e2e, start in zip(bench["output_lens"], bench["ttfts"], bench["latencies"],
-                                           bench["start_times"], strict=True)]
+    return [
+        {"output_tokens": n, "ttft": ttft, "e2e": e2e, "start": start}
+        for n, ttft, e2e, start in zip(
+            bench["output_lens"], bench["ttfts"], bench["latencies"], bench["start_times"], strict=True
+        )
+    ]
 
 
 async def _openai_sequential(proxy: ProxyHarness, out: Path) -> list[dict]:
     """Starts once the bench has more requests in flight than vLLM runs at once."""
     await until(lambda: len(proxy.in_flight.current()) > 8, timeout_s=120)
-    await run([sys.executable, str(HERE / "openai_load.py"), f"{proxy.url}/v1", str(out), "1",
-               json.dumps(OPENAI_LENGTHS), json.dumps(ascii_word_tokens())], timeout_s=180)
+    await run(
+        [
+            sys.executable,
+            str(HERE / "openai_load.py"),
+            f"{proxy.url}/v1",
+            str(out),
+            "1",
+            json.dumps(OPENAI_LENGTHS),
+            json.dumps(ascii_word_tokens()),
+        ],
+        timeout_s=180,
+    )
     rows = json.loads(out.read_text())
     assert len(rows) == len(OPENAI_LENGTHS)
     assert rows[-1]["connections"] == 1  # one keep-alive connection carried every request
     return rows
 
 
-async def test_independent_clients_and_tcpdump_agree_with_kvwatch(real_vllm, proxy: ProxyHarness,
-                                                                   tmp_path: Path) -> None:
+async def test_independent_clients_and_tcpdump_agree_with_kvwatch(
+    real_vllm, proxy: ProxyHarness, tmp_path: Path
+) -> None:
     pcap = tmp_path / "proxy.pcap"
     port = proxy.server.port
     total = BENCH_REQUESTS + len(OPENAI_LENGTHS)
     with engine_niced(real_vllm.pid):
         async with tcpdump(port, pcap):
-            bench, sequential = await asyncio.gather(_vllm_bench(proxy, tmp_path / "bench.json"),
-                                                     _openai_sequential(proxy, tmp_path / "openai.json"))
+            bench, sequential = await asyncio.gather(
+                _vllm_bench(proxy, tmp_path / "bench.json"),
+                _openai_sequential(proxy, tmp_path / "openai.json"),
+            )
             await until(lambda: len(proxy.records) == total, timeout_s=10)
     records = [r for r in proxy.records if r.endpoint == "completions"]
     assert len(records) == total
     with (tmp_path / "ledger.jsonl").open("w") as ledger:  # what kvwatch saw, beside the clients' files
         ledger.writelines(json.dumps(ledger_line(r, BANDS)) + "\n" for r in records)
-    by_client = {"vllm bench serve": [r for r in records if r.max_tokens not in OPENAI_LENGTHS],
-                 "openai": [r for r in records if r.max_tokens in OPENAI_LENGTHS]}
+    by_client = {
+        "vllm bench serve": [r for r in records if r.max_tokens not in OPENAI_LENGTHS],
+        "openai": [r for r in records if r.max_tokens in OPENAI_LENGTHS],
+    }
     assert_started_at_first_byte(pcap, port, records)
     assert len({BANDS.band_for(row["output_tokens"]) for row in bench}) == 3  # every band has requests
     assert_agree(pair_by_length(bench, by_client["vllm bench serve"], lambda row: row["start"]))

@@ -22,9 +22,20 @@ SECRET_COMPLETION = "kvwatch-secret-completion-41d7"
 
 
 def record(output: int = 1500, **kw: object) -> RequestRecord:
-    base = {"replica": "r0", "model_name": "tiny", "source": "proxy", "outcome": Outcome.COMPLETED,
-            "started_at": 1_760_000_000.5, "output_tokens": output, "max_tokens": 8000, "ttft_seconds": 0.25,
-            "e2e_seconds": 15.25, "gap_bounds": (0.1, 1.0), "gap_counts": (3, 1, 0), "gap_sum": 1.5}
+    base = {
+        "replica": "r0",
+        "model_name": "tiny",
+        "source": "proxy",
+        "outcome": Outcome.COMPLETED,
+        "started_at": 1_760_000_000.5,
+        "output_tokens": output,
+        "max_tokens": 8000,
+        "ttft_seconds": 0.25,
+        "e2e_seconds": 15.25,
+        "gap_bounds": (0.1, 1.0),
+        "gap_counts": (3, 1, 0),
+        "gap_sum": 1.5,
+    }
     return RequestRecord(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -102,8 +113,8 @@ def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
 
 
 async def test_no_prompt_or_completion_text_reaches_the_ledger_or_the_logs(
-        engine: ScriptedEngine, http: ClientSession, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+    engine: ScriptedEngine, http: ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     path = tmp_path / "ledger.jsonl"
     ledger = RequestLedger(str(path), DEFAULT_BANDS, counter=Counts())

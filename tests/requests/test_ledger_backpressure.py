@@ -33,11 +33,13 @@ def _export(spans: int, first_id: int) -> bytes:
     scope = export.resource_spans.add().scope_spans.add()
     for i in range(first_id, first_id + spans):
         span = scope.spans.add(name="llm_request", start_time_unix_nano=1_700_000_000_000_000_000)
-        span.attributes.extend([
-            KeyValue(key="gen_ai.usage.completion_tokens", value=AnyValue(int_value=i)),
-            KeyValue(key="gen_ai.latency.e2e", value=AnyValue(double_value=1.5)),
-            KeyValue(key="gen_ai.latency.time_to_first_token", value=AnyValue(double_value=0.25)),
-        ])
+        span.attributes.extend(
+            [
+                KeyValue(key="gen_ai.usage.completion_tokens", value=AnyValue(int_value=i)),
+                KeyValue(key="gen_ai.latency.e2e", value=AnyValue(double_value=1.5)),
+                KeyValue(key="gen_ai.latency.time_to_first_token", value=AnyValue(double_value=0.25)),
+            ]
+        )
     return export.SerializeToString()
 
 
@@ -53,14 +55,17 @@ async def _send_as_an_exporter_does(client: httpx.AsyncClient, url: str, body: b
     return statuses
 
 
-async def test_a_large_export_then_another_loses_no_ledger_line(tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_large_export_then_another_loses_no_ledger_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "ledger.jsonl"
     config = Config(
         replicas=(ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:9/metrics", model_name="m"),),
-        listen=LISTEN, nvml=NvmlConfig(fake_gpus=0),
+        listen=LISTEN,
+        nvml=NvmlConfig(fake_gpus=0),
         otlp=OtlpConfig(listen=LISTEN, max_body_bytes=64 << 20, max_decompressed_bytes=64 << 20),
-        ledger=LedgerConfig(path=str(path)))
+        ledger=LedgerConfig(path=str(path)),
+    )
     first, second = _export(40_000, 0), _export(55_000, 40_000)
     agent = Agent(config)
     caplog.set_level(logging.WARNING, logger="kvwatch.requests.ledger")
@@ -85,8 +90,14 @@ async def test_a_large_export_then_another_loses_no_ledger_line(tmp_path: Path,
 
 
 def _record(i: int = 0) -> RequestRecord:
-    return RequestRecord(replica="r0", model_name="m", source="proxy", outcome=Outcome.COMPLETED,
-                         started_at=1.7e9, output_tokens=i)
+    return RequestRecord(
+        replica="r0",
+        model_name="m",
+        source="proxy",
+        outcome=Outcome.COMPLETED,
+        started_at=1.7e9,
+        output_tokens=i,
+    )
 
 
 def test_admission_makes_room_for_a_whole_export_or_refuses_it(tmp_path: Path) -> None:
@@ -108,8 +119,12 @@ def test_admission_makes_room_for_a_whole_export_or_refuses_it(tmp_path: Path) -
 
 def test_a_burst_of_drops_is_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     counts: list[float] = []
-    ledger = RequestLedger(str(tmp_path / "l.jsonl"), DEFAULT_BANDS, queue_size=2,
-                           counter=lambda family, *labels, amount=1: counts.append(amount))
+    ledger = RequestLedger(
+        str(tmp_path / "l.jsonl"),
+        DEFAULT_BANDS,
+        queue_size=2,
+        counter=lambda family, *labels, amount=1: counts.append(amount),
+    )
     with caplog.at_level(logging.WARNING, logger="kvwatch.requests.ledger"):
         for i in range(500):  # the writer is not started: nothing drains the queue
             ledger.write(_record(i))
@@ -146,8 +161,11 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
     path = tmp_path / "ledger.jsonl"
     config = Config(
         replicas=(ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:9/metrics", model_name="m"),),
-        listen=LISTEN, nvml=NvmlConfig(fake_gpus=0), otlp=OtlpConfig(listen=LISTEN, max_body_bytes=64 << 20),
-        ledger=LedgerConfig(path=str(path)))
+        listen=LISTEN,
+        nvml=NvmlConfig(fake_gpus=0),
+        otlp=OtlpConfig(listen=LISTEN, max_body_bytes=64 << 20),
+        ledger=LedgerConfig(path=str(path)),
+    )
     agent = Agent(config)
     await agent.start()
     disk = threading.Event()  # the ledger's disk stalls until the exporter has been refused once
@@ -158,8 +176,13 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
     try:
         url = f"http://127.0.0.1:{agent.otlp_port}/v1/traces"
         exporter = await asyncio.create_subprocess_exec(
-            str(VLLM_PYTHON), "-c", EXPORTER, url, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE)
+            str(VLLM_PYTHON),
+            "-c",
+            EXPORTER,
+            url,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         assert exporter.stdin is not None and exporter.stdout is not None
         assert await asyncio.wait_for(exporter.stdout.readline(), 60) == b"ready\n"
         async with httpx.AsyncClient() as client:  # fills the ledger's queue four times over

@@ -50,8 +50,10 @@ from kvwatch.workers import WorkerProcess
 FIXTURES = Path(__file__).parent / "fixtures"
 STARTUP = (FIXTURES / "vllm-0.32-otlp-startup-spans.bin").read_bytes()
 REQUESTS = (FIXTURES / "vllm-0.32-otlp-llm-request-spans.bin").read_bytes()
-REPLICAS = [ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),
-            ReplicaConfig("r1", "http://127.0.0.1:2/metrics", model_name="big")]
+REPLICAS = [
+    ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),
+    ReplicaConfig("r1", "http://127.0.0.1:2/metrics", model_name="big"),
+]
 
 
 def _labels() -> dict[str, ModelLabels]:
@@ -67,10 +69,17 @@ def test_vllm_llm_request_spans_become_records() -> None:
     records, results = records_from_export(export, _one_replica(), _labels())
     assert results == Counter(request=3)
     assert [(r.output_tokens, r.prompt_tokens, r.max_tokens) for r in records] == [
-        (20, 18, 20), (20, 18, 20), (5, 2, 5)]
+        (20, 18, 20),
+        (20, 18, 20),
+        (5, 2, 5),
+    ]
     first = records[0]
     assert (first.source, first.replica, first.model_name, first.outcome) == (
-        "otlp", "r0", "tiny", Outcome.COMPLETED)
+        "otlp",
+        "r0",
+        "tiny",
+        Outcome.COMPLETED,
+    )
     assert first.ttft_seconds == pytest.approx(0.05707120895385742)
     assert first.e2e_seconds == pytest.approx(0.1574094295501709)
     assert first.queue_seconds == pytest.approx(3.5724000099435216e-05)
@@ -79,8 +88,9 @@ def test_vllm_llm_request_spans_become_records() -> None:
 
 
 def test_vllm_start_up_spans_are_ignored() -> None:
-    records, results = records_from_export(decode_export(STARTUP, "application/x-protobuf"),
-                                           _one_replica(), _labels())
+    records, results = records_from_export(
+        decode_export(STARTUP, "application/x-protobuf"), _one_replica(), _labels()
+    )
     assert records == [] and results == Counter(ignored=7)
 
 
@@ -108,12 +118,15 @@ def _export(resource: dict[str, str], **attrs: object) -> ExportTraceServiceRequ
 TOKENS = "gen_ai.usage.completion_tokens"
 
 
-@pytest.mark.parametrize(("resource", "configured", "replica"), [
-    ({"kvwatch.replica": "r1", "service.name": "r0"}, None, "r1"),
-    ({"service.name": "r1"}, "r0", "r1"),
-    ({"service.name": "unknown_service:python3"}, "r1", "r1"),
-    ({"kvwatch.replica": "not-configured"}, "r0", "r0"),
-])
+@pytest.mark.parametrize(
+    ("resource", "configured", "replica"),
+    [
+        ({"kvwatch.replica": "r1", "service.name": "r0"}, None, "r1"),
+        ({"service.name": "r1"}, "r0", "r1"),
+        ({"service.name": "unknown_service:python3"}, "r1", "r1"),
+        ({"kvwatch.replica": "not-configured"}, "r0", "r0"),
+    ],
+)
 def test_replica_resolution(resource: dict, configured: str | None, replica: str) -> None:
     resolver = ReplicaResolver(["r0", "r1"], configured)
     [record], _ = records_from_export(_export(resource, **{TOKENS: 3}), resolver, _labels())
@@ -122,17 +135,21 @@ def test_replica_resolution(resource: dict, configured: str | None, replica: str
 
 
 def test_spans_that_map_to_no_replica_are_dropped_and_counted() -> None:
-    records, results = records_from_export(_export({"service.name": "x"}, **{TOKENS: 3}),
-                                           ReplicaResolver(["r0", "r1"], None), _labels())
+    records, results = records_from_export(
+        _export({"service.name": "x"}, **{TOKENS: 3}), ReplicaResolver(["r0", "r1"], None), _labels()
+    )
     assert records == [] and results == Counter(unmapped=1)
 
 
-@pytest.mark.parametrize(("attrs", "outcome", "finish"), [
-    ({"gen_ai.response.finish_reasons": '["length"]'}, Outcome.TRUNCATED, "length"),
-    ({"gen_ai.response.finish_reasons": ["stop"]}, Outcome.COMPLETED, "stop"),
-    ({"gen_ai.response.finish_reasons": "abort"}, Outcome.ABORTED, "abort"),
-    ({}, Outcome.COMPLETED, None),
-])
+@pytest.mark.parametrize(
+    ("attrs", "outcome", "finish"),
+    [
+        ({"gen_ai.response.finish_reasons": '["length"]'}, Outcome.TRUNCATED, "length"),
+        ({"gen_ai.response.finish_reasons": ["stop"]}, Outcome.COMPLETED, "stop"),
+        ({"gen_ai.response.finish_reasons": "abort"}, Outcome.ABORTED, "abort"),
+        ({}, Outcome.COMPLETED, None),
+    ],
+)
 def test_finish_reasons(attrs: dict, outcome: Outcome, finish: str | None) -> None:
     [record], _ = records_from_export(_export({}, **{TOKENS: 3}, **attrs), _one_replica(), _labels())
     assert (record.outcome, record.finish_reason) == (outcome, finish)
@@ -145,9 +162,16 @@ def test_error_status_is_an_error() -> None:
     assert record.outcome is Outcome.ERROR
 
 
-@pytest.mark.parametrize("attrs", [
-    {TOKENS: "12"}, {TOKENS: -4}, {"gen_ai.latency.e2e": "slow"}, {"gen_ai.latency.e2e": float("inf")},
-    {TOKENS: 1, "gen_ai.latency.e2e": -1.0}])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {TOKENS: "12"},
+        {TOKENS: -4},
+        {"gen_ai.latency.e2e": "slow"},
+        {"gen_ai.latency.e2e": float("inf")},
+        {TOKENS: 1, "gen_ai.latency.e2e": -1.0},
+    ],
+)
 def test_request_spans_with_wrong_types_are_malformed(attrs: dict) -> None:
     records, results = records_from_export(_export({}, **attrs), _one_replica(), _labels())
     assert records == [] and results == Counter(malformed=1)
@@ -155,8 +179,9 @@ def test_request_spans_with_wrong_types_are_malformed(attrs: dict) -> None:
 
 def test_client_model_attribute_folds_into_bounded_labels() -> None:
     labels = {"r0": ModelLabels({"tiny"}, None)}
-    records, _ = records_from_export(_export({}, **{TOKENS: 1, "gen_ai.request.model": "gpt-x"}),
-                                     _one_replica(), labels)
+    records, _ = records_from_export(
+        _export({}, **{TOKENS: 1, "gen_ai.request.model": "gpt-x"}), _one_replica(), labels
+    )
     assert records[0].model_name == "other"
 
 
@@ -182,11 +207,18 @@ class Harness:
 @pytest.fixture
 async def otlp() -> AsyncIterator[Harness]:
     harness = Harness()
-    config = Config(replicas=tuple(REPLICAS), otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0",
-                                                               max_body_bytes=64 * 1024,
-                                                               max_decompressed_bytes=1024 * 1024))
-    harness.receiver = await start_otlp_receiver(config, harness.records.append, harness.count,
-                                                 lambda *args: harness.reports.append(args))
+    config = Config(
+        replicas=tuple(REPLICAS),
+        otlp=OtlpConfig(
+            listen=HostPort("127.0.0.1", 0),
+            replica="r0",
+            max_body_bytes=64 * 1024,
+            max_decompressed_bytes=1024 * 1024,
+        ),
+    )
+    harness.receiver = await start_otlp_receiver(
+        config, harness.records.append, harness.count, lambda *args: harness.reports.append(args)
+    )
     yield harness
     await harness.receiver.stop()
 
@@ -293,14 +325,16 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-async def test_gzip_bomb_is_refused_promptly_without_inflating_it(default_otlp: Harness,
-                                                                  http: ClientSession) -> None:
+async def test_gzip_bomb_is_refused_promptly_without_inflating_it(
+    default_otlp: Harness, http: ClientSession
+) -> None:
     bomb = _gzip_bomb(4_000_000)
     assert len(bomb) < 4_100_000
     rss_before = _peak_rss_bytes()
     started = time.perf_counter()
-    async with http.post(default_otlp.url, data=io.BytesIO(bomb),
-                         headers={**PROTOBUF, "Content-Encoding": "gzip"}) as response:
+    async with http.post(
+        default_otlp.url, data=io.BytesIO(bomb), headers={**PROTOBUF, "Content-Encoding": "gzip"}
+    ) as response:
         assert response.status == 413
     assert time.perf_counter() - started < 5
     assert default_otlp.counts[(REFUSED, "inflated_too_large")] == 1
@@ -325,10 +359,12 @@ async def _max_loop_lag(done: asyncio.Event, period: float = 0.005) -> tuple[flo
 
 
 @pytest.mark.parametrize("sink_cost_s", [0.0, 20e-6], ids=["fast_sink", "agent_like_sink"])
-async def test_large_export_does_not_stall_the_event_loop(default_otlp: Harness, http: ClientSession,
-                                                         sink_cost_s: float) -> None:
+async def test_large_export_does_not_stall_the_event_loop(
+    default_otlp: Harness, http: ClientSession, sink_cost_s: float
+) -> None:
     """The agent's sink (histograms + ledger queue) costs ~tens of µs a record: 15,000 in one go
     would be a 300 ms stall, so the receiver yields between batches."""
+
     def costly_sink(record: RequestRecord) -> None:
         until = time.perf_counter() + sink_cost_s
         while time.perf_counter() < until:
@@ -364,31 +400,44 @@ async def test_the_worker_process_decodes_exactly_as_a_thread_would_refusals_inc
     worker = WorkerProcess()
     args = (_one_replica(), _labels())
     try:
-        for body, encoding in ((REQUESTS * 300, "identity"), (gzip.compress(REQUESTS * 300), "gzip"),
-                               (STARTUP + REQUESTS, "identity")):
+        for body, encoding in (
+            (REQUESTS * 300, "identity"),
+            (gzip.compress(REQUESTS * 300), "gzip"),
+            (STARTUP + REQUESTS, "identity"),
+        ):
             here = decode_body(body, encoding, "application/x-protobuf", 64 << 20, *args)
             there = await decode_in_worker(worker, body, encoding, "application/x-protobuf", 64 << 20, *args)
             assert there == here and len(there[0]) == here[1]["request"] > 0
         with pytest.raises(InflatedTooLargeError):
-            await decode_in_worker(worker, gzip.compress(REQUESTS * 300), "gzip", "application/x-protobuf",
-                                   1 << 16, *args)
+            await decode_in_worker(
+                worker, gzip.compress(REQUESTS * 300), "gzip", "application/x-protobuf", 1 << 16, *args
+            )
         with pytest.raises(ValueError, match="not an OTLP protobuf"):
-            await decode_in_worker(worker, b"\xff" * 1000, "identity", "application/x-protobuf", 1 << 20,
-                                   *args)
-        assert (await decode_in_worker(worker, REQUESTS, "identity", "application/x-protobuf", 1 << 20,
-                                       *args))[1]["request"] == 3  # still serving
+            await decode_in_worker(
+                worker, b"\xff" * 1000, "identity", "application/x-protobuf", 1 << 20, *args
+            )
+        assert (
+            await decode_in_worker(worker, REQUESTS, "identity", "application/x-protobuf", 1 << 20, *args)
+        )[1]["request"] == 3  # still serving
     finally:
         await worker.close()
 
 
 def test_huge_finish_reason_never_reaches_the_ledger_or_the_log(caplog: pytest.LogCaptureFixture) -> None:
     huge = "x" * (1 << 20)
-    [record], _ = records_from_export(_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": huge}),
-                                      _one_replica(), _labels())
+    [record], _ = records_from_export(
+        _export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": huge}), _one_replica(), _labels()
+    )
     assert record.finish_reason == "other"
     assert len(json.dumps(ledger_line(record, Config().length_bands))) < 2048
-    assert records_from_export(_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": ["stop:eos/1"]}),
-                               _one_replica(), _labels())[0][0].finish_reason == "stop:eos/1"
+    assert (
+        records_from_export(
+            _export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": ["stop:eos/1"]}),
+            _one_replica(),
+            _labels(),
+        )[0][0].finish_reason
+        == "stop:eos/1"
+    )
     with caplog.at_level(logging.DEBUG, logger="kvwatch.requests.otlp"):
         _, results = records_from_export(_export({}, **{TOKENS: huge}), _one_replica(), _labels())
     assert results == Counter(malformed=1)

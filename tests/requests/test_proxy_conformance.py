@@ -55,8 +55,14 @@ async def stream(session: ClientSession, url: str, body: dict) -> dict:
             *events, pending = pending.split(b"\n\n")
             arrivals += [now for e in events if _is_content(e)]
         ended = time.perf_counter()
-        return {"sent": sent, "arrivals": arrivals, "ended": ended, "raw": raw, "status": response.status,
-                "headers": response.headers}
+        return {
+            "sent": sent,
+            "arrivals": arrivals,
+            "ended": ended,
+            "raw": raw,
+            "status": response.status,
+            "headers": response.headers,
+        }
 
 
 def _bins(gaps: list[float]) -> tuple[int, ...]:
@@ -66,8 +72,9 @@ def _bins(gaps: list[float]) -> tuple[int, ...]:
     return tuple(bins)
 
 
-async def test_ttft_gaps_e2e_and_tpot_follow_the_definitions(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                             http: ClientSession) -> None:
+async def test_ttft_gaps_e2e_and_tpot_follow_the_definitions(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     gaps = [0.4, 0.6, 0.175, 0.4]
     engine.script = Script(contents=[(0.15, "a"), *((g, "x") for g in gaps)], completion_tokens=9)
     seen_by_client = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
@@ -95,16 +102,18 @@ async def test_ttft_gaps_e2e_and_tpot_follow_the_definitions(engine: ScriptedEng
     assert record.tpot_seconds == (record.e2e_seconds - record.ttft_seconds) / 8
 
 
-async def test_role_chunk_with_empty_content_does_not_start_ttft(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                                  http: ClientSession) -> None:
+async def test_role_chunk_with_empty_content_does_not_start_ttft(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.3, "late")])
     await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
     [record] = proxy.records
     assert record.ttft_seconds >= 0.3  # the role chunk went out at once; the first text after 0.3 s
 
 
-async def test_reasoning_only_chunks_are_content(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                 http: ClientSession) -> None:
+async def test_reasoning_only_chunks_are_content(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.2, "thinking"), (0.0, "more")], reasoning=True)
     await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
     [record] = proxy.records
@@ -112,7 +121,8 @@ async def test_reasoning_only_chunks_are_content(engine: ScriptedEngine, proxy: 
 
 
 async def test_client_without_include_usage_gets_the_engines_exact_bytes_chat(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     body = {**CHAT, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
@@ -124,7 +134,8 @@ async def test_client_without_include_usage_gets_the_engines_exact_bytes_chat(
 
 
 async def test_client_without_include_usage_gets_the_engines_exact_bytes_completions(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.0, "one"), (0.01, " two"), (0.0, " three")], completion_tokens=5)
     body = {**COMPLETION, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/completions", body)
@@ -135,7 +146,8 @@ async def test_client_without_include_usage_gets_the_engines_exact_bytes_complet
 
 
 async def test_final_chunk_waits_for_a_usage_chunk_written_separately(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(usage_delay=0.2)
     body = {**CHAT, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
@@ -144,8 +156,9 @@ async def test_final_chunk_waits_for_a_usage_chunk_written_separately(
     assert proxy.records[-1].output_tokens == 2 and not proxy.records[-1].output_tokens_estimated
 
 
-async def test_client_that_asks_for_usage_gets_the_usage_chunk(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                              http: ClientSession) -> None:
+async def test_client_that_asks_for_usage_gets_the_usage_chunk(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
@@ -153,27 +166,32 @@ async def test_client_that_asks_for_usage_gets_the_usage_chunk(engine: ScriptedE
     assert engine.seen[-1].body == engine.seen[-2].body  # forwarded as the client wrote it
 
 
-async def test_injection_keeps_every_other_request_byte(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                        http: ClientSession) -> None:
+async def test_injection_keeps_every_other_request_byte(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     raw = b'{ "model" : "tiny", "stream": true, "prompt": "x", "temperature": 1e-5 }'
-    async with http.post(f"{proxy.url}/v1/completions", data=raw,
-                         headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        f"{proxy.url}/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+    ) as response:
         await response.read()
     assert engine.seen[-1].body == b'{"stream_options":{"include_usage":true},' + raw[1:]
 
 
-async def test_response_head_is_preserved(engine: ScriptedEngine, proxy: ProxyHarness,
-                                          http: ClientSession) -> None:
+async def test_response_head_is_preserved(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     body = {**CHAT, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
     ignore = {"Date"}
-    assert {k: v for k, v in proxied["headers"].items() if k not in ignore} == \
-        {k: v for k, v in direct["headers"].items() if k not in ignore}
+    assert {k: v for k, v in proxied["headers"].items() if k not in ignore} == {
+        k: v for k, v in direct["headers"].items() if k not in ignore
+    }
 
 
 async def test_without_usage_output_tokens_are_counted_chunks_marked_estimated(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.0, "a"), (0.0, "b"), (0.0, "c")], send_usage=False)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
     assert proxied["raw"].endswith(b"data: [DONE]\n\n")
@@ -181,16 +199,18 @@ async def test_without_usage_output_tokens_are_counted_chunks_marked_estimated(
     assert (record.output_tokens, record.output_tokens_estimated) == (3, True)
 
 
-async def test_finish_reason_length_is_truncated(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                  http: ClientSession) -> None:
+async def test_finish_reason_length_is_truncated(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(finish="length")
     await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
     [record] = proxy.records
     assert record.outcome is Outcome.TRUNCATED and record.finish_reason == "length"
 
 
-async def test_non_streaming_request_reads_usage_from_the_body(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                              http: ClientSession) -> None:
+async def test_non_streaming_request_reads_usage_from_the_body(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(completion_tokens=1234, finish="length")
     async with http.post(f"{engine.url}/v1/chat/completions", json=CHAT) as response:
         direct = await response.read()
@@ -204,8 +224,9 @@ async def test_non_streaming_request_reads_usage_from_the_body(engine: ScriptedE
     assert "stream_options" not in json.loads(engine.seen[-1].body)  # nothing injected
 
 
-async def test_keep_alive_connection_serves_several_requests(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                             http: ClientSession) -> None:
+async def test_keep_alive_connection_serves_several_requests(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     for _ in range(3):
         result = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
         assert result["status"] == 200

@@ -51,8 +51,14 @@ async def raw_engine(handler: RawHandler) -> AsyncIterator[str]:
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
     return await reader.readexactly(length)
 
 
@@ -72,8 +78,9 @@ async def test_engine_refusing_connections_gives_502_and_error(http: ClientSessi
         await harness.server.stop()
 
 
-async def test_engine_5xx_is_relayed_and_recorded_as_error(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                           http: ClientSession) -> None:
+async def test_engine_5xx_is_relayed_and_recorded_as_error(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(status=503, error_body=b'{"error":"overloaded"}')
     async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
         assert (response.status, await response.read()) == (503, b'{"error":"overloaded"}')
@@ -81,8 +88,9 @@ async def test_engine_5xx_is_relayed_and_recorded_as_error(engine: ScriptedEngin
     assert (record.outcome, record.status_code) == (Outcome.ERROR, 503)
 
 
-async def test_engine_4xx_is_relayed_and_recorded_as_rejected(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                              http: ClientSession) -> None:
+async def test_engine_4xx_is_relayed_and_recorded_as_rejected(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(status=400)
     async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
         assert response.status == 400
@@ -95,7 +103,8 @@ async def test_engine_4xx_is_relayed_and_recorded_as_rejected(engine: ScriptedEn
 
 
 async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_decides_nothing(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     """A refusal is one request's business: the next request is asked for usage again (one client must
     not switch usage counting off for a replica), and the refusal is counted for the operator."""
     engine.script = Script(reject_stream_options=True)
@@ -114,8 +123,9 @@ async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_deci
     assert not proxy.records[-1].output_tokens_estimated  # usage counted again at once
 
 
-async def test_inject_usage_off_sends_every_body_as_written(engine: ScriptedEngine,
-                                                             http: ClientSession) -> None:
+async def test_inject_usage_off_sends_every_body_as_written(
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
     try:
         async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
@@ -129,10 +139,14 @@ async def test_inject_usage_off_sends_every_body_as_written(engine: ScriptedEngi
 async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSession) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        for event in (chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": "a"}),
-                      chat_chunk({"content": "b"})):
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for event in (
+            chat_chunk({"role": "assistant", "content": ""}),
+            chat_chunk({"content": "a"}),
+            chat_chunk({"content": "b"}),
+        ):
             writer.write(frame_chunk(event))
         await writer.drain()
         await asyncio.sleep(0.1)
@@ -194,7 +208,8 @@ async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
 
 
 async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
-        engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession) -> None:
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 200)
     async with http.post(f"{proxy.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3000}) as response:
         seen = 0
@@ -217,7 +232,8 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
 
 
 async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
-        engine: ScriptedEngine, http: ClientSession) -> None:
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
     try:
         big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
@@ -231,8 +247,9 @@ async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
         await harness.server.stop()
 
 
-async def test_chunked_request_body_over_the_limit_is_413(engine: ScriptedEngine,
-                                                          http: ClientSession) -> None:
+async def test_chunked_request_body_over_the_limit_is_413(
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
 
     async def body() -> AsyncIterator[bytes]:
@@ -247,8 +264,9 @@ async def test_chunked_request_body_over_the_limit_is_413(engine: ScriptedEngine
         await harness.server.stop()
 
 
-async def test_chunked_request_body_is_forwarded_with_a_length(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                               http: ClientSession) -> None:
+async def test_chunked_request_body_is_forwarded_with_a_length(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     raw = json.dumps({**CHAT, "stream": False}).encode()
 
     async def body() -> AsyncIterator[bytes]:
@@ -283,7 +301,7 @@ async def test_slow_client_body_times_out(engine: ScriptedEngine) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
+        writer.write(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mo')
         assert (await _read_until_closed(reader, 5)).startswith(b"HTTP/1.1 408 ")
         writer.close()
         assert harness.count(TIMED_OUT, "r0") == 1
@@ -318,8 +336,9 @@ class ExplodingMeter(RequestMeter):
         raise RuntimeError("accounting bug")
 
 
-async def test_accounting_that_raises_never_touches_the_stream(engine: ScriptedEngine,
-                                                               http: ClientSession) -> None:
+async def test_accounting_that_raises_never_touches_the_stream(
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
     harness = await launch_proxy(engine.url, meter_factory=ExplodingMeter)
     try:
         engine.script = Script(contents=[(0.0, "a"), (0.01, "b"), (0.01, "c")])
@@ -363,8 +382,9 @@ async def test_unknown_model_names_fold_into_other(engine: ScriptedEngine, http:
         await harness.server.stop()
 
 
-async def test_served_model_names_are_learned_from_the_engine(engine: ScriptedEngine,
-                                                              http: ClientSession) -> None:
+async def test_served_model_names_are_learned_from_the_engine(
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
     engine.models = ["served-a"]
     harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
     try:
@@ -378,21 +398,25 @@ async def test_served_model_names_are_learned_from_the_engine(engine: ScriptedEn
         await harness.server.stop()
 
 
-async def test_non_json_body_goes_to_the_engine_as_sent(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                        http: ClientSession) -> None:
-    async with http.post(f"{proxy.url}/v1/chat/completions", data=b"not json {",
-                         headers={"Content-Type": "application/json"}) as response:
+async def test_non_json_body_goes_to_the_engine_as_sent(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions", data=b"not json {", headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status == 400
     assert engine.seen[-1].body == b"not json {"
     [record] = proxy.records
     assert (record.outcome, record.model_name) == (Outcome.REJECTED, "tiny")
 
 
-async def test_other_paths_pass_through_untouched(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                  http: ClientSession) -> None:
+async def test_other_paths_pass_through_untouched(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     headers = {"X-Custom": "kept", "Connection": "keep-alive, X-Hop", "X-Hop": "dropped"}
-    async with http.put(f"{proxy.url}/admin/thing?x=1&y=%20", data=b"\x00\x01binary",
-                        headers=headers) as response:
+    async with http.put(
+        f"{proxy.url}/admin/thing?x=1&y=%20", data=b"\x00\x01binary", headers=headers
+    ) as response:
         assert (response.status, response.reason) == (218, "Engine Teapot")
         assert response.headers["X-Engine"] == "scripted"
         assert await response.read() == b"engine says: PUT /admin/thing?x=1&y=%20"
@@ -411,8 +435,11 @@ _GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
 async def _one_response(reader: asyncio.StreamReader) -> bytes:
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+    )
     return head + await asyncio.wait_for(reader.readexactly(length), 5)
 
 
@@ -420,8 +447,9 @@ async def test_idle_keep_alive_outlives_the_head_timeout_then_closes_quietly(eng
     """A pooled client connection is not closed by the slow-loris timer: a client that reuses it
     after longer than ``client_header_timeout`` is served; only ``client_keepalive_timeout`` closes
     it, silently (an idle connection is not a slow client)."""
-    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.2,
-                                                                client_keepalive_timeout_s=0.8))
+    harness = await launch_proxy(
+        engine.url, config=ProxyConfig(client_header_timeout_s=0.2, client_keepalive_timeout_s=0.8)
+    )
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
         writer.write(_GET_MODELS)

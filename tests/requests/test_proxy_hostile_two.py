@@ -46,7 +46,8 @@ async def send_and_close_at_once(port: int, data: bytes) -> None:
 
 
 async def test_a_refusal_to_a_client_that_already_left_is_counted_and_not_an_error(
-        loop_errors: list, engine: ScriptedEngine, caplog) -> None:
+    loop_errors: list, engine: ScriptedEngine, caplog
+) -> None:
     """Before: ``_refuse`` called ``write_eof()`` on the dead socket (ENOTCONN) and asyncio logged
     "Exception in callback ClientConnection._parse_scheduled()" with its traceback, every time."""
     harness = await launch_proxy(engine.url)  # after loop_errors: the proxy's handler chains to it
@@ -71,7 +72,8 @@ async def test_a_refusal_the_client_reads_is_counted_as_delivered(proxy: ProxyHa
 
 
 async def test_failed_accepts_are_counted_logged_once_and_not_passed_to_asyncio(
-        loop_errors: list, engine: ScriptedEngine, caplog) -> None:
+    loop_errors: list, engine: ScriptedEngine, caplog
+) -> None:
     """Out of descriptors asyncio reports every failed accept(); before, each became an ERROR plus
     asyncio's own traceback (886 of them in a second)."""
     harness = await launch_proxy(engine.url)
@@ -79,9 +81,13 @@ async def test_failed_accepts_are_counted_logged_once_and_not_passed_to_asyncio(
         loop = asyncio.get_running_loop()
         [listener] = harness.server._server.sockets  # type: ignore[union-attr]
         for _ in range(500):
-            loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                         "exception": OSError(errno.EMFILE, "Too many open files"),
-                                         "socket": listener})
+            loop.call_exception_handler(
+                {
+                    "message": "socket.accept() out of system resource",
+                    "exception": OSError(errno.EMFILE, "Too many open files"),
+                    "socket": listener,
+                }
+            )
         assert harness.count(ACCEPT_ERRORS, "r0") == 500
         assert loop_errors == []
         logged = [r for r in caplog.records if "cannot accept" in r.getMessage()]
@@ -123,8 +129,9 @@ async def test_a_chunk_size_over_the_body_limit_is_413_at_once(engine: ScriptedE
         await harness.server.stop()
 
 
-async def test_a_chunk_size_with_trailing_whitespace_is_400(engine: ScriptedEngine,
-                                                            proxy: ProxyHarness) -> None:
+async def test_a_chunk_size_with_trailing_whitespace_is_400(
+    engine: ScriptedEngine, proxy: ProxyHarness
+) -> None:
     response = await send_raw(proxy.url, CHUNKED_POST + b"5 \r\nhello\r\n0\r\n\r\n")
     assert status_of(response) == 400
     assert engine.seen == []

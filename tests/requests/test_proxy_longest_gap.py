@@ -32,11 +32,25 @@ async def dated() -> AsyncIterator[tuple[ProxyServer, list[RequestRecord], Scrip
     engine = ScriptedEngine()
     await engine.start()
     records: list[RequestRecord] = []
-    replica = ReplicaConfig(name="r0", metrics_url=f"{engine.url}/metrics", api_url=engine.url,
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
-    server = await start_proxy(replica, ProxyConfig(), frozenset(), DEFAULT_BANDS, InFlightTracker(),
-                               records.append, lambda *a, **k: None, learn_models=False,
-                               clock=time.perf_counter, wall_clock=lambda: OFFSET + time.perf_counter())
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url=f"{engine.url}/metrics",
+        api_url=engine.url,
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name="tiny",
+    )
+    server = await start_proxy(
+        replica,
+        ProxyConfig(),
+        frozenset(),
+        DEFAULT_BANDS,
+        InFlightTracker(),
+        records.append,
+        lambda *a, **k: None,
+        learn_models=False,
+        clock=time.perf_counter,
+        wall_clock=lambda: OFFSET + time.perf_counter(),
+    )
     yield server, records, engine
     await server.stop()
     await engine.stop()
@@ -45,8 +59,9 @@ async def dated() -> AsyncIterator[tuple[ProxyServer, list[RequestRecord], Scrip
 async def test_longest_gap_and_start_are_dated_on_the_given_wall_clock(dated, http: ClientSession) -> None:
     server, records, engine = dated
     engine.script = Script(contents=[(0.05, "a"), (0.1, "b"), (1.2, "c"), (0.1, "d")])
-    seen_by_client = await stream(http, f"http://127.0.0.1:{server.port}/v1/chat/completions",
-                                  {**CHAT, "stream": True})
+    seen_by_client = await stream(
+        http, f"http://127.0.0.1:{server.port}/v1/chat/completions", {**CHAT, "stream": True}
+    )
     await until(lambda: len(records) == 1)
     [record] = records
     [seen] = engine.seen

@@ -14,8 +14,9 @@ from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
 from .test_proxy_faults import CHAT, raw_engine, read_request
 
 
-async def test_sequential_requests_reuse_one_engine_connection(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                               http: ClientSession) -> None:
+async def test_sequential_requests_reuse_one_engine_connection(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     for _ in range(3):
         async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
             await response.read()
@@ -23,8 +24,9 @@ async def test_sequential_requests_reuse_one_engine_connection(engine: ScriptedE
     assert len(proxy.server.pool.idle) == 1
 
 
-async def test_concurrent_requests_use_separate_connections(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                            http: ClientSession) -> None:
+async def test_concurrent_requests_use_separate_connections(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.2, "slow")])
 
     async def one() -> None:
@@ -36,15 +38,18 @@ async def test_concurrent_requests_use_separate_connections(engine: ScriptedEngi
     assert all(r.outcome is Outcome.COMPLETED for r in proxy.records)
 
 
-async def test_aborted_exchange_never_returns_its_connection(engine: ScriptedEngine, proxy: ProxyHarness,
-                                                             http: ClientSession) -> None:
+async def test_aborted_exchange_never_returns_its_connection(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 100)
     async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
         await response.content.readline()
         response.close()
     # the exchange is over (its record written) and the engine saw its connection closed
-    await until(lambda: proxy.records and engine.seen[-1].disconnected_at is not None,
-                what="the aborted exchange's record and the engine connection's close")
+    await until(
+        lambda: proxy.records and engine.seen[-1].disconnected_at is not None,
+        what="the aborted exchange's record and the engine connection's close",
+    )
     assert [r.outcome for r in proxy.records] == [Outcome.ABORTED]
     assert proxy.server.pool.idle == []
 
@@ -58,10 +63,14 @@ async def test_a_pooled_connection_the_engine_closed_is_replaced_transparently(h
         nonlocal connections
         connections += 1
         await read_request(reader)
-        body = (b'{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}],'
-                b'"usage":{"completion_tokens":1}}')
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(body), body))
+        body = (
+            b'{"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}],'
+            b'"usage":{"completion_tokens":1}}'
+        )
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         await writer.drain()
         try:
             await read_request(reader)  # the reused connection's request: dropped unanswered

@@ -22,8 +22,9 @@ FINGERPRINTED_USAGE = usage_chunk(7, 2, extra={"system_fingerprint": "fp_1"})
 FINGERPRINTED_STOP = chat_chunk({"content": ""}, "stop", extra={"system_fingerprint": "fp_1"})
 EXACT = sse.Usage(7, 2)
 STREAM = ROLE + HI + STOP + USAGE + DONE
-DEEP_USAGE = (b'data: {"choices":[],"usage":{"prompt_tokens":1,"x":' + b"[" * 100_000 + b"]" * 100_000
-              + b"}}\n\n")
+DEEP_USAGE = (
+    b'data: {"choices":[],"usage":{"prompt_tokens":1,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}\n\n"
+)
 
 
 def with_usage(event: bytes, completion: int) -> bytes:
@@ -62,49 +63,112 @@ class Row:
 
 
 ROWS = [
-    Row("client asked usage itself: everything passes, usage read",
-        [STREAM], strip=False, unasked=False, client=[STREAM, b""]),
-    Row("kvwatch asked: its usage chunk is removed",
-        [STREAM], strip=True, client=[ROLE + HI + STOP + DONE, b""]),
-    Row("one read per event: the final chunk waits for the usage chunk",
-        at(STREAM, ROLE, HI, STOP, USAGE), strip=True,
-        client=[ROLE, HI, b"", STOP, DONE, b""]),
-    Row("split inside the usage chunk and inside a separator",
-        at(STREAM, 90, STREAM.index(USAGE) + 30, STREAM.index(DONE) - 1), strip=True,
-        client=[b"", ROLE + HI, b"", STOP + DONE, b""]),
-    Row("the usage chunk's system_fingerprint goes back onto the final chunk",
-        at(ROLE + STOP + FINGERPRINTED_USAGE + DONE, STOP), strip=True,
-        client=[ROLE, FINGERPRINTED_STOP + DONE, b""]),
-    Row("CRLF separators",
-        at(crlf(STREAM), crlf(HI)), strip=True,
-        client=[crlf(ROLE + HI), crlf(STOP + DONE), b""]),
-    Row("the engine ignores include_usage: what was held goes at [DONE], in order",
-        at(ROLE + STOP + DONE, STOP), strip=True, usage=None,
-        client=[ROLE, STOP + DONE, b""]),
-    Row("usage riding on a content chunk is read and kept",
+    Row(
+        "client asked usage itself: everything passes, usage read",
+        [STREAM],
+        strip=False,
+        unasked=False,
+        client=[STREAM, b""],
+    ),
+    Row(
+        "kvwatch asked: its usage chunk is removed",
+        [STREAM],
+        strip=True,
+        client=[ROLE + HI + STOP + DONE, b""],
+    ),
+    Row(
+        "one read per event: the final chunk waits for the usage chunk",
+        at(STREAM, ROLE, HI, STOP, USAGE),
+        strip=True,
+        client=[ROLE, HI, b"", STOP, DONE, b""],
+    ),
+    Row(
+        "split inside the usage chunk and inside a separator",
+        at(STREAM, 90, STREAM.index(USAGE) + 30, STREAM.index(DONE) - 1),
+        strip=True,
+        client=[b"", ROLE + HI, b"", STOP + DONE, b""],
+    ),
+    Row(
+        "the usage chunk's system_fingerprint goes back onto the final chunk",
+        at(ROLE + STOP + FINGERPRINTED_USAGE + DONE, STOP),
+        strip=True,
+        client=[ROLE, FINGERPRINTED_STOP + DONE, b""],
+    ),
+    Row(
+        "CRLF separators",
+        at(crlf(STREAM), crlf(HI)),
+        strip=True,
+        client=[crlf(ROLE + HI), crlf(STOP + DONE), b""],
+    ),
+    Row(
+        "the engine ignores include_usage: what was held goes at [DONE], in order",
+        at(ROLE + STOP + DONE, STOP),
+        strip=True,
+        usage=None,
+        client=[ROLE, STOP + DONE, b""],
+    ),
+    Row(
+        "usage riding on a content chunk is read and kept",
         [chat_chunk({"content": "a"}, extra={"usage": {"prompt_tokens": 7, "completion_tokens": 2}}) + DONE],
-        strip=False, unasked=False,
-        client=[chat_chunk({"content": "a"}, extra={"usage": {"prompt_tokens": 7, "completion_tokens": 2}})
-                + DONE, b""]),
-    Row("usage nobody asked for: the engine forces it, relayed as sent",
-        [STREAM], strip=False, forced=True, client=[STREAM, b""]),
-    Row("the engine forces usage (vLLM --enable-force-include-usage: on every chunk too): nothing removed",
-        [FORCED[:300], FORCED[300:] + USAGE, DONE], strip=True,
-        client=[with_usage(ROLE, 0), with_usage(HI, 1) + with_usage(STOP, 2) + USAGE, DONE, b""]),
-    Row("usage on every chunk the request asked for itself: kvwatch's usage chunk still removed",
-        [FORCED + USAGE + DONE], strip=True, asked_continuous=True, client=[FORCED + DONE, b""]),
-    Row("a usage chunk nested 100,000 deep: removed, counted as an error, the stream whole",
-        at(ROLE + STOP + DEEP_USAGE + DONE, STOP, 5000), strip=True, usage=None, errors=1,
-        client=[ROLE, b"", STOP + DONE, b""]),
-    Row("a stream cut before [DONE]: the held final chunk and the incomplete rest come out at the end",
-        [ROLE + STOP + b"data: {\"partial"], strip=True, usage=None, done=False,
-        client=[ROLE, STOP + b"data: {\"partial"]),
-    Row("an 'event' over MAX_EVENT_BYTES without a separator: plain bytes from there on",
-        [ROLE + STOP, b"x" * (MAX_EVENT_BYTES + 1), USAGE + DONE], strip=True, usage=None, done=False,
-        client=[ROLE, STOP + b"x" * (MAX_EVENT_BYTES + 1), USAGE + DONE, b""]),
-    Row("more than MAX_HELD_EVENTS after the final chunk: relayed, no longer held",
-        [STOP + HI * (MAX_HELD_EVENTS + 1), HI + DONE], strip=True, usage=None,
-        client=[STOP + HI * (MAX_HELD_EVENTS + 1), HI + DONE, b""]),
+        strip=False,
+        unasked=False,
+        client=[
+            chat_chunk({"content": "a"}, extra={"usage": {"prompt_tokens": 7, "completion_tokens": 2}})
+            + DONE,
+            b"",
+        ],
+    ),
+    Row(
+        "usage nobody asked for: the engine forces it, relayed as sent",
+        [STREAM],
+        strip=False,
+        forced=True,
+        client=[STREAM, b""],
+    ),
+    Row(
+        "the engine forces usage (vLLM --enable-force-include-usage: on every chunk too): nothing removed",
+        [FORCED[:300], FORCED[300:] + USAGE, DONE],
+        strip=True,
+        client=[with_usage(ROLE, 0), with_usage(HI, 1) + with_usage(STOP, 2) + USAGE, DONE, b""],
+    ),
+    Row(
+        "usage on every chunk the request asked for itself: kvwatch's usage chunk still removed",
+        [FORCED + USAGE + DONE],
+        strip=True,
+        asked_continuous=True,
+        client=[FORCED + DONE, b""],
+    ),
+    Row(
+        "a usage chunk nested 100,000 deep: removed, counted as an error, the stream whole",
+        at(ROLE + STOP + DEEP_USAGE + DONE, STOP, 5000),
+        strip=True,
+        usage=None,
+        errors=1,
+        client=[ROLE, b"", STOP + DONE, b""],
+    ),
+    Row(
+        "a stream cut before [DONE]: the held final chunk and the incomplete rest come out at the end",
+        [ROLE + STOP + b'data: {"partial'],
+        strip=True,
+        usage=None,
+        done=False,
+        client=[ROLE, STOP + b'data: {"partial'],
+    ),
+    Row(
+        "an 'event' over MAX_EVENT_BYTES without a separator: plain bytes from there on",
+        [ROLE + STOP, b"x" * (MAX_EVENT_BYTES + 1), USAGE + DONE],
+        strip=True,
+        usage=None,
+        done=False,
+        client=[ROLE, STOP + b"x" * (MAX_EVENT_BYTES + 1), USAGE + DONE, b""],
+    ),
+    Row(
+        "more than MAX_HELD_EVENTS after the final chunk: relayed, no longer held",
+        [STOP + HI * (MAX_HELD_EVENTS + 1), HI + DONE],
+        strip=True,
+        usage=None,
+        client=[STOP + HI * (MAX_HELD_EVENTS + 1), HI + DONE, b""],
+    ),
 ]
 
 

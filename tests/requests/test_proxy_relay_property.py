@@ -67,8 +67,9 @@ class FailingMeter(RequestMeter):
         super().on_end(now)
 
 
-async def relay(stream: bytes, cuts: list[int], client_body: bytes,
-                failing: frozenset[str] = frozenset()) -> tuple[bytes, bool, Counter]:
+async def relay(
+    stream: bytes, cuts: list[int], client_body: bytes, failing: frozenset[str] = frozenset()
+) -> tuple[bytes, bool, Counter]:
     """The bytes the client receives for ``stream`` read in pieces at ``cuts``; and whether kvwatch
     asked for usage."""
     counters: Counter = Counter()
@@ -77,22 +78,37 @@ async def relay(stream: bytes, cuts: list[int], client_body: bytes,
         counters[(family, *labels)] += amount
 
     meter = type("Meter", (FailingMeter,), {"failing": failing})
-    replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
-    proxy = ProxyServer(replica, ProxyConfig(), ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
-                        lambda record: None, count, meter_factory=meter)
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url="http://127.0.0.1:1/metrics",
+        api_url="http://127.0.0.1:1",
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name="tiny",
+    )
+    proxy = ProxyServer(
+        replica,
+        ProxyConfig(),
+        ModelLabels((), "tiny"),
+        DEFAULT_BANDS,
+        InFlightTracker(),
+        lambda record: None,
+        count,
+        meter_factory=meter,
+    )
     conn = ClientConnection(proxy)
     down = RecordingTransport()
     conn.transport = down
-    head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                              % len(client_body))
+    head = parse_request_head(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(client_body)
+    )
     exchange = Exchange(conn, head, client_body, 0.0, 0.0)
     conn.exchange = exchange
     exchange._send = lambda: None  # type: ignore[method-assign]  # no engine connection: driven below
     exchange.start()
     injected = exchange.strip
-    response = parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                   b"transfer-encoding: chunked")
+    response = parse_response_head(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+    )
     assert exchange.on_head(response, None, True)
     bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(stream)), len(stream)]
     for start, end in itertools.pairwise(bounds):
@@ -122,8 +138,8 @@ def expected(stream: bytes, injected: bool) -> bytes:
     events = stream.split(sep)
     for i, event in enumerate(events[:-1]):
         if sse.USAGE_MARK in event and sse.is_usage_only(event):
-            blank = event[:len(event) - len(event.lstrip(b"\r\n"))]
-            return b"".join(e + sep for e in events[:i]) + blank + sep.join(events[i + 1:])
+            blank = event[: len(event) - len(event.lstrip(b"\r\n"))]
+            return b"".join(e + sep for e in events[:i]) + blank + sep.join(events[i + 1 :])
         if sse.USAGE_OBJECT.search(event):
             return stream
     return stream
@@ -134,12 +150,30 @@ ASKING = b'{"model":"tiny","messages":[],"stream":true,"stream_options":{"includ
 
 #: pieces an event stream is made of, and pieces of what an attacker or a broken engine sends
 FRAGMENTS = [
-    chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": "hi"}),
-    chat_chunk({"content": ""}, "stop"), chat_chunk({"content": ""}, "length"),
-    usage_chunk(3, 2), usage_chunk(1, 1), b"data: [DONE]\n\n", b"data: [DONE]", b"\n\n", b"\r\n\r\n",
-    b"\n", b"\r\n", b"\n\n\n", b'"usage"', b'"usage":{', b'"choices":[]', b'"finish_reason":"stop"',
+    chat_chunk({"role": "assistant", "content": ""}),
+    chat_chunk({"content": "hi"}),
+    chat_chunk({"content": ""}, "stop"),
+    chat_chunk({"content": ""}, "length"),
+    usage_chunk(3, 2),
+    usage_chunk(1, 1),
+    b"data: [DONE]\n\n",
+    b"data: [DONE]",
+    b"\n\n",
+    b"\r\n\r\n",
+    b"\n",
+    b"\r\n",
+    b"\n\n\n",
+    b'"usage"',
+    b'"usage":{',
+    b'"choices":[]',
+    b'"finish_reason":"stop"',
     b"data: ",
-    b"{", b"}", b"[" * 50, b'"\\ud800"', b"\xff\xfe", b"\x00",
+    b"{",
+    b"}",
+    b"[" * 50,
+    b'"\\ud800"',
+    b"\xff\xfe",
+    b"\x00",
     b'data: {"choices":[],"usage":' + b"[" * 3000 + b"]" * 3000 + b"}\n\n",  # RecursionError in json
 ]
 
@@ -161,10 +195,12 @@ NOT_DONE = usage_chunk(3, 2) + b'"finish_reason":"stop"[[\x00data: [DONE]\n\n'
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[3], asking=False, failing=frozenset())
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[], asking=False, failing=frozenset())
 # and a line that only ended with "data: [DONE]" was taken for the stream's end: what followed was lost
-@example(stream=NOT_DONE + chat_chunk({"content": ""}), cuts=[len(NOT_DONE)], asking=False,
-         failing=frozenset())
+@example(
+    stream=NOT_DONE + chat_chunk({"content": ""}), cuts=[len(NOT_DONE)], asking=False, failing=frozenset()
+)
 async def test_client_gets_the_engines_bytes_less_only_the_usage_chunk_kvwatch_asked_for(
-        stream: bytes, cuts: list[int], asking: bool, failing: frozenset[str]) -> None:
+    stream: bytes, cuts: list[int], asking: bool, failing: frozenset[str]
+) -> None:
     received, injected, _ = await relay(stream, cuts, ASKING if asking else STREAMING, failing)
     assert injected is not asking
     assert received == expected(stream, injected)
@@ -186,7 +222,8 @@ def pure_relay(stream: bytes, cuts: list[int], strip: bool) -> tuple[bytes, int]
 @example(stream=b"\n\n\n" + usage_chunk(3, 2), cuts=[3], strip=True)
 @example(stream=NOT_DONE + chat_chunk({"content": ""}), cuts=[len(NOT_DONE)], strip=True)
 def test_usage_relay_passes_the_engines_bytes_less_only_the_usage_chunk_kvwatch_asked_for(
-        stream: bytes, cuts: list[int], strip: bool) -> None:
+    stream: bytes, cuts: list[int], strip: bool
+) -> None:
     received, _ = pure_relay(stream, cuts, strip)
     assert received == expected(stream, strip)
 
@@ -196,8 +233,12 @@ def deep_usage(depth: int) -> bytes:
 
 
 async def test_usage_chunk_nested_100000_deep_keeps_the_stream_whole_and_is_counted() -> None:
-    stream = (chat_chunk({"content": "a"}) + chat_chunk({"content": ""}, "stop") + deep_usage(100_000)
-              + b"data: [DONE]\n\n")
+    stream = (
+        chat_chunk({"content": "a"})
+        + chat_chunk({"content": ""}, "stop")
+        + deep_usage(100_000)
+        + b"data: [DONE]\n\n"
+    )
     received, injected, counters = await relay(stream, [7, 300, 5000], STREAMING)
     assert injected and received == expected(stream, injected) and received.endswith(b"data: [DONE]\n\n")
     assert counters[(ACCOUNTING_ERRORS, "r0")] >= 1
@@ -222,23 +263,42 @@ async def test_two_megabyte_line_after_the_final_chunk_keeps_the_order() -> None
     assert injected and received == stream
 
 
-def streaming_exchange(config: ProxyConfig, framing: bytes) -> tuple[ProxyServer, ClientConnection,
-                                                                     Exchange, RecordingTransport]:
+def streaming_exchange(
+    config: ProxyConfig, framing: bytes
+) -> tuple[ProxyServer, ClientConnection, Exchange, RecordingTransport]:
     """An exchange of a streaming chat request kvwatch asked usage for, its event-stream response head
     read (``framing``: the engine's), driven by hand from here on."""
-    replica = ReplicaConfig(name="r0", metrics_url="http://127.0.0.1:1/metrics", api_url="http://127.0.0.1:1",
-                            proxy_listen=HostPort("127.0.0.1", 0), model_name="tiny")
-    proxy = ProxyServer(replica, config, ModelLabels((), "tiny"), DEFAULT_BANDS, InFlightTracker(),
-                        lambda record: None, lambda *a, **k: None)
+    replica = ReplicaConfig(
+        name="r0",
+        metrics_url="http://127.0.0.1:1/metrics",
+        api_url="http://127.0.0.1:1",
+        proxy_listen=HostPort("127.0.0.1", 0),
+        model_name="tiny",
+    )
+    proxy = ProxyServer(
+        replica,
+        config,
+        ModelLabels((), "tiny"),
+        DEFAULT_BANDS,
+        InFlightTracker(),
+        lambda record: None,
+        lambda *a, **k: None,
+    )
     conn = ClientConnection(proxy)
     conn.transport = down = RecordingTransport()
-    head = parse_request_head(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
-                              % len(STREAMING))
+    head = parse_request_head(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(STREAMING)
+    )
     exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
     exchange._send = lambda: None  # type: ignore[method-assign]
     exchange.start()
-    exchange.on_head(parse_response_head(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream"
-                                         + (b"\r\n" + framing if framing else b"")), None, True)
+    exchange.on_head(
+        parse_response_head(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream" + (b"\r\n" + framing if framing else b"")
+        ),
+        None,
+        True,
+    )
     return proxy, conn, exchange, down
 
 

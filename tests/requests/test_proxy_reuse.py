@@ -27,8 +27,10 @@ from .test_proxy_faults import CHAT, raw_engine, read_request
 
 def _request(body: dict) -> bytes:
     payload = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
 
 
 async def _read_response(reader: asyncio.StreamReader) -> bytes:
@@ -44,8 +46,9 @@ async def _read_response(reader: asyncio.StreamReader) -> bytes:
         body += chunk[:-2]
 
 
-async def test_a_pipelined_request_is_received_at_its_first_byte(engine: ScriptedEngine,
-                                                                 proxy: ProxyHarness) -> None:
+async def test_a_pipelined_request_is_received_at_its_first_byte(
+    engine: ScriptedEngine, proxy: ProxyHarness
+) -> None:
     engine.script = Script(contents=[(0.1, "a"), (0.1, "b"), (0.1, "c")])  # ~0.3 s per response
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     try:
@@ -76,8 +79,9 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
         while True:
             await read_request(reader)
             received.append((time.perf_counter(), writer.get_extra_info("peername")))
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
             for event in (chat_chunk({"content": "hi"}), chat_chunk({}, "stop"), DONE):
                 writer.write(frame_chunk(event))
             await writer.drain()
@@ -99,6 +103,7 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             assert received[1][1] != received[0][1]  # ... on another engine connection
             assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 2
             assert all(r.e2e_seconds < tail_s / 2 for r in harness.records)
+
             # the tails are read on their own and both connections go back to the pool (beside any
             # spare opened while a tail was pending)
             def pooled() -> set:
@@ -109,16 +114,17 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             await harness.server.stop()
 
 
-async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientSession,
-                                                                   monkeypatch) -> None:
+async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientSession, monkeypatch) -> None:
     monkeypatch.setattr("kvwatch.requests.proxy.pool.DRAIN_S", 0.2)
     closed = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n"
-                     + frame_chunk(chat_chunk({"content": "hi"}) + chat_chunk({}, "stop") + DONE))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+            + frame_chunk(chat_chunk({"content": "hi"}) + chat_chunk({}, "stop") + DONE)
+        )
         await writer.drain()
         await reader.read()  # nothing more from us; kvwatch gives up on the tail and closes
         closed.set()

@@ -67,17 +67,39 @@ async def vllm_proxy(real_vllm) -> AsyncIterator[ProxyHarness]:
 async def test_openai_client_streams_through_the_proxy_to_vllm(real_vllm, vllm_proxy: ProxyHarness) -> None:
     client = openai.AsyncOpenAI(base_url=f"{vllm_proxy.url}/v1", api_key="unused", max_retries=0)
     try:
-        chunks = [c async for c in await client.chat.completions.create(
-            model="tiny", messages=CHAT, max_tokens=24, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})]  # random weights may end early
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="tiny",
+                messages=CHAT,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        ]  # random weights may end early
         assert chunks and all(c.usage is None and c.choices for c in chunks)  # no usage chunk leaked
-        text_chunks = [c async for c in await client.completions.create(
-            model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})]
+        text_chunks = [
+            c
+            async for c in await client.completions.create(
+                model="tiny",
+                prompt="Once upon a time",
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        ]
         assert text_chunks and all(c.usage is None for c in text_chunks)
         usage = await client.chat.completions.create(
-            model="tiny", messages=CHAT, max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="tiny",
+            messages=CHAT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         last = [c async for c in usage][-1]
         assert last.usage is not None and last.usage.completion_tokens == 8
     finally:
@@ -96,10 +118,13 @@ async def test_openai_client_streams_through_the_proxy_to_vllm(real_vllm, vllm_p
 
 @pytest.mark.real_vllm
 @pytest.mark.slow
-async def test_vllm_stream_through_the_proxy_is_what_vllm_sends(real_vllm, vllm_proxy: ProxyHarness,
-                                                                http: ClientSession) -> None:
-    for path, request in (("/v1/chat/completions", {"model": "tiny", "messages": CHAT}),
-                          ("/v1/completions", {"model": "tiny", "prompt": "Once upon a time"})):
+async def test_vllm_stream_through_the_proxy_is_what_vllm_sends(
+    real_vllm, vllm_proxy: ProxyHarness, http: ClientSession
+) -> None:
+    for path, request in (
+        ("/v1/chat/completions", {"model": "tiny", "messages": CHAT}),
+        ("/v1/completions", {"model": "tiny", "prompt": "Once upon a time"}),
+    ):
         body = {**request, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True}
         # vLLM merges deltas into fewer chunks when its frontend falls behind (a loaded 2-core
         # machine), so two identical requests can be chunked differently: a proxy that changed
@@ -126,23 +151,30 @@ async def test_counts_and_ttft_agree_with_vllms_own_histograms(real_vllm, vllm_p
         for max_tokens in (5, 10, 20):
             # ignore_eos: the random-weight model may end early; every request must hit max_tokens
             async for _ in await client.chat.completions.create(
-                    model="tiny", messages=CHAT, max_tokens=max_tokens, stream=True,
-                    extra_body={"ignore_eos": True}):
+                model="tiny",
+                messages=CHAT,
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 pass
     finally:
         await client.close()
     await asyncio.sleep(1.0)  # vLLM records finished-request stats on its next loop turn
     after = await vllm_metrics(real_vllm)
     success = metric(after, "vllm:request_success_total") - metric(before, "vllm:request_success_total")
-    ttft_count = (metric(after, "vllm:time_to_first_token_seconds_count")
-                  - metric(before, "vllm:time_to_first_token_seconds_count"))
-    ttft_sum = (metric(after, "vllm:time_to_first_token_seconds_sum")
-                - metric(before, "vllm:time_to_first_token_seconds_sum"))
+    ttft_count = metric(after, "vllm:time_to_first_token_seconds_count") - metric(
+        before, "vllm:time_to_first_token_seconds_count"
+    )
+    ttft_sum = metric(after, "vllm:time_to_first_token_seconds_sum") - metric(
+        before, "vllm:time_to_first_token_seconds_sum"
+    )
     records = vllm_proxy.records
     assert len(records) == success == ttft_count == 3
     assert sum(r.ttft_seconds for r in records) >= ttft_sum
-    length = (metric(after, "vllm:request_success_total", finished_reason="length")
-              - metric(before, "vllm:request_success_total", finished_reason="length"))
+    length = metric(after, "vllm:request_success_total", finished_reason="length") - metric(
+        before, "vllm:request_success_total", finished_reason="length"
+    )
     assert length == sum(r.outcome is Outcome.TRUNCATED for r in records) == 3
 
 
@@ -183,8 +215,9 @@ async def _until_idle(engine, timeout_s: float = 120) -> None:
 
 @pytest.mark.real_vllm
 @pytest.mark.slow
-async def test_client_disconnect_stops_vllm_within_a_second(real_vllm, vllm_proxy: ProxyHarness,
-                                                            http: ClientSession) -> None:
+async def test_client_disconnect_stops_vllm_within_a_second(
+    real_vllm, vllm_proxy: ProxyHarness, http: ClientSession
+) -> None:
     """The client leaves at the first content chunk of a 1900-token request. vLLM V1 does not count
     aborted requests in ``request_success_total``, so "stopped" is read from its own counter:
     ``generation_tokens_total`` stops rising within a second and short of 1900 tokens, and
@@ -225,17 +258,32 @@ async def _busy_slots(base: str) -> int:
 
 
 @pytest.mark.real_llamacpp
-async def test_openai_client_streams_through_the_proxy_to_llamacpp(real_llamacpp,
-                                                                   llama_proxy: ProxyHarness) -> None:
+async def test_openai_client_streams_through_the_proxy_to_llamacpp(
+    real_llamacpp, llama_proxy: ProxyHarness
+) -> None:
     client = openai.AsyncOpenAI(base_url=f"{llama_proxy.url}/v1", api_key="unused", max_retries=0)
     try:
         # random weights: without ignore_eos the first token can be the end of the answer
-        chunks = [c async for c in await client.chat.completions.create(
-            model=real_llamacpp.model, messages=CHAT, max_tokens=16, stream=True,
-            extra_body={"ignore_eos": True})]
-        text_chunks = [c async for c in await client.completions.create(
-            model=real_llamacpp.model, prompt="hello", max_tokens=16, stream=True,
-            extra_body={"ignore_eos": True})]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=real_llamacpp.model,
+                messages=CHAT,
+                max_tokens=16,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        ]
+        text_chunks = [
+            c
+            async for c in await client.completions.create(
+                model=real_llamacpp.model,
+                prompt="hello",
+                max_tokens=16,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        ]
     finally:
         await client.close()
     assert chunks and text_chunks
@@ -251,8 +299,10 @@ def _leave_after_first_event(port: int, body: dict) -> None:
     """A client on its own socket and thread (not on the proxy's loop): first event, then gone."""
     payload = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
         received = b""
         while b"data: " not in received:
             data = sock.recv(65536)
@@ -267,9 +317,18 @@ def long_context_llamacpp(real_llamacpp) -> Iterator[str]:
     a slot at the model's training context (512 for the tiny model), hence the override: without it
     the generation ends by itself at ~500 tokens and the test below would prove nothing."""
     port = free_port()
-    proc = start_llama_server(port, real_llamacpp.log.with_name(f"llama-long-{port}.log"),
-                              "-c", "16384", "-np", "1", "-t", "1",
-                              "--override-kv", "llama.context_length=int:16384")
+    proc = start_llama_server(
+        port,
+        real_llamacpp.log.with_name(f"llama-long-{port}.log"),
+        "-c",
+        "16384",
+        "-np",
+        "1",
+        "-t",
+        "1",
+        "--override-kv",
+        "llama.context_length=int:16384",
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -318,8 +377,10 @@ def traced_vllm(real_vllm) -> tuple[str, int]:
 async def test_otlp_spans_from_real_vllm_match_the_proxys_view(traced_vllm: tuple[str, int]) -> None:
     base, otlp_port = traced_vllm
     spans: list[RequestRecord] = []
-    config = Config(replicas=(ReplicaConfig("r0", f"{base}/metrics", api_url=base, model_name="tiny"),),
-                    otlp=OtlpConfig(listen=HostPort("127.0.0.1", otlp_port)))
+    config = Config(
+        replicas=(ReplicaConfig("r0", f"{base}/metrics", api_url=base, model_name="tiny"),),
+        otlp=OtlpConfig(listen=HostPort("127.0.0.1", otlp_port)),
+    )
     ours_since = time.time()
 
     def keep_ours(record: RequestRecord) -> None:
@@ -334,8 +395,12 @@ async def test_otlp_spans_from_real_vllm_match_the_proxys_view(traced_vllm: tupl
         for max_tokens in (4, 9, 17):
             # ignore_eos: the random-weight model may end early; every request must hit max_tokens
             async for _ in await client.chat.completions.create(
-                    model="tiny", messages=CHAT, max_tokens=max_tokens, stream=True,
-                    extra_body={"ignore_eos": True}):
+                model="tiny",
+                messages=CHAT,
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 pass
         await until(lambda: len(spans) == 3, timeout_s=60)  # BatchSpanProcessor exports every ~5 s
     finally:

@@ -23,22 +23,41 @@ PROMPT = "the secret prompt text 7f3a9c"
 
 def exporter_line(completion: int = 120, finish: object = None, metrics: bool = True, **extra: object) -> str:
     """One line as SGLang writes it (meta_info spread at the top level)."""
-    params = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2048, "temperature": 0.6},
-              "rid": "3c1e", "stream": True}
-    meta: dict = {"id": "3c1e", "finish_reason": finish or {"type": "stop", "matched": 151645},
-                  "prompt_tokens": 40, "weight_version": "default", "completion_tokens": completion,
-                  "cached_tokens": 0, "e2e_latency": 2.5}
+    params = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 2048, "temperature": 0.6},
+        "rid": "3c1e",
+        "stream": True,
+    }
+    meta: dict = {
+        "id": "3c1e",
+        "finish_reason": finish or {"type": "stop", "matched": 151645},
+        "prompt_tokens": 40,
+        "weight_version": "default",
+        "completion_tokens": completion,
+        "cached_tokens": 0,
+        "e2e_latency": 2.5,
+    }
     if metrics:
-        meta |= {"request_received_ts": 1_760_000_000.25, "api_server_dispatch_finish_ts": 1_760_000_000.3,
-                 "response_sent_to_client_ts": 1_760_000_002.7, "request_finished_ts": 1_760_000_002.75,
-                 "decode_throughput": (completion - 1) / 2.0, "queue_time": 0.125}
+        meta |= {
+            "request_received_ts": 1_760_000_000.25,
+            "api_server_dispatch_finish_ts": 1_760_000_000.3,
+            "response_sent_to_client_ts": 1_760_000_002.7,
+            "request_finished_ts": 1_760_000_002.75,
+            "decode_throughput": (completion - 1) / 2.0,
+            "queue_time": 0.125,
+        }
     return json.dumps({"request_parameters": json.dumps(params), **meta, **extra}) + "\n"
 
 
 def test_a_line_becomes_a_record() -> None:
     record = line_record(json.loads(exporter_line()), "s0", "qwen", now=0.0)
     assert (record.source, record.replica, record.model_name, record.outcome) == (
-        "sglang_file", "s0", "qwen", Outcome.COMPLETED)
+        "sglang_file",
+        "s0",
+        "qwen",
+        Outcome.COMPLETED,
+    )
     assert (record.prompt_tokens, record.output_tokens, record.max_tokens) == (40, 120, 2048)
     assert record.e2e_seconds == 2.5 and record.queue_seconds == 0.125
     assert record.decode_seconds == pytest.approx(2.0) and record.ttft_seconds == pytest.approx(0.5)
@@ -50,31 +69,48 @@ def test_a_line_becomes_a_record() -> None:
 def test_without_enable_metrics_only_counts_and_e2e_are_known() -> None:
     record = line_record(json.loads(exporter_line(metrics=False)), "s0", "qwen", now=1000.0)
     assert (record.output_tokens, record.e2e_seconds, record.ttft_seconds, record.tpot_seconds) == (
-        120, 2.5, None, None)
+        120,
+        2.5,
+        None,
+        None,
+    )
     assert record.started_at == 997.5  # read at 1000, took 2.5 s
 
 
 def test_nested_meta_info_is_read_too() -> None:
-    doc = {"request_parameters": "{}", "meta_info": {"completion_tokens": 7, "e2e_latency": 1.0,
-                                                      "finish_reason": "length"}}
+    doc = {
+        "request_parameters": "{}",
+        "meta_info": {"completion_tokens": 7, "e2e_latency": 1.0, "finish_reason": "length"},
+    }
     record = line_record(doc, "s0", "m", now=10.0)
     assert (record.output_tokens, record.outcome, record.finish_reason) == (7, Outcome.TRUNCATED, "length")
 
 
-@pytest.mark.parametrize(("finish", "outcome"), [
-    ({"type": "stop", "matched": 2}, Outcome.COMPLETED),
-    ({"type": "length", "length": 120}, Outcome.TRUNCATED),
-    ({"type": "abort", "message": "client disconnected"}, Outcome.ABORTED),
-    ({"type": "abort", "message": "prompt too long", "status_code": 400}, Outcome.REJECTED),
-    ({"type": "abort", "message": "internal", "status_code": 500}, Outcome.ERROR),
-    ("length", Outcome.TRUNCATED),
-])
+@pytest.mark.parametrize(
+    ("finish", "outcome"),
+    [
+        ({"type": "stop", "matched": 2}, Outcome.COMPLETED),
+        ({"type": "length", "length": 120}, Outcome.TRUNCATED),
+        ({"type": "abort", "message": "client disconnected"}, Outcome.ABORTED),
+        ({"type": "abort", "message": "prompt too long", "status_code": 400}, Outcome.REJECTED),
+        ({"type": "abort", "message": "internal", "status_code": 500}, Outcome.ERROR),
+        ("length", Outcome.TRUNCATED),
+    ],
+)
 def test_finish_reason_to_outcome(finish: object, outcome: Outcome) -> None:
     assert line_record(json.loads(exporter_line(finish=finish)), "s0", "m", 0.0).outcome is outcome
 
 
-@pytest.mark.parametrize("doc", [[1, 2], {"completion_tokens": "12"}, {"completion_tokens": -1},
-                                 {"e2e_latency": "slow"}, {"decode_throughput": float("nan")}])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [1, 2],
+        {"completion_tokens": "12"},
+        {"completion_tokens": -1},
+        {"e2e_latency": "slow"},
+        {"decode_throughput": float("nan")},
+    ],
+)
 def test_wrong_types_are_malformed(doc: object) -> None:
     with pytest.raises(ValueError):
         line_record(doc, "s0", "m", 0.0)
@@ -88,6 +124,7 @@ class Dir:
     def follower(self, from_start: bool = False) -> SglangFileFollower:
         def count(family: str, *labels: str, amount: float = 1) -> None:
             self.counts[(family, *labels)] += amount
+
         return SglangFileFollower(SglangFilesConfig("s0", str(self.path), 0.05), "qwen", count, from_start)
 
     def append(self, hour: str, text: str) -> None:
@@ -137,8 +174,14 @@ def test_partial_last_line_waits_for_its_newline(export_dir: Dir) -> None:
 def test_truncated_json_lines_are_counted_and_skipped(export_dir: Dir) -> None:
     follower = export_dir.follower()
     follower.poll()
-    export_dir.append("20260101_10", exporter_line(completion=1)[:60] + "\n" + exporter_line(completion=2)
-                      + "not json at all\n" + exporter_line(completion=3))
+    export_dir.append(
+        "20260101_10",
+        exporter_line(completion=1)[:60]
+        + "\n"
+        + exporter_line(completion=2)
+        + "not json at all\n"
+        + exporter_line(completion=3),
+    )
     assert [r.output_tokens for r in follower.poll()] == [2, 3]
     assert export_dir.counts[(LINES, "s0", "malformed")] == 2
     assert export_dir.counts[(LINES, "s0", "request")] == 2
@@ -177,8 +220,13 @@ async def test_start_follower_reports_each_poll(tmp_path: Path) -> None:
     config = Config(replicas=(ReplicaConfig("s0", "http://127.0.0.1:1/metrics", model_name="qwen"),))
     reports: list[tuple] = []
     got: list[RequestRecord] = []
-    follower = await start_follower(SglangFilesConfig("s0", str(tmp_path / "later"), 0.05), config,
-                                    got.append, lambda *a, **k: None, lambda *a: reports.append(a))
+    follower = await start_follower(
+        SglangFilesConfig("s0", str(tmp_path / "later"), 0.05),
+        config,
+        got.append,
+        lambda *a, **k: None,
+        lambda *a: reports.append(a),
+    )
     try:
         for _ in range(200):
             if reports:

@@ -15,8 +15,11 @@ def event(doc: dict, spaces: bool = False) -> bytes:
 
 
 def chat(delta: dict, finish: str | None = None) -> dict:
-    return {"id": "x", "object": "chat.completion.chunk", "choices": [
-        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    return {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
 
 
 CONTENT_BEARING = {
@@ -26,10 +29,13 @@ CONTENT_BEARING = {
     "reasoning (vLLM >= 0.11)": chat({"reasoning": "hmm"}),
     "reasoning_content (older vLLM, SGLang)": chat({"reasoning_content": "hmm"}),
     "tool call delta": chat({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ""}}]}),
-    "completions text": {"object": "text_completion",
-                         "choices": [{"index": 0, "text": " a", "finish_reason": None}]},
-    "second choice carries the text": {"choices": [{"index": 0, "delta": {"content": ""}},
-                                                   {"index": 1, "delta": {"content": "b"}}]},
+    "completions text": {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": " a", "finish_reason": None}],
+    },
+    "second choice carries the text": {
+        "choices": [{"index": 0, "delta": {"content": ""}}, {"index": 1, "delta": {"content": "b"}}]
+    },
 }
 
 NOT_CONTENT = {
@@ -40,10 +46,11 @@ NOT_CONTENT = {
     "completions finish with empty text": {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
     "usage chunk": {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}},
     "empty tool call list": chat({"tool_calls": []}),
-    "text that mentions a content key": chat({"role": "assistant", "content": ""}) | {
-        "note": 'she wrote "content":"x" here'},
-    "logprobs content list without delta text": {"choices": [{"delta": {"content": ""},
-                                                              "logprobs": {"content": [{"token": "a"}]}}]},
+    "text that mentions a content key": chat({"role": "assistant", "content": ""})
+    | {"note": 'she wrote "content":"x" here'},
+    "logprobs content list without delta text": {
+        "choices": [{"delta": {"content": ""}, "logprobs": {"content": [{"token": "a"}]}}]
+    },
 }
 
 
@@ -65,12 +72,33 @@ def test_the_compact_search_decides_as_the_regex_does() -> None:
     import random
 
     rng = random.Random(23)
-    pieces = [b'"content":"', b'"content":""', b'"', b"x", b"\\", b"\n", b'"text":"a"', b":", b" ",
-              b'"tool_calls":[{', b"}", b"\n\n"]
-    cases = [event(doc, spaces) for doc in (*CONTENT_BEARING.values(), *NOT_CONTENT.values())
-             for spaces in (False, True)]
-    cases += [b'"content":"', b'"content":""', b'"content":"""', b'"content":""x"content":"y',
-              b'"content":"" "text":"b"', b'x"content":"\n']
+    pieces = [
+        b'"content":"',
+        b'"content":""',
+        b'"',
+        b"x",
+        b"\\",
+        b"\n",
+        b'"text":"a"',
+        b":",
+        b" ",
+        b'"tool_calls":[{',
+        b"}",
+        b"\n\n",
+    ]
+    cases = [
+        event(doc, spaces)
+        for doc in (*CONTENT_BEARING.values(), *NOT_CONTENT.values())
+        for spaces in (False, True)
+    ]
+    cases += [
+        b'"content":"',
+        b'"content":""',
+        b'"content":"""',
+        b'"content":""x"content":"y',
+        b'"content":"" "text":"b"',
+        b'x"content":"\n',
+    ]
     cases += [b"".join(rng.choice(pieces) for _ in range(rng.randrange(1, 12))) for _ in range(5000)]
     for case in cases:
         assert sse.is_content_bearing(case) is (sse.CONTENT.search(case) is not None), case
@@ -82,20 +110,27 @@ def test_done_and_comments_are_not_content() -> None:
 
 
 def test_counting_content_events_in_one_read() -> None:
-    events = (event(chat({"role": "assistant", "content": ""})) + event(chat({"content": "a"}))
-              + event(chat({"content": "b"})) + event(chat({}, "stop")))
+    events = (
+        event(chat({"role": "assistant", "content": ""}))
+        + event(chat({"content": "a"}))
+        + event(chat({"content": "b"}))
+        + event(chat({}, "stop"))
+    )
     assert sse.count_content_events(events, b"\n\n") == 2
     crlf = events.replace(b"\n\n", b"\r\n\r\n")
     assert sse.count_content_events(crlf, b"\r\n\r\n") == 2
 
 
-@pytest.mark.parametrize(("events", "expected"), [
-    (event(chat({"content": "a"})), None),
-    (event(chat({}, "stop")), "stop"),
-    (event(chat({}, "tool_calls"), spaces=True), "tool_calls"),
-    (event({"choices": [{"finish_reason": "length"}, {"finish_reason": "stop"}]}), "length"),
-    (event({"choices": [{"finish_reason": "stop"}, {"finish_reason": "abort"}]}), "abort"),
-])
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        (event(chat({"content": "a"})), None),
+        (event(chat({}, "stop")), "stop"),
+        (event(chat({}, "tool_calls"), spaces=True), "tool_calls"),
+        (event({"choices": [{"finish_reason": "length"}, {"finish_reason": "stop"}]}), "length"),
+        (event({"choices": [{"finish_reason": "stop"}, {"finish_reason": "abort"}]}), "abort"),
+    ],
+)
 def test_finish_reason(events: bytes, expected: str | None) -> None:
     assert sse.finish_reason(events) == expected
 
@@ -108,8 +143,9 @@ def test_usage_is_found_in_a_usage_only_chunk() -> None:
 
 
 def test_usage_riding_on_a_content_chunk_is_found_but_is_not_usage_only() -> None:
-    both = event({"choices": [{"delta": {"content": "x"}}],
-                  "usage": {"prompt_tokens": 1, "completion_tokens": 5}})
+    both = event(
+        {"choices": [{"delta": {"content": "x"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 5}}
+    )
     assert sse.find_usage(both, b"\n\n") == sse.Usage(1, 5)
     assert not sse.is_usage_only(both)
 
@@ -124,8 +160,12 @@ def test_malformed_usage_json_is_ignored() -> None:
 
 
 def test_usage_from_a_whole_response() -> None:
-    body = json.dumps({"choices": [{"message": {"content": "x"}, "finish_reason": "length"}],
-                       "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+    body = json.dumps(
+        {
+            "choices": [{"message": {"content": "x"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+        }
+    ).encode()
     assert sse.usage_from_body(body) == (sse.Usage(3, 4), "length")
     assert sse.usage_from_body(b"[1, 2]") == (None, None)
     assert sse.usage_from_body(b"{not json") == (None, None)

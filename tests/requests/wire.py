@@ -14,8 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _LINK_HEADER = {1: 14, 113: 16, 276: 20}  # Ethernet (loopback), Linux cooked v1 and v2
-_PCAP_MAGIC = {b"\xd4\xc3\xb2\xa1": ("<", 1e-6), b"\xa1\xb2\xc3\xd4": (">", 1e-6),
-               b"\x4d\x3c\xb2\xa1": ("<", 1e-9), b"\xa1\xb2\x3c\x4d": (">", 1e-9)}
+_PCAP_MAGIC = {
+    b"\xd4\xc3\xb2\xa1": ("<", 1e-6),
+    b"\xa1\xb2\xc3\xd4": (">", 1e-6),
+    b"\x4d\x3c\xb2\xa1": ("<", 1e-9),
+    b"\xa1\xb2\x3c\x4d": (">", 1e-9),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +43,8 @@ def _segments(pcap: Path, server_port: int) -> list[tuple[float, int, int, bytes
     out = []
     pos = 24
     while pos + 16 <= len(data):
-        sec, frac, incl, _orig = struct.unpack(endian + "IIII", data[pos:pos + 16])
-        frame = data[pos + 16:pos + 16 + incl]
+        sec, frac, incl, _orig = struct.unpack(endian + "IIII", data[pos : pos + 16])
+        frame = data[pos + 16 : pos + 16 + incl]
         pos += 16 + incl
         ip = frame[skip:]
         if len(ip) < 20 or ip[0] >> 4 != 4 or ip[9] != 6:  # IPv4 TCP only (the proxy listens on 127.0.0.1)
@@ -49,7 +53,7 @@ def _segments(pcap: Path, server_port: int) -> list[tuple[float, int, int, bytes
         total = struct.unpack("!H", ip[2:4])[0]
         tcp = ip[ip_len:total]
         src, dst, seq = struct.unpack("!HHI", tcp[:8])
-        payload = tcp[(tcp[12] >> 4) * 4:]
+        payload = tcp[(tcp[12] >> 4) * 4 :]
         if dst == server_port and payload:
             out.append((sec + frac * unit, src, seq, payload))
     return out
@@ -70,7 +74,7 @@ def requests_on_wire(pcap: Path, server_port: int) -> list[WireRequest]:
             if offset + len(payload) <= len(stream):
                 continue  # a retransmission
             times.append((len(stream), t))
-            stream += payload[len(stream) - offset:] if offset < len(stream) else payload
+            stream += payload[len(stream) - offset :] if offset < len(stream) else payload
         found += _split(bytes(stream), times, port)
     return sorted(found, key=lambda r: r.first_byte_at)
 
@@ -86,7 +90,7 @@ def _split(stream: bytes, times: list[tuple[int, float]], port: int) -> list[Wir
         method, path, _version = lines[0].split(" ")
         headers = dict(line.split(":", 1) for line in lines[1:])
         length = int({k.strip().lower(): v.strip() for k, v in headers.items()}.get("content-length", "0"))
-        body = stream[end + 4:end + 4 + length]
+        body = stream[end + 4 : end + 4 + length]
         if len(body) < length:
             return out
         first = max(t for start, t in times if start <= offset)

@@ -43,8 +43,12 @@ def test_presets_use_the_measured_host_bandwidth_not_the_datasheet_link_rate():
 
 
 def _preempting_engine(path=None) -> SimEngine:
-    cfg = EngineConfig(model=model_preset("llama-3.1-8b"), num_gpu_blocks_override=600, max_model_len=8000,
-                       kv_offload_bytes=200 * GB)
+    cfg = EngineConfig(
+        model=model_preset("llama-3.1-8b"),
+        num_gpu_blocks_override=600,
+        max_model_len=8000,
+        kv_offload_bytes=200 * GB,
+    )
     e = SimEngine(cfg, host_path=path)
     for i in range(4):
         e.submit(f"r{i}", 2000, 1500, 1500, arrival=0.0)

@@ -16,8 +16,12 @@ from .node import T0
 
 
 @contextlib.asynccontextmanager
-async def serve(state: NodeState, cfg: Config, clock: Callable[[], float] = lambda: T0 + 11,
-                middleware: Callable | None = None) -> AsyncIterator[str]:
+async def serve(
+    state: NodeState,
+    cfg: Config,
+    clock: Callable[[], float] = lambda: T0 + 11,
+    middleware: Callable | None = None,
+) -> AsyncIterator[str]:
     app = web.Application(middlewares=[middleware] if middleware else [])
     app.add_routes(make_status_routes(state, cfg, clock))
     async with serving(app) as base:

@@ -27,11 +27,24 @@ pytestmark = [pytest.mark.chromium]
 
 async def dump_dom(url: str, profile: Path, budget_ms: int) -> str:
     chromium = require_tool("chromium")
-    args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-extensions",
-            f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--dump-dom", url]
-    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    args = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        f"--user-data-dir={profile}",
+        f"--virtual-time-budget={budget_ms}",
+        "--dump-dom",
+        url,
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     except TimeoutError:

@@ -21,8 +21,12 @@ from .node import T0, populated_state
 
 
 def _metrics(state, cfg) -> dict[str, list[tuple[dict[str, str], float]]]:  # type: ignore[no-untyped-def]
-    areas = {"replicas": ReplicaCollector(state, cfg), "derived": DerivedCollector(state, cfg),
-             "gpus": GpuCollector(state, cfg), "requests": RequestCollector(state, cfg)}
+    areas = {
+        "replicas": ReplicaCollector(state, cfg),
+        "derived": DerivedCollector(state, cfg),
+        "gpus": GpuCollector(state, cfg),
+        "requests": RequestCollector(state, cfg),
+    }
     text = TextEncoder().encode(make_registry(NodeCollector(state, cfg, areas))).decode()
     out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for family in text_string_to_metric_families(text):
@@ -63,8 +67,9 @@ def test_replica_units_show_what_metrics_exports() -> None:
     assert checked >= 1  # r0 (behind the proxy) has live tokens and headroom on both
     assert not [v for labels, v in metrics["kvwatch_kv_usage_ratio"] if labels["replica"] == "s0"]
     for stranded in view.stranded:
-        assert stranded.stranded_tokens == _one(metrics, "kvwatch_kv_stranded_tokens",
-                                                model_name=stranded.model_name)
+        assert stranded.stranded_tokens == _one(
+            metrics, "kvwatch_kv_stranded_tokens", model_name=stranded.model_name
+        )
 
 
 def test_gpus_show_what_metrics_exports() -> None:
@@ -78,8 +83,12 @@ def test_gpus_show_what_metrics_exports() -> None:
         assert gpu.pcie_link_bytes_per_second == link
         # the PCIe rate is the increase of the exported counter over the derived window (10 s here)
         assert gpu.pcie_tx_bytes_per_second == pytest.approx(
-            (_one(metrics, "kvwatch_gpu_pcie_tx_bytes_total", **key) - state.derived.gpu_baseline(gpu.uuid)
-             .pcie_tx_bytes_total) / 10)
+            (
+                _one(metrics, "kvwatch_gpu_pcie_tx_bytes_total", **key)
+                - state.derived.gpu_baseline(gpu.uuid).pcie_tx_bytes_total
+            )
+            / 10
+        )
 
 
 def test_band_outcomes_and_ratios_are_those_of_the_exported_counters() -> None:
@@ -92,7 +101,9 @@ def test_band_outcomes_and_ratios_are_those_of_the_exported_counters() -> None:
         for labels, value in metrics["kvwatch_requests_total"]:
             # (all) counts the proxy's view of r0 and the engine-side view of r1 (no proxy there)
             if labels["length_band"] == row.band and (labels["replica"], labels["source"]) in (
-                    ("r0", "proxy"), ("r1", "otlp")):
+                ("r0", "proxy"),
+                ("r1", "otlp"),
+            ):
                 exported[labels["outcome"]] += value
         assert {k: v for k, v in row.outcomes.items() if v} == {k: v for k, v in exported.items() if v}
         total = sum(exported.values())

@@ -14,16 +14,19 @@ from tests.local import require_tool
 BOUNDS = (0.1, 0.5, 1.0, 5.0)
 
 
-@pytest.mark.parametrize(("q", "bins", "expected"), [
-    # cumulative 10, 20, 30, 40, 40 over bounds 0.1, 0.5, 1, 5, +Inf
-    (0.5, (10, 10, 10, 10, 0), 0.5),     # rank 20 reaches bucket (0.1, 0.5] exactly at its end
-    (0.25, (10, 10, 10, 10, 0), 0.1),    # rank 10: end of the first bucket
-    (0.1, (10, 10, 10, 10, 0), 0.04),    # rank 4 in the first bucket, interpolated from 0
-    (0.99, (10, 10, 10, 10, 0), 4.84),   # rank 39.6 in (1, 5]: 1 + 4 x 9.6/10
-    (0.99, (0, 0, 0, 1, 9), 5.0),        # rank in the +Inf bucket: the highest finite bound
-    (1.0, (1, 0, 0, 0, 0), 0.1),
-    (0.0, (1, 1, 0, 0, 0), 0.0),
-])
+@pytest.mark.parametrize(
+    ("q", "bins", "expected"),
+    [
+        # cumulative 10, 20, 30, 40, 40 over bounds 0.1, 0.5, 1, 5, +Inf
+        (0.5, (10, 10, 10, 10, 0), 0.5),  # rank 20 reaches bucket (0.1, 0.5] exactly at its end
+        (0.25, (10, 10, 10, 10, 0), 0.1),  # rank 10: end of the first bucket
+        (0.1, (10, 10, 10, 10, 0), 0.04),  # rank 4 in the first bucket, interpolated from 0
+        (0.99, (10, 10, 10, 10, 0), 4.84),  # rank 39.6 in (1, 5]: 1 + 4 x 9.6/10
+        (0.99, (0, 0, 0, 1, 9), 5.0),  # rank in the +Inf bucket: the highest finite bound
+        (1.0, (1, 0, 0, 0, 0), 0.1),
+        (0.0, (1, 1, 0, 0, 0), 0.0),
+    ],
+)
 def test_known_values(q: float, bins: tuple[int, ...], expected: float) -> None:
     assert histogram_quantile(q, BOUNDS, bins) == pytest.approx(expected)
 
@@ -66,19 +69,32 @@ def test_same_results_as_promtool(tmp_path: Path) -> None:
         for bound, count in zip((*BOUNDS, math.inf), bins, strict=True):
             running += count
             le = "+Inf" if math.isinf(bound) else repr(bound)
-            series.append(f"      - series: 'h_bucket{{case=\"{i}\",le=\"{le}\"}}'\n"
-                          f"        values: '{running}'")
+            series.append(
+                f"      - series: 'h_bucket{{case=\"{i}\",le=\"{le}\"}}'\n        values: '{running}'"
+            )
         ours = histogram_quantile(q, BOUNDS, bins)
-        tests.append(f"      - expr: histogram_quantile({q}, h_bucket{{case=\"{i}\"}})\n"
-                     f"        eval_time: 0m\n"
-                     f"        exp_samples:\n"
-                     f"          - labels: '{{case=\"{i}\"}}'\n"
-                     f"            value: {ours!r}")
+        tests.append(
+            f'      - expr: histogram_quantile({q}, h_bucket{{case="{i}"}})\n'
+            f"        eval_time: 0m\n"
+            f"        exp_samples:\n"
+            f"          - labels: '{{case=\"{i}\"}}'\n"
+            f"            value: {ours!r}"
+        )
     (tmp_path / "rules.yml").write_text("groups: []\n")
     (tmp_path / "test.yml").write_text(
         "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n"
-        + "\n".join(series) + "\n    promql_expr_test:\n" + "\n".join(tests) + "\n")
+        + "\n".join(series)
+        + "\n    promql_expr_test:\n"
+        + "\n".join(tests)
+        + "\n"
+    )
     promtool = require_tool("promtool")
-    result = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [promtool, "test", "rules", "test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -77,6 +77,7 @@ async def test_top_escapes_control_characters_an_engine_sent(capsys: pytest.Capt
     assert not any(ch in text for ch in "\x1b\x07\r\x9b\u202e\x85")
     assert r"\x1b[2J\x1b[31mALL GPUS DOWN\x07\x0d\x9b0m\u202eevil" in text  # visible, not obeyed
     from kvwatch.status.top import terminal_safe
+
     assert terminal_safe("qwen3 – 8B ✓") == "qwen3 – 8B ✓"  # printable text is left alone
     async with serve(state, cfg) as base:  # the same through /status.json and `kvwatch top`
         assert await asyncio.to_thread(main, ["top", "--url", base, "--once"]) == 0

@@ -100,8 +100,19 @@ def test_json_round_trip_is_strict_and_lossless(view) -> None:
 def test_view_carries_only_known_fields(view) -> None:
     """No free text from requests: the only strings are names, notes and errors."""
     data = view_to_dict(view)
-    assert set(data) == {"node", "generated_at", "agent_started_at", "bands", "replicas", "stranded",
-                         "band_rows", "gpus", "requests_observed", "derived_at", "notes"}
+    assert set(data) == {
+        "node",
+        "generated_at",
+        "agent_started_at",
+        "bands",
+        "replicas",
+        "stranded",
+        "band_rows",
+        "gpus",
+        "requests_observed",
+        "derived_at",
+        "notes",
+    }
 
 
 def test_view_before_any_scrape_says_so() -> None:

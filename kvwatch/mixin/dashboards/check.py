@@ -18,9 +18,14 @@ from kvwatch.mixin.slo import slo_from_mapping
 
 def recorded_series() -> set[str]:
     """Names kvwatch's rules record (SLO names do not depend on the objectives)."""
-    slo = slo_from_mapping({"objectives": [
-        {"name": "l", "sli": "ttft", "threshold": 1, "objective": 0.99, "bands": "*"},
-        {"name": "c", "sli": "completion", "objective": 0.99, "bands": "*"}]})
+    slo = slo_from_mapping(
+        {
+            "objectives": [
+                {"name": "l", "sli": "ttft", "threshold": 1, "objective": 0.99, "bands": "*"},
+                {"name": "c", "sli": "completion", "objective": 0.99, "bands": "*"},
+            ]
+        }
+    )
     return recorded_names(rule_files(slo))
 
 
@@ -61,11 +66,13 @@ _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?::\w+)?\}|\$([A-Za-z_]\w*)|\[\[([A-
 def substitute(expr: str, values: Mapping[str, str]) -> str:
     """Replace Grafana variables (``$x``, ``${x}``, ``[[x]]``) by concrete values; KeyError names an
     unknown variable."""
+
     def repl(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         if name not in values:
             raise KeyError(f"no value for dashboard variable ${name} in {expr!r}")
         return values[name]
+
     return _VARIABLE.sub(repl, expr)
 
 
@@ -93,9 +100,16 @@ def panel_queries(values: Mapping[str, str] | None = None, opts: Options | None 
         for panel in board.panels:
             for i, q in enumerate(g.queries_of(panel)):
                 names = referenced_metrics(q.expr)
-                out.append(PanelQuery(
-                    dashboard=board.uid, panel=panel["title"], ref_id=chr(ord("A") + i), expr=q.expr,
-                    concrete=substitute(q.expr, merged), instant=q.instant, sparse=q.sparse,
-                    external=any(n.startswith("DCGM_FI_") for n in names)))
+                out.append(
+                    PanelQuery(
+                        dashboard=board.uid,
+                        panel=panel["title"],
+                        ref_id=chr(ord("A") + i),
+                        expr=q.expr,
+                        concrete=substitute(q.expr, merged),
+                        instant=q.instant,
+                        sparse=q.sparse,
+                        external=any(n.startswith("DCGM_FI_") for n in names),
+                    )
+                )
     return out
-

@@ -28,176 +28,496 @@ def node_board(opts: Options) -> Board:
     lay = g.Layout()
 
     lay.row("Overview")
-    lay.add(g.stat("Engines up", [
-        Query(f"sum({s.sel('kvwatch_target_up')})", "up"),
-        Query(f"count({s.sel('kvwatch_target_up')})", "configured")],
-        description="Engine replicas whose last metrics scrape succeeded, of those configured."), 4, 4)
-    lay.add(g.stat("Highest KV occupancy", [Query(f"max({s.sel('kvwatch_kv_usage_ratio')})")],
-                   description="The fullest KV cache among the selected replicas (engine's own figure).",
-                   unit="percentunit", thresholds=PCT_HIGH_BAD), 4, 4)
-    lay.add(g.stat("Lowest KV headroom", [Query(f"min({s.sel('kvwatch_kv_headroom_seconds')})")],
-                   description="Seconds until the first KV pool fills at its current growth.",
-                   unit="s", thresholds=((None, "red"), (120, "orange"), (300, "green"))), 4, 4)
-    lay.add(g.stat("Preemptions, all replicas", [Query(f"sum({s.rate('kvwatch_preemptions_total')})")],
-                   description="Requests preempted (vLLM) or retracted (SGLang) per second.",
-                   unit="reqps", thresholds=((None, "green"), (0.05, "orange"), (1, "red"))), 4, 4)
-    lay.add(g.stat("Waiting requests", [Query(f"sum({s.sel('kvwatch_requests_waiting')})")],
-                   description="Requests queued in the engines.", thresholds=ANY_IS_BAD), 4, 4)
-    lay.add(g.stat("GPUs lost", [Query(f"sum({s.sel('kvwatch_gpu_lost')})")],
-                   description="GPUs NVML reports lost (fallen off the bus).",
-                   thresholds=((None, "green"), (1, "red"))), 4, 4)
+    lay.add(
+        g.stat(
+            "Engines up",
+            [
+                Query(f"sum({s.sel('kvwatch_target_up')})", "up"),
+                Query(f"count({s.sel('kvwatch_target_up')})", "configured"),
+            ],
+            description="Engine replicas whose last metrics scrape succeeded, of those configured.",
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        g.stat(
+            "Highest KV occupancy",
+            [Query(f"max({s.sel('kvwatch_kv_usage_ratio')})")],
+            description="The fullest KV cache among the selected replicas (engine's own figure).",
+            unit="percentunit",
+            thresholds=PCT_HIGH_BAD,
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        g.stat(
+            "Lowest KV headroom",
+            [Query(f"min({s.sel('kvwatch_kv_headroom_seconds')})")],
+            description="Seconds until the first KV pool fills at its current growth.",
+            unit="s",
+            thresholds=((None, "red"), (120, "orange"), (300, "green")),
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        g.stat(
+            "Preemptions, all replicas",
+            [Query(f"sum({s.rate('kvwatch_preemptions_total')})")],
+            description="Requests preempted (vLLM) or retracted (SGLang) per second.",
+            unit="reqps",
+            thresholds=((None, "green"), (0.05, "orange"), (1, "red")),
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        g.stat(
+            "Waiting requests",
+            [Query(f"sum({s.sel('kvwatch_requests_waiting')})")],
+            description="Requests queued in the engines.",
+            thresholds=ANY_IS_BAD,
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        g.stat(
+            "GPUs lost",
+            [Query(f"sum({s.sel('kvwatch_gpu_lost')})")],
+            description="GPUs NVML reports lost (fallen off the bus).",
+            thresholds=((None, "green"), (1, "red")),
+        ),
+        4,
+        4,
+    )
 
     lay.row("KV cache")
-    lay.add(g.timeseries("KV occupancy per replica", [Query(s.sel("kvwatch_kv_usage_ratio"), rep)],
-                         description="KV cache in use as the engine reports it (vLLM: blocks held by live "
-                                     "requests; SGLang: token slots).",
-                         unit="percentunit", min_=0, max_=1, thresholds=PCT_HIGH_BAD, threshold_lines=True),
-            12, 8)
-    lay.add(g.timeseries("Internal fragmentation", [
-        Query(s.sel("kvwatch_kv_fragmentation_ratio"), f"{rep} ({{{{source}}}})")],
-        description="1 - live tokens / (used blocks x block size): block slots held but not filled. "
-                    "source=proxy_estimate when live tokens come from the proxy's accounting.",
-        unit="percentunit", min_=0, max_=1), 12, 8)
+    lay.add(
+        g.timeseries(
+            "KV occupancy per replica",
+            [Query(s.sel("kvwatch_kv_usage_ratio"), rep)],
+            description="KV cache in use as the engine reports it (vLLM: blocks held by live "
+            "requests; SGLang: token slots).",
+            unit="percentunit",
+            min_=0,
+            max_=1,
+            thresholds=PCT_HIGH_BAD,
+            threshold_lines=True,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Internal fragmentation",
+            [Query(s.sel("kvwatch_kv_fragmentation_ratio"), f"{rep} ({{{{source}}}})")],
+            description="1 - live tokens / (used blocks x block size): block slots held but not filled. "
+            "source=proxy_estimate when live tokens come from the proxy's accounting.",
+            unit="percentunit",
+            min_=0,
+            max_=1,
+        ),
+        12,
+        8,
+    )
     headroom = f"clamp_max({s.sel('kvwatch_kv_headroom_seconds')}, 3600)"
-    lay.add(g.timeseries("KV headroom", [Query(headroom, rep)],
-                         description="Seconds until the KV pool is full at the current net growth (shown up "
-                                     "to 1h; +Inf when not growing).",
-                         unit="s", min_=0, thresholds=((None, "red"), (300, "green")), threshold_lines=True),
-            12, 8)
-    lay.add(g.timeseries("KV tokens: capacity, in use, live", [
-        Query(s.sel("kvwatch_kv_capacity_tokens"), f"{rep} capacity"),
-        Query(f"{s.sel('kvwatch_kv_capacity_tokens')} - {s.sel('kvwatch_kv_free_tokens')}", f"{rep} in use"),
-        Query(f"max without (source) ({s.sel('kvwatch_kv_live_tokens')})", f"{rep} live")],
-        description="In use = capacity - free (held by live requests); live = tokens the running requests "
-                    "actually hold. The gap is fragmentation.", unit="short", min_=0), 12, 8)
-    lay.add(g.timeseries("Running and waiting requests", [
-        Query(s.sel("kvwatch_requests_running"), f"{rep} running"),
-        Query(s.sel("kvwatch_requests_waiting"), f"{rep} waiting")],
-        description="The engine's running batch and its queue.", min_=0), 12, 8)
-    lay.add(g.timeseries("Over-committed requests", [Query(s.sel("kvwatch_kv_overcommitted_requests"), rep)],
-                         description="Running requests whose max_tokens could not all fit if every request "
-                                     "ran to its limit.", min_=0), 12, 8)
+    lay.add(
+        g.timeseries(
+            "KV headroom",
+            [Query(headroom, rep)],
+            description="Seconds until the KV pool is full at the current net growth (shown up "
+            "to 1h; +Inf when not growing).",
+            unit="s",
+            min_=0,
+            thresholds=((None, "red"), (300, "green")),
+            threshold_lines=True,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "KV tokens: capacity, in use, live",
+            [
+                Query(s.sel("kvwatch_kv_capacity_tokens"), f"{rep} capacity"),
+                Query(
+                    f"{s.sel('kvwatch_kv_capacity_tokens')} - {s.sel('kvwatch_kv_free_tokens')}",
+                    f"{rep} in use",
+                ),
+                Query(f"max without (source) ({s.sel('kvwatch_kv_live_tokens')})", f"{rep} live"),
+            ],
+            description="In use = capacity - free (held by live requests); live = tokens the running "
+            "requests actually hold. The gap is fragmentation.",
+            unit="short",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Running and waiting requests",
+            [
+                Query(s.sel("kvwatch_requests_running"), f"{rep} running"),
+                Query(s.sel("kvwatch_requests_waiting"), f"{rep} waiting"),
+            ],
+            description="The engine's running batch and its queue.",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Over-committed requests",
+            [Query(s.sel("kvwatch_kv_overcommitted_requests"), rep)],
+            description="Running requests whose max_tokens could not all fit if every request "
+            "ran to its limit.",
+            min_=0,
+        ),
+        12,
+        8,
+    )
 
     lay.row("Preemption and recompute")
-    lay.add(g.timeseries("Preemptions", [Query(s.rate("kvwatch_preemptions_total"), rep)],
-                         description="Preemptions (vLLM) or retractions (SGLang) per second.", unit="reqps",
-                         min_=0), 8, 8)
-    lay.add(g.timeseries("Recomputed tokens", [
-        Query(s.rate("kvwatch_recomputed_tokens_total"), f"{rep} ({{{{source}}}})")],
-        description="Tokens recomputed after preemption per second; source=estimate is preemptions x mean "
-                    "live tokens per running request.", unit="short", min_=0), 8, 8)
+    lay.add(
+        g.timeseries(
+            "Preemptions",
+            [Query(s.rate("kvwatch_preemptions_total"), rep)],
+            description="Preemptions (vLLM) or retractions (SGLang) per second.",
+            unit="reqps",
+            min_=0,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Recomputed tokens",
+            [Query(s.rate("kvwatch_recomputed_tokens_total"), f"{rep} ({{{{source}}}})")],
+            description="Tokens recomputed after preemption per second; source=estimate is preemptions "
+            "x mean live tokens per running request.",
+            unit="short",
+            min_=0,
+        ),
+        8,
+        8,
+    )
     waste = s.sel("kvwatch:recompute_waste:ratio_rate15m", labels=REPLICA_LABELS)
-    lay.add(g.timeseries("Recompute waste", [Query(waste, rep)],
-                         description="Recomputed tokens per token processed (prompt + output), 15m rate. "
-                                     "KVWatchRecomputeWaste fires above 20%.",
-                         unit="percentunit", min_=0, thresholds=((None, "green"), (0.2, "red")),
-                         threshold_lines=True), 8, 8)
+    lay.add(
+        g.timeseries(
+            "Recompute waste",
+            [Query(waste, rep)],
+            description="Recomputed tokens per token processed (prompt + output), 15m rate. "
+            "KVWatchRecomputeWaste fires above 20%.",
+            unit="percentunit",
+            min_=0,
+            thresholds=((None, "green"), (0.2, "red")),
+            threshold_lines=True,
+        ),
+        8,
+        8,
+    )
 
     lay.row("KV tier traffic beside PCIe")
-    lay.add(g.timeseries("KV tier traffic (engine)", [
-        Query(f"sum without (family) ({s.rate('kvwatch_kv_tier_transfer_bytes_total')})",
-              "{{instance}} {{replica}} {{src_tier}} → {{dst_tier}}", sparse=True)],
-        description="KV bytes the engine moved between tiers (vLLM offload connectors, LMCache, SGLang "
-                    "HiCache, Dynamo KVBM, TRT-LLM).", unit="Bps", min_=0), 12, 8)
-    lay.add(g.timeseries("PCIe traffic (NVML) and link bandwidth", [
-        Query(s.rate("kvwatch_gpu_pcie_tx_bytes_total"), f"{gpu} tx"),
-        Query(s.rate("kvwatch_gpu_pcie_rx_bytes_total"), f"{gpu} rx"),
-        Query(s.sel("kvwatch_gpu_pcie_link_max_bytes_per_second"), f"{gpu} link max")],
-        description="Everything that crossed each GPU's PCIe link (NVML byte counters) next to the link's "
-                    "one-direction bandwidth as trained. More than the engine's tier traffic means "
-                    "something else uses the bus.", unit="Bps", min_=0), 12, 8)
-    lay.add(g.timeseries("KV tier traffic / PCIe bandwidth", [
-        Query(s.sel("kvwatch:kv_tier_pcie:ratio_rate5m", labels=TIER_LABELS),
-              "{{instance}} {{replica}} {{direction}}", sparse=True)],
-        description="A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
-                    "links. KVWatchKVTierPCIeSaturated fires above 80%. Needs the replica -> GPU map.",
-        unit="percentunit", min_=0, thresholds=((None, "green"), (0.8, "red")), threshold_lines=True), 12, 8)
-    lay.add(g.timeseries("Recompute avoided per MB moved", [
-        Query(f"1e6 * {s.sel('kvwatch_kv_tier_recompute_avoided_tokens_per_byte')}",
-              "{{instance}} {{replica}}", sparse=True)],
-        description="What the replica's KV tiers buy: tokens loaded back to the GPU instead of "
-                    "recomputed, per MB offloaded plus onloaded (rate window). Near 0 while KV moves: "
-                    "the tier stores what is never reused and only costs PCIe bandwidth. A token's KV "
-                    "is ~0.1-0.3 MB on the presets, so a tier that returns everything it stores reads "
-                    "about half of 1 / (MB per token).", unit="short", min_=0), 12, 8)
-    lay.add(g.table("PCIe links", [
-        Query(s.sel("kvwatch_gpu_pcie_link_generation"), instant=True, table=True),
-        Query(s.sel("kvwatch_gpu_pcie_link_generation_max"), instant=True, table=True),
-        Query(s.sel("kvwatch_gpu_pcie_link_width"), instant=True, table=True),
-        Query(s.sel("kvwatch_gpu_pcie_link_width_max"), instant=True, table=True),
-        Query(f"increase({s.sel('kvwatch_gpu_pcie_replays_total')}[$__range])", instant=True, table=True)],
-        description="Generation and width as trained vs maximum (A: gen, B: max gen, C: width, D: max "
-                    "width, E: replays in range). GPUs lower the generation when idle; under load it "
-                    "should match the maximum.", hide=("Time", "job", "__name__")), 12, 8)
+    lay.add(
+        g.timeseries(
+            "KV tier traffic (engine)",
+            [
+                Query(
+                    f"sum without (family) ({s.rate('kvwatch_kv_tier_transfer_bytes_total')})",
+                    "{{instance}} {{replica}} {{src_tier}} → {{dst_tier}}",
+                    sparse=True,
+                )
+            ],
+            description="KV bytes the engine moved between tiers (vLLM offload connectors, LMCache, SGLang "
+            "HiCache, Dynamo KVBM, TRT-LLM).",
+            unit="Bps",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "PCIe traffic (NVML) and link bandwidth",
+            [
+                Query(s.rate("kvwatch_gpu_pcie_tx_bytes_total"), f"{gpu} tx"),
+                Query(s.rate("kvwatch_gpu_pcie_rx_bytes_total"), f"{gpu} rx"),
+                Query(s.sel("kvwatch_gpu_pcie_link_max_bytes_per_second"), f"{gpu} link max"),
+            ],
+            description="Everything that crossed each GPU's PCIe link (NVML byte counters) next to the "
+            "link's one-direction bandwidth as trained. More than the engine's tier traffic means "
+            "something else uses the bus.",
+            unit="Bps",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "KV tier traffic / PCIe bandwidth",
+            [
+                Query(
+                    s.sel("kvwatch:kv_tier_pcie:ratio_rate5m", labels=TIER_LABELS),
+                    "{{instance}} {{replica}} {{direction}}",
+                    sparse=True,
+                )
+            ],
+            description="A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
+            "links. KVWatchKVTierPCIeSaturated fires above 80%. Needs the replica -> GPU map.",
+            unit="percentunit",
+            min_=0,
+            thresholds=((None, "green"), (0.8, "red")),
+            threshold_lines=True,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Recompute avoided per MB moved",
+            [
+                Query(
+                    f"1e6 * {s.sel('kvwatch_kv_tier_recompute_avoided_tokens_per_byte')}",
+                    "{{instance}} {{replica}}",
+                    sparse=True,
+                )
+            ],
+            description="What the replica's KV tiers buy: tokens loaded back to the GPU instead of "
+            "recomputed, per MB offloaded plus onloaded (rate window). Near 0 while KV moves: "
+            "the tier stores what is never reused and only costs PCIe bandwidth. A token's KV "
+            "is ~0.1-0.3 MB on the presets, so a tier that returns everything it stores reads "
+            "about half of 1 / (MB per token).",
+            unit="short",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.table(
+            "PCIe links",
+            [
+                Query(s.sel("kvwatch_gpu_pcie_link_generation"), instant=True, table=True),
+                Query(s.sel("kvwatch_gpu_pcie_link_generation_max"), instant=True, table=True),
+                Query(s.sel("kvwatch_gpu_pcie_link_width"), instant=True, table=True),
+                Query(s.sel("kvwatch_gpu_pcie_link_width_max"), instant=True, table=True),
+                Query(
+                    f"increase({s.sel('kvwatch_gpu_pcie_replays_total')}[$__range])", instant=True, table=True
+                ),
+            ],
+            description="Generation and width as trained vs maximum (A: gen, B: max gen, C: width, D: max "
+            "width, E: replays in range). GPUs lower the generation when idle; under load it "
+            "should match the maximum.",
+            hide=("Time", "job", "__name__"),
+        ),
+        12,
+        8,
+    )
 
     lay.row("GPUs")
-    lay.add(g.timeseries("GPU memory", [
-        Query(s.sel("kvwatch_gpu_memory_used_bytes"), f"{gpu} used"),
-        Query(s.sel("kvwatch_gpu_memory_total_bytes"), f"{gpu} total")],
-        description="Framebuffer used by processes, against the total.", unit="bytes", min_=0), 12, 8)
-    lay.add(g.timeseries("GPU utilization", [Query(s.sel("kvwatch_gpu_utilization_ratio"), gpu)],
-                         description="Share of the sample period a kernel ran (not SM occupancy).",
-                         unit="percentunit", min_=0, max_=1), 12, 8)
+    lay.add(
+        g.timeseries(
+            "GPU memory",
+            [
+                Query(s.sel("kvwatch_gpu_memory_used_bytes"), f"{gpu} used"),
+                Query(s.sel("kvwatch_gpu_memory_total_bytes"), f"{gpu} total"),
+            ],
+            description="Framebuffer used by processes, against the total.",
+            unit="bytes",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "GPU utilization",
+            [Query(s.sel("kvwatch_gpu_utilization_ratio"), gpu)],
+            description="Share of the sample period a kernel ran (not SM occupancy).",
+            unit="percentunit",
+            min_=0,
+            max_=1,
+        ),
+        12,
+        8,
+    )
     nvlink = "sum by (cluster, instance, gpu) ({})"
-    lay.add(g.timeseries("NVLink traffic", [
-        Query(nvlink.format(s.rate(f"kvwatch_gpu_nvlink_{d}_bytes_total")), f"{gpu} {d}")
-        for d in ("tx", "rx")],
-        description="NVLink data bytes per GPU, all links summed.", unit="Bps", min_=0), 12, 8)
-    lay.add(g.timeseries("Power and temperature", [
-        Query(s.sel("kvwatch_gpu_power_watts"), f"{gpu} W"),
-        Query(s.sel("kvwatch_gpu_temperature_celsius"), f"{gpu} {{{{sensor}}}} °C")],
-        description="Power draw (W) and temperatures (°C, GPU and HBM) on one axis.", unit="short"), 12, 8)
-    lay.add(g.timeseries("Clock events (throttling)", [
-        Query(s.sel("kvwatch_gpu_clock_event_active", 'reason!="gpu_idle"'), f"{gpu} {{{{reason}}}}")],
-        description="1 while a clock-event reason is active. hw_/sw_thermal_slowdown, hw_slowdown and "
-                    "hw_power_brake_slowdown slow the GPU against its will; sw_power_cap is normal "
-                    "under load.", min_=0, max_=1, step=True), 12, 8)
-    lay.add(g.timeseries("XIDs and ECC errors", [
-        Query(f"increase({s.sel('kvwatch_gpu_xid_errors_total')}[{RATE}])", f"{gpu} XID {{{{xid}}}}",
-              sparse=True),
-        Query(f"increase({s.sel('kvwatch_gpu_ecc_errors_total')}[{RATE}])", f"{gpu} ECC {{{{type}}}}")],
-        description="XID events per code (a series appears with the first event) and ECC errors. See the "
-                    "KVWatchGPUCriticalXID runbook for what each XID means.", min_=0), 12, 8)
-    dcgm_url = (f"/d/{opts.dcgm_dashboard_uid}/nvidia-dcgm-exporter-dashboard?${{__url_time_range}}"
-                "&var-Hostname=${__data.fields.node}&var-gpu=${__data.fields.gpu}"
-                "&var-UUID=${__data.fields.uuid}")
-    lay.add(g.table("GPUs (open in the DCGM dashboard)", [
-        Query(f"{s.sel('kvwatch_gpu_info')} * on (cluster, instance) group_left (node) "
-              f"{s.sel('kvwatch_build_info')}", instant=True, table=True),
-        Query(s.sel("kvwatch_gpu_remapped_rows", 'type="uncorrectable"'), instant=True, table=True)],
-        description="kvwatch's GPUs with the node name dcgm-exporter uses; click a row to open the "
-                    "dcgm-exporter dashboard for that GPU (uuid = dcgm-exporter's UUID label).",
-        links=[{"title": "dcgm-exporter: this GPU", "url": dcgm_url, "targetBlank": True}],
-        hide=("Time", "job", "__name__", "Value #A", "type")), 12, 8)
-    lay.add(g.table("Replicas on GPUs", [Query(s.sel("kvwatch_replica_gpu_info"), instant=True, table=True)],
-                    description="Which GPUs each replica runs on, and how kvwatch found out (config, "
-                                "the engine's PIDs, CUDA_VISIBLE_DEVICES).",
-                    hide=("Time", "job", "__name__", "Value")), 12, 8)
-    lay.add(g.timeseries("Tensor core activity (dcgm-exporter)", [
-        Query("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE * on (UUID) group_left () max by (UUID) (label_replace("
-              f"{s.sel('kvwatch_gpu_info')}, \"UUID\", \"$1\", \"uuid\", \"(.*)\"))",
-              "GPU {{gpu}} {{UUID}}")],
-        description="dcgm-exporter's profiling field for the GPUs of the selected nodes, joined on UUID. "
-                    "Empty without dcgm-exporter (or without its DCP metrics).",
-        unit="percentunit", min_=0, max_=1), 12, 8)
+    lay.add(
+        g.timeseries(
+            "NVLink traffic",
+            [
+                Query(nvlink.format(s.rate(f"kvwatch_gpu_nvlink_{d}_bytes_total")), f"{gpu} {d}")
+                for d in ("tx", "rx")
+            ],
+            description="NVLink data bytes per GPU, all links summed.",
+            unit="Bps",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Power and temperature",
+            [
+                Query(s.sel("kvwatch_gpu_power_watts"), f"{gpu} W"),
+                Query(s.sel("kvwatch_gpu_temperature_celsius"), f"{gpu} {{{{sensor}}}} °C"),
+            ],
+            description="Power draw (W) and temperatures (°C, GPU and HBM) on one axis.",
+            unit="short",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Clock events (throttling)",
+            [Query(s.sel("kvwatch_gpu_clock_event_active", 'reason!="gpu_idle"'), f"{gpu} {{{{reason}}}}")],
+            description="1 while a clock-event reason is active. hw_/sw_thermal_slowdown, hw_slowdown and "
+            "hw_power_brake_slowdown slow the GPU against its will; sw_power_cap is normal "
+            "under load.",
+            min_=0,
+            max_=1,
+            step=True,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "XIDs and ECC errors",
+            [
+                Query(
+                    f"increase({s.sel('kvwatch_gpu_xid_errors_total')}[{RATE}])",
+                    f"{gpu} XID {{{{xid}}}}",
+                    sparse=True,
+                ),
+                Query(
+                    f"increase({s.sel('kvwatch_gpu_ecc_errors_total')}[{RATE}])", f"{gpu} ECC {{{{type}}}}"
+                ),
+            ],
+            description="XID events per code (a series appears with the first event) and ECC errors. See the "
+            "KVWatchGPUCriticalXID runbook for what each XID means.",
+            min_=0,
+        ),
+        12,
+        8,
+    )
+    dcgm_url = (
+        f"/d/{opts.dcgm_dashboard_uid}/nvidia-dcgm-exporter-dashboard?${{__url_time_range}}"
+        "&var-Hostname=${__data.fields.node}&var-gpu=${__data.fields.gpu}"
+        "&var-UUID=${__data.fields.uuid}"
+    )
+    lay.add(
+        g.table(
+            "GPUs (open in the DCGM dashboard)",
+            [
+                Query(
+                    f"{s.sel('kvwatch_gpu_info')} * on (cluster, instance) group_left (node) "
+                    f"{s.sel('kvwatch_build_info')}",
+                    instant=True,
+                    table=True,
+                ),
+                Query(s.sel("kvwatch_gpu_remapped_rows", 'type="uncorrectable"'), instant=True, table=True),
+            ],
+            description="kvwatch's GPUs with the node name dcgm-exporter uses; click a row to open the "
+            "dcgm-exporter dashboard for that GPU (uuid = dcgm-exporter's UUID label).",
+            links=[{"title": "dcgm-exporter: this GPU", "url": dcgm_url, "targetBlank": True}],
+            hide=("Time", "job", "__name__", "Value #A", "type"),
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.table(
+            "Replicas on GPUs",
+            [Query(s.sel("kvwatch_replica_gpu_info"), instant=True, table=True)],
+            description="Which GPUs each replica runs on, and how kvwatch found out (config, "
+            "the engine's PIDs, CUDA_VISIBLE_DEVICES).",
+            hide=("Time", "job", "__name__", "Value"),
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Tensor core activity (dcgm-exporter)",
+            [
+                Query(
+                    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE * on (UUID) group_left () max by (UUID) (label_replace("
+                    f'{s.sel("kvwatch_gpu_info")}, "UUID", "$1", "uuid", "(.*)"))',
+                    "GPU {{gpu}} {{UUID}}",
+                )
+            ],
+            description="dcgm-exporter's profiling field for the GPUs of the selected nodes, joined on UUID. "
+            "Empty without dcgm-exporter (or without its DCP metrics).",
+            unit="percentunit",
+            min_=0,
+            max_=1,
+        ),
+        12,
+        8,
+    )
 
     lay.row("kvwatch agent")
-    lay.add(g.timeseries("Collectors", [
-        Query(s.sel("kvwatch_collector_success"), "{{instance}} {{collector}}")],
-        description="1 if the collector's last run succeeded (engines, NVML, GPU mapping, export areas).",
-        min_=0, max_=1, step=True), 8, 8)
-    lay.add(g.timeseries("Source staleness", [
-        Query(f"time() - {s.sel('kvwatch_source_last_success_timestamp_seconds')}",
-              "{{instance}} {{source}}")],
-        description="Seconds since each source last succeeded. KVWatchSourceStale fires past 10 minutes.",
-        unit="s", min_=0), 8, 8)
-    lay.add(g.timeseries("Engine scrape errors", [
-        Query(s.rate("kvwatch_target_scrape_errors_total"), "{{instance}} {{replica}} {{reason}}",
-              sparse=True)],
-        description="Failed scrapes of engine metrics by reason.", unit="short", min_=0), 8, 8)
+    lay.add(
+        g.timeseries(
+            "Collectors",
+            [Query(s.sel("kvwatch_collector_success"), "{{instance}} {{collector}}")],
+            description="1 if the collector's last run succeeded (engines, NVML, GPU mapping, export areas).",
+            min_=0,
+            max_=1,
+            step=True,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Source staleness",
+            [
+                Query(
+                    f"time() - {s.sel('kvwatch_source_last_success_timestamp_seconds')}",
+                    "{{instance}} {{source}}",
+                )
+            ],
+            description="Seconds since each source last succeeded. KVWatchSourceStale fires past 10 minutes.",
+            unit="s",
+            min_=0,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        g.timeseries(
+            "Engine scrape errors",
+            [
+                Query(
+                    s.rate("kvwatch_target_scrape_errors_total"),
+                    "{{instance}} {{replica}} {{reason}}",
+                    sparse=True,
+                )
+            ],
+            description="Failed scrapes of engine metrics by reason.",
+            unit="short",
+            min_=0,
+        ),
+        8,
+        8,
+    )
 
-    return Board(NODE_UID, "kvwatch / Node",
-                 "Per replica KV cache (occupancy, fragmentation, headroom, preemption, recompute), KV tier "
-                 "traffic beside PCIe, GPU memory, NVLink, throttling and XIDs, and kvwatch's own health.",
-                 variables(("cluster", "job", "node", "model", "replica"), opts.job), tuple(lay.panels),
-                 (*links(), dcgm_link(opts)))
+    return Board(
+        NODE_UID,
+        "kvwatch / Node",
+        "Per replica KV cache (occupancy, fragmentation, headroom, preemption, recompute), KV tier "
+        "traffic beside PCIe, GPU memory, NVLink, throttling and XIDs, and kvwatch's own health.",
+        variables(("cluster", "job", "node", "model", "replica"), opts.job),
+        tuple(lay.panels),
+        (*links(), dcgm_link(opts)),
+    )

@@ -24,15 +24,27 @@ FLEET_UID = "kvwatch-fleet"
 
 #: dashboard variable -> the label it filters
 VARIABLE_LABELS: Mapping[str, str] = {
-    "cluster": "cluster", "node": "instance", "model": "model_name", "replica": "replica",
+    "cluster": "cluster",
+    "node": "instance",
+    "model": "model_name",
+    "replica": "replica",
     "band": "length_band",
 }
 
 #: what panel_queries() puts in for each variable by default (regexes match everything)
 DEFAULT_VALUES: Mapping[str, str] = {
-    "datasource": "prometheus", "cluster": ".*", "job": DEFAULT_JOB, "node": ".*", "model": ".*",
-    "replica": ".*", "band": ".*", "ttft_slo": "2.0", "tpot_slo": "0.06",
-    "__rate_interval": "1m", "__interval": "15s", "__range": "1h",
+    "datasource": "prometheus",
+    "cluster": ".*",
+    "job": DEFAULT_JOB,
+    "node": ".*",
+    "model": ".*",
+    "replica": ".*",
+    "band": ".*",
+    "ttft_slo": "2.0",
+    "tpot_slo": "0.06",
+    "__rate_interval": "1m",
+    "__interval": "15s",
+    "__range": "1h",
 }
 
 RATE = "$__rate_interval"
@@ -71,8 +83,9 @@ class Scope:
             if spec is None:
                 raise KeyError(f"{name}: not a catalog series; pass the labels of recorded series")
             labels = (*spec.labels, "cluster", "instance")
-        matchers = [f'{VARIABLE_LABELS[v]}=~"${v}"' for v in self.variables
-                    if VARIABLE_LABELS.get(v) in labels]
+        matchers = [
+            f'{VARIABLE_LABELS[v]}=~"${v}"' for v in self.variables if VARIABLE_LABELS.get(v) in labels
+        ]
         return selector(name, *matchers, *extra)
 
     def rate(self, name: str, *extra: Match | str, window: str = RATE) -> str:
@@ -93,24 +106,46 @@ class Board:
         return f"{self.uid}.json"
 
     def json(self) -> dict[str, Any]:
-        return g.dashboard_json(uid=self.uid, title=self.title, description=self.description,
-                                variables=self.variables, panels=self.panels, links=self.links)
+        return g.dashboard_json(
+            uid=self.uid,
+            title=self.title,
+            description=self.description,
+            variables=self.variables,
+            panels=self.panels,
+            links=self.links,
+        )
 
 
-def quantile(q: float, family: str, scope: Scope, by: str = "length_band",
-             form: HistogramForm = CLASSIC) -> str:
+def quantile(
+    q: float, family: str, scope: Scope, by: str = "length_band", form: HistogramForm = CLASSIC
+) -> str:
     return form.quantile(q, family, scope.rate, by)
 
 
 def links() -> tuple[dict[str, Any], ...]:
-    return ({"title": "kvwatch", "type": "dashboards", "tags": ["kvwatch"], "asDropdown": False,
-             "includeVars": True, "keepTime": True, "targetBlank": False},)
+    return (
+        {
+            "title": "kvwatch",
+            "type": "dashboards",
+            "tags": ["kvwatch"],
+            "asDropdown": False,
+            "includeVars": True,
+            "keepTime": True,
+            "targetBlank": False,
+        },
+    )
 
 
 def dcgm_link(opts: Options) -> dict[str, Any]:
-    return {"title": "NVIDIA DCGM Exporter dashboard", "type": "link", "icon": "dashboard",
-            "url": f"/d/{opts.dcgm_dashboard_uid}", "keepTime": True, "targetBlank": True,
-            "tooltip": "dcgm-exporter's dashboard (grafana.com 12239); kvwatch's uuid = its UUID"}
+    return {
+        "title": "NVIDIA DCGM Exporter dashboard",
+        "type": "link",
+        "icon": "dashboard",
+        "url": f"/d/{opts.dcgm_dashboard_uid}",
+        "keepTime": True,
+        "targetBlank": True,
+        "tooltip": "dcgm-exporter's dashboard (grafana.com 12239); kvwatch's uuid = its UUID",
+    }
 
 
 def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
@@ -119,35 +154,63 @@ def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
         if name == "cluster":
             out.append(g.query_variable("cluster", "Cluster", "label_values(kvwatch_build_info, cluster)"))
         elif name == "job":
-            var = g.query_variable("job", "Job", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, job)',
-                                   multi=False)
+            var = g.query_variable(
+                "job", "Job", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, job)', multi=False
+            )
             var.update(includeAll=False, current={"selected": True, "text": job, "value": job})
             out.append(var)
         elif name == "node":
-            out.append(g.query_variable("node", "Node",
-                                        'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'))
+            out.append(
+                g.query_variable(
+                    "node", "Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'
+                )
+            )
         elif name == "model":
-            out.append(g.query_variable(
-                "model", "Model",
-                'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"}, model_name)'))
+            out.append(
+                g.query_variable(
+                    "model",
+                    "Model",
+                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"}, model_name)',
+                )
+            )
         elif name == "replica":
-            out.append(g.query_variable(
-                "replica", "Replica",
-                'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node", '
-                'model_name=~"$model"}, replica)'))
+            out.append(
+                g.query_variable(
+                    "replica",
+                    "Replica",
+                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node", '
+                    'model_name=~"$model"}, replica)',
+                )
+            )
         elif name == "band":
-            out.append(g.query_variable(
-                "band", "Length band",
-                'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, '
-                'length_band)'))
+            out.append(
+                g.query_variable(
+                    "band",
+                    "Length band",
+                    'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, '
+                    "length_band)",
+                )
+            )
         elif name == "ttft_slo":
-            out.append(g.custom_variable(
-                "ttft_slo", "TTFT target (s)", [buckets.le_label(b) for b in buckets.TTFT_SECONDS],
-                DEFAULT_VALUES["ttft_slo"], "A bucket boundary of kvwatch_request_ttft_seconds"))
+            out.append(
+                g.custom_variable(
+                    "ttft_slo",
+                    "TTFT target (s)",
+                    [buckets.le_label(b) for b in buckets.TTFT_SECONDS],
+                    DEFAULT_VALUES["ttft_slo"],
+                    "A bucket boundary of kvwatch_request_ttft_seconds",
+                )
+            )
         elif name == "tpot_slo":
-            out.append(g.custom_variable(
-                "tpot_slo", "TPOT target (s)", [buckets.le_label(b) for b in buckets.TPOT_SECONDS],
-                DEFAULT_VALUES["tpot_slo"], "A bucket boundary of kvwatch_request_tpot_seconds"))
+            out.append(
+                g.custom_variable(
+                    "tpot_slo",
+                    "TPOT target (s)",
+                    [buckets.le_label(b) for b in buckets.TPOT_SECONDS],
+                    DEFAULT_VALUES["tpot_slo"],
+                    "A bucket boundary of kvwatch_request_tpot_seconds",
+                )
+            )
         else:
             raise ValueError(f"unknown dashboard variable {name!r}")
     return tuple(out)
@@ -158,6 +221,7 @@ ANY_IS_BAD = ((None, "green"), (1, "orange"))
 ANY_IS_RED = ((None, "green"), (1, "red"))
 PAGE_BURN = ((None, "green"), (6, "orange"), (14.4, "red"))
 BUDGET = ((None, "red"), (0, "orange"), (0.25, "green"))
+
 
 def burn_rate(window: str, s: Scope) -> str:
     ratio = s.sel(f"kvwatch:slo_errors:ratio_rate{window}", labels=SLO_LABELS)

@@ -43,5 +43,16 @@ from kvwatch.requests.otlp.decode import (
 from kvwatch.requests.otlp.receiver import REFUSED, SPANS, OtlpReceiver, start_otlp_receiver
 from kvwatch.requests.otlp.spans import ReplicaResolver, records_from_export
 
-__all__ = ["REFUSED", "SPANS", "InflatedTooLargeError", "OtlpReceiver", "ReplicaResolver", "decode_body",
-           "decode_export", "decode_in_worker", "inflate", "records_from_export", "start_otlp_receiver"]
+__all__ = [
+    "REFUSED",
+    "SPANS",
+    "InflatedTooLargeError",
+    "OtlpReceiver",
+    "ReplicaResolver",
+    "decode_body",
+    "decode_export",
+    "decode_in_worker",
+    "inflate",
+    "records_from_export",
+    "start_otlp_receiver",
+]

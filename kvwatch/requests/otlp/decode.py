@@ -62,7 +62,8 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
                 raise ValueError(f"corrupt {encoding} body") from None
             if len(out) > limit:
                 raise InflatedTooLargeError(
-                    f"{encoding} body inflates past otlp.max_decompressed_bytes ({limit})")
+                    f"{encoding} body inflates past otlp.max_decompressed_bytes ({limit})"
+                )
             pending = inflater.unconsumed_tail
         rest = inflater.unused_data + bytes(data)
         data = memoryview(rest if encoding == "gzip" and rest[:2] == b"\x1f\x8b" else b"")  # next member
@@ -92,9 +93,14 @@ def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
     return export
 
 
-def decode_body(body: bytes, encoding: str, content_type: str, max_decompressed: int,
-                resolver: ReplicaResolver, labels: dict[str, ModelLabels],
-                ) -> tuple[list[RequestRecord], Counter[str]]:
+def decode_body(
+    body: bytes,
+    encoding: str,
+    content_type: str,
+    max_decompressed: int,
+    resolver: ReplicaResolver,
+    labels: dict[str, ModelLabels],
+) -> tuple[list[RequestRecord], Counter[str]]:
     """Inflate, decode and map one export: the CPU-heavy part, run off the event loop."""
     export = decode_export(inflate(body, encoding, max_decompressed), content_type)
     return records_from_export(export, resolver, labels)
@@ -113,15 +119,22 @@ def answer_in_worker(args: tuple[Any, ...], body: bytes) -> Iterator[tuple[Any, 
         return
     yield ("results", results)
     for start in range(0, len(records), SINK_BATCH):
-        yield ("records", records[start:start + SINK_BATCH])
+        yield ("records", records[start : start + SINK_BATCH])
 
 
-async def decode_in_worker(worker: WorkerProcess, body: bytes, encoding: str, content_type: str,
-                           max_decompressed: int, resolver: ReplicaResolver, labels: dict[str, ModelLabels],
-                           ) -> tuple[list[RequestRecord], Counter[str]]:
+async def decode_in_worker(
+    worker: WorkerProcess,
+    body: bytes,
+    encoding: str,
+    content_type: str,
+    max_decompressed: int,
+    resolver: ReplicaResolver,
+    labels: dict[str, ModelLabels],
+) -> tuple[list[RequestRecord], Counter[str]]:
     """``decode_body`` in the worker process: raises what it raises, or ``WorkerFailedError``."""
-    frames = await worker.call(answer_in_worker,
-                               (encoding, content_type, max_decompressed, resolver, labels), body)
+    frames = await worker.call(
+        answer_in_worker, (encoding, content_type, max_decompressed, resolver, labels), body
+    )
     kind, value = frames[0]
     if kind == "inflated_too_large":
         raise InflatedTooLargeError(value)
@@ -133,13 +146,21 @@ async def decode_in_worker(worker: WorkerProcess, body: bytes, encoding: str, co
     return records, value
 
 
-async def decode_off_loop(worker: WorkerProcess | None, body: bytes, encoding: str, content_type: str,
-                          max_decompressed: int, resolver: ReplicaResolver, labels: dict[str, ModelLabels],
-                          ) -> tuple[list[RequestRecord], Counter[str]]:
+async def decode_off_loop(
+    worker: WorkerProcess | None,
+    body: bytes,
+    encoding: str,
+    content_type: str,
+    max_decompressed: int,
+    resolver: ReplicaResolver,
+    labels: dict[str, ModelLabels],
+) -> tuple[list[RequestRecord], Counter[str]]:
     """``decode_body`` off the loop: a large or compressed export in the worker process (when there is
     one), a small one in a thread. Raises what ``decode_in_worker`` raises."""
     if worker is not None and (len(body) > WORKER_DECODE_BYTES or encoding != "identity"):
-        return await decode_in_worker(worker, body, encoding, content_type, max_decompressed, resolver,
-                                      labels)
-    return await asyncio.to_thread(decode_body, body, encoding, content_type, max_decompressed, resolver,
-                                   labels)
+        return await decode_in_worker(
+            worker, body, encoding, content_type, max_decompressed, resolver, labels
+        )
+    return await asyncio.to_thread(
+        decode_body, body, encoding, content_type, max_decompressed, resolver, labels
+    )

@@ -46,9 +46,17 @@ COLLECTOR = "otlp"
 class OtlpReceiver:
     """The HTTP endpoint; ``await stop()`` closes it."""
 
-    def __init__(self, config: OtlpConfig, replicas: Sequence[ReplicaConfig], known_models: Iterable[str],
-                 sink: Sink, count: Count, report: Report | None = None,
-                 worker: WorkerProcess | None = None, ledger: RequestLedger | None = None) -> None:
+    def __init__(
+        self,
+        config: OtlpConfig,
+        replicas: Sequence[ReplicaConfig],
+        known_models: Iterable[str],
+        sink: Sink,
+        count: Count,
+        report: Report | None = None,
+        worker: WorkerProcess | None = None,
+        ledger: RequestLedger | None = None,
+    ) -> None:
         self.config = config
         self.worker = worker
         #: the ledger ``sink`` writes to: it must write each record as admitted (``write(r, True)``)
@@ -95,27 +103,44 @@ class OtlpReceiver:
             body = await request.read()  # compressed bytes; client_max_size caps them
         except web.HTTPRequestEntityTooLarge:
             self._refuse("body_too_large")
-            self._throttle.log(log, logging.WARNING, "body_too_large",
-                               "otlp: export over otlp.max_body_bytes (%d) refused",
-                               self.config.max_body_bytes)
+            self._throttle.log(
+                log,
+                logging.WARNING,
+                "body_too_large",
+                "otlp: export over otlp.max_body_bytes (%d) refused",
+                self.config.max_body_bytes,
+            )
             raise
         if self.ledger is not None and self.ledger.busy():  # refused before paying for the decode
             return self._ledger_busy(request.remote)
         try:
             async with self._decoding:
                 records, results = await decode_off_loop(
-                    self.worker, body, encoding, content_type, self.config.max_decompressed_bytes,
-                    self.resolver, self.labels)
+                    self.worker,
+                    body,
+                    encoding,
+                    content_type,
+                    self.config.max_decompressed_bytes,
+                    self.resolver,
+                    self.labels,
+                )
         except InflatedTooLargeError as exc:
             self._refuse("inflated_too_large")
             self._report(False, started, str(exc))
-            self._throttle.log(log, logging.WARNING, "inflated_too_large", "otlp: %s from %s", exc,
-                               request.remote)
+            self._throttle.log(
+                log, logging.WARNING, "inflated_too_large", "otlp: %s from %s", exc, request.remote
+            )
             return web.Response(status=413, text=f"{exc}\n")
         except WorkerFailedError as exc:  # the worker was killed and is replaced at the next export
             self._report(False, started, str(exc))
-            self._throttle.log(log, logging.WARNING, "worker_failed",
-                               "otlp: %s; export from %s refused with 503", exc, request.remote)
+            self._throttle.log(
+                log,
+                logging.WARNING,
+                "worker_failed",
+                "otlp: %s; export from %s refused with 503",
+                exc,
+                request.remote,
+            )
             return web.Response(status=503, text="try again\n")
         except ValueError as exc:
             self._refuse("undecodable")
@@ -130,18 +155,25 @@ class OtlpReceiver:
         self._report(True, started)
         if content_type == "application/json":
             return web.Response(body=b"{}", content_type="application/json")
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
+        )
 
     def _ledger_busy(self, remote: str | None) -> web.Response:
         """503 + Retry-After: the ledger cannot take this export now; nothing of it was counted.
         Backpressure, not a failure: the source's collector status stays as it was."""
         self._count_family(REFUSED, "ledger_busy", 1)
-        self._throttle.log(log, logging.WARNING, "ledger_busy",
-                           "otlp: export from %s refused with 503, the request ledger is busy; the sender "
-                           "retries it (kvwatch_otlp_exports_refused_total{reason=\"ledger_busy\"})", remote)
-        return web.Response(status=503, text="request ledger busy, retry\n",
-                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        self._throttle.log(
+            log,
+            logging.WARNING,
+            "ledger_busy",
+            "otlp: export from %s refused with 503, the request ledger is busy; the sender "
+            'retries it (kvwatch_otlp_exports_refused_total{reason="ledger_busy"})',
+            remote,
+        )
+        return web.Response(
+            status=503, text="request ledger busy, retry\n", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
 
     async def _sink_all(self, records: list[RequestRecord]) -> None:
         """The sink (histograms, ledger) runs on the loop: yield between batches of a big export."""
@@ -150,13 +182,14 @@ class OtlpReceiver:
             for start in range(0, len(records), SINK_BATCH):
                 if start:
                     await asyncio.sleep(0)
-                for record in records[start:start + SINK_BATCH]:
+                for record in records[start : start + SINK_BATCH]:
                     sunk += 1
                     try:
                         self.sink(record)
                     except Exception:
-                        self._throttle.log(log, logging.ERROR, "sink", "otlp: request sink failed",
-                                           exc_info=True)
+                        self._throttle.log(
+                            log, logging.ERROR, "sink", "otlp: request sink failed", exc_info=True
+                        )
         finally:
             if self.ledger is not None and sunk < len(records):  # cancelled (the agent stopping)
                 self.ledger.release(len(records) - sunk)
@@ -184,9 +217,14 @@ class OtlpReceiver:
             log.exception("otlp: counting failed")
 
 
-async def start_otlp_receiver(config: Config, sink: Sink, count: Count, report: Report | None = None,
-                              worker: WorkerProcess | None = None,
-                              ledger: RequestLedger | None = None) -> OtlpReceiver:
+async def start_otlp_receiver(
+    config: Config,
+    sink: Sink,
+    count: Count,
+    report: Report | None = None,
+    worker: WorkerProcess | None = None,
+    ledger: RequestLedger | None = None,
+) -> OtlpReceiver:
     """Start the receiver on ``config.otlp.listen`` (the agent's wiring entry point).
 
     ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the

@@ -98,9 +98,14 @@ def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str
 def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
     reasons = _finish_reasons(attrs.get("gen_ai.response.finish_reasons"))
     dropped: list[str] = []
-    prompt, output, limit = (bounded_count(non_negative_int(attrs, key), field, dropped) for key, field in (
-        ("gen_ai.usage.prompt_tokens", "prompt_tokens"), ("gen_ai.usage.completion_tokens", "output_tokens"),
-        ("gen_ai.request.max_tokens", "max_tokens")))
+    prompt, output, limit = (
+        bounded_count(non_negative_int(attrs, key), field, dropped)
+        for key, field in (
+            ("gen_ai.usage.prompt_tokens", "prompt_tokens"),
+            ("gen_ai.usage.completion_tokens", "output_tokens"),
+            ("gen_ai.request.max_tokens", "max_tokens"),
+        )
+    )
     return RequestRecord(
         replica=replica,
         model_name=model_name,
@@ -134,8 +139,9 @@ class ReplicaResolver:
         return self.default
 
 
-def records_from_export(export: ExportTraceServiceRequest, resolver: ReplicaResolver,
-                        labels: dict[str, ModelLabels]) -> tuple[list[RequestRecord], Counter[str]]:
+def records_from_export(
+    export: ExportTraceServiceRequest, resolver: ReplicaResolver, labels: dict[str, ModelLabels]
+) -> tuple[list[RequestRecord], Counter[str]]:
     """Pure: every request span of one export as a record, plus counts by result."""
     records: list[RequestRecord] = []
     results: Counter[str] = Counter()

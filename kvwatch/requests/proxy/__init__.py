@@ -55,5 +55,18 @@ from kvwatch.requests.proxy.seams import (
 from kvwatch.requests.proxy.server import ProxyServer, UpstreamAddress, start_proxy
 from kvwatch.selfmetrics import Count
 
-__all__ = ["ACCEPT_ERRORS", "ACCOUNTING_ERRORS", "REFUSED", "REFUSED_CLIENT_GONE", "SHED", "TIMED_OUT",
-           "USAGE_REFUSED", "Count", "MeterFactory", "ProxyServer", "Sink", "UpstreamAddress", "start_proxy"]
+__all__ = [
+    "ACCEPT_ERRORS",
+    "ACCOUNTING_ERRORS",
+    "REFUSED",
+    "REFUSED_CLIENT_GONE",
+    "SHED",
+    "TIMED_OUT",
+    "USAGE_REFUSED",
+    "Count",
+    "MeterFactory",
+    "ProxyServer",
+    "Sink",
+    "UpstreamAddress",
+    "start_proxy",
+]

@@ -174,16 +174,23 @@ class ClientConnection(asyncio.Protocol):
             except HttpError as exc:
                 self._refuse(exc.status, exc.reason)
                 return
-            del self.buf[:end + 4]
+            del self.buf[: end + 4]
             self.head = head
             if length is not None and length > config.max_body_bytes:
-                self._refuse(413, f"request body of {length} bytes is over the proxy's limit of "
-                                  f"{config.max_body_bytes} (proxy.max_body_bytes)", head)
+                self._refuse(
+                    413,
+                    f"request body of {length} bytes is over the proxy's limit of "
+                    f"{config.max_body_bytes} (proxy.max_body_bytes)",
+                    head,
+                )
                 return
             self.body_length = length or 0
             self.body_decoder = ChunkedDecoder(config.max_body_bytes, from_client=True) if chunked else None
-            if (head.get(b"expect") or b"").lower() == b"100-continue" and (chunked or length) and \
-                    self.transport is not None:
+            if (
+                (head.get(b"expect") or b"").lower() == b"100-continue"
+                and (chunked or length)
+                and self.transport is not None
+            ):
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self.body_decoder is not None:
             try:
@@ -196,8 +203,12 @@ class ClientConnection(asyncio.Protocol):
                 return
             self.buf.clear()
             if len(self.body) > config.max_body_bytes:
-                self._refuse(413, f"request body over the proxy's limit of {config.max_body_bytes} "
-                                  "bytes (proxy.max_body_bytes)", head)
+                self._refuse(
+                    413,
+                    f"request body over the proxy's limit of {config.max_body_bytes} "
+                    "bytes (proxy.max_body_bytes)",
+                    head,
+                )
                 return
             if not self.body_decoder.done:
                 return
@@ -288,6 +299,9 @@ class ClientConnection(asyncio.Protocol):
             with contextlib.suppress(Exception):
                 self.proxy.count(TIMED_OUT, self.proxy.replica)
         if partial:
-            self.transport.write(error_response(
-                408, "request head and body must arrive within proxy.client_header_timeout", True))
+            self.transport.write(
+                error_response(
+                    408, "request head and body must arrive within proxy.client_header_timeout", True
+                )
+            )
         self.transport.close()

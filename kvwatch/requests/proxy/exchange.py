@@ -39,8 +39,9 @@ MAX_CAPTURE_BYTES = 8 << 20  # non-streaming response bodies read for usage
 class Exchange:
     """One request: upstream connection, response relay, accounting. Driven by callbacks."""
 
-    def __init__(self, conn: ClientConnection, head: RequestHead, body: bytes, t0: float,
-                 wall: float) -> None:
+    def __init__(
+        self, conn: ClientConnection, head: RequestHead, body: bytes, t0: float, wall: float
+    ) -> None:
         self.conn = conn
         self.proxy = conn.proxy
         self.down = conn.transport
@@ -129,12 +130,18 @@ class Exchange:
         try:
             protocol = await self.proxy.connect_upstream()
         except TimeoutError:
-            self._end(self._fail_before_head(
-                504, f"timed out connecting to the engine at {up.host}:{up.port}"))
+            self._end(
+                self._fail_before_head(504, f"timed out connecting to the engine at {up.host}:{up.port}")
+            )
             return
         except OSError as exc:
-            self._end(self._fail_before_head(502, f"cannot connect to the engine at {up.host}:{up.port} "
-                                                  f"({exc.strerror or type(exc).__name__})"))
+            self._end(
+                self._fail_before_head(
+                    502,
+                    f"cannot connect to the engine at {up.host}:{up.port} "
+                    f"({exc.strerror or type(exc).__name__})",
+                )
+            )
             return
         if self.finished:  # the client left while we connected
             protocol.abort()
@@ -204,11 +211,20 @@ class Exchange:
             info = inspect_request(self.body, endpoint)
             self.streaming = info.streaming
             model = proxy.labels.label(info.model)
-            self.handle = proxy.in_flight.start(InFlightRequest(
-                proxy.replica, model, proxy.bands.band_for(info.max_tokens),
-                estimate_prompt_tokens(len(self.body)), 0, self.wall, info.max_tokens))
-            self.meter = proxy.meter_factory(proxy.replica, model, info, self.wall, self.t0,
-                                             proxy.in_flight, self.handle)
+            self.handle = proxy.in_flight.start(
+                InFlightRequest(
+                    proxy.replica,
+                    model,
+                    proxy.bands.band_for(info.max_tokens),
+                    estimate_prompt_tokens(len(self.body)),
+                    0,
+                    self.wall,
+                    info.max_tokens,
+                )
+            )
+            self.meter = proxy.meter_factory(
+                proxy.replica, model, info, self.wall, self.t0, proxy.in_flight, self.handle
+            )
             self.unasked = info.streaming and not info.wants_usage
             self.continuous = info.continuous_usage
             if proxy.inject_usage and not proxy.engine_forces_usage:
@@ -250,8 +266,9 @@ class Exchange:
     # -- upstream idle timeout (checked once per interval, not reset per chunk) --------------------
     def _watch_upstream(self, protocol: EngineConnection, reads: int) -> None:
         loop = asyncio.get_running_loop()
-        self.idle_timer = loop.call_later(self.proxy.config.upstream_read_timeout_s,
-                                          self._check_upstream, protocol, reads)
+        self.idle_timer = loop.call_later(
+            self.proxy.config.upstream_read_timeout_s, self._check_upstream, protocol, reads
+        )
 
     def _check_upstream(self, protocol: EngineConnection, reads: int) -> None:
         self.idle_timer = None
@@ -287,8 +304,12 @@ class Exchange:
         metered = self.meter is not None
         content_type = (head.get(b"content-type") or b"").lower()
         encoded = (head.get(b"content-encoding") or b"identity").lower() != b"identity"
-        if (metered or self.strip) and head.status == 200 and not encoded and \
-                content_type.startswith(b"text/event-stream"):
+        if (
+            (metered or self.strip)
+            and head.status == 200
+            and not encoded
+            and content_type.startswith(b"text/event-stream")
+        ):
             self.relay = UsageRelay(self.strip, self.unasked, self.continuous)
         elif metered and head.status == 200 and not encoded and content_type.startswith(b"application/json"):
             self.capture = bytearray()
@@ -334,8 +355,10 @@ class Exchange:
         self._emit(b"%x\r\n%b\r\n" % (len(data), data) if self.down_chunked else data)
         if self.capture is not None:
             proxy = self.proxy
-            if len(self.capture) + len(data) <= MAX_CAPTURE_BYTES and \
-                    proxy.buffered + len(data) <= proxy.config.max_buffered_bytes:
+            if (
+                len(self.capture) + len(data) <= MAX_CAPTURE_BYTES
+                and proxy.buffered + len(data) <= proxy.config.max_buffered_bytes
+            ):
                 self.capture += data
             else:
                 self.capture = None  # usage unread, as for a body over MAX_CAPTURE_BYTES
@@ -421,8 +444,13 @@ class Exchange:
         if self.head_sent and not self.wrote:  # nothing reached the client yet: it can get a 502
             self.out, self.head_sent, self.down_chunked = b"", False, False
         if self.head_sent:
-            self.proxy.log_repeatable(logging.WARNING, "stream_cut",
-                                      "proxy %s: %s; cutting the client's stream", self.proxy.replica, reason)
+            self.proxy.log_repeatable(
+                logging.WARNING,
+                "stream_cut",
+                "proxy %s: %s; cutting the client's stream",
+                self.proxy.replica,
+                reason,
+            )
             if self.relay is not None:
                 self._release_held(self.relay)  # the incomplete rest is not sent: the stream is cut
             self.keep_alive = False
@@ -434,8 +462,14 @@ class Exchange:
             self._end(self._fail_before_head(status, reason))
 
     def _fail_before_head(self, status: int, reason: str) -> End:
-        self.proxy.log_repeatable(logging.WARNING, f"answer_{status}", "proxy %s: %s; answering %d",
-                                  self.proxy.replica, reason, status)
+        self.proxy.log_repeatable(
+            logging.WARNING,
+            f"answer_{status}",
+            "proxy %s: %s; answering %d",
+            self.proxy.replica,
+            reason,
+            status,
+        )
         self.status = status
         if not self.conn.closed:
             self._emit(error_response(status, reason, close=True))

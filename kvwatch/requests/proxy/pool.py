@@ -165,7 +165,7 @@ class EngineConnection(asyncio.Protocol):
         elif mode == _LENGTH:
             if len(data) >= self.remaining:
                 self.reusable = self.reusable and len(data) == self.remaining
-                data = data[:self.remaining]
+                data = data[: self.remaining]
                 self.remaining = 0
                 if self.ex is not None:
                     self.ex.on_body(data)
@@ -198,7 +198,7 @@ class EngineConnection(asyncio.Protocol):
             except HttpError as exc:
                 self._broken(exc.reason)
                 return
-            buf = buf[end + 4:]
+            buf = buf[end + 4 :]
             if not 100 <= head.status < 200:
                 break  # interim responses (100, 103) are read and dropped
         self.buf = b""
@@ -209,8 +209,11 @@ class EngineConnection(asyncio.Protocol):
             self._broken(f"the engine sent bad framing ({exc.reason})")
             return
         has_body = ex.head.method != b"HEAD" and head.status not in (204, 304)
-        self.reusable = head.version == b"HTTP/1.1" and not head.closes and (
-            chunked or length is not None or not has_body)
+        self.reusable = (
+            head.version == b"HTTP/1.1"
+            and not head.closes
+            and (chunked or length is not None or not has_body)
+        )
         if not ex.on_head(head, length, has_body):
             self.abort()
             ex.retry_without_usage()

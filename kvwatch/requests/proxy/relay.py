@@ -50,9 +50,26 @@ def separator(data: bytes) -> bytes | None:
 class UsageRelay:
     """One response's event stream; ``feed`` per upstream read, ``finish`` at its end."""
 
-    __slots__ = ("asked", "carry", "chunk_usage_is_engines", "done", "done_mark", "engine_usage", "errors",
-                 "events", "forced_usage", "held", "held_bytes", "hold_final", "noted", "plain", "sep",
-                 "strip", "unasked", "usage")
+    __slots__ = (
+        "asked",
+        "carry",
+        "chunk_usage_is_engines",
+        "done",
+        "done_mark",
+        "engine_usage",
+        "errors",
+        "events",
+        "forced_usage",
+        "held",
+        "held_bytes",
+        "hold_final",
+        "noted",
+        "plain",
+        "sep",
+        "strip",
+        "unasked",
+        "usage",
+    )
 
     def __init__(self, strip: bool, unasked: bool, asked_continuous: bool = False) -> None:
         self.strip = strip  # kvwatch asked for usage: the first usage-only chunk is its own, removed
@@ -161,8 +178,12 @@ class UsageRelay:
         """Usage nobody here removes (the client asked, or the engine sends it anyway): read it."""
         try:
             usage = sse.find_usage(data, sep)
-            if self.unasked and not self.asked and not self.forced_usage and \
-                    any(sse.is_usage_only(e) for e in data.split(sep) if sse.USAGE_MARK in e):
+            if (
+                self.unasked
+                and not self.asked
+                and not self.forced_usage
+                and any(sse.is_usage_only(e) for e in data.split(sep) if sse.USAGE_MARK in e)
+            ):
                 self.forced_usage = self.noted = True
         except Exception as exc:
             self._note_error(exc)

@@ -28,5 +28,14 @@ REFUSED_CLIENT_GONE = "kvwatch_proxy_refusals_undelivered"  # status: the client
 class MeterFactory(Protocol):
     """``RequestMeter`` or a subclass: one request's meter, made when its body has been read."""
 
-    def __call__(self, replica: str, model_name: str, info: RequestInfo, started_at: float, t0: float,
-                 in_flight: InFlight | None = None, handle: int | None = None, /) -> RequestMeter: ...
+    def __call__(
+        self,
+        replica: str,
+        model_name: str,
+        info: RequestInfo,
+        started_at: float,
+        t0: float,
+        in_flight: InFlight | None = None,
+        handle: int | None = None,
+        /,
+    ) -> RequestMeter: ...

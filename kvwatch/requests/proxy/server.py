@@ -74,11 +74,19 @@ class UpstreamAddress:
 class ProxyServer:
     """One replica's listener; ``await stop()`` closes it and every connection."""
 
-    def __init__(self, replica: ReplicaConfig, config: ProxyConfig, labels: ModelLabels,
-                 bands: LengthBands, in_flight: InFlight, sink: Sink, count: Count,
-                 meter_factory: MeterFactory = RequestMeter,
-                 clock: Clock = perf_counter,
-                 wall_clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        replica: ReplicaConfig,
+        config: ProxyConfig,
+        labels: ModelLabels,
+        bands: LengthBands,
+        in_flight: InFlight,
+        sink: Sink,
+        count: Count,
+        meter_factory: MeterFactory = RequestMeter,
+        clock: Clock = perf_counter,
+        wall_clock: Clock = time.time,
+    ) -> None:
         if replica.api_url is None:
             raise ValueError(f"replicas[{replica.name}].api_url: the proxy needs the engine's base URL")
         self.replica = replica.name
@@ -111,12 +119,19 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         _log_accept_failures(loop, self)
         _warn_if_descriptors_short(self)
-        self._server = await loop.create_server(lambda: ClientConnection(self), host, port,
-                                                backlog=1024, reuse_address=True)
+        self._server = await loop.create_server(
+            lambda: ClientConnection(self), host, port, backlog=1024, reuse_address=True
+        )
         if learn_models:
             self._learner = self.spawn(self._learn_models())
-        log.info("proxy for replica %s listening on %s:%d -> %s:%d", self.replica, host, self.port,
-                 self.upstream.host, self.upstream.port)
+        log.info(
+            "proxy for replica %s listening on %s:%d -> %s:%d",
+            self.replica,
+            host,
+            self.port,
+            self.upstream.host,
+            self.upstream.port,
+        )
 
     @property
     def port(self) -> int:
@@ -159,8 +174,12 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.config.upstream_connect_timeout_s):
             _, protocol = await loop.create_connection(
-                lambda: EngineConnection(self), up.host, up.port, ssl=self.ssl_context,
-                server_hostname=up.host if up.tls else None)
+                lambda: EngineConnection(self),
+                up.host,
+                up.port,
+                ssl=self.ssl_context,
+                server_hostname=up.host if up.tls else None,
+            )
         return protocol
 
     def warm_spare(self) -> None:
@@ -189,17 +208,23 @@ class ProxyServer:
         with contextlib.suppress(Exception):
             self.count(family, self.replica, *labels)
 
-    def log_repeatable(self, level: int, key: str, msg: str, *args: object,
-                       exc_info: BaseException | bool | None = None) -> None:
+    def log_repeatable(
+        self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | bool | None = None
+    ) -> None:
         """Log a line a client or the engine can make kvwatch repeat: throttled per ``key``."""
         self.log_throttle.log(log, level, key, msg, *args, exc_info=exc_info)
 
     def shed(self, reason: str) -> None:
         self.counted(SHED, reason)
-        self.log_repeatable(logging.WARNING, f"{SHED}:{reason}",
-                            "proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total)",
-                            self.replica, reason,
-                            "max_buffered_bytes" if reason == "buffer" else "max_connections", SHED)
+        self.log_repeatable(
+            logging.WARNING,
+            f"{SHED}:{reason}",
+            "proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total)",
+            self.replica,
+            reason,
+            "max_buffered_bytes" if reason == "buffer" else "max_connections",
+            SHED,
+        )
 
     def refused(self, status: int, client_gone: bool) -> None:
         """A request kvwatch answered itself while reading it (``ClientConnection._refuse``)."""
@@ -210,10 +235,15 @@ class ProxyServer:
     # -- accounting hooks (never raise into the relay) --------------------------------------------
     def accounting_failed(self, where: str, exc: BaseException | None = None) -> None:
         self.counted(ACCOUNTING_ERRORS)
-        self.log_repeatable(logging.ERROR, ACCOUNTING_ERRORS,
-                            "proxy %s: request accounting failed in %s; the stream kept flowing "
-                            "(counted in %s_total)", self.replica, where, ACCOUNTING_ERRORS,
-                            exc_info=exc if exc is not None else True)
+        self.log_repeatable(
+            logging.ERROR,
+            ACCOUNTING_ERRORS,
+            "proxy %s: request accounting failed in %s; the stream kept flowing (counted in %s_total)",
+            self.replica,
+            where,
+            ACCOUNTING_ERRORS,
+            exc_info=exc if exc is not None else True,
+        )
 
     def emit(self, record: RequestRecord) -> None:
         try:
@@ -231,10 +261,18 @@ class ProxyServer:
         if endpoint is None:
             return
         try:
-            self.emit(RequestRecord(
-                replica=self.replica, model_name=self.labels.label(None), source="proxy",
-                outcome=Outcome.REJECTED, started_at=wall, endpoint=endpoint, status_code=status,
-                e2e_seconds=self.clock() - t0))
+            self.emit(
+                RequestRecord(
+                    replica=self.replica,
+                    model_name=self.labels.label(None),
+                    source="proxy",
+                    outcome=Outcome.REJECTED,
+                    started_at=wall,
+                    endpoint=endpoint,
+                    status_code=status,
+                    e2e_seconds=self.clock() - t0,
+                )
+            )
         except Exception as exc:
             self.accounting_failed("refusal", exc)
 
@@ -245,34 +283,48 @@ class ProxyServer:
         off for everyone (an operator whose engine refuses the field sets proxy.inject_usage: false).
         """
         self.counted(USAGE_REFUSED)
-        self.log_repeatable(logging.WARNING, USAGE_REFUSED,
-                            "proxy %s: the engine refused a body with stream_options.include_usage and "
-                            "took the client's own; that stream is counted from chunks (counted in "
-                            "%s_total; set proxy.inject_usage: false if the engine never takes it)",
-                            self.replica, USAGE_REFUSED)
+        self.log_repeatable(
+            logging.WARNING,
+            USAGE_REFUSED,
+            "proxy %s: the engine refused a body with stream_options.include_usage and "
+            "took the client's own; that stream is counted from chunks (counted in "
+            "%s_total; set proxy.inject_usage: false if the engine never takes it)",
+            self.replica,
+            USAGE_REFUSED,
+        )
 
     def engine_sends_usage_unasked(self) -> None:
         """Engine output, which no client can forge (its text is JSON-escaped inside one event)."""
         if not self.engine_forces_usage:
             self.engine_forces_usage = True
-            log.info("proxy %s: the engine sends a usage chunk unasked (--enable-force-include-usage); "
-                     "kvwatch no longer asks for it, and relays it as the engine sent it", self.replica)
+            log.info(
+                "proxy %s: the engine sends a usage chunk unasked (--enable-force-include-usage); "
+                "kvwatch no longer asks for it, and relays it as the engine sent it",
+                self.replica,
+            )
 
     async def _learn_models(self) -> None:
         """Add the engine's served model names (``/v1/models``) to the label set, once."""
         import aiohttp
 
-        url = f"{'https' if self.upstream.tls else 'http'}://{self.upstream.host_header.decode()}" \
-              f"{self.upstream.base_path.decode()}/v1/models"
+        url = (
+            f"{'https' if self.upstream.tls else 'http'}://{self.upstream.host_header.decode()}"
+            f"{self.upstream.base_path.decode()}/v1/models"
+        )
         delay = 2.0
         while True:
             try:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
-                        session.get(url) as response:
+                async with (
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                    session.get(url) as response,
+                ):
                     if response.status == 200:
                         doc = json.loads(await response.content.read(1 << 20))
-                        self.labels.learn(name for m in doc.get("data", []) if isinstance(m, dict)
-                                          and isinstance(name := m.get("id"), str))
+                        self.labels.learn(
+                            name
+                            for m in doc.get("data", [])
+                            if isinstance(m, dict) and isinstance(name := m.get("id"), str)
+                        )
                         return
             except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
                 pass
@@ -280,12 +332,20 @@ class ProxyServer:
             delay = min(delay * 2, 60.0)
 
 
-async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: Iterable[str],
-                      bands: LengthBands, in_flight: InFlight, sink: Sink, count: Count, *,
-                      meter_factory: MeterFactory = RequestMeter,
-                      learn_models: bool = True,
-                      clock: Clock = perf_counter,
-                      wall_clock: Clock = time.time) -> ProxyServer:
+async def start_proxy(
+    replica: ReplicaConfig,
+    proxy: ProxyConfig,
+    known_models: Iterable[str],
+    bands: LengthBands,
+    in_flight: InFlight,
+    sink: Sink,
+    count: Count,
+    *,
+    meter_factory: MeterFactory = RequestMeter,
+    learn_models: bool = True,
+    clock: Clock = perf_counter,
+    wall_clock: Clock = time.time,
+) -> ProxyServer:
     """Start the replica's listener on ``replica.proxy_listen``; the agent's wiring entry point.
 
     ``known_models``: label values a client's ``model`` may keep (``Config.known_models``); the
@@ -296,8 +356,18 @@ async def start_proxy(replica: ReplicaConfig, proxy: ProxyConfig, known_models: 
     """
     if replica.proxy_listen is None:
         raise ValueError(f"replica {replica.name}: proxy_listen is not set")
-    server = ProxyServer(replica, proxy, ModelLabels(known_models, replica.model_name), bands,
-                         in_flight, sink, count, meter_factory, clock, wall_clock)
+    server = ProxyServer(
+        replica,
+        proxy,
+        ModelLabels(known_models, replica.model_name),
+        bands,
+        in_flight,
+        sink,
+        count,
+        meter_factory,
+        clock,
+        wall_clock,
+    )
     # zero series from the start, so rate() sees the first
     for family in (ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED, ACCEPT_ERRORS):
         count(family, replica.name, amount=0)
@@ -319,14 +389,22 @@ def _log_accept_failures(loop: asyncio.AbstractEventLoop, proxy: ProxyServer) ->
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        if "accept" in str(context.get("message", "")) and isinstance(exc, OSError) and \
-                proxy.listens_on(context.get("socket")):
+        if (
+            "accept" in str(context.get("message", ""))
+            and isinstance(exc, OSError)
+            and proxy.listens_on(context.get("socket"))
+        ):
             proxy.counted(ACCEPT_ERRORS)
-            proxy.log_repeatable(logging.ERROR, ACCEPT_ERRORS,
-                                 "proxy %s: cannot accept a connection (%s); new clients wait or are "
-                                 "dropped (counted in %s_total). Raise the open-files limit (LimitNOFILE, "
-                                 "ulimit -n) or lower proxy.max_connections",
-                                 proxy.replica, exc.strerror or exc, ACCEPT_ERRORS)
+            proxy.log_repeatable(
+                logging.ERROR,
+                ACCEPT_ERRORS,
+                "proxy %s: cannot accept a connection (%s); new clients wait or are "
+                "dropped (counted in %s_total). Raise the open-files limit (LimitNOFILE, "
+                "ulimit -n) or lower proxy.max_connections",
+                proxy.replica,
+                exc.strerror or exc,
+                ACCEPT_ERRORS,
+            )
             return
         if previous is not None:
             previous(loop, context)
@@ -348,7 +426,12 @@ def _warn_if_descriptors_short(proxy: ProxyServer) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * proxy.config.max_connections + MAX_IDLE_UPSTREAM + 64  # client + engine side, pool, agent
     if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("proxy %s: the open-files limit (%d) is below what proxy.max_connections=%d needs (~%d: "
-                    "a client and an engine descriptor each); clients past it are dropped unlogged under "
-                    "uvloop. Raise LimitNOFILE / ulimit -n, or lower proxy.max_connections",
-                    proxy.replica, soft, proxy.config.max_connections, need)
+        log.warning(
+            "proxy %s: the open-files limit (%d) is below what proxy.max_connections=%d needs (~%d: "
+            "a client and an engine descriptor each); clients past it are dropped unlogged under "
+            "uvloop. Raise LimitNOFILE / ulimit -n, or lower proxy.max_connections",
+            proxy.replica,
+            soft,
+            proxy.config.max_connections,
+            need,
+        )

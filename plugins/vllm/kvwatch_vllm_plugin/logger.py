@@ -52,12 +52,22 @@ COUNT_FIELDS = (
     ("num_preemptions", "preemptions"),
 )
 #: SchedulerIterationDetails attributes, in the order of the datagram's "it" list
-ITERATION_FIELDS = ("num_ctx_requests", "num_ctx_tokens", "num_generation_requests",
-                    "num_generation_tokens", "elapsed_ms")
+ITERATION_FIELDS = (
+    "num_ctx_requests",
+    "num_ctx_tokens",
+    "num_generation_requests",
+    "num_generation_tokens",
+    "elapsed_ms",
+)
 #: PrefixCacheStats attribute -> step key
-PREFIX_FIELDS = (("requests", "pc_req"), ("queries", "pc_q"), ("hits", "pc_h"),
-                 ("preempted_requests", "pre_req"), ("preempted_queries", "pre_q"),
-                 ("preempted_hits", "pre_h"))
+PREFIX_FIELDS = (
+    ("requests", "pc_req"),
+    ("queries", "pc_q"),
+    ("hits", "pc_h"),
+    ("preempted_requests", "pre_req"),
+    ("preempted_queries", "pre_q"),
+    ("preempted_hits", "pre_h"),
+)
 
 
 def _get(obj: Any, name: str) -> int | float | None:
@@ -107,9 +117,12 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
     with contextlib.suppress(Exception):
         # --override-generation-config '{"max_new_tokens": N}' caps every request, the client's too
         defaults.append(vllm_config.model_config.override_generation_config.get("max_new_tokens"))
-    return EngineFacts(local_prefix_counted=caching is True, per_admission=prefix_stats_per_admission(),
-                       max_model_len=max_model_len if isinstance(max_model_len, int) else None,
-                       default_max_tokens=tuple(d for d in defaults if isinstance(number(d), int)))
+    return EngineFacts(
+        local_prefix_counted=caching is True,
+        per_admission=prefix_stats_per_admission(),
+        max_model_len=max_model_len if isinstance(max_model_len, int) else None,
+        default_max_tokens=tuple(d for d in defaults if isinstance(number(d), int)),
+    )
 
 
 def prefix_stats_per_admission(manager: Any = None) -> bool | None:
@@ -145,8 +158,11 @@ def client_max_tokens(resolved: Any, prompt_tokens: Any, facts: EngineFacts) -> 
     prompt = number(prompt_tokens)
     if not isinstance(limit, int) or limit < 1 or facts.max_model_len is None or not isinstance(prompt, int):
         return None
-    if limit >= facts.max_model_len - prompt or limit == VLLM_DEFAULT_MAX_TOKENS or \
-            limit in facts.default_max_tokens:
+    if (
+        limit >= facts.max_model_len - prompt
+        or limit == VLLM_DEFAULT_MAX_TOKENS
+        or limit in facts.default_max_tokens
+    ):
         return None
     return limit
 
@@ -196,10 +212,17 @@ def durations(finished: Any) -> dict[str, int | float | None]:
     """
     out = {key: _get(finished, attr) for attr, key in DURATION_FIELDS}
     queue, prefill = out["queue"], out["prefill"]
-    unset = ("queue", "prefill", "decode", "inference") if queue is not None and queue < 0 else \
-        ("prefill", "decode", "inference") if prefill is not None and prefill < 0 else ()
-    return {key: None if key in unset or (value is not None and value < 0) else value
-            for key, value in out.items()}
+    unset = (
+        ("queue", "prefill", "decode", "inference")
+        if queue is not None and queue < 0
+        else ("prefill", "decode", "inference")
+        if prefill is not None and prefill < 0
+        else ()
+    )
+    return {
+        key: None if key in unset or (value is not None and value < 0) else value
+        for key, value in out.items()
+    }
 
 
 def finished_fields(finished: Any, facts: EngineFacts) -> dict[str, Any]:
@@ -209,16 +232,22 @@ def finished_fields(finished: Any, facts: EngineFacts) -> dict[str, Any]:
     out.update(durations(finished))
     for attr, key in COUNT_FIELDS:
         out[key] = _non_negative(finished, attr)
-    out["max_tokens"] = client_max_tokens(getattr(finished, "max_tokens_param", None),
-                                          getattr(finished, "num_prompt_tokens", None), facts)
+    out["max_tokens"] = client_max_tokens(
+        getattr(finished, "max_tokens_param", None), getattr(finished, "num_prompt_tokens", None), facts
+    )
     return out
 
 
 def eviction_fields(scheduler_stats: Any) -> tuple[list[list[Any]], int]:
     events = getattr(scheduler_stats, "kv_cache_eviction_events", None) or ()
-    kept = [eviction_sample(getattr(e, "lifetime_seconds", None), getattr(e, "idle_seconds", None),
-                            getattr(e, "reuse_gaps_seconds", None) or ())
-            for e in list(events)[:MAX_EVICTIONS]]
+    kept = [
+        eviction_sample(
+            getattr(e, "lifetime_seconds", None),
+            getattr(e, "idle_seconds", None),
+            getattr(e, "reuse_gaps_seconds", None) or (),
+        )
+        for e in list(events)[:MAX_EVICTIONS]
+    ]
     return kept, max(0, len(events) - MAX_EVICTIONS)
 
 
@@ -253,20 +282,26 @@ class KvwatchStatLogger(StatLoggerBase):
         self.drainer.after_fork_in_child()
         self._steps, self._finished, self._evictions, self._evictions_left_out = [], [], [], 0
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         try:
             self._record(scheduler_stats, iteration_stats)
         except Exception:
             self.failures += 1
-            self._warn("kvwatch stat logger: a step could not be encoded (%d so far); vLLM is unaffected",
-                       self.failures, exc_info=True)
+            self._warn(
+                "kvwatch stat logger: a step could not be encoded (%d so far); vLLM is unaffected",
+                self.failures,
+                exc_info=True,
+            )
 
     def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is None and iteration_stats is None:
             return
-        finished = [finished_fields(f, self.facts)
-                    for f in (getattr(iteration_stats, "finished_requests", None) or ())]
+        finished = [
+            finished_fields(f, self.facts)
+            for f in (getattr(iteration_stats, "finished_requests", None) or ())
+        ]
         if scheduler_stats is not None:
             evictions, left_out = eviction_fields(scheduler_stats)
             room = max(0, MAX_EVICTIONS - len(self._evictions))
@@ -285,8 +320,12 @@ class KvwatchStatLogger(StatLoggerBase):
 
     def flush(self, now: float | None = None) -> None:
         """Send what is buffered (a request's last step never waits: it carries the finished request)."""
-        steps, finished, evictions, left_out = (self._steps, self._finished, self._evictions,
-                                                self._evictions_left_out)
+        steps, finished, evictions, left_out = (
+            self._steps,
+            self._finished,
+            self._evictions,
+            self._evictions_left_out,
+        )
         self._steps, self._finished, self._evictions, self._evictions_left_out = [], [], [], 0
         self._flushed_at = time.monotonic() if now is None else now
         if not steps and not finished:
@@ -296,10 +335,22 @@ class KvwatchStatLogger(StatLoggerBase):
         if self.sender.backlog:
             self.drainer.wake()
 
-    def _send(self, steps: list[dict[str, Any]], finished: list[dict[str, Any]],
-              evictions: list[list[Any]], left_out: int) -> None:
-        header = {"v": WIRE_VERSION, "e": self.engine_index, "p": self.pid, "n": 0, "t": time.time(),
-                  "d": 0, "ds": 0}
+    def _send(
+        self,
+        steps: list[dict[str, Any]],
+        finished: list[dict[str, Any]],
+        evictions: list[list[Any]],
+        left_out: int,
+    ) -> None:
+        header = {
+            "v": WIRE_VERSION,
+            "e": self.engine_index,
+            "p": self.pid,
+            "n": 0,
+            "t": time.time(),
+            "d": 0,
+            "ds": 0,
+        }
         if self.facts.per_admission is not None:
             header["pa"] = 1 if self.facts.per_admission else 0
         for body in encode(header, steps, finished, evictions, left_out):
@@ -314,16 +365,23 @@ class KvwatchStatLogger(StatLoggerBase):
             self.flush()
             dropped = self.sender.dropped
             if dropped > self._dropped_warned:
-                self._warn("kvwatch stat logger: %d datagrams dropped so far (no kvwatch agent listening "
-                           "on %s, or it is too slow); vLLM is unaffected", dropped, self.path)
+                self._warn(
+                    "kvwatch stat logger: %d datagrams dropped so far (no kvwatch agent listening "
+                    "on %s, or it is too slow); vLLM is unaffected",
+                    dropped,
+                    self.path,
+                )
                 self._dropped_warned = dropped
         except Exception:
             pass
 
     def log_engine_initialized(self) -> None:
         with contextlib.suppress(Exception):
-            log.info("kvwatch stat logger: engine %d sends step and request stats to %s",
-                     self.engine_index, self.path)
+            log.info(
+                "kvwatch stat logger: engine %d sends step and request stats to %s",
+                self.engine_index,
+                self.path,
+            )
 
     def _warn(self, message: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()

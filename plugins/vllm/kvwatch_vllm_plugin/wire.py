@@ -72,9 +72,13 @@ def number(value: Any) -> int | float | None:
     return value
 
 
-def encode(header: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
-           finished: Sequence[Mapping[str, Any]], evictions: Sequence[Sequence[Any]],
-           evictions_left_out: int) -> list[dict[str, Any]]:
+def encode(
+    header: Mapping[str, Any],
+    steps: Sequence[Mapping[str, Any]],
+    finished: Sequence[Mapping[str, Any]],
+    evictions: Sequence[Sequence[Any]],
+    evictions_left_out: int,
+) -> list[dict[str, Any]]:
     """Buffered steps' facts as datagram bodies (dicts; ``dumps`` makes the bytes). The first carries
     the steps and the evictions; finished requests go FINISHED_PER_DATAGRAM to a datagram."""
     first: dict[str, Any] = dict(header)
@@ -86,7 +90,7 @@ def encode(header: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
         first["evx"] = evictions_left_out
     bodies = [first]
     for start in range(0, len(finished), FINISHED_PER_DATAGRAM):
-        chunk = list(finished[start:start + FINISHED_PER_DATAGRAM])
+        chunk = list(finished[start : start + FINISHED_PER_DATAGRAM])
         if start == 0:
             first["f"] = chunk
         else:
