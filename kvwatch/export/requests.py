@@ -45,7 +45,8 @@ from kvwatch.export.profile import (
 from kvwatch.export.protobuf import NativeHistogramRows
 from kvwatch.model import OUTCOMES
 from kvwatch.native_histogram import merged
-from kvwatch.state import DualHistogram, NodeState
+from kvwatch.state import NodeState
+from kvwatch.state.request_stats import DualHistogram
 
 RequestKey = tuple[str, str, str, str]  # replica, model_name, length_band, source
 
