@@ -18,6 +18,17 @@ from kvwatch.derive.node import DerivedView, UnitKey
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 
+#: the families this collector renders, looked up once at import (a misspelled name fails there)
+KV_LIVE_TOKENS = spec("kvwatch_kv_live_tokens")
+KV_FRAGMENTATION_RATIO = spec("kvwatch_kv_fragmentation_ratio")
+KV_HEADROOM_SECONDS = spec("kvwatch_kv_headroom_seconds")
+RECOMPUTED_TOKENS = spec("kvwatch_recomputed_tokens")
+KV_OVERCOMMITTED_REQUESTS = spec("kvwatch_kv_overcommitted_requests")
+KV_STRANDED_TOKENS = spec("kvwatch_kv_stranded_tokens")
+KV_TIER_LINK_UTILIZATION_RATIO = spec("kvwatch_kv_tier_link_utilization_ratio")
+KV_TIER_LINK_CONDITION = spec("kvwatch_kv_tier_link_condition")
+KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE = spec("kvwatch_kv_tier_recompute_avoided_tokens_per_byte")
+
 #: the recompute the vLLM plugin measured: exact, or an upper bound (older vLLM, see PluginUnit)
 PLUGIN_EXACT, PLUGIN_UPPER_BOUND = "vllm_plugin", "vllm_plugin_upper_bound"
 
@@ -60,8 +71,8 @@ class DerivedCollector:
 
     @staticmethod
     def _fragmentation(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
-        live = spec("kvwatch_kv_live_tokens").gauge()
-        ratio = spec("kvwatch_kv_fragmentation_ratio").gauge()
+        live = KV_LIVE_TOKENS.gauge()
+        ratio = KV_FRAGMENTATION_RATIO.gauge()
         for f in view.fragmentation:
             if (
                 not _present(f.replica, f.model_name, f.dp_rank, units, up)
@@ -80,8 +91,8 @@ class DerivedCollector:
     def _units(
         view: DerivedView, units: set[UnitKey], exact: dict[tuple[str, str | None], tuple[int, str]]
     ) -> Iterator[Metric]:
-        headroom = spec("kvwatch_kv_headroom_seconds").gauge()
-        recomputed = spec("kvwatch_recomputed_tokens").counter()
+        headroom = KV_HEADROOM_SECONDS.gauge()
+        recomputed = RECOMPUTED_TOKENS.counter()
         for u in view.units:
             s = u.sample
             if s.key not in units:
@@ -100,7 +111,7 @@ class DerivedCollector:
 
     @staticmethod
     def _overcommit(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_overcommitted_requests").gauge()
+        family = KV_OVERCOMMITTED_REQUESTS.gauge()
         for o in view.overcommit:
             if _present(o.replica, o.model_name, o.dp_rank, units, up):
                 family.add_metric(
@@ -110,7 +121,7 @@ class DerivedCollector:
 
     @staticmethod
     def _stranded(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_stranded_tokens").gauge()
+        family = KV_STRANDED_TOKENS.gauge()
         for s in view.stranded:
             if all(r in up for r in s.replicas):
                 family.add_metric([s.model_name], s.stranded_tokens)
@@ -118,8 +129,8 @@ class DerivedCollector:
 
     @staticmethod
     def _tier_links(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        utilization = spec("kvwatch_kv_tier_link_utilization_ratio").gauge()
-        condition = spec("kvwatch_kv_tier_link_condition").gauge()
+        utilization = KV_TIER_LINK_UTILIZATION_RATIO.gauge()
+        condition = KV_TIER_LINK_CONDITION.gauge()
         for link in view.tier_links:
             if link.replica not in up:
                 continue
@@ -135,7 +146,7 @@ class DerivedCollector:
 
     @staticmethod
     def _tier_payback(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_tier_recompute_avoided_tokens_per_byte").gauge()
+        family = KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE.gauge()
         for p in view.tier_payback:
             ratio = p.tokens_per_byte
             if p.replica in up and ratio is not None and math.isfinite(ratio):

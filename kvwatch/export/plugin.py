@@ -19,10 +19,15 @@ from kvwatch.config import Config
 from kvwatch.export.encode import HistogramRows
 from kvwatch.state import NodeState
 
+#: the families this collector renders, looked up once at import (a misspelled name fails there)
+ENGINE_STEP_SECONDS = spec("kvwatch_engine_step_seconds")
+VLLM_PLUGIN_DROPPED_DATAGRAMS = spec("kvwatch_vllm_plugin_dropped_datagrams")
+VLLM_PLUGIN_DROPPED_STEPS = spec("kvwatch_vllm_plugin_dropped_steps")
+#: (family, PluginUnit histogram attribute)
 BLOCK_HISTOGRAMS = (
-    ("kvwatch_kv_block_lifetime_seconds", "block_lifetime"),
-    ("kvwatch_kv_block_idle_seconds", "block_idle"),
-    ("kvwatch_kv_block_reuse_gap_seconds", "block_reuse_gap"),
+    (spec("kvwatch_kv_block_lifetime_seconds"), "block_lifetime"),
+    (spec("kvwatch_kv_block_idle_seconds"), "block_idle"),
+    (spec("kvwatch_kv_block_reuse_gap_seconds"), "block_reuse_gap"),
 )
 
 
@@ -33,22 +38,20 @@ class PluginCollector:
 
     def collect(self) -> Iterator[Metric]:
         units = sorted(self.state.plugin.snapshot().items())
-        catalog = spec("kvwatch_engine_step_seconds")
-        steps = HistogramRows(catalog.name, catalog.help, catalog.labels)
+        steps = HistogramRows.of(ENGINE_STEP_SECONDS)
         for (replica, dp_rank), unit in units:
             for band, h in sorted(unit.step_seconds.items()):
                 steps.add_row((replica, dp_rank, band), le_labels(h.bounds), h.cumulative_counts(), h.sum)
         yield steps
-        for name, attr in BLOCK_HISTOGRAMS:
-            catalog = spec(name)
-            family = HistogramRows(catalog.name, catalog.help, catalog.labels)
+        for catalog, attr in BLOCK_HISTOGRAMS:
+            family = HistogramRows.of(catalog)
             for key, unit in units:
                 h = getattr(unit, attr)
                 if h.count:
                     family.add_row(key, le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
-        dropped = spec("kvwatch_vllm_plugin_dropped_datagrams").counter()
-        dropped_steps = spec("kvwatch_vllm_plugin_dropped_steps").counter()
+        dropped = VLLM_PLUGIN_DROPPED_DATAGRAMS.counter()
+        dropped_steps = VLLM_PLUGIN_DROPPED_STEPS.counter()
         for key, unit in units:
             dropped.add_metric(list(key), float(unit.dropped_datagrams.total))
             dropped_steps.add_metric(list(key), float(unit.dropped_steps.total))

@@ -12,39 +12,50 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, spec
+from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, MetricSpec, spec
 from kvwatch.config import Config
 from kvwatch.derive import pool
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
 
+#: the families this collector renders, looked up once at import (a misspelled name fails there)
+KV_FREE_TOKENS = spec("kvwatch_kv_free_tokens")
+KV_CAPACITY_BYTES = spec("kvwatch_kv_capacity_bytes")
+REPLICA_INFO = spec("kvwatch_replica")
+ENGINE_FINISHED_REQUESTS = spec("kvwatch_engine_finished_requests")
+TARGET_UP = spec("kvwatch_target_up")
+TARGET_SCRAPE_DURATION_SECONDS = spec("kvwatch_target_scrape_duration_seconds")
+TARGET_SCRAPE_ERRORS = spec("kvwatch_target_scrape_errors")
+TARGET_RESTARTS = spec("kvwatch_target_restarts")
+TARGET_SAMPLES_REJECTED = spec("kvwatch_target_samples_rejected")
+
 #: gauge family -> ReplicaSample attribute
-GAUGES: tuple[tuple[str, str], ...] = (
-    ("kvwatch_kv_capacity_tokens", "kv_capacity_tokens"),
-    ("kvwatch_kv_block_size_tokens", "block_size"),
-    ("kvwatch_kv_usage_ratio", "kv_usage_ratio"),
-    ("kvwatch_kv_used_blocks", "kv_used_blocks"),
-    ("kvwatch_kv_used_tokens", "kv_used_tokens"),
-    ("kvwatch_kv_evictable_tokens", "kv_evictable_tokens"),
-    ("kvwatch_requests_running", "requests_running"),
-    ("kvwatch_requests_waiting", "requests_waiting"),
+GAUGES: tuple[tuple[MetricSpec, str], ...] = (
+    (spec("kvwatch_kv_capacity_tokens"), "kv_capacity_tokens"),
+    (spec("kvwatch_kv_block_size_tokens"), "block_size"),
+    (spec("kvwatch_kv_usage_ratio"), "kv_usage_ratio"),
+    (spec("kvwatch_kv_used_blocks"), "kv_used_blocks"),
+    (spec("kvwatch_kv_used_tokens"), "kv_used_tokens"),
+    (spec("kvwatch_kv_evictable_tokens"), "kv_evictable_tokens"),
+    (spec("kvwatch_requests_running"), "requests_running"),
+    (spec("kvwatch_requests_waiting"), "requests_waiting"),
 )
 
 #: counter family -> ReplicaSample attribute
-COUNTERS: tuple[tuple[str, str], ...] = (
-    ("kvwatch_preemptions", "preemptions_total"),
-    ("kvwatch_prompt_tokens", "prompt_tokens_total"),
-    ("kvwatch_generation_tokens", "generation_tokens_total"),
-    ("kvwatch_prefix_cache_queried_tokens", "prefix_cache_queries_total"),
-    ("kvwatch_prefix_cache_hit_tokens", "prefix_cache_hits_total"),
+COUNTERS: tuple[tuple[MetricSpec, str], ...] = (
+    (spec("kvwatch_preemptions"), "preemptions_total"),
+    (spec("kvwatch_prompt_tokens"), "prompt_tokens_total"),
+    (spec("kvwatch_generation_tokens"), "generation_tokens_total"),
+    (spec("kvwatch_prefix_cache_queried_tokens"), "prefix_cache_queries_total"),
+    (spec("kvwatch_prefix_cache_hit_tokens"), "prefix_cache_hits_total"),
 )
 
 #: tier counter family -> TierTraffic attribute
-TIER_COUNTERS: tuple[tuple[str, str], ...] = (
-    ("kvwatch_kv_tier_transfer_bytes", "bytes_total"),
-    ("kvwatch_kv_tier_transfer_tokens", "tokens_total"),
-    ("kvwatch_kv_tier_transfer_blocks", "blocks_total"),
-    ("kvwatch_kv_tier_transfer_seconds", "seconds_total"),
+TIER_COUNTERS: tuple[tuple[MetricSpec, str], ...] = (
+    (spec("kvwatch_kv_tier_transfer_bytes"), "bytes_total"),
+    (spec("kvwatch_kv_tier_transfer_tokens"), "tokens_total"),
+    (spec("kvwatch_kv_tier_transfer_blocks"), "blocks_total"),
+    (spec("kvwatch_kv_tier_transfer_seconds"), "seconds_total"),
 )
 
 
@@ -68,11 +79,10 @@ def capacity_bytes(s: ReplicaSample, kv_bytes_per_token: float | None) -> float 
 
 
 def per_sample(
-    family: str, samples: list[ReplicaSample], value: Callable[[ReplicaSample], float | None]
+    family: MetricSpec, samples: list[ReplicaSample], value: Callable[[ReplicaSample], float | None]
 ) -> Metric:
     """A gauge or counter family (as the catalog says) with one series per sample that has a value."""
-    catalog = spec(family)
-    metric = catalog.counter() if catalog.kind == "counter" else catalog.gauge()
+    metric = family.counter() if family.kind == "counter" else family.gauge()
     for s in samples:
         v = value(s)
         if v is not None:
@@ -96,7 +106,7 @@ class ReplicaCollector:
         yield from self._targets()
 
     def _identity(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
-        info = spec("kvwatch_replica").info()
+        info = REPLICA_INFO.info()
         for s in samples:
             info.add_metric([*replica_labels(s), s.version_hint or "", s.cache_dtype or ""], {})
         yield info
@@ -104,9 +114,9 @@ class ReplicaCollector:
     def _gauges(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in GAUGES:
             yield per_sample(family, samples, attrgetter(attr))
-        yield per_sample("kvwatch_kv_free_tokens", samples, pool.free_tokens)
+        yield per_sample(KV_FREE_TOKENS, samples, pool.free_tokens)
         yield per_sample(
-            "kvwatch_kv_capacity_bytes",
+            KV_CAPACITY_BYTES,
             samples,
             lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)),
         )
@@ -114,7 +124,7 @@ class ReplicaCollector:
     def _counters(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in COUNTERS:
             yield per_sample(family, samples, attrgetter(attr))
-        finished = spec("kvwatch_engine_finished_requests").counter()
+        finished = ENGINE_FINISHED_REQUESTS.counter()
         for s in samples:
             for reason, value in s.finished_requests_total:
                 finished.add_metric([*replica_labels(s), reason], value)
@@ -122,7 +132,7 @@ class ReplicaCollector:
 
     def _tiers(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in TIER_COUNTERS:
-            counter = spec(family).counter()
+            counter = family.counter()
             for s in samples:
                 for t in s.tier_traffic:
                     value = getattr(t, attr)
@@ -131,11 +141,11 @@ class ReplicaCollector:
             yield counter
 
     def _targets(self) -> Iterator[Metric]:
-        up = spec("kvwatch_target_up").gauge()
-        duration = spec("kvwatch_target_scrape_duration_seconds").gauge()
-        errors = spec("kvwatch_target_scrape_errors").counter()
-        restarts = spec("kvwatch_target_restarts").counter()
-        rejected = spec("kvwatch_target_samples_rejected").counter()
+        up = TARGET_UP.gauge()
+        duration = TARGET_SCRAPE_DURATION_SECONDS.gauge()
+        errors = TARGET_SCRAPE_ERRORS.counter()
+        restarts = TARGET_RESTARTS.counter()
+        rejected = TARGET_SAMPLES_REJECTED.counter()
         for name, target in sorted(dict(self.state.targets).items()):
             up.add_metric([name, self._backend(name, target.backend)], 1.0 if target.up else 0.0)
             duration.add_metric([name], target.scrape_duration_s)
