@@ -27,6 +27,18 @@ HISTOGRAM_FAMILIES = {
     "kvwatch_request_output_limit_ratio": buckets.RATIO,
     "kvwatch_request_prefix_reuse_ratio": buckets.RATIO,
 }
+#: (family, RequestRecord attribute) observed as the record gives it, when it gives it (queue, prefill,
+#: decode and preemptions only an engine-side source gives)
+_OBSERVED_AS_IS = (
+    ("kvwatch_request_ttft_seconds", "ttft_seconds"),
+    ("kvwatch_request_tpot_seconds", "tpot_seconds"),
+    ("kvwatch_request_duration_seconds", "e2e_seconds"),
+    ("kvwatch_request_output_tokens", "output_tokens"),
+    ("kvwatch_request_queue_seconds", "queue_seconds"),
+    ("kvwatch_request_prefill_seconds", "prefill_seconds"),
+    ("kvwatch_request_decode_seconds", "decode_seconds"),
+    ("kvwatch_request_preemptions", "preemptions"),
+)
 #: families fed pre-binned (a request's inter-chunk gaps arrive as classic bins): no native form
 PREBINNED_FAMILIES = frozenset({"kvwatch_request_inter_chunk_seconds"})
 
@@ -89,24 +101,17 @@ class RequestStats:
         """
         band = self.bands.band_for(record.output_tokens)
         key = (record.replica, record.model_name, band, record.source)
-        tpot = record.tpot_seconds
         with self._lock:
             hists = self._hists(key)
-            if record.ttft_seconds is not None:
-                hists["kvwatch_request_ttft_seconds"].observe(record.ttft_seconds)
-            if tpot is not None:
-                hists["kvwatch_request_tpot_seconds"].observe(tpot)
-            if record.e2e_seconds is not None:
-                hists["kvwatch_request_duration_seconds"].observe(record.e2e_seconds)
-            if record.queue_seconds is not None:
-                hists["kvwatch_request_queue_seconds"].observe(record.queue_seconds)
-            if record.output_tokens is not None:
-                hists["kvwatch_request_output_tokens"].observe(record.output_tokens)
+            for family, attribute in _OBSERVED_AS_IS:
+                value = getattr(record, attribute)
+                if value is not None:
+                    hists[family].observe(value)
             if record.gap_counts:
                 hists["kvwatch_request_inter_chunk_seconds"].merge_bins(
                     record.gap_bounds, record.gap_counts, record.gap_sum
                 )
-            self._observe_engine_facts(hists, key, record)
+            self._observe_ratios(hists, key, record)
             self.outcomes[(*key, record.outcome.value)] += 1
             if record.output_tokens_estimated:
                 self.estimated[key] += 1
@@ -115,16 +120,11 @@ class RequestStats:
             self.observed += 1
         return band
 
-    def _observe_engine_facts(
+    def _observe_ratios(
         self, hists: dict[str, Histogram], key: tuple[str, str, str, str], record: RequestRecord
     ) -> None:
-        """What only an engine-side source knows per request (the vLLM plugin; OTLP partly)."""
-        if record.prefill_seconds is not None:
-            hists["kvwatch_request_prefill_seconds"].observe(record.prefill_seconds)
-        if record.decode_seconds is not None:
-            hists["kvwatch_request_decode_seconds"].observe(record.decode_seconds)
-        if record.preemptions is not None:
-            hists["kvwatch_request_preemptions"].observe(record.preemptions)
+        """Output / max_tokens (and the unused limit of a request that stopped early) and the prefix
+        cache's share of the prompt, where the source knew both sides."""
         if record.output_tokens is not None and record.max_tokens:
             hists["kvwatch_request_output_limit_ratio"].observe(record.output_tokens / record.max_tokens)
             if record.outcome is Outcome.COMPLETED and not record.output_tokens_estimated:
