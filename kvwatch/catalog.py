@@ -11,7 +11,7 @@ the same checks, budgets and docs cover them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -840,3 +840,17 @@ def spec(name: str) -> MetricSpec:
         return BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/catalog.py)") from None
+
+
+def specs(*names: str) -> tuple[MetricSpec, ...]:
+    """The specs of several families, in order; KeyError names the first unknown one."""
+    return tuple(map(spec, names))
+
+
+_Value = TypeVar("_Value")
+
+
+def spec_rows(*rows: tuple[str, _Value]) -> tuple[tuple[MetricSpec, _Value], ...]:
+    """A table of (family name, value) rows as (spec, value): called at import by the collectors that
+    render from such tables, so that a misspelled family fails there rather than at scrape time."""
+    return tuple((spec(name), value) for name, value in rows)

@@ -12,22 +12,21 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import spec
 from kvwatch.config import Config
 from kvwatch.derive.node import DerivedView, UnitKey
+from kvwatch.export.families import (
+    KV_FRAGMENTATION_RATIO,
+    KV_HEADROOM_SECONDS,
+    KV_LIVE_TOKENS,
+    KV_OVERCOMMITTED_REQUESTS,
+    KV_STRANDED_TOKENS,
+    KV_TIER_LINK_CONDITION,
+    KV_TIER_LINK_UTILIZATION_RATIO,
+    KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE,
+    RECOMPUTED_TOKENS,
+)
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
-
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-KV_LIVE_TOKENS = spec("kvwatch_kv_live_tokens")
-KV_FRAGMENTATION_RATIO = spec("kvwatch_kv_fragmentation_ratio")
-KV_HEADROOM_SECONDS = spec("kvwatch_kv_headroom_seconds")
-RECOMPUTED_TOKENS = spec("kvwatch_recomputed_tokens")
-KV_OVERCOMMITTED_REQUESTS = spec("kvwatch_kv_overcommitted_requests")
-KV_STRANDED_TOKENS = spec("kvwatch_kv_stranded_tokens")
-KV_TIER_LINK_UTILIZATION_RATIO = spec("kvwatch_kv_tier_link_utilization_ratio")
-KV_TIER_LINK_CONDITION = spec("kvwatch_kv_tier_link_condition")
-KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE = spec("kvwatch_kv_tier_recompute_avoided_tokens_per_byte")
 
 #: the recompute the vLLM plugin measured: exact, or an upper bound (older vLLM, see PluginUnit)
 PLUGIN_EXACT, PLUGIN_UPPER_BOUND = "vllm_plugin", "vllm_plugin_upper_bound"

@@ -13,58 +13,59 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import CATALOG, MetricSpec, spec
+from kvwatch.catalog import CATALOG, MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.export.families import (
+    GPU_CLOCK_EVENT_ACTIVE,
+    GPU_INFO,
+    GPU_LOST,
+    GPU_NVLINK_ACTIVE,
+    GPU_NVLINK_RX_BYTES,
+    GPU_NVLINK_TX_BYTES,
+    GPU_NVML_ERRORS,
+    GPU_PCIE_LINK_MAX_BYTES_PER_SECOND,
+    GPU_PROCESS_MEMORY_BYTES,
+    GPU_XID_ERRORS,
+    REPLICA_GPU,
+)
 from kvwatch.export.profile import FOLDED, is_lean
 from kvwatch.model import GpuSample
 from kvwatch.state import NodeState
 
 _FAMILY_ORDER = {s.name: i for i, s in enumerate(CATALOG)}
 
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-GPU_INFO = spec("kvwatch_gpu")
-GPU_LOST = spec("kvwatch_gpu_lost")
-GPU_XID_ERRORS = spec("kvwatch_gpu_xid_errors")
-GPU_NVML_ERRORS = spec("kvwatch_gpu_nvml_errors")
-REPLICA_GPU = spec("kvwatch_replica_gpu")
-GPU_PCIE_LINK_MAX_BYTES_PER_SECOND = spec("kvwatch_gpu_pcie_link_max_bytes_per_second")
-GPU_NVLINK_ACTIVE = spec("kvwatch_gpu_nvlink_active")
-GPU_NVLINK_TX_BYTES = spec("kvwatch_gpu_nvlink_tx_bytes")
-GPU_NVLINK_RX_BYTES = spec("kvwatch_gpu_nvlink_rx_bytes")
-GPU_CLOCK_EVENT_ACTIVE = spec("kvwatch_gpu_clock_event_active")
-GPU_PROCESS_MEMORY_BYTES = spec("kvwatch_gpu_process_memory_bytes")
 #: plain per-GPU families: (family, GpuSample attribute)
-_SCALARS: tuple[tuple[MetricSpec, str], ...] = (
-    (spec("kvwatch_gpu_memory_total_bytes"), "memory_total_bytes"),
-    (spec("kvwatch_gpu_memory_used_bytes"), "memory_used_bytes"),
-    (spec("kvwatch_gpu_memory_reserved_bytes"), "memory_reserved_bytes"),
-    (spec("kvwatch_gpu_memory_free_bytes"), "memory_free_bytes"),
-    (spec("kvwatch_gpu_utilization_ratio"), "utilization_gpu_ratio"),
-    (spec("kvwatch_gpu_memory_utilization_ratio"), "utilization_memory_ratio"),
-    (spec("kvwatch_gpu_pcie_tx_bytes"), "pcie_tx_bytes_total"),
-    (spec("kvwatch_gpu_pcie_rx_bytes"), "pcie_rx_bytes_total"),
-    (spec("kvwatch_gpu_pcie_replays"), "pcie_replay_total"),
-    (spec("kvwatch_gpu_pcie_link_generation"), "pcie_link_gen_current"),
-    (spec("kvwatch_gpu_pcie_link_generation_max"), "pcie_link_gen_max"),
-    (spec("kvwatch_gpu_pcie_link_width"), "pcie_link_width_current"),
-    (spec("kvwatch_gpu_pcie_link_width_max"), "pcie_link_width_max"),
-    (spec("kvwatch_gpu_power_watts"), "power_watts"),
-    (spec("kvwatch_gpu_power_limit_watts"), "power_limit_watts"),
-    (spec("kvwatch_gpu_energy_joules"), "energy_joules_total"),
-    (spec("kvwatch_gpu_row_remap_pending"), "remap_pending"),
-    (spec("kvwatch_gpu_row_remap_failure"), "remap_failure"),
+_SCALARS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
+    ("kvwatch_gpu_memory_total_bytes", "memory_total_bytes"),
+    ("kvwatch_gpu_memory_used_bytes", "memory_used_bytes"),
+    ("kvwatch_gpu_memory_reserved_bytes", "memory_reserved_bytes"),
+    ("kvwatch_gpu_memory_free_bytes", "memory_free_bytes"),
+    ("kvwatch_gpu_utilization_ratio", "utilization_gpu_ratio"),
+    ("kvwatch_gpu_memory_utilization_ratio", "utilization_memory_ratio"),
+    ("kvwatch_gpu_pcie_tx_bytes", "pcie_tx_bytes_total"),
+    ("kvwatch_gpu_pcie_rx_bytes", "pcie_rx_bytes_total"),
+    ("kvwatch_gpu_pcie_replays", "pcie_replay_total"),
+    ("kvwatch_gpu_pcie_link_generation", "pcie_link_gen_current"),
+    ("kvwatch_gpu_pcie_link_generation_max", "pcie_link_gen_max"),
+    ("kvwatch_gpu_pcie_link_width", "pcie_link_width_current"),
+    ("kvwatch_gpu_pcie_link_width_max", "pcie_link_width_max"),
+    ("kvwatch_gpu_power_watts", "power_watts"),
+    ("kvwatch_gpu_power_limit_watts", "power_limit_watts"),
+    ("kvwatch_gpu_energy_joules", "energy_joules_total"),
+    ("kvwatch_gpu_row_remap_pending", "remap_pending"),
+    ("kvwatch_gpu_row_remap_failure", "remap_failure"),
 )
-#: per-GPU families with one extra label: (family, label value, GpuSample attribute)
-_LABELLED: tuple[tuple[MetricSpec, str, str], ...] = (
-    (spec("kvwatch_gpu_temperature_celsius"), "gpu", "temperature_gpu_celsius"),
-    (spec("kvwatch_gpu_temperature_celsius"), "memory", "temperature_memory_celsius"),
-    (spec("kvwatch_gpu_clock_hertz"), "sm", "sm_clock_hz"),
-    (spec("kvwatch_gpu_clock_hertz"), "memory", "memory_clock_hz"),
-    (spec("kvwatch_gpu_ecc_errors"), "corrected", "ecc_corrected_volatile_total"),
-    (spec("kvwatch_gpu_ecc_errors"), "uncorrected", "ecc_uncorrected_volatile_total"),
-    (spec("kvwatch_gpu_remapped_rows"), "correctable", "remapped_rows_correctable"),
-    (spec("kvwatch_gpu_remapped_rows"), "uncorrectable", "remapped_rows_uncorrectable"),
+#: per-GPU families with one extra label: (family, (label value, GpuSample attribute))
+_LABELLED: tuple[tuple[MetricSpec, tuple[str, str]], ...] = spec_rows(
+    ("kvwatch_gpu_temperature_celsius", ("gpu", "temperature_gpu_celsius")),
+    ("kvwatch_gpu_temperature_celsius", ("memory", "temperature_memory_celsius")),
+    ("kvwatch_gpu_clock_hertz", ("sm", "sm_clock_hz")),
+    ("kvwatch_gpu_clock_hertz", ("memory", "memory_clock_hz")),
+    ("kvwatch_gpu_ecc_errors", ("corrected", "ecc_corrected_volatile_total")),
+    ("kvwatch_gpu_ecc_errors", ("uncorrected", "ecc_uncorrected_volatile_total")),
+    ("kvwatch_gpu_remapped_rows", ("correctable", "remapped_rows_correctable")),
+    ("kvwatch_gpu_remapped_rows", ("uncorrectable", "remapped_rows_uncorrectable")),
 )
 
 
@@ -133,7 +134,7 @@ def _gpu_readings(
 ) -> None:
     for family, attr in _SCALARS:
         out.add(family, ident, getattr(gpu, attr))
-    for family, label, attr in _LABELLED:
+    for family, (label, attr) in _LABELLED:
         out.add(family, [*ident, label], getattr(gpu, attr))
     out.add(
         GPU_PCIE_LINK_MAX_BYTES_PER_SECOND,

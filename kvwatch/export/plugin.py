@@ -14,20 +14,21 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 
 from kvwatch.buckets import le_labels
-from kvwatch.catalog import spec
+from kvwatch.catalog import MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.export.encode import HistogramRows
+from kvwatch.export.families import (
+    ENGINE_STEP_SECONDS,
+    VLLM_PLUGIN_DROPPED_DATAGRAMS,
+    VLLM_PLUGIN_DROPPED_STEPS,
+)
 from kvwatch.state import NodeState
 
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-ENGINE_STEP_SECONDS = spec("kvwatch_engine_step_seconds")
-VLLM_PLUGIN_DROPPED_DATAGRAMS = spec("kvwatch_vllm_plugin_dropped_datagrams")
-VLLM_PLUGIN_DROPPED_STEPS = spec("kvwatch_vllm_plugin_dropped_steps")
 #: (family, PluginUnit histogram attribute)
-BLOCK_HISTOGRAMS = (
-    (spec("kvwatch_kv_block_lifetime_seconds"), "block_lifetime"),
-    (spec("kvwatch_kv_block_idle_seconds"), "block_idle"),
-    (spec("kvwatch_kv_block_reuse_gap_seconds"), "block_reuse_gap"),
+BLOCK_HISTOGRAMS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
+    ("kvwatch_kv_block_lifetime_seconds", "block_lifetime"),
+    ("kvwatch_kv_block_idle_seconds", "block_idle"),
+    ("kvwatch_kv_block_reuse_gap_seconds", "block_reuse_gap"),
 )
 
 

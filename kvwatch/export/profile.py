@@ -25,7 +25,7 @@ are empty (``docs/dashboards.md``); choose ``full`` for that.
 
 from __future__ import annotations
 
-from kvwatch.catalog import spec
+from kvwatch.catalog import spec, specs
 from kvwatch.config import Config
 from kvwatch.config.schema import LEAN_PROFILE
 
@@ -38,8 +38,8 @@ FOLDED = ""
 
 #: request families one series per node in lean (docs above)
 PER_NODE_REQUEST_FAMILIES = frozenset(
-    spec(name).name
-    for name in (
+    family.name
+    for family in specs(
         "kvwatch_request_ttft_seconds",
         "kvwatch_request_tpot_seconds",
         "kvwatch_request_duration_seconds",
@@ -60,8 +60,8 @@ PROXY_SOURCE = "proxy"
 
 #: GPU families one series per GPU in lean: summed over its links
 PER_GPU_NVLINK_FAMILIES = frozenset(
-    spec(name).name
-    for name in (
+    family.name
+    for family in specs(
         "kvwatch_gpu_nvlink_tx_bytes",
         "kvwatch_gpu_nvlink_rx_bytes",
         "kvwatch_gpu_nvlink_active",

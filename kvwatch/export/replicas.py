@@ -12,50 +12,50 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, MetricSpec, spec
+from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.derive import pool
+from kvwatch.export.families import (
+    ENGINE_FINISHED_REQUESTS,
+    KV_CAPACITY_BYTES,
+    KV_FREE_TOKENS,
+    REPLICA_INFO,
+    TARGET_RESTARTS,
+    TARGET_SAMPLES_REJECTED,
+    TARGET_SCRAPE_DURATION_SECONDS,
+    TARGET_SCRAPE_ERRORS,
+    TARGET_UP,
+)
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
 
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-KV_FREE_TOKENS = spec("kvwatch_kv_free_tokens")
-KV_CAPACITY_BYTES = spec("kvwatch_kv_capacity_bytes")
-REPLICA_INFO = spec("kvwatch_replica")
-ENGINE_FINISHED_REQUESTS = spec("kvwatch_engine_finished_requests")
-TARGET_UP = spec("kvwatch_target_up")
-TARGET_SCRAPE_DURATION_SECONDS = spec("kvwatch_target_scrape_duration_seconds")
-TARGET_SCRAPE_ERRORS = spec("kvwatch_target_scrape_errors")
-TARGET_RESTARTS = spec("kvwatch_target_restarts")
-TARGET_SAMPLES_REJECTED = spec("kvwatch_target_samples_rejected")
-
 #: gauge family -> ReplicaSample attribute
-GAUGES: tuple[tuple[MetricSpec, str], ...] = (
-    (spec("kvwatch_kv_capacity_tokens"), "kv_capacity_tokens"),
-    (spec("kvwatch_kv_block_size_tokens"), "block_size"),
-    (spec("kvwatch_kv_usage_ratio"), "kv_usage_ratio"),
-    (spec("kvwatch_kv_used_blocks"), "kv_used_blocks"),
-    (spec("kvwatch_kv_used_tokens"), "kv_used_tokens"),
-    (spec("kvwatch_kv_evictable_tokens"), "kv_evictable_tokens"),
-    (spec("kvwatch_requests_running"), "requests_running"),
-    (spec("kvwatch_requests_waiting"), "requests_waiting"),
+GAUGES: tuple[tuple[MetricSpec, str], ...] = spec_rows(
+    ("kvwatch_kv_capacity_tokens", "kv_capacity_tokens"),
+    ("kvwatch_kv_block_size_tokens", "block_size"),
+    ("kvwatch_kv_usage_ratio", "kv_usage_ratio"),
+    ("kvwatch_kv_used_blocks", "kv_used_blocks"),
+    ("kvwatch_kv_used_tokens", "kv_used_tokens"),
+    ("kvwatch_kv_evictable_tokens", "kv_evictable_tokens"),
+    ("kvwatch_requests_running", "requests_running"),
+    ("kvwatch_requests_waiting", "requests_waiting"),
 )
 
 #: counter family -> ReplicaSample attribute
-COUNTERS: tuple[tuple[MetricSpec, str], ...] = (
-    (spec("kvwatch_preemptions"), "preemptions_total"),
-    (spec("kvwatch_prompt_tokens"), "prompt_tokens_total"),
-    (spec("kvwatch_generation_tokens"), "generation_tokens_total"),
-    (spec("kvwatch_prefix_cache_queried_tokens"), "prefix_cache_queries_total"),
-    (spec("kvwatch_prefix_cache_hit_tokens"), "prefix_cache_hits_total"),
+COUNTERS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
+    ("kvwatch_preemptions", "preemptions_total"),
+    ("kvwatch_prompt_tokens", "prompt_tokens_total"),
+    ("kvwatch_generation_tokens", "generation_tokens_total"),
+    ("kvwatch_prefix_cache_queried_tokens", "prefix_cache_queries_total"),
+    ("kvwatch_prefix_cache_hit_tokens", "prefix_cache_hits_total"),
 )
 
 #: tier counter family -> TierTraffic attribute
-TIER_COUNTERS: tuple[tuple[MetricSpec, str], ...] = (
-    (spec("kvwatch_kv_tier_transfer_bytes"), "bytes_total"),
-    (spec("kvwatch_kv_tier_transfer_tokens"), "tokens_total"),
-    (spec("kvwatch_kv_tier_transfer_blocks"), "blocks_total"),
-    (spec("kvwatch_kv_tier_transfer_seconds"), "seconds_total"),
+TIER_COUNTERS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
+    ("kvwatch_kv_tier_transfer_bytes", "bytes_total"),
+    ("kvwatch_kv_tier_transfer_tokens", "tokens_total"),
+    ("kvwatch_kv_tier_transfer_blocks", "blocks_total"),
+    ("kvwatch_kv_tier_transfer_seconds", "seconds_total"),
 )
 
 

@@ -33,8 +33,16 @@ from prometheus_client.core import Metric
 
 from kvwatch import buckets
 from kvwatch.buckets import Histogram
-from kvwatch.catalog import MetricSpec, spec
+from kvwatch.catalog import MetricSpec, specs
 from kvwatch.config import Config
+from kvwatch.export.families import (
+    IN_FLIGHT_TOKENS,
+    REQUEST_OUTPUT_TOKENS_ESTIMATED,
+    REQUEST_PREEMPTION_STALLS,
+    REQUEST_UNUSED_MAX_TOKENS,
+    REQUESTS,
+    REQUESTS_IN_FLIGHT,
+)
 from kvwatch.export.profile import (
     ENGINE_SIDE_ONLY_FAMILIES,
     FOLDED,
@@ -50,28 +58,18 @@ from kvwatch.state.request_stats import DualHistogram
 
 RequestKey = tuple[str, str, str, str]  # replica, model_name, length_band, source
 
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-REQUEST_UNUSED_MAX_TOKENS = spec("kvwatch_request_unused_max_tokens")
-REQUESTS = spec("kvwatch_requests")
-REQUEST_OUTPUT_TOKENS_ESTIMATED = spec("kvwatch_request_output_tokens_estimated")
-REQUEST_PREEMPTION_STALLS = spec("kvwatch_request_preemption_stalls")
-REQUESTS_IN_FLIGHT = spec("kvwatch_requests_in_flight")
-IN_FLIGHT_TOKENS = spec("kvwatch_in_flight_tokens")
-HISTOGRAMS = tuple(
-    spec(name)
-    for name in (
-        "kvwatch_request_ttft_seconds",
-        "kvwatch_request_tpot_seconds",
-        "kvwatch_request_inter_chunk_seconds",
-        "kvwatch_request_duration_seconds",
-        "kvwatch_request_queue_seconds",
-        "kvwatch_request_output_tokens",
-        "kvwatch_request_prefill_seconds",
-        "kvwatch_request_decode_seconds",
-        "kvwatch_request_preemptions",
-        "kvwatch_request_output_limit_ratio",
-        "kvwatch_request_prefix_reuse_ratio",
-    )
+HISTOGRAMS: tuple[MetricSpec, ...] = specs(
+    "kvwatch_request_ttft_seconds",
+    "kvwatch_request_tpot_seconds",
+    "kvwatch_request_inter_chunk_seconds",
+    "kvwatch_request_duration_seconds",
+    "kvwatch_request_queue_seconds",
+    "kvwatch_request_output_tokens",
+    "kvwatch_request_prefill_seconds",
+    "kvwatch_request_decode_seconds",
+    "kvwatch_request_preemptions",
+    "kvwatch_request_output_limit_ratio",
+    "kvwatch_request_prefix_reuse_ratio",
 )
 OTHER_MODEL = "other"
 

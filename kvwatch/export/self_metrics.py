@@ -9,50 +9,45 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from kvwatch import __version__
-from kvwatch.catalog import MetricSpec, spec
+from kvwatch.catalog import MetricSpec, specs
 from kvwatch.config import Config
+from kvwatch.export.families import (
+    BUILD,
+    COLLECTOR_DURATION_SECONDS,
+    COLLECTOR_SUCCESS,
+    CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS,
+    CONFIG_LAST_RELOAD_SUCCESSFUL,
+    DISCOVERY_POD_ANNOTATION_ERRORS,
+    DISCOVERY_REPLICA_READY,
+    DISCOVERY_REPLICAS,
+    DISCOVERY_STALE,
+    GPU_GRANTS_UNATTRIBUTED,
+    SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS,
+)
 from kvwatch.state import NodeState
 
-#: the families this collector renders, looked up once at import (a misspelled name fails there)
-BUILD = spec("kvwatch_build")
-COLLECTOR_SUCCESS = spec("kvwatch_collector_success")
-COLLECTOR_DURATION_SECONDS = spec("kvwatch_collector_duration_seconds")
-SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS = spec("kvwatch_source_last_success_timestamp_seconds")
-CONFIG_LAST_RELOAD_SUCCESSFUL = spec("kvwatch_config_last_reload_successful")
-CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS = spec("kvwatch_config_last_reload_success_timestamp_seconds")
-GPU_GRANTS_UNATTRIBUTED = spec("kvwatch_gpu_grants_unattributed")
-DISCOVERY_STALE = spec("kvwatch_discovery_stale")
-DISCOVERY_REPLICAS = spec("kvwatch_discovery_replicas")
-DISCOVERY_REPLICA_READY = spec("kvwatch_discovery_replica_ready")
-DISCOVERY_POD_ANNOTATION_ERRORS = spec("kvwatch_discovery_pod_annotation_errors")
 #: self counters kept in ``NodeState.counters`` (keyed by family name) and exported as-is
-_SELF_COUNTERS = tuple(
-    spec(name)
-    for name in (
-        "kvwatch_proxy_accounting_errors",
-        "kvwatch_proxy_connections_timed_out",
-        "kvwatch_proxy_requests_shed",
-        "kvwatch_proxy_accept_errors",
-        "kvwatch_proxy_usage_injection_refused",
-        "kvwatch_proxy_requests_refused",
-        "kvwatch_proxy_refusals_undelivered",
-        "kvwatch_otlp_spans",
-        "kvwatch_otlp_exports_refused",
-        "kvwatch_request_file_lines",
-        "kvwatch_request_values_dropped",
-        "kvwatch_ledger_write_errors",
-        "kvwatch_vllm_plugin_datagrams",
-        "kvwatch_vllm_plugin_refused_requests",
-    )
+_SELF_COUNTERS: tuple[MetricSpec, ...] = specs(
+    "kvwatch_proxy_accounting_errors",
+    "kvwatch_proxy_connections_timed_out",
+    "kvwatch_proxy_requests_shed",
+    "kvwatch_proxy_accept_errors",
+    "kvwatch_proxy_usage_injection_refused",
+    "kvwatch_proxy_requests_refused",
+    "kvwatch_proxy_refusals_undelivered",
+    "kvwatch_otlp_spans",
+    "kvwatch_otlp_exports_refused",
+    "kvwatch_request_file_lines",
+    "kvwatch_request_values_dropped",
+    "kvwatch_ledger_write_errors",
+    "kvwatch_vllm_plugin_datagrams",
+    "kvwatch_vllm_plugin_refused_requests",
 )
 #: discovery's counters, exported while Kubernetes discovery is on
-_DISCOVERY_COUNTERS = tuple(
-    spec(name)
-    for name in (
-        "kvwatch_discovery_watch_events",
-        "kvwatch_discovery_watch_errors",
-        "kvwatch_discovery_relists",
-    )
+_DISCOVERY_COUNTERS: tuple[MetricSpec, ...] = specs(
+    "kvwatch_discovery_watch_events",
+    "kvwatch_discovery_watch_errors",
+    "kvwatch_discovery_relists",
 )
 
 

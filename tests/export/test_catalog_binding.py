@@ -21,17 +21,19 @@ EXPORT = ROOT / "kvwatch" / "export"
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
 
-def _is_spec_call(node: ast.AST) -> bool:
-    """``spec(...)``, or an attribute of one (``spec(name).name``)."""
-    while isinstance(node, ast.Attribute):
-        node = node.value
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "spec"
+#: the catalog's look-ups: one family, several, a table of (family, value) rows
+LOOKUPS = {"spec", "specs", "spec_rows"}
+
+
+def _lookup_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOOKUPS:
+        return node.func.id
+    return None
 
 
 def late_lookups(source: str) -> list[str]:
-    """Where a module names a catalog family other than at import through ``spec()``: a ``spec()`` call
-    inside a function or class, or a family name that is neither an argument of a module-level
-    ``spec()`` call nor an item that a module-level comprehension passes to ``spec()``."""
+    """Where a module names a catalog family other than at import through the catalog: a look-up inside
+    a function or class, or a family name that is not an argument of a module-level look-up."""
     tree = ast.parse(source)
     parent: dict[ast.AST, ast.AST] = {}
     for node in ast.walk(tree):
@@ -45,25 +47,16 @@ def late_lookups(source: str) -> list[str]:
             out.append(node)
         return out
 
-    found = []
+    found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if (
-            _is_spec_call(node)
-            and isinstance(node, ast.Call)
-            and any(isinstance(a, SCOPES) for a in ancestors(node))
-        ):
-            found.append(f"line {node.lineno}: spec() called at run time")
+        lookup = _lookup_name(node)
+        if lookup is not None and any(isinstance(a, SCOPES) for a in ancestors(node)):
+            found.append((node.lineno, f"{lookup}() called at run time"))
         elif isinstance(node, ast.Constant) and node.value in BY_NAME:
             up = ancestors(node)
-            in_scope = any(isinstance(a, SCOPES) for a in up)
-            looked_up = any(
-                _is_spec_call(a)
-                or (isinstance(a, ast.GeneratorExp | ast.ListComp | ast.SetComp) and _is_spec_call(a.elt))
-                for a in up
-            )
-            if in_scope or not looked_up:
-                found.append(f"line {node.lineno}: {node.value} not looked up at import")
-    return found
+            if any(isinstance(a, SCOPES) for a in up) or not any(map(_lookup_name, up)):
+                found.append((node.lineno, f"{node.value} not looked up at import"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
 
 
 def test_every_family_an_export_module_names_is_looked_up_at_import():
@@ -75,18 +68,22 @@ def test_every_family_an_export_module_names_is_looked_up_at_import():
 
 def test_the_check_sees_a_run_time_lookup_and_a_bare_name():
     source = (
-        "from kvwatch.catalog import spec\n"
+        "from kvwatch.catalog import spec, spec_rows, specs\n"
         'UP = spec("kvwatch_target_up")\n'
-        'TABLE = tuple(spec(n) for n in ("kvwatch_kv_usage_ratio",))\n'
-        'NAMES = frozenset(spec(n).name for n in ("kvwatch_requests",))\n'
+        'TABLE = spec_rows(("kvwatch_kv_usage_ratio", "kv_usage_ratio"))\n'
+        'NAMES = frozenset(f.name for f in specs("kvwatch_requests", "kvwatch_build"))\n'
         'RAW = (("kvwatch_kv_used_tokens", "kv_used_tokens"),)\n'
         "def collect():\n"
         '    return spec("kvwatch_build").info()\n'
+        "def rows():\n"
+        '    return specs("kvwatch_requests")\n'
     )
     assert late_lookups(source) == [
         "line 5: kvwatch_kv_used_tokens not looked up at import",
-        "line 7: spec() called at run time",
         "line 7: kvwatch_build not looked up at import",
+        "line 7: spec() called at run time",
+        "line 9: kvwatch_requests not looked up at import",
+        "line 9: specs() called at run time",
     ]
 
 
@@ -102,9 +99,9 @@ def test_a_misspelled_family_fails_when_its_module_is_imported(tmp_path):
     _import_file(good)
     wrong = tmp_path / "bound_wrong.py"
     wrong.write_text(
-        "from kvwatch.catalog import spec\n"
+        "from kvwatch.catalog import spec, spec_rows\n"
         'TTFT = spec("kvwatch_request_ttft_seconds")\n'
-        'TPOT = spec("kvwatch_request_tpot_secnods")\n'
+        'ROWS = spec_rows(("kvwatch_request_ttft_seconds", 1), ("kvwatch_request_tpot_secnods", 2))\n'
         "def collect():\n"
         "    return TTFT.histogram()\n"
     )
