@@ -81,7 +81,7 @@ def reference() -> str:
 
 
 def _batch_bands() -> tuple[str, ...]:
-    from kvwatch.state import BATCH_TOKEN_BANDS
+    from kvwatch.state.plugin import BATCH_TOKEN_BANDS
 
     return BATCH_TOKEN_BANDS.names
 
