@@ -187,6 +187,23 @@ class Agent:
             self._plugin_syncs.add(task)
             task.add_done_callback(self._plugin_syncs.discard)
 
+    def _every(
+        self, job: Callable[..., Awaitable[None]], seconds: float, job_id: str, **options: Any
+    ) -> None:
+        """Run ``job`` every ``seconds``, the first time now: never two runs at once (one due while the
+        last still runs is skipped), and runs the loop missed are merged into one."""
+        assert self._scheduler is not None
+        self._scheduler.add_job(
+            job,
+            "interval",
+            seconds=seconds,
+            id=job_id,
+            next_run_time=_now_dt(),
+            max_instances=1,
+            coalesce=True,
+            **options,
+        )
+
     def _sync_scrape_jobs(self) -> None:
         assert self._scheduler is not None
         interval = self.config.intervals.engine_s
@@ -201,15 +218,11 @@ class Agent:
         for name, replica in wanted.items():
             if name in self._jobs:
                 continue
-            self._scheduler.add_job(
+            self._every(
                 self._scrape,
-                "interval",
+                interval,
+                f"engine:{name}",
                 args=[replica],
-                seconds=interval,
-                id=f"engine:{name}",
-                next_run_time=_now_dt(),
-                max_instances=1,
-                coalesce=True,
                 misfire_grace_time=max(1, int(interval)),
             )
             self._jobs[name] = (replica, interval)
@@ -323,40 +336,14 @@ class Agent:
             started = await asyncio.to_thread(self._xid.start)
             if not started:
                 self._xid = None
-        assert self._scheduler is not None
-        self._scheduler.add_job(
-            self._poll_gpus,
-            "interval",
-            seconds=cfg.intervals.gpu_s,
-            id="nvml",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
-        self._scheduler.add_job(
-            self._map_gpus,
-            "interval",
-            seconds=cfg.intervals.process_map_s,
-            id="gpu_mapping",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
+        self._every(self._poll_gpus, cfg.intervals.gpu_s, "nvml")
+        self._every(self._map_gpus, cfg.intervals.process_map_s, "gpu_mapping")
 
     def _start_pod_resources(self) -> None:
         settings = self.config.discovery.pod_resources
         if not settings.enabled:
             return
-        assert self._scheduler is not None
-        self._scheduler.add_job(
-            self._poll_pod_resources,
-            "interval",
-            seconds=settings.interval_s,
-            id="pod_resources",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
+        self._every(self._poll_pod_resources, settings.interval_s, "pod_resources")
 
     @_ends_quietly_on_shutdown
     async def _poll_pod_resources(self) -> None:
