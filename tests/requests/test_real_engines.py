@@ -349,10 +349,11 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
         predicted = await _metric_of(base, "llamacpp:tokens_predicted_total")
         body = {"prompt": "hello", "max_tokens": 16000, "stream": True, "ignore_eos": True}
         await asyncio.to_thread(_leave_after_first_event, harness.server.port, body)
-        left = time.monotonic()
-        while await _busy_slots(base) != 0:
-            assert time.monotonic() - left < 1.0, "llama.cpp slot still busy for a client that left"
-            await asyncio.sleep(0.05)
+
+        async def freed() -> bool:
+            return await _busy_slots(base) == 0
+
+        await until(freed, 1.0, "llama.cpp to free the slot of a client that left", interval_s=0.05)
         await until(lambda: len(harness.records) == 1)
         assert harness.records[0].outcome is Outcome.ABORTED
         generated = await _metric_of(base, "llamacpp:tokens_predicted_total") - predicted
