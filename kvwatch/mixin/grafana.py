@@ -57,14 +57,19 @@ def _thresholds(steps: Sequence[tuple[float | None, str]]) -> dict[str, Any]:
 GREEN = ((None, "green"),)
 
 
+def _last_value() -> dict[str, Any]:
+    """How stat and bar gauge panels reduce a series: to its last value."""
+    return {"calcs": ["lastNotNull"], "fields": "", "values": False}
+
+
 def _panel(
     kind: str,
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
-    unit: str = "short",
-    options: dict[str, Any] | None = None,
+    unit: str,
+    options: dict[str, Any],
+    *,
     custom: dict[str, Any] | None = None,
     thresholds: Sequence[tuple[float | None, str]] = GREEN,
     min_: float | None = None,
@@ -90,7 +95,7 @@ def _panel(
         "description": description,
         "datasource": DATASOURCE,
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": options or {},
+        "options": options,
         "targets": [q.target(_ref(i)) for i, q in enumerate(queries)],
         _PRIVATE: list(queries),
     }
@@ -135,9 +140,9 @@ def timeseries(
         "timeseries",
         title,
         queries,
-        description=description,
-        unit=unit,
-        options=options,
+        description,
+        unit,
+        options,
         custom=custom,
         thresholds=thresholds,
         min_=min_,
@@ -160,17 +165,10 @@ def stat(
         "justifyMode": "auto",
         "textMode": "auto",
         "orientation": "auto",
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "reduceOptions": _last_value(),
     }
     return _panel(
-        "stat",
-        title,
-        queries,
-        description=description,
-        unit=unit,
-        options=options,
-        thresholds=thresholds,
-        decimals=decimals,
+        "stat", title, queries, description, unit, options, thresholds=thresholds, decimals=decimals
     )
 
 
@@ -190,18 +188,10 @@ def bargauge(
         "showUnfilled": True,
         "valueMode": "color",
         "namePlacement": "auto",
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "reduceOptions": _last_value(),
     }
     return _panel(
-        "bargauge",
-        title,
-        queries,
-        description=description,
-        unit=unit,
-        options=options,
-        thresholds=thresholds,
-        min_=min_,
-        max_=max_,
+        "bargauge", title, queries, description, unit, options, thresholds=thresholds, min_=min_, max_=max_
     )
 
 
@@ -225,9 +215,9 @@ def table(
         "table",
         title,
         queries,
-        description=description,
-        unit=unit,
-        options=options,
+        description,
+        unit,
+        options,
         links=links,
         transformations=transformations,
         thresholds=thresholds,
@@ -244,7 +234,7 @@ def heatmap(title: str, query: Query, *, description: str, unit: str = "short") 
         "legend": {"show": True},
         "tooltip": {"show": True, "yHistogram": True},
     }
-    return _panel("heatmap", title, [query], description=description, unit=unit, options=options)
+    return _panel("heatmap", title, [query], description, unit, options)
 
 
 def row(title: str) -> dict[str, Any]:

@@ -148,69 +148,43 @@ def dcgm_link(opts: Options) -> dict[str, Any]:
     }
 
 
+_REPLICA_INFO = 'kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"'
+
+#: label_values() variables: name -> (label, query)
+_QUERY_VARIABLES: Mapping[str, tuple[str, str]] = {
+    "cluster": ("Cluster", "label_values(kvwatch_build_info, cluster)"),
+    "node": ("Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'),
+    "model": ("Model", f"label_values({_REPLICA_INFO}}}, model_name)"),
+    "replica": ("Replica", f'label_values({_REPLICA_INFO}, model_name=~"$model"}}, replica)'),
+    "band": (
+        "Length band",
+        'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, length_band)',
+    ),
+}
+
+#: latency targets picked from a histogram's bucket boundaries: name -> (label, family, boundaries)
+_TARGET_VARIABLES: Mapping[str, tuple[str, str, Sequence[float]]] = {
+    "ttft_slo": ("TTFT target (s)", "kvwatch_request_ttft_seconds", buckets.TTFT_SECONDS),
+    "tpot_slo": ("TPOT target (s)", "kvwatch_request_tpot_seconds", buckets.TPOT_SECONDS),
+}
+
+
 def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
     out = [g.datasource_variable()]
     for name in names:
-        if name == "cluster":
-            out.append(g.query_variable("cluster", "Cluster", "label_values(kvwatch_build_info, cluster)"))
+        if name in _QUERY_VARIABLES:
+            out.append(g.query_variable(name, *_QUERY_VARIABLES[name]))
+        elif name in _TARGET_VARIABLES:
+            label, family, bounds = _TARGET_VARIABLES[name]
+            values = [buckets.le_label(b) for b in bounds]
+            description = f"A bucket boundary of {family}"
+            out.append(g.custom_variable(name, label, values, DEFAULT_VALUES[name], description))
         elif name == "job":
             var = g.query_variable(
                 "job", "Job", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, job)', multi=False
             )
             var.update(includeAll=False, current={"selected": True, "text": job, "value": job})
             out.append(var)
-        elif name == "node":
-            out.append(
-                g.query_variable(
-                    "node", "Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'
-                )
-            )
-        elif name == "model":
-            out.append(
-                g.query_variable(
-                    "model",
-                    "Model",
-                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"}, model_name)',
-                )
-            )
-        elif name == "replica":
-            out.append(
-                g.query_variable(
-                    "replica",
-                    "Replica",
-                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node", '
-                    'model_name=~"$model"}, replica)',
-                )
-            )
-        elif name == "band":
-            out.append(
-                g.query_variable(
-                    "band",
-                    "Length band",
-                    'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, '
-                    "length_band)",
-                )
-            )
-        elif name == "ttft_slo":
-            out.append(
-                g.custom_variable(
-                    "ttft_slo",
-                    "TTFT target (s)",
-                    [buckets.le_label(b) for b in buckets.TTFT_SECONDS],
-                    DEFAULT_VALUES["ttft_slo"],
-                    "A bucket boundary of kvwatch_request_ttft_seconds",
-                )
-            )
-        elif name == "tpot_slo":
-            out.append(
-                g.custom_variable(
-                    "tpot_slo",
-                    "TPOT target (s)",
-                    [buckets.le_label(b) for b in buckets.TPOT_SECONDS],
-                    DEFAULT_VALUES["tpot_slo"],
-                    "A bucket boundary of kvwatch_request_tpot_seconds",
-                )
-            )
         else:
             raise ValueError(f"unknown dashboard variable {name!r}")
     return tuple(out)
