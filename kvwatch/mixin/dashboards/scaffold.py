@@ -12,7 +12,9 @@ from typing import Any
 from kvwatch import buckets
 from kvwatch.catalog import BY_NAME
 from kvwatch.mixin import grafana as g
+from kvwatch.mixin.grafana import Query
 from kvwatch.mixin.promql import CLASSIC, FLEET_LABELS, NATIVE, HistogramForm, Match, catalog_family, selector
+from kvwatch.mixin.thresholds import AlertConfig
 
 #: grafana.com dashboard 12239, NVIDIA's dcgm-exporter dashboard (grafana/dcgm-exporter-dashboard.json)
 DCGM_DASHBOARD_UID = "Oxed_c6Wz"
@@ -190,6 +192,30 @@ def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+# what panels show, by unit and range
+#: a share of a whole, 0 to 100%
+WHOLE_SHARE = g.Axis("percentunit", 0, 1)
+#: a ratio from 0, the top fitted to the data
+SHARE = g.Axis("percentunit", 0)
+#: an error budget's share left: at most 100%, below 0 once overspent
+BUDGET_LEFT = g.Axis("percentunit", max_=1)
+SECONDS = g.Axis("s", 0)
+COUNT = g.Axis("short", 0)
+#: a 0/1 state
+ON_OFF = g.Axis("short", 0, 1)
+REQUESTS_PER_S = g.Axis("reqps", 0)
+BYTES_PER_S = g.Axis("Bps", 0)
+BYTES = g.Axis("bytes", 0)
+
+#: the alert thresholds kvwatch ships: a panel of an alerting ratio marks where its alert fires
+SHIPPED_ALERTS = AlertConfig()
+
+
+def fires_above(threshold: float) -> tuple[tuple[float | None, str], ...]:
+    """Threshold steps: green up to an alert's threshold, red above it."""
+    return ((None, "green"), (threshold, "red"))
+
+
 PCT_HIGH_BAD = ((None, "green"), (0.9, "orange"), (0.98, "red"))
 ANY_IS_BAD = ((None, "green"), (1, "orange"))
 ANY_IS_RED = ((None, "green"), (1, "red"))
@@ -197,6 +223,30 @@ PAGE_BURN = ((None, "green"), (6, "orange"), (14.4, "red"))
 BUDGET = ((None, "red"), (0, "orange"), (0.25, "green"))
 
 
+SLO_LEGEND = "{{slo}} {{model_name}} {{length_band}}"
+
+
 def burn_rate(window: str, s: Scope) -> str:
     ratio = s.sel(f"kvwatch:slo_errors:ratio_rate{window}", labels=SLO_LABELS)
     return f"{ratio}\n/ on (slo) group_left ()\n(1 - {SLO_OBJECTIVE})"
+
+
+def burn_rate_panel(
+    window: str, s: Scope, description: str, thresholds: Sequence[tuple[float | None, str]] = PAGE_BURN
+) -> dict[str, Any]:
+    """Each objective's error ratio over ``window`` / its error budget, per model and band."""
+    return g.timeseries(
+        f"Burn rate, {window}",
+        [Query(burn_rate(window, s), SLO_LEGEND)],
+        description,
+        COUNT,
+        thresholds=thresholds,
+    )
+
+
+def budget_left_panel(s: Scope, description: str) -> dict[str, Any]:
+    """Each objective's error budget not yet spent, per model and band."""
+    budget = s.sel("kvwatch:slo_error_budget_remaining:ratio", labels=SLO_LABELS)
+    return g.bargauge(
+        "Error budget left", [Query(budget, SLO_LEGEND)], description, BUDGET_LEFT, thresholds=BUDGET
+    )
