@@ -16,6 +16,8 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SCHEMA_VERSION = 39  # Grafana 10.4 / 11.x
 GRID_WIDTH = 24
 _PRIVATE = "_queries"
+#: threshold steps, lowest first: (value the colour starts at, None for the base colour; colour)
+Steps = Sequence[tuple[float | None, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ def _ref(i: int) -> str:
     return chr(ord("A") + i)
 
 
-def _thresholds(steps: Sequence[tuple[float | None, str]]) -> dict[str, Any]:
+def _thresholds(steps: Steps) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"color": color, "value": value} for value, color in steps]}
 
 
@@ -84,7 +86,7 @@ def _panel(
     options: dict[str, Any],
     *,
     custom: dict[str, Any] | None = None,
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
     links: Sequence[dict[str, Any]] = (),
     transformations: Sequence[dict[str, Any]] = (),
     decimals: int | None = None,
@@ -121,7 +123,7 @@ def timeseries(
     description: str,
     axis: Axis = PLAIN,
     *,
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
     stack: bool = False,
     step: bool = False,
 ) -> dict[str, Any]:
@@ -156,7 +158,7 @@ def stat(
     description: str,
     *,
     unit: str = "short",
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
     decimals: int | None = None,
 ) -> dict[str, Any]:
     options = {
@@ -178,7 +180,7 @@ def bargauge(
     description: str,
     axis: Axis = PLAIN,
     *,
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
 ) -> dict[str, Any]:
     options = {
         "displayMode": "gradient",
@@ -199,7 +201,7 @@ def table(
     unit: str = "short",
     links: Sequence[dict[str, Any]] = (),
     hide: Iterable[str] = ("Time",),
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
 ) -> dict[str, Any]:
     """Instant table queries merged into one row per label set; ``hide`` drops columns."""
     transformations = [

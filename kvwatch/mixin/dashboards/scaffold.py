@@ -211,7 +211,7 @@ BYTES = g.Axis("bytes", 0)
 SHIPPED_ALERTS = AlertConfig()
 
 
-def fires_above(threshold: float) -> tuple[tuple[float | None, str], ...]:
+def fires_above(threshold: float) -> g.Steps:
     """Threshold steps: green up to an alert's threshold, red above it."""
     return ((None, "green"), (threshold, "red"))
 
@@ -232,7 +232,7 @@ def burn_rate(window: str, s: Scope) -> str:
 
 
 def burn_rate_panel(
-    window: str, s: Scope, description: str, thresholds: Sequence[tuple[float | None, str]] = PAGE_BURN
+    window: str, s: Scope, description: str, thresholds: g.Steps = PAGE_BURN
 ) -> dict[str, Any]:
     """Each objective's error ratio over ``window`` / its error budget, per model and band."""
     return g.timeseries(
