@@ -49,7 +49,7 @@ def fleet_board(opts: Options) -> Board:
             "Engines down",
             [Query(f"count({s.sel('kvwatch_target_up')} == 0) or vector(0)")],
             "Engine replicas kvwatch cannot scrape.",
-            thresholds=((None, "green"), (1, "red")),
+            thresholds=ANY_IS_RED,
         ),
         g.stat(
             "KV capacity",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvwatch.mixin import grafana as g
 from kvwatch.mixin.dashboards.scaffold import (
     ANY_IS_BAD,
+    ANY_IS_RED,
     BYTES,
     BYTES_PER_S,
     COUNT,
@@ -78,7 +79,7 @@ def node_board(opts: Options) -> Board:
             "GPUs lost",
             [Query(f"sum({s.sel('kvwatch_gpu_lost')})")],
             "GPUs NVML reports lost (fallen off the bus).",
-            thresholds=((None, "green"), (1, "red")),
+            thresholds=ANY_IS_RED,
         ),
     )
 

@@ -1,6 +1,6 @@
 """What the three dashboards share: the variables, the scope that applies them, the board record,
-threshold colour steps and the link bar. A board module builds panels; this one knows Grafana's
-variables and how a selector picks them up.
+axes (unit and range), threshold colour steps, the SLO panels two boards show and the link bar. A
+board module builds panels; this one knows Grafana's variables and how a selector picks them up.
 """
 
 from __future__ import annotations
