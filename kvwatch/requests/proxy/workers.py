@@ -73,6 +73,7 @@ class WorkerSpec:
     known_models: tuple[str, ...]
     bands: LengthBands
     log_level: int
+    learn_models: bool = True  # ask each engine's /v1/models for label values (start_proxy's)
 
 
 def worker_share(proxy: ProxyConfig, workers: int) -> ProxyConfig:
@@ -126,8 +127,10 @@ class WorkerGroup:
         sink: Sink,
         count: Count,
         workers: int,
+        learn_models: bool = True,
     ) -> None:
         self.replicas = tuple(replicas)
+        self.learn_models = learn_models
         for replica in self.replicas:
             if replica.proxy_listen is None or replica.api_url is None:
                 raise ValueError(f"replica {replica.name}: the proxy needs proxy_listen and api_url")
@@ -199,6 +202,7 @@ class WorkerGroup:
             self.known_models,
             self.bands,
             logging.getLogger("kvwatch").getEffectiveLevel(),
+            self.learn_models,
         )
         try:
             process = await asyncio.create_subprocess_exec(
@@ -338,6 +342,7 @@ async def serve(spec: WorkerSpec) -> None:
                 channel,
                 channel.sink,
                 channel.count,
+                learn_models=spec.learn_models,
                 reuse_port=True,
             )
         )
