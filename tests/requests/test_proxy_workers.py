@@ -441,3 +441,40 @@ def test_limits_divide_among_workers() -> None:
     assert share.max_buffered_bytes == (64 << 20) // 3  # floor: the node-wide budget holds
     tight = worker_share(ProxyConfig(max_body_bytes=8 << 20, max_buffered_bytes=10 << 20), 4)
     assert tight.max_buffered_bytes == 8 << 20  # any allowed body still fits one worker
+
+
+async def test_a_backed_up_channel_never_blocks_and_every_record_is_applied_or_counted_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent does not read for a while: the worker keeps going (sink never blocks), queues what
+    the socket will not take up to the bound, then counts what it drops; once the agent reads, the
+    records applied plus those counted lost are exactly the records made."""
+    import kvwatch.requests.proxy.channel as channel
+
+    monkeypatch.setattr(channel, "MAX_BACKLOG_BYTES", 256 * 1024)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    loop = asyncio.get_running_loop()
+    worker = WorkerChannel(theirs, loop)
+    made = 0
+    for _ in range(40):  # 40 loop turns of 200 records each, nobody reading
+        for _ in range(200):
+            handle = worker.start(InFlightRequest("r0", "tiny", "0-4", 3, 0, 1.7e9, 4))
+            worker.sink(RequestRecord("r0", "tiny", "proxy", Outcome.COMPLETED, 1.7e9, output_tokens=made))
+            worker.finish(handle)
+            made += 1
+        await asyncio.sleep(0)
+    assert worker.backlog  # the socket's buffer filled; the rest waits in the worker
+    records: list[RequestRecord] = []
+    counters: collections.Counter = collections.Counter()
+
+    def count(family: str, *labels: str, amount: float = 1) -> None:
+        counters[(family, *labels)] += amount
+
+    tracker = InFlightTracker()
+    ChannelReceiver(ours, ["r0"], records.append, count, tracker)
+    lost = ("kvwatch_proxy_worker_records_lost", "r0", "backlog")
+    await _wait_for(lambda: not worker.backlog and len(records) + counters[lost] == made, timeout=10)
+    assert counters[lost] > 0  # the bound was reached: some were dropped, and counted
+    assert len({r.output_tokens for r in records}) == len(records)  # none applied twice
+    assert tracker.current() == []  # every start that was sent was finished
+    theirs.close()
