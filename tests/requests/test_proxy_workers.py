@@ -283,7 +283,7 @@ async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted
         lost = _value(samples, "kvwatch_proxy_worker_records_lost_total", replica="r0", reason="worker_died")
         # every request the clients saw cut was one the dead worker had started: counted lost, not
         # recorded; every request that finished is recorded; nothing is left in flight
-        assert lost == failed
+        assert lost == failed, (lost, failed, on_victim, sorted(agent.state.counters.items()))
         assert _value(samples, "kvwatch_requests_total") == outcomes.count(True)
         assert _value(samples, "kvwatch_requests_in_flight") == 0
 
@@ -449,7 +449,7 @@ async def test_a_backed_up_channel_never_blocks_and_every_record_is_applied_or_c
     """The agent does not read for a while: the worker keeps going (sink never blocks), queues what
     the socket will not take up to the bound, then counts what it drops; once the agent reads, the
     records applied plus those counted lost are exactly the records made."""
-    import kvwatch.requests.proxy.channel as channel
+    from kvwatch.requests.proxy import channel
 
     monkeypatch.setattr(channel, "MAX_BACKLOG_BYTES", 256 * 1024)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
