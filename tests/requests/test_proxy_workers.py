@@ -242,7 +242,7 @@ async def test_two_workers_account_exactly_what_the_clients_counted(tmp_path: Pa
 
 
 async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted_lost(tmp_path: Path) -> None:
-    engine = LengthEngine(pause=0.4)  # streams stay open while the worker is killed
+    engine = LengthEngine(pause=0.5)  # streams stay open while the worker is killed
     await engine.start()
     ledger = tmp_path / "ledger.jsonl"
     agent = Agent(_agent_config(engine.url, ledger, workers=2))
@@ -268,7 +268,8 @@ async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted
             return True
 
         running = asyncio.gather(*(attempt(c) for c in clients for _ in range(2)))
-        await asyncio.sleep(0.3)  # every stream is past its head, waiting on the engine's pace
+        # every stream read and metered (the agent has it in flight), waiting on the engine's pace
+        await _wait_for(lambda: len(agent.state.in_flight.current()) == 2 * len(clients), timeout=10)
         on_victim = len(_socket_inodes(victim) & _established_inodes(port))
         assert on_victim > 0
         os.kill(victim, signal.SIGKILL)

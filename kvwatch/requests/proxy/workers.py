@@ -317,6 +317,9 @@ async def serve(spec: WorkerSpec) -> None:
     """Run the relay for every replica until SIGTERM or until the agent's end of the channel closes."""
     from kvwatch.requests.proxy.server import start_proxy
 
+    if spec.learn_models:  # imported now, not by the first /v1/models task: that blocks the loop
+        import aiohttp  # noqa: F401  (measured: 0.3-0.5 s on a loaded machine, clients waiting)
+
     loop = asyncio.get_running_loop()
     sock = socket.socket(fileno=spec.channel_fd)
     channel = WorkerChannel(sock, loop)
