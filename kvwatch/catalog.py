@@ -185,6 +185,29 @@ CATALOG: tuple[MetricSpec, ...] = (
         "self",
     ),
     _m(
+        "kvwatch_proxy_worker_restarts",
+        "counter",
+        (),
+        "Relay worker processes (proxy.workers) that exited and were restarted.",
+        "self",
+    ),
+    _m(
+        "kvwatch_proxy_worker_records_lost",
+        "counter",
+        ("replica", "reason"),
+        "Requests a relay worker relayed whose record never reached the agent: worker_died (it was in flight "
+        "in a worker that exited), backlog (the worker's channel to the agent was full).",
+        "self",
+    ),
+    _m(
+        "kvwatch_proxy_worker_datagrams_refused",
+        "counter",
+        (),
+        "Datagrams on a relay worker's accounting channel the agent refused as malformed (nothing of them "
+        "applied).",
+        "self",
+    ),
+    _m(
         "kvwatch_proxy_usage_injection_refused",
         "counter",
         ("replica",),

@@ -118,6 +118,7 @@ class Agent:
         self._gpu: NvmlCollector | None = None
         self._xid: XidWatcher | None = None
         self._proxies: list[Any] = []
+        self._proxy_workers: Any = None  # a requests.proxy.workers.WorkerGroup when proxy.workers > 1
         self._otlp: OtlpReceiver | None = None
         self._followers: list[SglangFileFollower] = []
         self._plugin_receivers: dict[str, PluginReceiver] = {}  # socket path -> its receiver
@@ -250,6 +251,9 @@ class Agent:
         for proxy in self._proxies:
             await proxy.stop()
         self._proxies.clear()
+        if self._proxy_workers is not None:
+            await self._proxy_workers.stop()
+            self._proxy_workers = None
         if self._otlp is not None:
             await self._otlp.stop()
             self._otlp = None
@@ -287,7 +291,10 @@ class Agent:
 
     @property
     def proxy_ports(self) -> dict[str, int]:
-        return {p.replica: p.port for p in self._proxies}
+        ports = {p.replica: p.port for p in self._proxies}
+        if self._proxy_workers is not None:
+            ports.update(self._proxy_workers.ports)
+        return ports
 
     @property
     def otlp_port(self) -> int | None:
@@ -440,10 +447,44 @@ class Agent:
     def _record_admitted(self, record: RequestRecord) -> None:
         self.record(record, admitted=True)
 
+    def _relay_workers(self, proxied: int) -> int:
+        """Relay worker processes for ``proxy.workers`` (0: the proxies run on this loop).
+
+        Workers measure on the real clocks; an agent given its own (the demo's simulator) keeps
+        its proxies in process, where they can read them.
+        """
+        if not proxied:
+            return 0
+        from kvwatch.requests.proxy.cpus import relay_workers, usable_cpus
+
+        workers = relay_workers(self.config.proxy.workers, proxied, usable_cpus())
+        if workers and (self.clock is not time.time or self.proxy_clock is not time.perf_counter):
+            log.info(
+                "proxy: relaying in process (the agent runs on its own clock, which workers cannot read)"
+            )
+            return 0
+        return workers
+
     async def _start_request_sources(self) -> None:
         cfg = self.config
         proxied = [r for r in cfg.replicas if r.proxy_listen is not None]
-        if proxied:
+        workers = self._relay_workers(len(proxied))
+        if workers:
+            from kvwatch.requests.proxy.workers import WorkerGroup
+
+            group = WorkerGroup(
+                proxied,
+                cfg.proxy,
+                cfg.known_models,
+                cfg.length_bands,
+                self.state.in_flight,
+                self.record,
+                self.state.count,
+                workers,
+            )
+            await group.start()
+            self._proxy_workers = group
+        elif proxied:
             from kvwatch.requests.proxy import start_proxy
 
             for replica in proxied:
