@@ -67,6 +67,7 @@ class NodeShape:
     node_models: int = 1  # distinct served model names on the node (lean's per-node request series)
     profile: str = "lean"  # metrics.profile
     proxied: bool = True  # the proxy reports requests (no queue time)
+    relay_workers: bool = True  # proxy.workers resolves to more than 1 (auto on the reference node: 8)
     engine_request_sources: int = 0  # OTLP span / SGLang file sources per replica (with queue time)
     band_edges: tuple[int, ...] = LengthBands().edges
     finish_reasons: int = 5  # vLLM: stop, length, abort, error, repetition
@@ -191,6 +192,10 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     "kvwatch_proxy_usage_injection_refused": lambda s: s.replicas * int(s.proxied),
     "kvwatch_proxy_requests_refused": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
     "kvwatch_proxy_refusals_undelivered": lambda s: s.replicas * int(s.proxied) * s.refusal_statuses,
+    # relay worker processes: pre-created at 0 while workers relay (reasons worker_died, backlog)
+    "kvwatch_proxy_worker_restarts": lambda s: int(s.proxied and s.relay_workers),
+    "kvwatch_proxy_worker_datagrams_refused": lambda s: int(s.proxied and s.relay_workers),
+    "kvwatch_proxy_worker_records_lost": lambda s: 2 * s.replicas * int(s.proxied and s.relay_workers),
     # only on an out-of-range count: per replica and source, x the request fields that were
     "kvwatch_request_values_dropped": lambda s: (
         (s.replicas * int(s.proxied) + s.engine_keys) * s.out_of_range_fields
