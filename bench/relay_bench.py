@@ -26,7 +26,7 @@ from kvwatch.requests import proxy as current
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.http1 import parse_request_head, parse_response_head
 from kvwatch.requests.proxy.client import ClientConnection
-from kvwatch.requests.proxy.exchange import Exchange
+from kvwatch.requests.proxy.exchange import Exchange, Phase
 from kvwatch.state import InFlightTracker
 
 #: a vLLM chat chunk as it arrives from the engine, one per read
@@ -79,11 +79,17 @@ def exchange_factory(server_cls: Any, conn_cls: Any, exchange_cls: Any) -> Calla
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(BODY)
     )
 
+    layered = hasattr(server, "clients")  # the proxy package since its pieces get contexts
+
     def make() -> Any:
-        conn = conn_cls(server)
+        conn = conn_cls(server.clients if layered else server)
         conn.transport = Sink()
-        exchange = exchange_cls(conn, head, BODY, 0.0, 0.0)
-        exchange._send = lambda: None
+        if layered:
+            exchange = exchange_cls(server.clients.exchanges, conn, head, BODY, 0.0, 0.0)
+            exchange._send = lambda: exchange._to(Phase.AWAITING_HEAD)
+        else:
+            exchange = exchange_cls(conn, head, BODY, 0.0, 0.0)
+            exchange._send = lambda: None
         exchange.start()
         exchange.on_head(RESPONSE, None, True)
         exchange.flush()
