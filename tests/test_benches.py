@@ -25,6 +25,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "nvml_smoke.py": ("--fake", "2", "--quick"),
     "report_bench.py": ("--quick",),
     "plan_bench.py": ("--quick",),
+    "proxy_bench.py": ("--quick",),  # direct, nginx, kvwatch: 8 streams, 1 s, one round
     "sim_bench.py": ("--quick",),
 }
 #: benches without a quick run yet, and why (each one is a gap, not a decision)
@@ -39,7 +40,6 @@ NO_QUICK_YET = {
     "otlp_offset_bench.py": "starts the real CPU vLLM",
     "plan_study.py": "no --quick that runs in seconds (a quarter of the study)",
     "plan_study_hostcost.py": "no --quick that runs in seconds (a quarter of the study)",
-    "proxy_bench.py": "no --quick yet; starts nginx and engines",
     "relay_bench.py": "needs --baseline, another checkout's proxy module",
     "vllm_plugin_bench.py": "runs in the real vLLM venv",
 }
@@ -54,10 +54,20 @@ def test_every_bench_is_run_quick_or_says_why_not() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("bench", sorted(QUICK))
 def test_bench_quick_run_works(bench: str) -> None:
+    run_quick(bench, QUICK[bench])
+
+
+@pytest.mark.slow
+def test_proxy_bench_late_tail_quick_run_works() -> None:
+    """The proxy bench's other scenario: [DONE] long before the stream ends, reused connections."""
+    run_quick("proxy_bench.py", ("--quick", "--scenario", "late-tail"))
+
+
+def run_quick(bench: str, args: tuple[str, ...]) -> None:
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run(
-        [sys.executable, str(BENCH / bench), *QUICK[bench]],
+        [sys.executable, str(BENCH / bench), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
