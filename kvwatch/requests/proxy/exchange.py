@@ -143,6 +143,7 @@ class Exchange:
 
     # -- the request ------------------------------------------------------------------------------
     def start(self) -> None:
+        self.context.engine.begin()  # matched by end() in _end, which every started exchange reaches
         endpoint = METERED_PATHS.get(self.head.path) if self.head.method == b"POST" else None
         injected = self._start_metering(endpoint) if endpoint else None
         self.strip = injected is not None
@@ -256,6 +257,7 @@ class Exchange:
         # this response's end) is not held behind this one's record, sink, ledger line and in-flight
         # entry, which run on the next loop turn, once each
         self.client.exchange_done(self.keep_alive and end is End.COMPLETE)
+        self.context.engine.end()
         asyncio.get_running_loop().call_soon(self._finish, end)
 
     def abandon(self) -> None:

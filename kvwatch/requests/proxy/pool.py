@@ -31,7 +31,8 @@ UPSTREAM_IDLE_S = 4.0  # an idle pooled upstream connection older than this is n
 DRAIN_S = 5.0  # how long an engine may take to end a stream after [DONE] before its connection is closed
 MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
 
-MAX_SPARES = 8  # engine connections being opened ahead of need at once (see Engine.warm_spare)
+MAX_WARM = 32  # idle and opening connections kept for expected requests, at most (Engine.keep_warm)
+DEMAND_ALPHA = 0.2  # weight of each arriving request's concurrency in the demand EWMA
 
 _HEAD, _CHUNKED, _LENGTH, _UNTIL_CLOSE, _ENDED = range(5)
 
@@ -108,6 +109,15 @@ class EnginePool:
         with contextlib.suppress(ValueError):
             self.idle.remove(protocol)
 
+    def sweep(self) -> None:
+        """Close the idle connections older than ``idle_s``: extras a fall in demand left unused."""
+        now = time.monotonic()
+        stale = [p for p in self.idle if p.closed or now - p.idle_since >= self.idle_s]
+        if stale:
+            self.idle = [p for p in self.idle if p not in stale]
+            for protocol in stale:
+                protocol.abort()
+
     def close(self) -> None:
         for protocol in self.idle:
             protocol.abort()
@@ -117,7 +127,12 @@ class EnginePool:
 class Engine:
     """One replica's engine as the exchanges see it: take a pooled connection or connect one.
 
-    Owns its tasks (connects, spares), so ``stop`` ends them all.
+    Keeps warm connections in proportion to measured demand, so a request does not wait for a
+    connect: ``demand`` is an EWMA of the concurrency each arriving request sees (itself included),
+    and after each request (and while a stream's late tail holds its connection) idle spares are
+    opened until idle + opening covers ``round(demand)`` minus the requests in flight (at least one
+    while tails are pending), bounded by ``MAX_WARM``; idle ones unused for ``pool.idle_s`` are
+    closed (``sweep``). Owns its tasks (connects, spares), so ``stop`` ends them all.
     """
 
     def __init__(
@@ -128,7 +143,11 @@ class Engine:
         self.ssl_context = ssl.create_default_context() if address.tls else None
         self.pool = pool if pool is not None else EnginePool()
         self.tails = 0  # engine connections reading a stream's tail after [DONE] on their own
+        self.in_flight = 0  # requests between begin() and end()
+        self.demand = 0.0  # EWMA of the concurrency arriving requests see
         self._spares = 0
+        self._warm_scheduled = False
+        self._sweeper: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
 
@@ -138,11 +157,50 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # -- demand -----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A request is about to go to the engine."""
+        self.in_flight += 1
+        self.demand += DEMAND_ALPHA * (self.in_flight - self.demand)
+
+    def end(self) -> None:
+        """A request is over (its connection pooled, reading a tail, or closed): warm spares for the
+        next ones on the next loop turn, once the read that ended it is fully handled."""
+        self.in_flight -= 1
+        self._warm_soon()
+
+    def _warm_soon(self) -> None:
+        if not self._warm_scheduled:
+            self._warm_scheduled = True
+            asyncio.get_running_loop().call_soon(self.keep_warm)
+
+    def keep_warm(self) -> None:
+        """Open idle spares up to what demand expects beyond the requests in flight (bounded)."""
+        self._warm_scheduled = False
+        if self.stopping:
+            return
+        expected = max(round(self.demand) - self.in_flight, 1 if self.tails else 0)
+        want = min(expected, MAX_WARM, self.pool.max_idle) - len(self.pool.idle) - self._spares
+        for _ in range(want):  # only a request's start or end calls this: no connect loop of its own
+            self._spares += 1
+            self.spawn(self._open_spare())
+        self._arm_sweeper()
+
+    def _arm_sweeper(self) -> None:
+        if self._sweeper is None and (self.pool.idle or self._spares) and not self.stopping:
+            self._sweeper = asyncio.get_running_loop().call_later(self.pool.idle_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.pool.sweep()
+        self._arm_sweeper()
+
+    # -- connections ------------------------------------------------------------------------------
     def take(self) -> EngineConnection | None:
         """A pooled connection for a request now, or None (the caller connects one)."""
         protocol = self.pool.take()
         if self.tails and not self.pool.idle:  # tails hold connections: the next request gets a spare
-            self.warm_spare()
+            self.keep_warm()
         return protocol
 
     async def connect(self) -> EngineConnection:
@@ -158,15 +216,6 @@ class Engine:
             )
         return protocol
 
-    def warm_spare(self) -> None:
-        """A stream's late tail holds its engine connection while the client, which already has its
-        response, may send its next request at once: open an idle one for it now, so that request
-        does not wait for a connect (measured: bench/proxy_bench.py --scenario late-tail)."""
-        if self.pool.idle or self._spares >= MAX_SPARES or self.stopping:
-            return
-        self._spares += 1
-        self.spawn(self._open_spare())
-
     async def _open_spare(self) -> None:
         try:
             protocol = await self.connect()
@@ -178,9 +227,13 @@ class Engine:
             protocol.abort()
         else:
             self.pool.give(protocol)
+            self._arm_sweeper()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self.pool.close()
         tasks = list(self._tasks)
         if tasks:
@@ -247,7 +300,7 @@ class EngineConnection(asyncio.Protocol):
 
     def _spare_if_draining(self) -> None:
         if self.tail_timer is not None:
-            self.engine.warm_spare()
+            self.engine.keep_warm()
 
     def _tail_done(self) -> None:
         if self.tail_timer is not None:
