@@ -125,6 +125,7 @@ async def role_raw(args: argparse.Namespace) -> None:
 
 async def role_kvwatch(args: argparse.Namespace) -> None:
     """The real proxy with full accounting: request stats, in-flight tracking and the ledger."""
+    from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.ledger import RequestLedger
@@ -150,6 +151,9 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
     proxy = await start_proxy(
         replica, ProxyConfig(), frozenset({"bench"}), DEFAULT_BANDS, state.in_flight, sink, state.count
     )
+    # as the agent does once started (agent/heap.py): without it, a full collection walks the
+    # start-up heap on the loop (20-60 ms here), a stall the agent does not have
+    freeze_start_up_heap()
     _ready(args.port)
     try:
         await asyncio.Event().wait()
