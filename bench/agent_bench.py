@@ -9,7 +9,7 @@ the same number of series in long-lived Gauge/Counter/Histogram objects rendered
 ``generate_latest`` (what most Python exporters do), plus the RSS of a bare Python process that only
 imported prometheus_client. kvwatch renders with its own encoder (``kvwatch/export/encode.py``).
 
-Usage:  .venv/bin/python bench/agent_bench.py [--scrapes 10000] [--render-samples 300]
+Usage:  .venv/bin/python -m bench.agent_bench [--scrapes 10000] [--render-samples 300] [--quick]
 Results are recorded in docs/performance.md ("Node agent /metrics").
 """
 
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench._harness import parser as bench_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "tests/fixtures/engines/captured/vllm-0.13-0.14-v1-lmcache-dynamo-2026-01-2.prom"
@@ -235,13 +237,13 @@ def soak(scrapes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--scrapes", type=int, default=10_000)
     parser.add_argument("--render-samples", type=int, default=300)
     parser.add_argument("--soak-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.scrapes, args.render_samples = 50, 5
     if args.soak_child:
         print(json.dumps(soak(args.scrapes)))
         return
@@ -267,7 +269,7 @@ def main() -> None:
     cpu_peer = (time.process_time() - cpu0) / args.render_samples
 
     child = subprocess.run(
-        [sys.executable, __file__, "--soak-child", "--scrapes", str(args.scrapes)],
+        [sys.executable, "-m", "bench.agent_bench", "--soak-child", "--scrapes", str(args.scrapes)],
         capture_output=True,
         text=True,
         check=True,

@@ -1,22 +1,34 @@
 """Mean decode step of a running vLLM at a few concurrencies: the TP=1 / TP=2 check of
 docs/planning.md (run by bench/cpu_vllm_tp.sh, one engine at a time). Prints one JSON line.
 
+    .venv/bin/python -m bench.cpu_vllm_decode_gaps URL        # a running vLLM serving model "tiny"
+    .venv/bin/python -m bench.cpu_vllm_decode_gaps --quick    # kvwatch's simulated vLLM in this process
+
 The mean of a phase's chunk gaps is (last chunk - first chunk) / (chunks - 1) over its streams, so it
 holds when the server coalesces tokens into bursts (at TP=2 the CPU vLLM streams several tokens back
 to back, microseconds apart, so a median gap measures the burst, not the step)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import statistics
-import sys
+import threading
+from collections.abc import Iterator
 
+from bench._harness import parser
 from kvwatch.plan.sources import _decode_phase, _filler_words
+from kvwatch.sim.engine import EngineConfig
+from kvwatch.sim.models import model_preset
+from kvwatch.sim.node import NodeConfig, SimNode
+
+MODEL = "tiny"
 
 
-def main(url: str, model: str = "tiny", repeats: int = 3) -> None:
+def main(url: str, model: str = MODEL, repeats: int = 3, concurrencies: tuple[int, ...] = (1, 2, 4)) -> None:
     out: dict[str, list[float]] = {}
-    for c in (1, 2, 4):
+    for c in concurrencies:
         medians = []
         for _ in range(repeats):
             gaps, _prompt = _decode_phase(url, model, c, _filler_words(48, c), 64, 120.0)
@@ -26,5 +38,32 @@ def main(url: str, model: str = "tiny", repeats: int = 3) -> None:
     print(json.dumps({"url": url, "decode_step_s": out}))
 
 
+@contextlib.contextmanager
+def simulated_vllm() -> Iterator[str]:
+    """kvwatch's simulated vLLM replica (its OpenAI API, served as ``tiny``) on an event loop in a
+    thread, since the phases' clients block; the base URL."""
+    engine = EngineConfig(model=model_preset("llama-3.1-8b"), max_model_len=4000, max_num_seqs=16)
+    node = SimNode(NodeConfig(engine=engine, replicas=1, speed=5.0, tick_s=0.01, served_model_name=MODEL))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(node.start(), loop).result(30)
+    try:
+        yield node.urls[0]
+    finally:
+        asyncio.run_coroutine_threadsafe(node.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    p = parser(__doc__)
+    p.add_argument("url", nargs="?", help="the engine's base URL (default with --quick: a simulated one)")
+    args = p.parse_args()
+    if args.url:
+        main(args.url, repeats=1 if args.quick else 3)
+    elif args.quick:
+        with simulated_vllm() as url:
+            main(url, repeats=1, concurrencies=(1, 2))
+    else:
+        p.error("give the URL of a running vLLM (or --quick)")

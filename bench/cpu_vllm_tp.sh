@@ -27,7 +27,7 @@ for TP in ${ORDER:-1 2}; do
         --load "http://127.0.0.1:$PORT" --max-num-seqs 8 --tp "$TP" -o "$OUT/cal-tp$TP.yaml") \
         >"$OUT/calibrate-tp$TP.txt" 2>&1
     echo "tp=$TP calibrate rc=$?" | tee -a "$OUT/summary.txt"
-    (cd "$HERE" && PYTHONPATH="$HERE" timeout 240 "$PY" bench/cpu_vllm_decode_gaps.py "http://127.0.0.1:$PORT") \
+    (cd "$HERE" && PYTHONPATH="$HERE" timeout 240 "$PY" -m bench.cpu_vllm_decode_gaps "http://127.0.0.1:$PORT") \
         >>"$OUT/decode-tp$TP.jsonl" 2>>"$OUT/decode-tp$TP.err"
     echo "tp=$TP decode gaps rc=$?" | tee -a "$OUT/summary.txt"
   else

@@ -9,7 +9,7 @@ pod with probes, env, volumes, status; ~6 KiB) and on the largest event the budg
 - ``PodDiscovery.on_pods`` for a node at the kubelet's default max-pods (110) after one event: the
   changed pod judged, the others' verdicts reused by resourceVersion; and the first list (all judged).
 
-  .venv/bin/python bench/discovery_bench.py
+  .venv/bin/python -m bench.discovery_bench [--quick]
 """
 
 from __future__ import annotations
@@ -17,18 +17,12 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fake API server's pod builders
-
-from _harness import median_seconds
-
+from bench._harness import median_seconds, parser
 from kvwatch.config import Config
 from kvwatch.discovery.kube_api import decode_event, split_lines
-from tests.discovery.fake_apiserver import _conditions, make_pod, vllm_container
+from tests.discovery.fake_apiserver import make_pod, pod_conditions, vllm_container
 
-EVENTS = 2000
 CHUNK = 16 * 1024
 
 
@@ -55,12 +49,14 @@ def realistic_pod(i: int) -> dict:
             "fieldsV1": {"f:status": {f"f:c{k}": {} for k in range(40)}},
         }
     ]
-    pod["status"].update(phase="Running", podIP=f"10.1.0.{i % 250}", conditions=_conditions(True))
+    pod["status"].update(phase="Running", podIP=f"10.1.0.{i % 250}", conditions=pod_conditions(True))
     return pod
 
 
 def main() -> None:
-    pods = [realistic_pod(i) for i in range(EVENTS)]
+    args = parser(__doc__).parse_args()
+    events, runs, rounds = (110, 1, 10) if args.quick else (2000, 7, 200)  # >= 110 pods: one node's max
+    pods = [realistic_pod(i) for i in range(events)]
     lines = [json.dumps({"type": "MODIFIED", "object": p}).encode() + b"\n" for p in pods]
     stream = b"".join(lines)
     chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
@@ -76,14 +72,14 @@ def main() -> None:
             for line in split_lines(buffer, chunk, 4 * 1024 * 1024):
                 decode_event(line)
 
-    t_peer, t_kv = median_seconds(peer, 7), median_seconds(kvwatch, 7)
-    print(f"watch events: {EVENTS} x {size / 1024:.1f} KiB pod objects, {CHUNK // 1024} KiB chunks")
-    print(f"  json.loads (peer)          {t_peer / EVENTS * 1e6:8.1f} us/event")
-    print(f"  split_lines + decode_event {t_kv / EVENTS * 1e6:8.1f} us/event   ratio {t_kv / t_peer:.2f}")
+    t_peer, t_kv = median_seconds(peer, runs), median_seconds(kvwatch, runs)
+    print(f"watch events: {events} x {size / 1024:.1f} KiB pod objects, {CHUNK // 1024} KiB chunks")
+    print(f"  json.loads (peer)          {t_peer / events * 1e6:8.1f} us/event")
+    print(f"  split_lines + decode_event {t_kv / events * 1e6:8.1f} us/event   ratio {t_kv / t_peer:.2f}")
 
     big = make_pod("huge", annotations={"blob": "x" * (4 * 1024 * 1024 - 2048)})
     big_line = json.dumps({"type": "MODIFIED", "object": big}).encode()
-    t_big = median_seconds(lambda: decode_event(big_line), 7)
+    t_big = median_seconds(lambda: decode_event(big_line), runs)
     print(f"  largest admitted event ({len(big_line) / 2**20:.1f} MiB): {t_big * 1e3:.1f} ms")
 
     from kvwatch.agent.discovery import PodDiscovery
@@ -98,8 +94,7 @@ def main() -> None:
     node_pods = {p["metadata"]["uid"]: p for p in copy.deepcopy(pods[:110])}
     for i, pod in enumerate(node_pods.values()):
         pod["metadata"]["resourceVersion"] = str(1000 + i)
-    t_first = median_seconds(lambda: (discovery._verdicts.clear(), discovery.on_pods(node_pods)), 7)
-    rounds = 200
+    t_first = median_seconds(lambda: (discovery._verdicts.clear(), discovery.on_pods(node_pods)), runs)
     changed = next(iter(node_pods.values()))
 
     def one_event() -> None:
@@ -107,7 +102,7 @@ def main() -> None:
             changed["metadata"]["resourceVersion"] = str(5000 + n)
             discovery.on_pods(node_pods)
 
-    t_event = median_seconds(one_event, 7)
+    t_event = median_seconds(one_event, runs)
     print(
         f"  on_pods, 110 pods (max-pods): first list {t_first * 1e3:.2f} ms, "
         f"then {t_event / rounds * 1e3:.3f} ms per event"

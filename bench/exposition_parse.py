@@ -7,7 +7,7 @@ the median time of:
 - ``kvwatch.engines.exposition_parser.parse_text`` (ratio = peer / kvwatch: >1 means kvwatch is faster),
 - ``kvwatch.engines.registry.parse_exposition`` (text -> ReplicaSamples, adapter included).
 
-  .venv/bin/python bench/exposition_parse.py [--quick]
+  .venv/bin/python -m bench.exposition_parse [--quick]
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from _harness import median_seconds, parser, ratio
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._harness import median_seconds, parser, ratio
 from kvwatch.engines.exposition_parser import parse_text
 from kvwatch.engines.registry import parse_exposition
 

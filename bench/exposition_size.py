@@ -7,23 +7,20 @@ outcome seen. Each scrape is a real HTTP GET; "wire" is the response body as sen
 asked), read raw. Time per scrape is the median of ``--scrapes`` GETs; the gzip column's ratio is
 against the identity scrape of the same profile and exposition, measured in the same run.
 
-  .venv/bin/python bench/exposition_size.py [--scrapes 20]
+  .venv/bin/python -m bench.exposition_size [--scrapes 20] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gzip
 import logging
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scale test's reference node
+from bench._harness import parser as bench_parser
 from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE
 from tests.e2e.reference_node import reference_node
 
@@ -67,9 +64,11 @@ async def _profile(profile: str, scrapes: int) -> list[str]:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--scrapes", type=int, default=20, help="GETs per (profile, exposition, encoding)")
     args = parser.parse_args()
+    if args.quick:
+        args.scrapes = 2
     logging.basicConfig(level=logging.ERROR)  # the XID warnings; 0.3 s polls skip runs on a busy machine
     print(
         "| profile | series | exposition | Content-Encoding | bytes on the wire | decoded / wire | "

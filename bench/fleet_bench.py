@@ -26,7 +26,7 @@ disk need a compaction (2 h blocks) and are not measured.
 ``--profile`` is the exporter's metrics profile; a profile this kvwatch does not know is an error
 (``lean``, the default, or ``full``).
 
-Usage:  flock /tmp/kvwatch-heavy.lock .venv/bin/python bench/fleet_bench.py [--nodes 20]
+Usage:  flock /tmp/kvwatch-heavy.lock .venv/bin/python -m bench.fleet_bench [--nodes 20]
         [--interval 10] [--window 60] [--profile full] [--phases baseline,full,full-native,vllm]
 Results are recorded in docs/scale.md ("The fleet, measured").
 """
@@ -48,9 +48,10 @@ from typing import Any
 
 import httpx
 import yaml
-from _harness import listen
-from agent_bench import CAPTURE, REPLICAS, build_state, kvwatch_registry
 from aiohttp import web
+
+from bench._harness import listen
+from bench.agent_bench import CAPTURE, REPLICAS, build_state, kvwatch_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_RULES = sorted((ROOT / "alerts").glob("*.rules.yaml"))

@@ -6,18 +6,19 @@ per request it parses a head. Both are timed here for this checkout and for a ba
 interleaved, best of several repeats:
 
   git show 70dc853:kvwatch/requests/http1.py > /tmp/http1_before.py
-  .venv/bin/python bench/http1_bench.py --baseline /tmp/http1_before.py
+  .venv/bin/python -m bench.http1_bench --baseline /tmp/http1_before.py
+  .venv/bin/python -m bench.http1_bench --quick     # this checkout's http1.py against itself, tiny sizes
+
+http1.py imports nothing of kvwatch, so the one file is the whole baseline.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import sys
 import timeit
 from pathlib import Path
 from types import ModuleType
 
+from bench._harness import load_module, parser
 from kvwatch.requests import http1
 
 #: a vLLM chat chunk as it arrives from the engine, one per read
@@ -34,15 +35,6 @@ REQUEST_HEAD = (
 )
 
 
-def load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("http1_baseline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def per_call_ns(stmt, number: int, repeat: int) -> float:
     return min(timeit.repeat(stmt, number=number, repeat=repeat)) / number * 1e9
 
@@ -57,14 +49,21 @@ def measure(module: ModuleType, number: int, repeat: int) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument(
-        "--baseline", type=Path, required=True, help="another checkout's kvwatch/requests/http1.py"
+        "--baseline",
+        type=Path,
+        help="another checkout's kvwatch/requests/http1.py (default with --quick: this checkout's)",
     )
     p.add_argument("--number", type=int, default=200_000)
     p.add_argument("--repeat", type=int, default=7)
     args = p.parse_args()
-    baseline = load(args.baseline)
+    if args.quick:
+        args.number, args.repeat = 2_000, 2
+        args.baseline = args.baseline or Path(http1.__file__)
+    if args.baseline is None:
+        p.error("--baseline FILE is required (another checkout's kvwatch/requests/http1.py)")
+    baseline = load_module(args.baseline, "http1_baseline")
     rows: dict[str, list[float]] = {}
     for _ in range(3):  # interleaved, so drift from other load hits both alike
         for i, module in enumerate((baseline, http1)):

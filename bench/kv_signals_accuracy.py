@@ -13,31 +13,27 @@ scrapes) and prints, per scenario:
 - recompute estimate / the simulator's recomputed tokens;
 - cost: ``derive_node`` per scrape against parsing the engine page (the peer) in the same run.
 
-  .venv/bin/python bench/kv_signals_accuracy.py
+  .venv/bin/python -m bench.kv_signals_accuracy [--quick]
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from derive import simulated as sim
-from derive.test_against_simulator import (
+from bench._harness import parser
+from kvwatch.derive.node import NodeInputs, derive_node
+from kvwatch.engines.registry import parse_exposition
+from kvwatch.sim.engine import SimEngine
+from kvwatch.sim.exposition_writer import render_vllm_metrics
+from tests.derive import simulated as sim
+from tests.derive.simulated import (
     derive_each,
     fragmentation_of,
     headroom_of,
     true_fragmentation,
     true_stranded,
 )
-
-from kvwatch.derive.node import NodeInputs, derive_node
-from kvwatch.engines.registry import parse_exposition
-from kvwatch.sim.engine import SimEngine
-from kvwatch.sim.exposition_writer import render_vllm_metrics
 
 SCENARIOS = {
     "balanced": lambda: sim.balanced(400.0),
@@ -46,6 +42,11 @@ SCENARIOS = {
     "bursty (20k blocks, bursts overlap)": lambda: sim.bursty(blocks=20_000),
     "overloaded bursts (14k blocks)": lambda: sim.bursty(blocks=14_000),
     "long-output storm": sim.long_output_storm,
+}
+#: --quick: two short runs through the same reports (their figures mean nothing)
+QUICK_SCENARIOS = {
+    "balanced (60 s)": lambda: sim.balanced(60.0),
+    "bursty (20k blocks, 120 s)": lambda: sim.bursty(until=120.0, blocks=20_000),
 }
 
 
@@ -116,13 +117,13 @@ def recompute_report(run: sim.Run, views) -> str:
     )
 
 
-def cost_report() -> str:
+def cost_report(scrapes: int) -> str:
     """derive_node per scrape vs parsing the page it derives from, on a 64-sequence engine."""
     engine = SimEngine(sim.config(50_000))
     for i in range(64):
         engine.submit(f"q{i}", 1000, 20_000, 20_000, arrival=0.0)
     samples, view, parse_s, derive_s = [], None, 0.0, 0.0
-    for n in range(1, 201):
+    for n in range(1, scrapes + 1):
         engine.advance_to(n * 5.0)
         page = render_vllm_metrics([engine], sim.MODEL, created=0.0).decode()
         started = time.perf_counter()
@@ -132,13 +133,14 @@ def cost_report() -> str:
         view = derive_node(view, NodeInputs(samples=tuple(samples), proxied={"r0"}), n * 5.0)
         derive_s += time.perf_counter() - started
     return (
-        f"cost per scrape: derive_node {derive_s / 200 * 1e6:.0f} us, parsing the page "
-        f"{parse_s / 200 * 1e6:.0f} us (ratio {derive_s / parse_s:.3f})"
+        f"cost per scrape: derive_node {derive_s / scrapes * 1e6:.0f} us, parsing the page "
+        f"{parse_s / scrapes * 1e6:.0f} us (ratio {derive_s / parse_s:.3f})"
     )
 
 
 def main() -> int:
-    for name, make in SCENARIOS.items():
+    quick = parser(__doc__).parse_args().quick
+    for name, make in (QUICK_SCENARIOS if quick else SCENARIOS).items():
         started = time.perf_counter()
         run = make()
         views = derive_each(run)
@@ -154,7 +156,7 @@ def main() -> int:
             recompute_report(run, views),
         ):
             print(line)
-    print(cost_report())
+    print(cost_report(20 if quick else 200))
     return 0
 
 

@@ -10,6 +10,9 @@ upstream, and the step doubles ``streams`` until every proxied target has broken
   nginx     one nginx, ``worker_processes auto`` (one worker per core), a server block per upstream;
   kvwatch   the agent's proxies: 8 ``start_proxy`` listeners on one event loop (uvloop), with full
             accounting (request stats, in-flight table, usage injection and removal, the ledger).
+  kvwatch-Nw  with ``--workers 1,N``: the same agent with ``proxy.workers: N``, N relay worker
+            processes on every port (SO_REUSEPORT), the accounting sent back to the agent's process;
+            its CPU is the agent's and its workers' together.
 
 Targets are interleaved within each step, so a busy spell on the host hits all of them. A target
 breaks at a step when its added per-chunk latency p99 (client receive - upstream send, minus direct's
@@ -22,6 +25,7 @@ The sustainable rate is the highest step a target passed.
   .venv/bin/python bench/node_rate.py                                  # 8 upstreams x 2..64 streams
   .venv/bin/python bench/node_rate.py --start 4 --max-streams 32 --step-seconds 4 --json /tmp/nr.json
   .venv/bin/python bench/node_rate.py --baseline /tmp/base   # also kvwatch from another checkout
+  .venv/bin/python bench/node_rate.py --workers 1,2          # in process vs 2 relay workers
 """
 
 from __future__ import annotations
@@ -87,14 +91,36 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         ledger.write(record)
 
     proxies = []
-    for i, (listen, up) in enumerate(zip(args.ports.split(","), args.upstream_ports.split(","), strict=True)):
-        replica = ReplicaConfig(
+    replicas = [
+        ReplicaConfig(
             name=f"gpu{i}",
             metrics_url=f"http://127.0.0.1:{up}/metrics",
             api_url=f"http://127.0.0.1:{up}",
             proxy_listen=parse_host_port(f"127.0.0.1:{listen}"),
             model_name="bench",
         )
+        for i, (listen, up) in enumerate(
+            zip(args.ports.split(","), args.upstream_ports.split(","), strict=True)
+        )
+    ]
+    workers = args.workers[0]
+    if workers > 1:  # proxy.workers: relay processes on every port, accounting back to this one
+        from kvwatch.requests.proxy.workers import WorkerGroup
+
+        group = WorkerGroup(
+            replicas,
+            ProxyConfig(),
+            frozenset({"bench"}),
+            DEFAULT_BANDS,
+            state.in_flight,
+            sink,
+            state.count,
+            workers,
+            learn_models=False,
+        )
+        await group.start()
+        proxies.append(group)
+    for replica in replicas if workers <= 1 else ():
         proxies.append(
             await start_proxy(
                 replica,
@@ -219,6 +245,11 @@ def _verdict(step: Step, direct: Step, args: argparse.Namespace) -> tuple[float,
     return added, True, "ok"
 
 
+def _kvwatch_target(workers: int) -> str:
+    """``kvwatch`` in process (proxy.workers 0 or 1), ``kvwatch-2w`` with 2 relay worker processes."""
+    return "kvwatch" if workers <= 1 else f"kvwatch-{workers}w"
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     pb._use_uvloop(True)
     up_ports = [pb._free_port() for _ in range(ENGINES)]
@@ -251,14 +282,29 @@ def orchestrate(args: argparse.Namespace) -> int:
             ",".join(map(str, kv_ports)),
             "--upstream-ports",
             ",".join(map(str, up_ports)),
+            "--workers",
+            str(args.workers[0]),
         )
         procs.append(kvwatch)
         time.sleep(0.5)  # nginx forks its workers
         targets = {
             "direct": (up_ports, []),
             "nginx": (nginx_ports, pb._children(nginx.pid)),
-            "kvwatch": (kv_ports, pb._children(kvwatch.pid)),
+            _kvwatch_target(args.workers[0]): (kv_ports, pb._children(kvwatch.pid)),
         }
+        for workers in args.workers[1:]:  # the --workers sweep: each count its own agent, same upstreams
+            ports = [pb._free_port() for _ in range(ENGINES)]
+            more = _spawn(
+                "kvwatch",
+                "--ports",
+                ",".join(map(str, ports)),
+                "--upstream-ports",
+                ",".join(map(str, up_ports)),
+                "--workers",
+                str(workers),
+            )
+            procs.append(more)
+            targets[_kvwatch_target(workers)] = (ports, pb._children(more.pid))
         if args.baseline:  # the code before a change, interleaved with it in every step
             base_ports = [pb._free_port() for _ in range(ENGINES)]
             base = _spawn(
@@ -362,10 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--late-ms", type=float, default=100.0, help="a chunk this late after it was sent is late")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--baseline", help="another checkout whose kvwatch runs as the target kvwatch-baseline")
+    p.add_argument(
+        "--workers",
+        default="1",
+        help="proxy.workers values to sweep, comma-separated (1: in process; 2: two relay worker "
+        "processes), each its own agent in the same run, e.g. 1,2",
+    )
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     p.add_argument("--ports", help=argparse.SUPPRESS)
     p.add_argument("--upstream-ports", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.workers = [int(w) for w in str(args.workers).split(",")]
+    except ValueError:
+        p.error(f"--workers: expected counts like 1,2, got {args.workers!r}")
     if args.role:
         return _run_role(args)
     return orchestrate(args)

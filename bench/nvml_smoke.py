@@ -9,9 +9,9 @@ utilization per GPU, what the thinnest exporter does) and prints the ratio.
 Exit status 0 whatever NVML answers (NOT_SUPPORTED is a finding, not a failure). On a machine
 without a driver it prints one "no NVML library" line and exits 0.
 
-  .venv/bin/python bench/nvml_smoke.py                 # the real driver (pynvml from nvidia-ml-py)
-  .venv/bin/python bench/nvml_smoke.py --fake 8        # the fake H200 backend, to see the output
-  .venv/bin/python bench/nvml_smoke.py --polls 50 --json /tmp/nvml.json
+  .venv/bin/python -m bench.nvml_smoke                 # the real driver (pynvml from nvidia-ml-py)
+  .venv/bin/python -m bench.nvml_smoke --fake 8        # the fake H200 backend, to see the output
+  .venv/bin/python -m bench.nvml_smoke --polls 50 --json /tmp/nvml.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _harness import parser as bench_parser
-
+from bench._harness import parser as bench_parser
 from kvwatch.gpu.events import XidWatcher, handle_key
 from kvwatch.gpu.nvml import NvmlCollector
 

@@ -13,12 +13,11 @@ Per phase: the worst tick by CPU this process spent while it waited (the stall t
 itself; on a shared machine the wall-clock lateness is mostly the scheduler's) and by wall clock,
 and the /metrics latency p50/p99/max, each also as a ratio to the idle phase.
 
-  .venv/bin/python bench/otlp_loop_lag.py [--exports 3] [--seconds 4]
+  .venv/bin/python -m bench.otlp_loop_lag [--exports 3] [--seconds 4] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from bench._harness import parser as bench_parser
 from kvwatch.agent import Agent
 from kvwatch.agent.heap import freeze_start_up_heap
 from kvwatch.config import Config, HostPort, NvmlConfig, OtlpConfig, ReplicaConfig
@@ -117,7 +117,7 @@ async def _line(stream: asyncio.StreamReader) -> dict:
     return json.loads(await stream.readline())
 
 
-async def run(exports: int, seconds: float) -> dict[str, dict]:
+async def run(exports: int, seconds: float, spans: int, bomb_bytes: int) -> dict[str, dict]:
     replica = ReplicaConfig("r0", "http://127.0.0.1:9/metrics", model_name="tiny")  # never up: no scrape cost
     config = Config(
         replicas=(replica,),
@@ -125,12 +125,16 @@ async def run(exports: int, seconds: float) -> dict[str, dict]:
         nvml=NvmlConfig(fake_gpus=0),
         otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0"),
     )
-    body = spans_export(55_000)
-    print(f"55k-span export: {len(body) / 1e6:.1f} MB; gzip bomb: 4.0 MB -> 4 GiB", file=sys.stderr)
+    body = spans_export(spans)
+    print(
+        f"{spans:,}-span export: {len(body) / 1e6:.1f} MB; gzip bomb: {bomb_bytes / 1e6:.1f} MB -> "
+        f"{bomb_bytes / 4e6:.1f} GiB",
+        file=sys.stderr,
+    )
     phases = [
         ("idle", seconds, "", "identity", 0),
-        ("55k spans", seconds, body.hex(), "identity", exports),
-        ("gzip bomb", seconds, gzip_bomb(4_000_000).hex(), "gzip", exports),
+        (f"{spans // 1000}k spans", seconds, body.hex(), "identity", exports),
+        ("gzip bomb", seconds, gzip_bomb(bomb_bytes).hex(), "gzip", exports),
     ]
     agent = Agent(config, nvml=FakeNvml(1))
     await agent.start()
@@ -179,11 +183,14 @@ async def run(exports: int, seconds: float) -> dict[str, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--exports", type=int, default=3, help="exports sent per phase (default 3)")
     parser.add_argument("--seconds", type=float, default=4.0, help="minimum seconds per phase (default 4)")
     args = parser.parse_args()
-    results = asyncio.run(run(args.exports, args.seconds))
+    spans, bomb = (2_000, 400_000) if args.quick else (55_000, 4_000_000)
+    if args.quick:
+        args.exports, args.seconds = 1, 0.5
+    results = asyncio.run(run(args.exports, args.seconds, spans, bomb))
     idle = results["idle"]
     print(
         f"{'phase':<10} {'tick CPU ms':>12} {'x idle':>7} {'tick late ms':>13} {'/metrics p50':>13} "

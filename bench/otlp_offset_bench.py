@@ -1,6 +1,7 @@
 """How far the OTLP source's per-request timings are from what an independent client measured.
 
-    flock /tmp/kvwatch-engine.lock .venv/bin/python bench/otlp_offset_bench.py [--requests 24] [--json OUT]
+    flock /tmp/kvwatch-engine.lock .venv/bin/python -m bench.otlp_offset_bench [--requests 24] [--json OUT]
+    flock /tmp/kvwatch-engine.lock .venv/bin/python -m bench.otlp_offset_bench --quick    # 4 requests
 
 Starts the real CPU vLLM (``scripts/engines/vllm-cpu/vllm-cpu.sh``, 20 KV blocks, ``max_num_seqs`` 8)
 with ``--otlp-traces-endpoint`` pointed at kvwatch's OTLP receiver (in this process, the agent's
@@ -14,12 +15,10 @@ span says. Results land in docs/requests.md ("How far each source is from the cl
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,21 +27,17 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from bench._harness import parser as bench_parser
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import RequestRecord
 from kvwatch.requests.otlp import start_otlp_receiver
+from tests.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
 MODEL_DIR = CACHE / "kvwatch-vllm" / "model"
 IN_FLIGHT = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ascii_word_tokens() -> list[int]:
@@ -197,10 +192,12 @@ async def measure(requests: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
+    if args.quick:
+        args.requests = 4
     result = asyncio.run(measure(args.requests))
     text = json.dumps(result, indent=2)
     print(text)

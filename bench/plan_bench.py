@@ -1,7 +1,7 @@
 """``kvwatch plan`` cost: one big replay on one core, and a 24-candidate sweep on two.
 
-    flock /tmp/kvwatch-engine.lock .venv/bin/python bench/plan_bench.py            # both (~2-4 min)
-    flock /tmp/kvwatch-engine.lock .venv/bin/python bench/plan_bench.py --quick    # 10x smaller
+    flock /tmp/kvwatch-engine.lock .venv/bin/python -m bench.plan_bench            # both (~2-4 min)
+    flock /tmp/kvwatch-engine.lock .venv/bin/python -m bench.plan_bench --quick    # 10x smaller
 
 1. replay: the demo's reasoning workload (1 request/s, 1.5x bursts, Qwen3-32B, 100,000 requests)
    on 8 DP replicas of 8x H200 through ``plan.replay.replay`` (the twin, its KV sampling and the

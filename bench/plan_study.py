@@ -1,6 +1,6 @@
 """Does the twin reproduce the founding study's findings? (docs/planning.md, one row per finding)
 
-    flock /tmp/kvwatch-heavy.lock .venv/bin/python bench/plan_study.py [--quick]
+    flock /tmp/kvwatch-heavy.lock .venv/bin/python -m bench.plan_study [--quick]
 
 8x H200 presets, uncalibrated datasheet roofline with the collective, pipeline and expert terms of
 ``kvwatch/sim/parallel.py`` at their documented defaults (no constant is tuned to a row). The load

@@ -1,6 +1,6 @@
 """What would make DP beat TP per GPU-hour in the twin? A first-order break-even, not a fit.
 
-    flock /tmp/kvwatch-heavy.lock .venv/bin/python bench/plan_study_hostcost.py [--quick]
+    flock /tmp/kvwatch-heavy.lock .venv/bin/python -m bench.plan_study_hostcost [--quick]
 
 The study's load (``plan_study.py``: the reasoning batch at 50 requests/s, saturating) on 8x H200
 for Llama-3.1-8B, Qwen3-32B and Llama-3.1-70B, at DP=8 (70B: TP=2 x DP=4, its smallest TP that

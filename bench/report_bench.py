@@ -15,8 +15,8 @@ Measured, each as wall time:
              ledger: ``json.loads`` per line into a DataFrame + the same groupby quantiles, and
              ``pandas.read_json(lines=True)``; the ratio is peer / kvwatch per line.
 
-  .venv/bin/python bench/report_bench.py                 # 1M lines
-  .venv/bin/python bench/report_bench.py --lines 200000 --peer-lines 50000
+  .venv/bin/python -m bench.report_bench                 # 1M lines
+  .venv/bin/python -m bench.report_bench --lines 200000 --peer-lines 50000
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _harness import parser as bench_parser
 
+from bench._harness import parser as bench_parser
 from kvwatch import buckets
 from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord
 from kvwatch.requests.ledger import ledger_line

@@ -1,7 +1,7 @@
 """Simulator cost: per decode step, per request, headless throughput and HTTP speed factor.
 
-    .venv/bin/python bench/sim_bench.py            # everything (~1-2 minutes on a quiet core)
-    .venv/bin/python bench/sim_bench.py --quick    # smaller runs
+    .venv/bin/python -m bench.sim_bench            # everything (~1-2 minutes on a quiet core)
+    .venv/bin/python -m bench.sim_bench --quick    # smaller runs
 
 Reports, each against a peer measured in the same run:
 

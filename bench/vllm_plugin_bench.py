@@ -1,6 +1,6 @@
 """kvwatch's vLLM plugin: its cost per engine step, the agent's CPU per 10,000 datagrams, series per replica.
 
-    .venv/bin/python bench/vllm_plugin_bench.py [--steps-log VLLM_LOG]
+    .venv/bin/python -m bench.vllm_plugin_bench [--steps-log VLLM_LOG] [--quick]
 
 1. Plugin cost: ``KvwatchStatLogger.record`` runs in the vLLM API server's output handler once per
    engine step. Timed in the real vLLM venv with vLLM's own stats classes (8 running requests, the
@@ -15,19 +15,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import statistics
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
+from bench._harness import load_module
+from bench._harness import parser as bench_parser
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "plugins" / "vllm"))
 VENV = Path(os.environ.get("VENV", Path.home() / ".cache" / "kvwatch-vllm" / "venv"))
 
 IN_VLLM = textwrap.dedent("""
@@ -108,7 +108,10 @@ def plugin_cost(step_ms: float, steps: int) -> dict:
 
 
 def agent_cost(n: int = 10_000) -> dict:
-    from kvwatch_vllm_plugin import wire
+    # the plugin's wire format, stdlib only: the agent side needs no vLLM to encode datagrams
+    wire = load_module(
+        ROOT / "plugins" / "vllm" / "kvwatch_vllm_plugin" / "wire.py", "kvwatch_vllm_plugin_wire"
+    )
 
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.vllm_plugin import decode
@@ -234,10 +237,13 @@ def series_per_replica() -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps-log", type=Path, help="a vLLM log with --enable-logging-iteration-details")
     parser.add_argument("--steps", type=int, default=20_000, help="record() calls to time")
     args = parser.parse_args()
+    datagrams = 200 if args.quick else 10_000
+    if args.quick:
+        args.steps = 200
     step_ms, step_source = median_step_ms(args.steps_log)
     cost = plugin_cost(step_ms, args.steps)
     print(f"engine step: {step_ms:.2f} ms ({step_source})")
@@ -255,10 +261,11 @@ def main() -> int:
         )
     else:
         print(f"peer not measured: {cost.get('peer_error')}")
-    agent = agent_cost()
+    agent = agent_cost(datagrams)
     ratio = agent["agent_cpu_s"] / agent["json_loads_s"]
     print(
-        f"agent: {agent['agent_cpu_s'] * 1000:.0f} ms CPU per 10,000 datagrams ({agent['bytes']:.0f} B "
+        f"agent: {agent['agent_cpu_s'] * 1000 * 10_000 / datagrams:.0f} ms CPU per 10,000 datagrams "
+        f"({agent['bytes']:.0f} B "
         f"each, 1 in 10 with a finished request) = {ratio:.1f}x json.loads alone"
     )
     series = series_per_replica()

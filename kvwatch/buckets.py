@@ -11,6 +11,7 @@ import bisect
 import functools
 import itertools
 from collections.abc import Iterable
+from typing import Self
 
 TTFT_SECONDS: tuple[float, ...] = (
     0.025,
@@ -227,6 +228,12 @@ class Histogram:
         self.bins[bisect.bisect_left(self.bounds, value)] += weight
         self.sum += value * weight
         self.count += weight
+
+    def copy(self) -> Self:
+        """An independent copy, for a reader that renders without holding the writer's lock."""
+        out = type(self)(self.bounds)
+        out.bins, out.sum, out.count = list(self.bins), self.sum, self.count
+        return out
 
     def merge_bins(self, bounds: tuple[float, ...], counts: Iterable[int], total: float) -> None:
         """Fold a request's pre-binned gaps in; bounds must be this histogram's bounds."""

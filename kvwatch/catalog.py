@@ -11,6 +11,7 @@ the same checks, budgets and docs cover them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, TypeVar, get_args
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -39,13 +40,26 @@ SCRAPE_ERROR_REASONS = (
 REJECTED_SAMPLE_REASONS = ("not_finite", "negative_counter", "duplicate", "label_values_cap")
 
 
+#: a family's Prometheus type
+Kind = Literal["gauge", "counter", "histogram", "info"]
+#: which export collector renders the family (``kvwatch/export/``), and its section in docs/metrics.md
+Area = Literal["self", "replica", "derived", "gpu", "request", "plugin"]
+
+
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
     name: str  # exposed name without _total / _bucket / _info suffixes
-    kind: str  # gauge | counter | histogram | info
+    kind: Kind
     labels: tuple[str, ...]
     help: str
-    area: str  # self | replica | derived | gpu | request | plugin
+    area: Area
+
+    def __post_init__(self) -> None:
+        """mypy checks the literals; this catches a value built at run time (a cast, a ``# type: ignore``)."""
+        if self.kind not in get_args(Kind) or self.area not in get_args(Area):
+            raise ValueError(
+                f"{self.name}: kind {self.kind!r} or area {self.area!r} is not one of {Kind}, {Area}"
+            )
 
     def gauge(self) -> GaugeMetricFamily:
         assert self.kind == "gauge", self.name
@@ -75,7 +89,7 @@ class MetricSpec:
         return (self.name,)
 
 
-def _m(name: str, kind: str, labels: tuple[str, ...], help_: str, area: str) -> MetricSpec:
+def _m(name: str, kind: Kind, labels: tuple[str, ...], help_: str, area: Area) -> MetricSpec:
     return MetricSpec(name, kind, labels, help_, area)
 
 
@@ -168,6 +182,29 @@ CATALOG: tuple[MetricSpec, ...] = (
         "counter",
         ("replica",),
         "accept() failures on a proxy's listener (out of file descriptors); clients waited or were dropped.",
+        "self",
+    ),
+    _m(
+        "kvwatch_proxy_worker_restarts",
+        "counter",
+        (),
+        "Relay worker processes (proxy.workers) that exited and were restarted.",
+        "self",
+    ),
+    _m(
+        "kvwatch_proxy_worker_records_lost",
+        "counter",
+        ("replica", "reason"),
+        "Requests a relay worker relayed whose record never reached the agent: worker_died (it was in flight "
+        "in a worker that exited), backlog (the worker's channel to the agent was full).",
+        "self",
+    ),
+    _m(
+        "kvwatch_proxy_worker_datagrams_refused",
+        "counter",
+        (),
+        "Datagrams on a relay worker's accounting channel the agent refused as malformed (nothing of them "
+        "applied).",
         "self",
     ),
     _m(
@@ -826,3 +863,17 @@ def spec(name: str) -> MetricSpec:
         return BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name} is not in kvwatch's metric catalog (kvwatch/catalog.py)") from None
+
+
+def specs(*names: str) -> tuple[MetricSpec, ...]:
+    """The specs of several families, in order; KeyError names the first unknown one."""
+    return tuple(map(spec, names))
+
+
+_Value = TypeVar("_Value")
+
+
+def spec_rows(*rows: tuple[str, _Value]) -> tuple[tuple[MetricSpec, _Value], ...]:
+    """A table of (family name, value) rows as (spec, value): called at import by the collectors that
+    render from such tables, so that a misspelled family fails there rather than at scrape time."""
+    return tuple((spec(name), value) for name, value in rows)

@@ -1,6 +1,6 @@
 """The two callbacks through which a source reports on itself, as ``NodeState`` implements them.
 
-Sources must not import ``state.py`` (it sits above them), so they take these callables; the agent
+Sources must not import ``kvwatch.state`` (it sits above them), so they take these callables; the agent
 passes ``NodeState.count`` and ``NodeState.report``, tests pass their own recorders.
 """
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvwatch import buckets
-from kvwatch.buckets import le_labels
+from kvwatch.buckets import Histogram, le_labels
 from kvwatch.model import InFlightRequest, LengthBands, Outcome, RequestRecord
-from kvwatch.state import Histogram, InFlightTracker, RequestStats
+from kvwatch.state import InFlightTracker, RequestStats
 
 
 def record(**overrides) -> RequestRecord:

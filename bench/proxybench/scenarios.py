@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from _harness import percentile as _pct
-
 from proxybench.clients import _children, _cpu_seconds, burst, one_stream, reused_connections, steady
 from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop
 from proxybench.peers import _spawn_nginx

@@ -28,7 +28,7 @@ from kvwatch.cooperative import BudgetExceededError, run_sliced
 from kvwatch.engines.base import RANK_LABELS, ExtraPage
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
 from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
-from kvwatch.engines.page_worker import parse_in_worker
+from kvwatch.engines.page_worker import PageJob, parse_in_worker
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState, TargetState
@@ -115,9 +115,7 @@ async def _parse(
     where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
     try:
         if worker is not None and len(body) > WORKER_PARSE_BYTES:
-            return await parse_in_worker(
-                worker,
-                body,
+            job = PageJob(
                 content_type,
                 replica_cfg.name,
                 replica_cfg.metrics_url,
@@ -126,6 +124,7 @@ async def _parse(
                 page_limits(scrape_cfg),
                 scrape_cfg.parse_budget_s,
             )
+            return await parse_in_worker(worker, body, job)
         text = metrics_text(body, content_type, replica=replica_cfg.name, url=replica_cfg.metrics_url)
         return await _parse_here(text, replica_cfg, scrape_cfg, scraped_at)
     except ScrapeError:

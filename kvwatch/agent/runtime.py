@@ -118,6 +118,7 @@ class Agent:
         self._gpu: NvmlCollector | None = None
         self._xid: XidWatcher | None = None
         self._proxies: list[Any] = []
+        self._proxy_workers: Any = None  # a requests.proxy.workers.WorkerGroup when proxy.workers > 1
         self._otlp: OtlpReceiver | None = None
         self._followers: list[SglangFileFollower] = []
         self._plugin_receivers: dict[str, PluginReceiver] = {}  # socket path -> its receiver
@@ -187,6 +188,23 @@ class Agent:
             self._plugin_syncs.add(task)
             task.add_done_callback(self._plugin_syncs.discard)
 
+    def _every(
+        self, job: Callable[..., Awaitable[None]], seconds: float, job_id: str, **options: Any
+    ) -> None:
+        """Run ``job`` every ``seconds``, the first time now: never two runs at once (one due while the
+        last still runs is skipped), and runs the loop missed are merged into one."""
+        assert self._scheduler is not None
+        self._scheduler.add_job(
+            job,
+            "interval",
+            seconds=seconds,
+            id=job_id,
+            next_run_time=_now_dt(),
+            max_instances=1,
+            coalesce=True,
+            **options,
+        )
+
     def _sync_scrape_jobs(self) -> None:
         assert self._scheduler is not None
         interval = self.config.intervals.engine_s
@@ -201,15 +219,11 @@ class Agent:
         for name, replica in wanted.items():
             if name in self._jobs:
                 continue
-            self._scheduler.add_job(
+            self._every(
                 self._scrape,
-                "interval",
+                interval,
+                f"engine:{name}",
                 args=[replica],
-                seconds=interval,
-                id=f"engine:{name}",
-                next_run_time=_now_dt(),
-                max_instances=1,
-                coalesce=True,
                 misfire_grace_time=max(1, int(interval)),
             )
             self._jobs[name] = (replica, interval)
@@ -237,6 +251,9 @@ class Agent:
         for proxy in self._proxies:
             await proxy.stop()
         self._proxies.clear()
+        if self._proxy_workers is not None:
+            await self._proxy_workers.stop()
+            self._proxy_workers = None
         if self._otlp is not None:
             await self._otlp.stop()
             self._otlp = None
@@ -274,7 +291,10 @@ class Agent:
 
     @property
     def proxy_ports(self) -> dict[str, int]:
-        return {p.replica: p.port for p in self._proxies}
+        ports = {p.replica: p.port for p in self._proxies}
+        if self._proxy_workers is not None:
+            ports.update(self._proxy_workers.ports)
+        return ports
 
     @property
     def otlp_port(self) -> int | None:
@@ -323,40 +343,14 @@ class Agent:
             started = await asyncio.to_thread(self._xid.start)
             if not started:
                 self._xid = None
-        assert self._scheduler is not None
-        self._scheduler.add_job(
-            self._poll_gpus,
-            "interval",
-            seconds=cfg.intervals.gpu_s,
-            id="nvml",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
-        self._scheduler.add_job(
-            self._map_gpus,
-            "interval",
-            seconds=cfg.intervals.process_map_s,
-            id="gpu_mapping",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
+        self._every(self._poll_gpus, cfg.intervals.gpu_s, "nvml")
+        self._every(self._map_gpus, cfg.intervals.process_map_s, "gpu_mapping")
 
     def _start_pod_resources(self) -> None:
         settings = self.config.discovery.pod_resources
         if not settings.enabled:
             return
-        assert self._scheduler is not None
-        self._scheduler.add_job(
-            self._poll_pod_resources,
-            "interval",
-            seconds=settings.interval_s,
-            id="pod_resources",
-            next_run_time=_now_dt(),
-            max_instances=1,
-            coalesce=True,
-        )
+        self._every(self._poll_pod_resources, settings.interval_s, "pod_resources")
 
     @_ends_quietly_on_shutdown
     async def _poll_pod_resources(self) -> None:
@@ -453,10 +447,44 @@ class Agent:
     def _record_admitted(self, record: RequestRecord) -> None:
         self.record(record, admitted=True)
 
+    def _relay_workers(self, proxied: int) -> int:
+        """Relay worker processes for ``proxy.workers`` (0: the proxies run on this loop).
+
+        Workers measure on the real clocks; an agent given its own (the demo's simulator) keeps
+        its proxies in process, where they can read them.
+        """
+        if not proxied:
+            return 0
+        from kvwatch.requests.proxy.cpus import relay_workers, usable_cpus
+
+        workers = relay_workers(self.config.proxy.workers, proxied, usable_cpus())
+        if workers and (self.clock is not time.time or self.proxy_clock is not time.perf_counter):
+            log.info(
+                "proxy: relaying in process (the agent runs on its own clock, which workers cannot read)"
+            )
+            return 0
+        return workers
+
     async def _start_request_sources(self) -> None:
         cfg = self.config
         proxied = [r for r in cfg.replicas if r.proxy_listen is not None]
-        if proxied:
+        workers = self._relay_workers(len(proxied))
+        if workers:
+            from kvwatch.requests.proxy.workers import WorkerGroup
+
+            group = WorkerGroup(
+                proxied,
+                cfg.proxy,
+                cfg.known_models,
+                cfg.length_bands,
+                self.state.in_flight,
+                self.record,
+                self.state.count,
+                workers,
+            )
+            await group.start()
+            self._proxy_workers = group
+        elif proxied:
             from kvwatch.requests.proxy import start_proxy
 
             for replica in proxied:

@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def reference() -> str:
     from kvwatch import buckets
     from kvwatch.catalog import CATALOG
+    from kvwatch.state import HISTOGRAM_FAMILIES
 
     lines: list[str] = []
     for area, title in AREAS:
@@ -54,17 +55,8 @@ def reference() -> str:
         "|---|---|",
     ]
     layouts = (
-        ("kvwatch_request_ttft_seconds", buckets.TTFT_SECONDS),
-        ("kvwatch_request_tpot_seconds", buckets.TPOT_SECONDS),
-        ("kvwatch_request_inter_chunk_seconds", buckets.INTER_CHUNK_SECONDS),
-        ("kvwatch_request_duration_seconds", buckets.DURATION_SECONDS),
-        ("kvwatch_request_queue_seconds", buckets.QUEUE_SECONDS),
+        *HISTOGRAM_FAMILIES.items(),
         ("kvwatch_request_output_tokens", buckets.OUTPUT_TOKENS),
-        ("kvwatch_request_prefill_seconds", buckets.TTFT_SECONDS),
-        ("kvwatch_request_decode_seconds", buckets.DURATION_SECONDS),
-        ("kvwatch_request_preemptions", buckets.PREEMPTIONS),
-        ("kvwatch_request_output_limit_ratio", buckets.RATIO),
-        ("kvwatch_request_prefix_reuse_ratio", buckets.RATIO),
         ("kvwatch_engine_step_seconds", buckets.STEP_SECONDS),
         ("kvwatch_kv_block_lifetime_seconds (idle, reuse gap)", buckets.KV_BLOCK_SECONDS),
     )
@@ -81,7 +73,7 @@ def reference() -> str:
 
 
 def _batch_bands() -> tuple[str, ...]:
-    from kvwatch.state import BATCH_TOKEN_BANDS
+    from kvwatch.state.plugin import BATCH_TOKEN_BANDS
 
     return BATCH_TOKEN_BANDS.names
 

@@ -27,6 +27,7 @@ from kvwatch.config.validate import (
     STRINGS,
     URL,
     WORD,
+    WORKER_COUNT,
     HostPort,
     entries,
     parse_host_port,
@@ -242,6 +243,17 @@ class ProxyConfig:
             INTEGER,
             "client connections per proxy; more are answered 503 and closed",
             minimum=1,
+        ),
+    )
+    workers: int | None = field(
+        default=None,
+        metadata=setting(
+            "workers",
+            WORKER_COUNT,
+            "relay worker processes sharing every proxy port (SO_REUSEPORT); `auto`: one per proxied "
+            "replica, at most the CPUs the agent may use (affinity, cgroup CPU quota rounded up); "
+            "0 or 1: the relay runs on the agent's own event loop",
+            shown_default="auto",
         ),
     )
 

@@ -164,6 +164,17 @@ def _integer(value: Any) -> int:
     return value
 
 
+def _worker_count(value: Any) -> int | None:
+    """``auto`` (None: decided at start from the CPUs and replicas) or a whole number >= 0."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, str) and value.strip().isdigit():  # a KVWATCH_* override is text
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected auto or a whole number of processes (0 or 1: none), got {quoted(value)}")
+    return value
+
+
 def _positive_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"expected a positive number, got {quoted(value)}")
@@ -237,6 +248,7 @@ HOST_PORT = Kind("HOST:PORT", parse_host_port)
 DURATION = Kind("duration", parse_duration)
 SIZE = Kind("size", parse_size)
 INTEGER = Kind("integer", _integer)
+WORKER_COUNT = Kind("auto or integer", _worker_count)
 POSITIVE_NUMBER = Kind("number > 0", _positive_number)
 BOOL = Kind("boolean", _bool)
 STRINGS = Kind("list of strings", _str_tuple)

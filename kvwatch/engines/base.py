@@ -313,7 +313,17 @@ def missing_fields(sample: ReplicaSample) -> list[str]:
     return [name for name in MEASURED_FIELDS if getattr(sample, name) is None]
 
 
-def sample(replica: str, backend: str, scraped_at: float, **values: Any) -> ReplicaSample:
-    """Build a ReplicaSample; NaN values become None (not measured)."""
-    clean: dict[str, Any] = {k: (_clean(v) if isinstance(v, float) else v) for k, v in values.items()}
-    return ReplicaSample(replica=replica, backend=backend, scraped_at=scraped_at, **clean)
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """One page of one target, as every sample an adapter builds from it is stamped."""
+
+    replica: str
+    backend: str
+    scraped_at: float
+    version_hint: str | None = None
+
+    def sample(self, **values: Any) -> ReplicaSample:
+        """A ReplicaSample of this page (``version_hint`` may be overridden); NaN becomes None."""
+        stamped: dict[str, Any] = {"version_hint": self.version_hint, **values}
+        clean: dict[str, Any] = {k: (_clean(v) if isinstance(v, float) else v) for k, v in stamped.items()}
+        return ReplicaSample(replica=self.replica, backend=self.backend, scraped_at=self.scraped_at, **clean)

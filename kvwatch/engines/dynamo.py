@@ -21,12 +21,12 @@ from __future__ import annotations
 from kvwatch.engines.base import (
     Field,
     RankView,
+    Scrape,
     VersionHint,
     as_int,
     rank_keys,
     read_fields,
     read_histograms,
-    sample,
     traffic,
     version_hint,
 )
@@ -112,7 +112,7 @@ def _frontend_models(expo: Exposition) -> dict[str, str]:
     return models
 
 
-def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -> list[ReplicaSample]:
+def _frontend(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
     out = []
     for lower, model in sorted(_frontend_models(expo).items()):
         view = _ModelView(expo, {"model": lower})
@@ -120,12 +120,8 @@ def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -
         active = view.value(*FRONTEND_ACTIVE)
         queued = values["requests_waiting"]
         out.append(
-            sample(
-                replica,
-                BACKEND,
-                scraped_at,
+            scrape.sample(
                 model_name=model,
-                version_hint=version,
                 block_size=as_int(view.value("dynamo_frontend_model_kv_cache_block_size")),
                 num_gpu_blocks=as_int(view.value("dynamo_frontend_model_total_kv_blocks")),
                 requests_running=max(active - queued, 0.0)
@@ -139,7 +135,7 @@ def _frontend(expo: Exposition, replica: str, scraped_at: float, version: str) -
     return out
 
 
-def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) -> list[ReplicaSample]:
+def _kvstats(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
     keys = rank_keys(expo, KVSTATS_ANCHORS, "dp_rank", model_label="model")
     ranked = len({dp for _, dp in keys}) > 1
     out = []
@@ -148,13 +144,9 @@ def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) ->
         values = read_fields(view, KVSTATS_FIELDS)
         blocks = as_int(values.pop("num_gpu_blocks"))
         out.append(
-            sample(
-                replica,
-                BACKEND,
-                scraped_at,
+            scrape.sample(
                 model_name=model,
                 dp_rank=None if dp_rank in (None, "none") else dp_rank,
-                version_hint=version,
                 num_gpu_blocks=blocks,
                 **values,
             )
@@ -162,7 +154,7 @@ def _kvstats(expo: Exposition, replica: str, scraped_at: float, version: str) ->
     return out
 
 
-def _kvbm(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
+def _kvbm(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
     if not any(expo.has(n) for n in (*KVBM_BLOCKS, *KVBM_BYTES)):
         return []
     view = RankView(expo, {})
@@ -173,10 +165,7 @@ def _kvbm(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         traffic("kvbm", src, dst, bytes_total=view.value(name)) for name, (src, dst) in KVBM_BYTES.items()
     ]
     return [
-        sample(
-            replica,
-            BACKEND,
-            scraped_at,
+        scrape.sample(
             version_hint="dynamo KVBM (block counters, no labels)",
             tier_traffic=tuple(t for t in tiers if t is not None),
         )
@@ -184,12 +173,8 @@ def _kvbm(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
-    version = version_hint(expo, VERSION_HINTS, "dynamo")
-    return [
-        *_frontend(expo, replica, scraped_at, version),
-        *_kvstats(expo, replica, scraped_at, version),
-        *_kvbm(expo, replica, scraped_at),
-    ]
+    scrape = Scrape(replica, BACKEND, scraped_at, version_hint(expo, VERSION_HINTS, "dynamo"))
+    return [*_frontend(expo, scrape), *_kvstats(expo, scrape), *_kvbm(expo, scrape)]
 
 
 def notes(expo: Exposition) -> list[str]:

@@ -32,9 +32,9 @@ from kvwatch.engines.base import (
     ExtraPage,
     Field,
     RankView,
+    Scrape,
     VersionHint,
     read_fields,
-    sample,
     version_hint,
 )
 from kvwatch.engines.exposition_parser import Exposition
@@ -75,15 +75,12 @@ def detect(expo: Exposition) -> bool:
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
     view = RankView(expo, {})
+    scrape = Scrape(replica, BACKEND, scraped_at, version_hint(expo, VERSION_HINTS, DEFAULT_HINT))
     values = read_fields(view, FIELDS)
     processed, cached = view.value(PROMPT_PROCESSED), view.value(PROMPT_CACHED)
     prompt = processed + cached if processed is not None and cached is not None else processed
     return [
-        sample(
-            replica,
-            BACKEND,
-            scraped_at,
-            version_hint=version_hint(expo, VERSION_HINTS, DEFAULT_HINT),
+        scrape.sample(
             prompt_tokens_total=prompt,
             prefix_cache_queries_total=prompt if cached is not None else None,
             prefix_cache_hits_total=cached,

@@ -12,6 +12,7 @@ the page itself.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.cooperative import BudgetExceededError, run_budgeted
@@ -33,20 +34,24 @@ class AdapterError(Exception):
     """The adapter raised in the worker (its type name and a short text, never the page)."""
 
 
-def parse_page(
-    body: bytes,
-    content_type: str,
-    replica: str,
-    url: str,
-    backend: str,
-    scraped_at: float,
-    limits: Limits,
-    budget_s: float,
-) -> ParseResult:
-    """Check, parse and adapt one page within ``budget_s`` of CPU (what the worker runs per request)."""
-    text = metrics_text(body, content_type, replica=replica, url=url)
-    expo = run_budgeted(parse_steps(text, limits), budget_s)
-    return parse_families(expo, replica, backend, scraped_at)
+@dataclass(frozen=True, slots=True)
+class PageJob:
+    """What parsing one page needs besides its body: the worker receives it as one pickled value."""
+
+    content_type: str
+    replica: str
+    url: str
+    backend: str
+    scraped_at: float
+    limits: Limits
+    budget_s: float
+
+
+def parse_page(body: bytes, job: PageJob) -> ParseResult:
+    """Check, parse and adapt one page within ``job.budget_s`` of CPU (what the worker runs per request)."""
+    text = metrics_text(body, job.content_type, replica=job.replica, url=job.url)
+    expo = run_budgeted(parse_steps(text, job.limits), job.budget_s)
+    return parse_families(expo, job.replica, job.backend, job.scraped_at)
 
 
 def _error_reply(exc: Exception) -> tuple[Any, ...]:
@@ -61,10 +66,10 @@ def _error_reply(exc: Exception) -> tuple[Any, ...]:
     return ("error", "AdapterError", (brief_error(exc),))
 
 
-def answer(args: tuple[Any, ...], body: bytes) -> Iterator[tuple[Any, ...]]:
+def answer(job: PageJob, body: bytes) -> Iterator[tuple[Any, ...]]:
     """The worker's handler (``kvwatch.workers``): one frame, the result or the error as a value."""
     try:
-        yield ("ok", parse_page(body, *args))
+        yield ("ok", parse_page(body, job))
     except Exception as exc:  # every failure goes back as a value; the worker keeps serving
         yield _error_reply(exc)
 
@@ -79,19 +84,7 @@ def _unpack(reply: tuple[Any, ...]) -> ParseResult:
     raise _ERRORS.get(kind, AdapterError)(*args)
 
 
-async def parse_in_worker(
-    worker: WorkerProcess,
-    body: bytes,
-    content_type: str,
-    replica: str,
-    url: str,
-    backend: str,
-    scraped_at: float,
-    limits: Limits,
-    budget_s: float,
-) -> ParseResult:
+async def parse_in_worker(worker: WorkerProcess, body: bytes, job: PageJob) -> ParseResult:
     """``parse_page`` in the worker process; raises what it raises, or ``WorkerFailedError``."""
-    [reply] = await worker.call(
-        answer, (content_type, replica, url, backend, scraped_at, limits, budget_s), body
-    )
+    [reply] = await worker.call(answer, job, body)
     return _unpack(reply)

@@ -35,12 +35,12 @@ from kvwatch.engines import lmcache
 from kvwatch.engines.base import (
     Field,
     RankView,
+    Scrape,
     VersionHint,
     as_int,
     rank_keys,
     read_fields,
     read_histograms,
-    sample,
     traffic,
     version_hint,
 )
@@ -214,7 +214,7 @@ def _sum_or_none(*values: float | None) -> float | None:
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
     keys = ranks(expo)
     ranked = len({dp for _, dp in keys}) > 1
-    version = version_hint(expo, VERSION_HINTS, DEFAULT_HINT)
+    scrape = Scrape(replica, BACKEND, scraped_at, version_hint(expo, VERSION_HINTS, DEFAULT_HINT))
     with_lmcache = lmcache.present(expo) and not ranked
     out = []
     for model, dp_rank in keys:
@@ -225,13 +225,9 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         if with_lmcache:
             tiers.extend(lmcache.tier_traffic(expo, model))
         out.append(
-            sample(
-                replica,
-                BACKEND,
-                scraped_at,
+            scrape.sample(
                 model_name=model,
                 dp_rank=dp_rank,
-                version_hint=version,
                 block_size=page,
                 num_gpu_blocks=as_int(view.value("sglang:num_pages")),
                 kv_bytes_per_token=kv_bytes_per_token(

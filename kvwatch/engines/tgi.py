@@ -11,7 +11,7 @@ requests.
 
 from __future__ import annotations
 
-from kvwatch.engines.base import Field, RankView, read_fields, read_histograms, sample
+from kvwatch.engines.base import Field, RankView, Scrape, read_fields, read_histograms
 from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.model import ReplicaSample
 
@@ -38,14 +38,11 @@ def detect(expo: Exposition) -> bool:
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
     view = RankView(expo, {})
+    scrape = Scrape(replica, BACKEND, scraped_at, VERSION_HINT)
     success, failure = view.value("tgi_request_success"), view.value("tgi_request_failure")
     finished = tuple((reason, v) for reason, v in (("success", success), ("error", failure)) if v is not None)
     return [
-        sample(
-            replica,
-            BACKEND,
-            scraped_at,
-            version_hint=VERSION_HINT,
+        scrape.sample(
             finished_requests_total=finished,
             histograms=read_histograms(view, HISTOGRAMS),
             **read_fields(view, FIELDS),

@@ -16,11 +16,11 @@ from __future__ import annotations
 from kvwatch.engines.base import (
     Field,
     RankView,
+    Scrape,
     VersionHint,
     as_int,
     read_fields,
     read_histograms,
-    sample,
     traffic,
     version_hint,
 )
@@ -77,7 +77,7 @@ def _models(expo: Exposition) -> list[str | None]:
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
-    version = version_hint(expo, VERSION_HINTS, DEFAULT_HINT)
+    scrape = Scrape(replica, BACKEND, scraped_at, version_hint(expo, VERSION_HINTS, DEFAULT_HINT))
     out = []
     for model in _models(expo):
         view = RankView(expo, {"model_name": model})
@@ -87,12 +87,8 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         used = values["kv_used_blocks"]
         usage = used / max_blocks if used is not None and max_blocks else view.value(UTILIZATION)
         out.append(
-            sample(
-                replica,
-                BACKEND,
-                scraped_at,
+            scrape.sample(
                 model_name=model,
-                version_hint=version,
                 block_size=per_block,
                 num_gpu_blocks=max_blocks,
                 kv_capacity_tokens=float(max_blocks * per_block) if max_blocks and per_block else None,

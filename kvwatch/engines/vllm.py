@@ -24,12 +24,12 @@ from kvwatch.engines import lmcache
 from kvwatch.engines.base import (
     Field,
     RankView,
+    Scrape,
     VersionHint,
     as_int,
     rank_keys,
     read_fields,
     read_histograms,
-    sample,
     traffic,
     version_hint,
 )
@@ -245,7 +245,7 @@ def kv_bytes_per_token(
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
     keys = ranks(expo)
     ranked = len({engine for _, engine in keys}) > 1
-    version = hint(expo)
+    scrape = Scrape(replica, BACKEND, scraped_at, hint(expo))
     with_lmcache = lmcache.present(expo) and not ranked
     out = []
     for model, engine in keys:
@@ -258,13 +258,9 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
         if with_lmcache:
             tiers.extend(lmcache.tier_traffic(expo, model))
         out.append(
-            sample(
-                replica,
-                BACKEND,
-                scraped_at,
+            scrape.sample(
                 model_name=model,
                 dp_rank=engine,
-                version_hint=version,
                 kv_used_blocks=float(used_blocks) if used_blocks is not None else None,
                 finished_requests_total=view.by_label("vllm:request_success_total", "finished_reason"),
                 tier_traffic=tuple(tiers),

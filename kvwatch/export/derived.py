@@ -12,9 +12,19 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import spec
 from kvwatch.config import Config
 from kvwatch.derive.node import DerivedView, UnitKey
+from kvwatch.export.families import (
+    KV_FRAGMENTATION_RATIO,
+    KV_HEADROOM_SECONDS,
+    KV_LIVE_TOKENS,
+    KV_OVERCOMMITTED_REQUESTS,
+    KV_STRANDED_TOKENS,
+    KV_TIER_LINK_CONDITION,
+    KV_TIER_LINK_UTILIZATION_RATIO,
+    KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE,
+    RECOMPUTED_TOKENS,
+)
 from kvwatch.export.replicas import replica_label_values
 from kvwatch.state import NodeState
 
@@ -60,8 +70,8 @@ class DerivedCollector:
 
     @staticmethod
     def _fragmentation(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
-        live = spec("kvwatch_kv_live_tokens").gauge()
-        ratio = spec("kvwatch_kv_fragmentation_ratio").gauge()
+        live = KV_LIVE_TOKENS.gauge()
+        ratio = KV_FRAGMENTATION_RATIO.gauge()
         for f in view.fragmentation:
             if (
                 not _present(f.replica, f.model_name, f.dp_rank, units, up)
@@ -80,8 +90,8 @@ class DerivedCollector:
     def _units(
         view: DerivedView, units: set[UnitKey], exact: dict[tuple[str, str | None], tuple[int, str]]
     ) -> Iterator[Metric]:
-        headroom = spec("kvwatch_kv_headroom_seconds").gauge()
-        recomputed = spec("kvwatch_recomputed_tokens").counter()
+        headroom = KV_HEADROOM_SECONDS.gauge()
+        recomputed = RECOMPUTED_TOKENS.counter()
         for u in view.units:
             s = u.sample
             if s.key not in units:
@@ -100,7 +110,7 @@ class DerivedCollector:
 
     @staticmethod
     def _overcommit(view: DerivedView, units: set[UnitKey], up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_overcommitted_requests").gauge()
+        family = KV_OVERCOMMITTED_REQUESTS.gauge()
         for o in view.overcommit:
             if _present(o.replica, o.model_name, o.dp_rank, units, up):
                 family.add_metric(
@@ -110,7 +120,7 @@ class DerivedCollector:
 
     @staticmethod
     def _stranded(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_stranded_tokens").gauge()
+        family = KV_STRANDED_TOKENS.gauge()
         for s in view.stranded:
             if all(r in up for r in s.replicas):
                 family.add_metric([s.model_name], s.stranded_tokens)
@@ -118,8 +128,8 @@ class DerivedCollector:
 
     @staticmethod
     def _tier_links(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        utilization = spec("kvwatch_kv_tier_link_utilization_ratio").gauge()
-        condition = spec("kvwatch_kv_tier_link_condition").gauge()
+        utilization = KV_TIER_LINK_UTILIZATION_RATIO.gauge()
+        condition = KV_TIER_LINK_CONDITION.gauge()
         for link in view.tier_links:
             if link.replica not in up:
                 continue
@@ -135,7 +145,7 @@ class DerivedCollector:
 
     @staticmethod
     def _tier_payback(view: DerivedView, up: set[str]) -> Iterator[Metric]:
-        family = spec("kvwatch_kv_tier_recompute_avoided_tokens_per_byte").gauge()
+        family = KV_TIER_RECOMPUTE_AVOIDED_TOKENS_PER_BYTE.gauge()
         for p in view.tier_payback:
             ratio = p.tokens_per_byte
             if p.replica in up and ratio is not None and math.isfinite(ratio):

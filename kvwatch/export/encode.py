@@ -10,11 +10,14 @@ encoder to byte equality with ``generate_latest`` on a full node; docs/performan
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Self
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from kvwatch.catalog import MetricSpec
 
 _MAX_CACHED_LABEL_SETS = 200_000
 _OM_SUFFIXES = ("_created", "_gsum", "_gcount")
@@ -50,6 +53,11 @@ class HistogramRows(Metric):
         super().__init__(name, documentation, "histogram")
         self.labelnames = labelnames
         self.rows: list[tuple[tuple[str, ...], tuple[str, ...], list[float], float]] = []
+
+    @classmethod
+    def of(cls, family: MetricSpec) -> Self:
+        """An empty family as the catalog declares it."""
+        return cls(family.name, family.help, family.labels)
 
     def add_row(
         self, label_values: tuple[str, ...], le_labels: tuple[str, ...], cumulative: list[float], total: float

@@ -13,9 +13,22 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import CATALOG, spec
+from kvwatch.catalog import CATALOG, MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.derive.pcie import link_bytes_per_second
+from kvwatch.export.families import (
+    GPU_CLOCK_EVENT_ACTIVE,
+    GPU_INFO,
+    GPU_LOST,
+    GPU_NVLINK_ACTIVE,
+    GPU_NVLINK_RX_BYTES,
+    GPU_NVLINK_TX_BYTES,
+    GPU_NVML_ERRORS,
+    GPU_PCIE_LINK_MAX_BYTES_PER_SECOND,
+    GPU_PROCESS_MEMORY_BYTES,
+    GPU_XID_ERRORS,
+    REPLICA_GPU,
+)
 from kvwatch.export.profile import FOLDED, is_lean
 from kvwatch.model import GpuSample
 from kvwatch.state import NodeState
@@ -23,7 +36,7 @@ from kvwatch.state import NodeState
 _FAMILY_ORDER = {s.name: i for i, s in enumerate(CATALOG)}
 
 #: plain per-GPU families: (family, GpuSample attribute)
-_SCALARS: tuple[tuple[str, str], ...] = (
+_SCALARS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
     ("kvwatch_gpu_memory_total_bytes", "memory_total_bytes"),
     ("kvwatch_gpu_memory_used_bytes", "memory_used_bytes"),
     ("kvwatch_gpu_memory_reserved_bytes", "memory_reserved_bytes"),
@@ -43,16 +56,16 @@ _SCALARS: tuple[tuple[str, str], ...] = (
     ("kvwatch_gpu_row_remap_pending", "remap_pending"),
     ("kvwatch_gpu_row_remap_failure", "remap_failure"),
 )
-#: per-GPU families with one extra label: (family, label value, GpuSample attribute)
-_LABELLED: tuple[tuple[str, str, str], ...] = (
-    ("kvwatch_gpu_temperature_celsius", "gpu", "temperature_gpu_celsius"),
-    ("kvwatch_gpu_temperature_celsius", "memory", "temperature_memory_celsius"),
-    ("kvwatch_gpu_clock_hertz", "sm", "sm_clock_hz"),
-    ("kvwatch_gpu_clock_hertz", "memory", "memory_clock_hz"),
-    ("kvwatch_gpu_ecc_errors", "corrected", "ecc_corrected_volatile_total"),
-    ("kvwatch_gpu_ecc_errors", "uncorrected", "ecc_uncorrected_volatile_total"),
-    ("kvwatch_gpu_remapped_rows", "correctable", "remapped_rows_correctable"),
-    ("kvwatch_gpu_remapped_rows", "uncorrectable", "remapped_rows_uncorrectable"),
+#: per-GPU families with one extra label: (family, (label value, GpuSample attribute))
+_LABELLED: tuple[tuple[MetricSpec, tuple[str, str]], ...] = spec_rows(
+    ("kvwatch_gpu_temperature_celsius", ("gpu", "temperature_gpu_celsius")),
+    ("kvwatch_gpu_temperature_celsius", ("memory", "temperature_memory_celsius")),
+    ("kvwatch_gpu_clock_hertz", ("sm", "sm_clock_hz")),
+    ("kvwatch_gpu_clock_hertz", ("memory", "memory_clock_hz")),
+    ("kvwatch_gpu_ecc_errors", ("corrected", "ecc_corrected_volatile_total")),
+    ("kvwatch_gpu_ecc_errors", ("uncorrected", "ecc_uncorrected_volatile_total")),
+    ("kvwatch_gpu_remapped_rows", ("correctable", "remapped_rows_correctable")),
+    ("kvwatch_gpu_remapped_rows", ("uncorrectable", "remapped_rows_uncorrectable")),
 )
 
 
@@ -62,20 +75,19 @@ class _Families:
     def __init__(self) -> None:
         self._families: dict[str, Any] = {}
 
-    def add(self, name: str, labels: list[str], value: float | bool | None) -> None:
+    def add(self, family: MetricSpec, labels: list[str], value: float | bool | None) -> None:
         if value is None:
             return
-        family = self._families.get(name)
-        if family is None:
-            s = spec(name)
-            family = self._families[name] = getattr(s, s.kind)()
-        family.add_metric(labels, float(value))
+        metric = self._families.get(family.name)
+        if metric is None:
+            metric = self._families[family.name] = getattr(family, family.kind)()
+        metric.add_metric(labels, float(value))
 
-    def info(self, name: str, labels: list[str]) -> None:
-        family = self._families.get(name)
-        if family is None:
-            family = self._families[name] = spec(name).info()
-        family.add_metric(labels, {})
+    def info(self, family: MetricSpec, labels: list[str]) -> None:
+        metric = self._families.get(family.name)
+        if metric is None:
+            metric = self._families[family.name] = family.info()
+        metric.add_metric(labels, {})
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(sorted(self._families.values(), key=lambda f: _FAMILY_ORDER[f.name]))
@@ -102,49 +114,49 @@ class GpuCollector:
                 gpu.uuid,
                 *owners.get(gpu.uuid, ("", "", "")),
             ]
-            out.info("kvwatch_gpu", [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
-            out.add("kvwatch_gpu_lost", ident, gpu.lost)
+            out.info(GPU_INFO, [*ident, gpu.name or "", gpu.pci_bus_id or "", driver])
+            out.add(GPU_LOST, ident, gpu.lost)
             if not gpu.lost:
                 _gpu_readings(out, gpu, ident, pid_replica, per_link=not is_lean(self.config))
         for (index, uuid, xid), count in sorted(dict(state.xid_counts).items()):
             if (index, uuid) in idents:
-                out.add("kvwatch_gpu_xid_errors", [*idents[(index, uuid)], str(xid)], count)
-        for labels, value in sorted(state.counters_for("kvwatch_gpu_nvml_errors")):
-            out.add("kvwatch_gpu_nvml_errors", list(labels), value)
+                out.add(GPU_XID_ERRORS, [*idents[(index, uuid)], str(xid)], count)
+        for labels, value in sorted(state.counters_for(GPU_NVML_ERRORS.name)):
+            out.add(GPU_NVML_ERRORS, list(labels), value)
         for replica, mapped in sorted(state.replica_gpus.items()):
             for index, uuid, mapped_by in mapped:
-                out.info("kvwatch_replica_gpu", [replica, "", index, uuid, mapped_by])
+                out.info(REPLICA_GPU, [replica, "", index, uuid, mapped_by])
         yield from out
 
 
 def _gpu_readings(
     out: _Families, gpu: GpuSample, ident: list[str], pid_replica: dict[int, str], per_link: bool
 ) -> None:
-    for name, attr in _SCALARS:
-        out.add(name, ident, getattr(gpu, attr))
-    for name, label, attr in _LABELLED:
-        out.add(name, [*ident, label], getattr(gpu, attr))
+    for family, attr in _SCALARS:
+        out.add(family, ident, getattr(gpu, attr))
+    for family, (label, attr) in _LABELLED:
+        out.add(family, [*ident, label], getattr(gpu, attr))
     out.add(
-        "kvwatch_gpu_pcie_link_max_bytes_per_second",
+        GPU_PCIE_LINK_MAX_BYTES_PER_SECOND,
         ident,
         link_bytes_per_second(gpu.pcie_link_gen_current, gpu.pcie_link_width_current),
     )
     if per_link:
         for link in gpu.nvlinks:
             labels = [*ident, str(link.link)]
-            out.add("kvwatch_gpu_nvlink_active", labels, link.active)
-            out.add("kvwatch_gpu_nvlink_tx_bytes", labels, link.tx_bytes_total)
-            out.add("kvwatch_gpu_nvlink_rx_bytes", labels, link.rx_bytes_total)
+            out.add(GPU_NVLINK_ACTIVE, labels, link.active)
+            out.add(GPU_NVLINK_TX_BYTES, labels, link.tx_bytes_total)
+            out.add(GPU_NVLINK_RX_BYTES, labels, link.rx_bytes_total)
     elif gpu.nvlinks:  # metrics.profile lean: one series per GPU, summed over its links
         labels = [*ident, FOLDED]
-        out.add("kvwatch_gpu_nvlink_active", labels, _link_sum(gpu, "active"))
-        out.add("kvwatch_gpu_nvlink_tx_bytes", labels, _link_sum(gpu, "tx_bytes_total"))
-        out.add("kvwatch_gpu_nvlink_rx_bytes", labels, _link_sum(gpu, "rx_bytes_total"))
+        out.add(GPU_NVLINK_ACTIVE, labels, _link_sum(gpu, "active"))
+        out.add(GPU_NVLINK_TX_BYTES, labels, _link_sum(gpu, "tx_bytes_total"))
+        out.add(GPU_NVLINK_RX_BYTES, labels, _link_sum(gpu, "rx_bytes_total"))
     for reason, active in gpu.clock_event_reasons:
-        out.add("kvwatch_gpu_clock_event_active", [*ident, reason], active)
+        out.add(GPU_CLOCK_EVENT_ACTIVE, [*ident, reason], active)
     for proc in gpu.processes:
         out.add(
-            "kvwatch_gpu_process_memory_bytes",
+            GPU_PROCESS_MEMORY_BYTES,
             [*ident, str(proc.pid), pid_replica.get(proc.pid, "")],
             proc.used_memory_bytes,
         )

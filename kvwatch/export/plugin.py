@@ -14,12 +14,18 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 
 from kvwatch.buckets import le_labels
-from kvwatch.catalog import spec
+from kvwatch.catalog import MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.export.encode import HistogramRows
+from kvwatch.export.families import (
+    ENGINE_STEP_SECONDS,
+    VLLM_PLUGIN_DROPPED_DATAGRAMS,
+    VLLM_PLUGIN_DROPPED_STEPS,
+)
 from kvwatch.state import NodeState
 
-BLOCK_HISTOGRAMS = (
+#: (family, PluginUnit histogram attribute)
+BLOCK_HISTOGRAMS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
     ("kvwatch_kv_block_lifetime_seconds", "block_lifetime"),
     ("kvwatch_kv_block_idle_seconds", "block_idle"),
     ("kvwatch_kv_block_reuse_gap_seconds", "block_reuse_gap"),
@@ -33,22 +39,20 @@ class PluginCollector:
 
     def collect(self) -> Iterator[Metric]:
         units = sorted(self.state.plugin.snapshot().items())
-        catalog = spec("kvwatch_engine_step_seconds")
-        steps = HistogramRows(catalog.name, catalog.help, catalog.labels)
+        steps = HistogramRows.of(ENGINE_STEP_SECONDS)
         for (replica, dp_rank), unit in units:
             for band, h in sorted(unit.step_seconds.items()):
                 steps.add_row((replica, dp_rank, band), le_labels(h.bounds), h.cumulative_counts(), h.sum)
         yield steps
-        for name, attr in BLOCK_HISTOGRAMS:
-            catalog = spec(name)
-            family = HistogramRows(catalog.name, catalog.help, catalog.labels)
+        for catalog, attr in BLOCK_HISTOGRAMS:
+            family = HistogramRows.of(catalog)
             for key, unit in units:
                 h = getattr(unit, attr)
                 if h.count:
                     family.add_row(key, le_labels(h.bounds), h.cumulative_counts(), h.sum)
             yield family
-        dropped = spec("kvwatch_vllm_plugin_dropped_datagrams").counter()
-        dropped_steps = spec("kvwatch_vllm_plugin_dropped_steps").counter()
+        dropped = VLLM_PLUGIN_DROPPED_DATAGRAMS.counter()
+        dropped_steps = VLLM_PLUGIN_DROPPED_STEPS.counter()
         for key, unit in units:
             dropped.add_metric(list(key), float(unit.dropped_datagrams.total))
             dropped_steps.add_metric(list(key), float(unit.dropped_steps.total))

@@ -25,6 +25,7 @@ are empty (``docs/dashboards.md``); choose ``full`` for that.
 
 from __future__ import annotations
 
+from kvwatch.catalog import spec, specs
 from kvwatch.config import Config
 from kvwatch.config.schema import LEAN_PROFILE
 
@@ -32,9 +33,13 @@ from kvwatch.config.schema import LEAN_PROFILE
 #: Prometheus stores as no label, and which ``replica=~".*"`` (a dashboard's "All") matches
 FOLDED = ""
 
+# the sets hold family names (what a collector compares with its spec's name), each looked up in the
+# catalog at import, so that a misspelled one fails there rather than silently folding nothing
+
 #: request families one series per node in lean (docs above)
 PER_NODE_REQUEST_FAMILIES = frozenset(
-    {
+    family.name
+    for family in specs(
         "kvwatch_request_ttft_seconds",
         "kvwatch_request_tpot_seconds",
         "kvwatch_request_duration_seconds",
@@ -46,20 +51,21 @@ PER_NODE_REQUEST_FAMILIES = frozenset(
         "kvwatch_request_unused_max_tokens",
         "kvwatch_requests_in_flight",
         "kvwatch_in_flight_tokens",
-    }
+    )
 )
 
 #: request histograms lean leaves out for the proxy source (kept for engine-side sources)
-ENGINE_SIDE_ONLY_FAMILIES = frozenset({"kvwatch_request_output_limit_ratio"})
+ENGINE_SIDE_ONLY_FAMILIES = frozenset({spec("kvwatch_request_output_limit_ratio").name})
 PROXY_SOURCE = "proxy"
 
 #: GPU families one series per GPU in lean: summed over its links
 PER_GPU_NVLINK_FAMILIES = frozenset(
-    {
+    family.name
+    for family in specs(
         "kvwatch_gpu_nvlink_tx_bytes",
         "kvwatch_gpu_nvlink_rx_bytes",
         "kvwatch_gpu_nvlink_active",
-    }
+    )
 )
 
 

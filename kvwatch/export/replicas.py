@@ -12,14 +12,25 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
-from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, spec
+from kvwatch.catalog import REJECTED_SAMPLE_REASONS, SCRAPE_ERROR_REASONS, MetricSpec, spec_rows
 from kvwatch.config import Config
 from kvwatch.derive import pool
+from kvwatch.export.families import (
+    ENGINE_FINISHED_REQUESTS,
+    KV_CAPACITY_BYTES,
+    KV_FREE_TOKENS,
+    REPLICA_INFO,
+    TARGET_RESTARTS,
+    TARGET_SAMPLES_REJECTED,
+    TARGET_SCRAPE_DURATION_SECONDS,
+    TARGET_SCRAPE_ERRORS,
+    TARGET_UP,
+)
 from kvwatch.model import ReplicaSample
 from kvwatch.state import NodeState
 
 #: gauge family -> ReplicaSample attribute
-GAUGES: tuple[tuple[str, str], ...] = (
+GAUGES: tuple[tuple[MetricSpec, str], ...] = spec_rows(
     ("kvwatch_kv_capacity_tokens", "kv_capacity_tokens"),
     ("kvwatch_kv_block_size_tokens", "block_size"),
     ("kvwatch_kv_usage_ratio", "kv_usage_ratio"),
@@ -31,7 +42,7 @@ GAUGES: tuple[tuple[str, str], ...] = (
 )
 
 #: counter family -> ReplicaSample attribute
-COUNTERS: tuple[tuple[str, str], ...] = (
+COUNTERS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
     ("kvwatch_preemptions", "preemptions_total"),
     ("kvwatch_prompt_tokens", "prompt_tokens_total"),
     ("kvwatch_generation_tokens", "generation_tokens_total"),
@@ -40,7 +51,7 @@ COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 #: tier counter family -> TierTraffic attribute
-TIER_COUNTERS: tuple[tuple[str, str], ...] = (
+TIER_COUNTERS: tuple[tuple[MetricSpec, str], ...] = spec_rows(
     ("kvwatch_kv_tier_transfer_bytes", "bytes_total"),
     ("kvwatch_kv_tier_transfer_tokens", "tokens_total"),
     ("kvwatch_kv_tier_transfer_blocks", "blocks_total"),
@@ -68,11 +79,10 @@ def capacity_bytes(s: ReplicaSample, kv_bytes_per_token: float | None) -> float 
 
 
 def per_sample(
-    family: str, samples: list[ReplicaSample], value: Callable[[ReplicaSample], float | None]
+    family: MetricSpec, samples: list[ReplicaSample], value: Callable[[ReplicaSample], float | None]
 ) -> Metric:
     """A gauge or counter family (as the catalog says) with one series per sample that has a value."""
-    catalog = spec(family)
-    metric = catalog.counter() if catalog.kind == "counter" else catalog.gauge()
+    metric = family.counter() if family.kind == "counter" else family.gauge()
     for s in samples:
         v = value(s)
         if v is not None:
@@ -96,7 +106,7 @@ class ReplicaCollector:
         yield from self._targets()
 
     def _identity(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
-        info = spec("kvwatch_replica").info()
+        info = REPLICA_INFO.info()
         for s in samples:
             info.add_metric([*replica_labels(s), s.version_hint or "", s.cache_dtype or ""], {})
         yield info
@@ -104,9 +114,9 @@ class ReplicaCollector:
     def _gauges(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in GAUGES:
             yield per_sample(family, samples, attrgetter(attr))
-        yield per_sample("kvwatch_kv_free_tokens", samples, pool.free_tokens)
+        yield per_sample(KV_FREE_TOKENS, samples, pool.free_tokens)
         yield per_sample(
-            "kvwatch_kv_capacity_bytes",
+            KV_CAPACITY_BYTES,
             samples,
             lambda s: capacity_bytes(s, self.config.kv_bytes_per_token(s)),
         )
@@ -114,7 +124,7 @@ class ReplicaCollector:
     def _counters(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in COUNTERS:
             yield per_sample(family, samples, attrgetter(attr))
-        finished = spec("kvwatch_engine_finished_requests").counter()
+        finished = ENGINE_FINISHED_REQUESTS.counter()
         for s in samples:
             for reason, value in s.finished_requests_total:
                 finished.add_metric([*replica_labels(s), reason], value)
@@ -122,7 +132,7 @@ class ReplicaCollector:
 
     def _tiers(self, samples: list[ReplicaSample]) -> Iterator[Metric]:
         for family, attr in TIER_COUNTERS:
-            counter = spec(family).counter()
+            counter = family.counter()
             for s in samples:
                 for t in s.tier_traffic:
                     value = getattr(t, attr)
@@ -131,11 +141,11 @@ class ReplicaCollector:
             yield counter
 
     def _targets(self) -> Iterator[Metric]:
-        up = spec("kvwatch_target_up").gauge()
-        duration = spec("kvwatch_target_scrape_duration_seconds").gauge()
-        errors = spec("kvwatch_target_scrape_errors").counter()
-        restarts = spec("kvwatch_target_restarts").counter()
-        rejected = spec("kvwatch_target_samples_rejected").counter()
+        up = TARGET_UP.gauge()
+        duration = TARGET_SCRAPE_DURATION_SECONDS.gauge()
+        errors = TARGET_SCRAPE_ERRORS.counter()
+        restarts = TARGET_RESTARTS.counter()
+        rejected = TARGET_SAMPLES_REJECTED.counter()
         for name, target in sorted(dict(self.state.targets).items()):
             up.add_metric([name, self._backend(name, target.backend)], 1.0 if target.up else 0.0)
             duration.add_metric([name], target.scrape_duration_s)

@@ -33,8 +33,16 @@ from prometheus_client.core import Metric
 
 from kvwatch import buckets
 from kvwatch.buckets import Histogram
-from kvwatch.catalog import spec
+from kvwatch.catalog import MetricSpec, specs
 from kvwatch.config import Config
+from kvwatch.export.families import (
+    IN_FLIGHT_TOKENS,
+    REQUEST_OUTPUT_TOKENS_ESTIMATED,
+    REQUEST_PREEMPTION_STALLS,
+    REQUEST_UNUSED_MAX_TOKENS,
+    REQUESTS,
+    REQUESTS_IN_FLIGHT,
+)
 from kvwatch.export.profile import (
     ENGINE_SIDE_ONLY_FAMILIES,
     FOLDED,
@@ -45,11 +53,12 @@ from kvwatch.export.profile import (
 from kvwatch.export.protobuf import NativeHistogramRows
 from kvwatch.model import OUTCOMES
 from kvwatch.native_histogram import merged
-from kvwatch.state import DualHistogram, NodeState
+from kvwatch.state import NodeState
+from kvwatch.state.request_stats import DualHistogram
 
 RequestKey = tuple[str, str, str, str]  # replica, model_name, length_band, source
 
-HISTOGRAMS = (
+HISTOGRAMS: tuple[MetricSpec, ...] = specs(
     "kvwatch_request_ttft_seconds",
     "kvwatch_request_tpot_seconds",
     "kvwatch_request_inter_chunk_seconds",
@@ -97,9 +106,9 @@ class RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         hists, outcomes, estimated = self.state.requests.snapshot()
-        for name in HISTOGRAMS:
-            catalog = spec(name)
-            family = NativeHistogramRows(catalog.name, catalog.help, catalog.labels)
+        for catalog in HISTOGRAMS:
+            name = catalog.name
+            family = NativeHistogramRows.of(catalog)
             of_family = {
                 key: fams[name]
                 for key, fams in hists.items()
@@ -113,8 +122,8 @@ class RequestCollector:
                     family.add_native(key, h.native)
             yield family
         yield self._outcomes(outcomes)
-        yield self._per_proxy_band("kvwatch_request_output_tokens_estimated", estimated)
-        unused = spec("kvwatch_request_unused_max_tokens").counter()
+        yield self._per_proxy_band(REQUEST_OUTPUT_TOKENS_ESTIMATED, estimated)
+        unused = REQUEST_UNUSED_MAX_TOKENS.counter()
         unused_counts = self.state.requests.unused_limit_counts()
         if unused.name in self.per_node:
             unused_counts = _per_node_counts(unused_counts)
@@ -134,18 +143,18 @@ class RequestCollector:
         }
         for key, n in outcomes.items():
             values[key] = float(n)
-        family = spec("kvwatch_requests").counter()
+        family = REQUESTS.counter()
         for key in sorted(values):
             family.add_metric(list(key), values[key])
         return family
 
     def _stalls(self) -> Metric:
-        return self._per_proxy_band("kvwatch_request_preemption_stalls", self.state.requests.stall_counts())
+        return self._per_proxy_band(REQUEST_PREEMPTION_STALLS, self.state.requests.stall_counts())
 
-    def _per_proxy_band(self, name: str, counts: Mapping[tuple[str, str, str, str], int]) -> Metric:
+    def _per_proxy_band(self, catalog: MetricSpec, counts: Mapping[tuple[str, str, str, str], int]) -> Metric:
         """A counter only the proxy observes, from zero for every band of each configured proxy
         replica: a rate() over it is 0, not "no data", before the first such request."""
-        folded = name in self.per_node
+        folded = catalog.name in self.per_node
         values = {
             (FOLDED if folded else replica, model, band, source): 0.0
             for replica, model, source in self.configured_sources()
@@ -154,7 +163,7 @@ class RequestCollector:
         }
         for key, n in (_per_node_counts(counts) if folded else counts).items():
             values[key] = float(n)
-        family = spec(name).counter()
+        family = catalog.counter()
         for key in sorted(values):
             family.add_metric(list(key), values[key])
         return family
@@ -171,13 +180,13 @@ class RequestCollector:
             key = (r.replica, r.model_name, r.admission_band)
             requests[key] += 1
             tokens[key] += r.prompt_tokens_estimate + r.generated_tokens
-        for name, counted in (("kvwatch_requests_in_flight", requests), ("kvwatch_in_flight_tokens", tokens)):
+        for catalog, counted in ((REQUESTS_IN_FLIGHT, requests), (IN_FLIGHT_TOKENS, tokens)):
             values = counted
-            if name in self.per_node:
+            if catalog.name in self.per_node:
                 values = Counter()
                 for (_replica, model, band), n in counted.items():
                     values[(FOLDED, model, band)] += n
-            gauge = spec(name).gauge()
+            gauge = catalog.gauge()
             for key in sorted(values):
                 gauge.add_metric(list(key), float(values[key]))
             yield gauge

@@ -9,29 +9,45 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from kvwatch import __version__
-from kvwatch.catalog import spec
+from kvwatch.catalog import MetricSpec, specs
 from kvwatch.config import Config
+from kvwatch.export.families import (
+    BUILD,
+    COLLECTOR_DURATION_SECONDS,
+    COLLECTOR_SUCCESS,
+    CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS,
+    CONFIG_LAST_RELOAD_SUCCESSFUL,
+    DISCOVERY_POD_ANNOTATION_ERRORS,
+    DISCOVERY_REPLICA_READY,
+    DISCOVERY_REPLICAS,
+    DISCOVERY_STALE,
+    GPU_GRANTS_UNATTRIBUTED,
+    SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS,
+)
 from kvwatch.state import NodeState
 
-#: self counters kept in ``NodeState.counters`` and exported as-is (family, label names)
-_SELF_COUNTERS = (
-    ("kvwatch_proxy_accounting_errors", ("replica",)),
-    ("kvwatch_proxy_connections_timed_out", ("replica",)),
-    ("kvwatch_proxy_requests_shed", ("replica", "reason")),
-    ("kvwatch_proxy_accept_errors", ("replica",)),
-    ("kvwatch_proxy_usage_injection_refused", ("replica",)),
-    ("kvwatch_proxy_requests_refused", ("replica", "status")),
-    ("kvwatch_proxy_refusals_undelivered", ("replica", "status")),
-    ("kvwatch_otlp_spans", ("result",)),
-    ("kvwatch_otlp_exports_refused", ("reason",)),
-    ("kvwatch_request_file_lines", ("replica", "result")),
-    ("kvwatch_request_values_dropped", ("replica", "source", "reason")),
-    ("kvwatch_ledger_write_errors", ()),
-    ("kvwatch_vllm_plugin_datagrams", ("replica", "result")),
-    ("kvwatch_vllm_plugin_refused_requests", ("replica", "reason")),
+#: self counters kept in ``NodeState.counters`` (keyed by family name) and exported as-is
+_SELF_COUNTERS: tuple[MetricSpec, ...] = specs(
+    "kvwatch_proxy_accounting_errors",
+    "kvwatch_proxy_connections_timed_out",
+    "kvwatch_proxy_requests_shed",
+    "kvwatch_proxy_accept_errors",
+    "kvwatch_proxy_usage_injection_refused",
+    "kvwatch_proxy_requests_refused",
+    "kvwatch_proxy_refusals_undelivered",
+    "kvwatch_proxy_worker_restarts",
+    "kvwatch_proxy_worker_records_lost",
+    "kvwatch_proxy_worker_datagrams_refused",
+    "kvwatch_otlp_spans",
+    "kvwatch_otlp_exports_refused",
+    "kvwatch_request_file_lines",
+    "kvwatch_request_values_dropped",
+    "kvwatch_ledger_write_errors",
+    "kvwatch_vllm_plugin_datagrams",
+    "kvwatch_vllm_plugin_refused_requests",
 )
 #: discovery's counters, exported while Kubernetes discovery is on
-_DISCOVERY_COUNTERS = (
+_DISCOVERY_COUNTERS: tuple[MetricSpec, ...] = specs(
     "kvwatch_discovery_watch_events",
     "kvwatch_discovery_watch_errors",
     "kvwatch_discovery_relists",
@@ -66,7 +82,7 @@ class SelfCollector:
         self.area_runs = area_runs
 
     def collect(self) -> Iterator[Metric]:
-        info = spec("kvwatch_build").info()
+        info = BUILD.info()
         info.add_metric(
             [],
             {
@@ -78,9 +94,9 @@ class SelfCollector:
         )
         yield info
 
-        success = spec("kvwatch_collector_success").gauge()
-        duration = spec("kvwatch_collector_duration_seconds").gauge()
-        last = spec("kvwatch_source_last_success_timestamp_seconds").gauge()
+        success = COLLECTOR_SUCCESS.gauge()
+        duration = COLLECTOR_DURATION_SECONDS.gauge()
+        last = SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS.gauge()
         for name, status in sorted(list(self.state.collectors.items())):
             success.add_metric([name], 1.0 if status.success else 0.0)
             duration.add_metric([name], status.duration_s)
@@ -93,11 +109,7 @@ class SelfCollector:
         yield duration
         yield last
 
-        for family, _labels in _SELF_COUNTERS:
-            counter = spec(family).counter()
-            for label_values, value in sorted(self.state.counters_for(family)):
-                counter.add_metric(list(label_values), value)
-            yield counter
+        yield from map(self._counted, _SELF_COUNTERS)
         yield from self._reloads()
         yield from self._discovery()
         yield from self._unattributed_grants()
@@ -106,9 +118,9 @@ class SelfCollector:
         reload = self.state.config_reload
         if reload.last_success_ts is None:
             return
-        ok = spec("kvwatch_config_last_reload_successful").gauge()
+        ok = CONFIG_LAST_RELOAD_SUCCESSFUL.gauge()
         ok.add_metric([], 1.0 if reload.successful else 0.0)
-        stamp = spec("kvwatch_config_last_reload_success_timestamp_seconds").gauge()
+        stamp = CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS.gauge()
         stamp.add_metric([], reload.last_success_ts)
         yield from (ok, stamp)
 
@@ -116,7 +128,7 @@ class SelfCollector:
         counts = self.state.gpu_grants_unattributed
         if counts is None:
             return
-        family = spec("kvwatch_gpu_grants_unattributed").gauge()
+        family = GPU_GRANTS_UNATTRIBUTED.gauge()
         for reason, count in sorted(counts.items()):
             family.add_metric([reason], float(count))
         yield family
@@ -125,20 +137,23 @@ class SelfCollector:
         found = self.state.discovery
         if found is None:
             return
-        stale = spec("kvwatch_discovery_stale").gauge()
+        stale = DISCOVERY_STALE.gauge()
         stale.add_metric([], 1.0 if found.stale else 0.0)
-        replicas = spec("kvwatch_discovery_replicas").gauge()
+        replicas = DISCOVERY_REPLICAS.gauge()
         replicas.add_metric([], float(len(found.replicas)))
-        ready = spec("kvwatch_discovery_replica_ready").gauge()
+        ready = DISCOVERY_REPLICA_READY.gauge()
         for replica, is_ready in sorted(found.ready.items()):
             ready.add_metric([replica], 1.0 if is_ready else 0.0)
-        problems = spec("kvwatch_discovery_pod_annotation_errors").gauge()
+        problems = DISCOVERY_POD_ANNOTATION_ERRORS.gauge()
         for (namespace, pod), issues in sorted(found.problems.items()):
             for annotation in sorted({a for a, _ in issues}):
                 problems.add_metric([namespace, pod, annotation], 1.0)
         yield from (stale, replicas, ready, problems)
-        for family in _DISCOVERY_COUNTERS:
-            counter = spec(family).counter()
-            for label_values, value in sorted(self.state.counters_for(family)):
-                counter.add_metric(list(label_values), value)
-            yield counter
+        yield from map(self._counted, _DISCOVERY_COUNTERS)
+
+    def _counted(self, family: MetricSpec) -> Metric:
+        """A counter family as ``NodeState.count`` kept it."""
+        counter = family.counter()
+        for label_values, value in sorted(self.state.counters_for(family.name)):
+            counter.add_metric(list(label_values), value)
+        return counter

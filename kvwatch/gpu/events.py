@@ -14,10 +14,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvwatch.gpu.nvml import NvmlLibrary
+from kvwatch.gpu.nvml import NvmlLibrary, binding
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +64,7 @@ class XidWatcher:
         on_event: Callable[[int, str, str, int], None] | None = None,
         wait_timeout_ms: int = WAIT_TIMEOUT_MS,
     ) -> None:
-        if nvml is None:
-            import pynvml  # nvidia-ml-py's module
-
-            nvml = pynvml
-        self.nvml: Any = nvml  # constants and NVMLError_* classes are read by name (NvmlLibrary)
+        self.nvml = binding(nvml)
         self.on_xid = on_xid
         self.on_event = on_event
         self.wait_timeout_ms = wait_timeout_ms

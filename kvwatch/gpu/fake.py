@@ -499,7 +499,7 @@ class FakeNvml:
         return g
 
     # ---------------------------------------------------------------------------------------------
-    # NVML API (names and signatures as in pynvml)
+    # NVML API (names and signatures as in pynvml; the one-field reads are _DEVICE_READS, below)
     # ---------------------------------------------------------------------------------------------
 
     @_api
@@ -560,10 +560,6 @@ class FakeNvml:
             raise pynvml.NVMLError_InvalidArgument()  # not a MIG device handle
         self._device(self._handles[mig[0]])  # a lost parent answers GPU_IS_LOST
         return self._handles[mig[0]]
-
-    @_api
-    def nvmlDeviceGetName(self, handle: Any) -> str:
-        return self._device(handle).name
 
     @_api
     def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> pynvml.nvmlPciInfo_t:
@@ -641,26 +637,6 @@ class FakeNvml:
         return pynvml.NVML_SUCCESS
 
     @_api
-    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
-        return self._device(handle).pcie_replays
-
-    @_api
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
-        return self._device(handle).pcie_gen
-
-    @_api
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
-        return self._device(handle).pcie_gen_max
-
-    @_api
-    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
-        return self._device(handle).pcie_width
-
-    @_api
-    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
-        return self._device(handle).pcie_width_max
-
-    @_api
     def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
         g = self._device(device)
         if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
@@ -668,18 +644,6 @@ class FakeNvml:
         if link >= g.nvlink_links:
             raise pynvml.NVMLError_NotSupported()
         return int(g.nvlink_active[link])
-
-    @_api
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
-        return self._device(handle).power_mw
-
-    @_api
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
-        return self._device(handle).power_limit_mw
-
-    @_api
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
-        return self._device(handle).energy_mj
 
     @_api
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
@@ -696,14 +660,6 @@ class FakeNvml:
         if type == pynvml.NVML_CLOCK_MEM:
             return g.memory_clock_mhz
         raise pynvml.NVMLError_InvalidArgument()
-
-    @_api
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
-        return self._device(handle).clock_event_reasons
-
-    @_api
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
-        return self._device(handle).clock_event_reasons
 
     @_api
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
@@ -783,6 +739,36 @@ class FakeNvml:
         eventSet.freed = True
         if eventSet in self._event_sets:
             self._event_sets.remove(eventSet)
+
+
+#: pynvml calls that answer one field of the device and nothing else: call name -> reader of a FakeGpu
+_DEVICE_READS: dict[str, Callable[[FakeGpu], int | str]] = {
+    "nvmlDeviceGetName": lambda g: g.name,
+    "nvmlDeviceGetPcieReplayCounter": lambda g: g.pcie_replays,
+    "nvmlDeviceGetCurrPcieLinkGeneration": lambda g: g.pcie_gen,
+    "nvmlDeviceGetMaxPcieLinkGeneration": lambda g: g.pcie_gen_max,
+    "nvmlDeviceGetCurrPcieLinkWidth": lambda g: g.pcie_width,
+    "nvmlDeviceGetMaxPcieLinkWidth": lambda g: g.pcie_width_max,
+    "nvmlDeviceGetPowerUsage": lambda g: g.power_mw,
+    "nvmlDeviceGetEnforcedPowerLimit": lambda g: g.power_limit_mw,
+    "nvmlDeviceGetTotalEnergyConsumption": lambda g: g.energy_mj,
+    "nvmlDeviceGetCurrentClocksEventReasons": lambda g: g.clock_event_reasons,
+    "nvmlDeviceGetCurrentClocksThrottleReasons": lambda g: g.clock_event_reasons,
+}
+
+
+def _device_read(name: str, field: Callable[[FakeGpu], int | str]) -> Callable[..., Any]:
+    """The fake of one ``_DEVICE_READS`` call, with pynvml's name and ``handle`` parameter."""
+
+    def read(self: FakeNvml, handle: Any) -> int | str:
+        return field(self._device(handle))
+
+    read.__name__ = name
+    return _api(read)
+
+
+for _call, _field in _DEVICE_READS.items():
+    setattr(FakeNvml, _call, _device_read(_call, _field))
 
 
 def _non_negative(**values: float) -> None:

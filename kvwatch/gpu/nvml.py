@@ -151,6 +151,18 @@ def error_name(exc: BaseException) -> str:
     return name.removeprefix("NVMLError_")
 
 
+def binding(nvml: NvmlLibrary | None) -> Any:
+    """``nvml``, else nvidia-ml-py's ``pynvml`` (imported only then: a host without it can pass a fake).
+
+    Typed ``Any``: the constants and ``NVMLError_*`` classes are read by name (``NvmlLibrary``).
+    """
+    if nvml is not None:
+        return nvml
+    import pynvml  # nvidia-ml-py's module
+
+    return pynvml
+
+
 class NvmlCollector:
     """Polls every GPU through NVML. ``poll()`` and ``process_gpus()`` may be called from worker
     threads; they serialize on one lock."""
@@ -162,11 +174,7 @@ class NvmlCollector:
         retry_initial_s: float = RETRY_INITIAL_S,
         retry_max_s: float = RETRY_MAX_S,
     ) -> None:
-        if nvml is None:
-            import pynvml  # nvidia-ml-py's module
-
-            nvml = pynvml
-        self.nvml: Any = nvml  # constants and NVMLError_* classes are read by name (NvmlLibrary)
+        self.nvml = binding(nvml)
         self._now = now
         self._lock = threading.Lock()
         self._started = False

@@ -16,6 +16,8 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SCHEMA_VERSION = 39  # Grafana 10.4 / 11.x
 GRID_WIDTH = 24
 _PRIVATE = "_queries"
+#: threshold steps, lowest first: (value the colour starts at, None for the base colour; colour)
+Steps = Sequence[tuple[float | None, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,36 +52,52 @@ def _ref(i: int) -> str:
     return chr(ord("A") + i)
 
 
-def _thresholds(steps: Sequence[tuple[float | None, str]]) -> dict[str, Any]:
+def _thresholds(steps: Steps) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"color": color, "value": value} for value, color in steps]}
 
 
 GREEN = ((None, "green"),)
 
 
+def _last_value() -> dict[str, Any]:
+    """How stat and bar gauge panels reduce a series: to its last value."""
+    return {"calcs": ["lastNotNull"], "fields": "", "values": False}
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """What a panel's values are: their Grafana unit and the fixed ends of the range (None: fitted to
+    the data)."""
+
+    unit: str = "short"
+    min_: float | None = None
+    max_: float | None = None
+
+
+PLAIN = Axis()
+
+
 def _panel(
     kind: str,
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
-    unit: str = "short",
-    options: dict[str, Any] | None = None,
+    axis: Axis,
+    options: dict[str, Any],
+    *,
     custom: dict[str, Any] | None = None,
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
-    min_: float | None = None,
-    max_: float | None = None,
+    thresholds: Steps = GREEN,
     links: Sequence[dict[str, Any]] = (),
     transformations: Sequence[dict[str, Any]] = (),
     decimals: int | None = None,
 ) -> dict[str, Any]:
-    defaults: dict[str, Any] = {"unit": unit, "thresholds": _thresholds(thresholds)}
+    defaults: dict[str, Any] = {"unit": axis.unit, "thresholds": _thresholds(thresholds)}
     if custom is not None:
         defaults["custom"] = custom
-    if min_ is not None:
-        defaults["min"] = min_
-    if max_ is not None:
-        defaults["max"] = max_
+    if axis.min_ is not None:
+        defaults["min"] = axis.min_
+    if axis.max_ is not None:
+        defaults["max"] = axis.max_
     if decimals is not None:
         defaults["decimals"] = decimals
     if links:
@@ -90,7 +108,7 @@ def _panel(
         "description": description,
         "datasource": DATASOURCE,
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": options or {},
+        "options": options,
         "targets": [q.target(_ref(i)) for i, q in enumerate(queries)],
         _PRIVATE: list(queries),
     }
@@ -102,16 +120,14 @@ def _panel(
 def timeseries(
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
-    unit: str = "short",
+    axis: Axis = PLAIN,
+    *,
+    thresholds: Steps = GREEN,
     stack: bool = False,
-    min_: float | None = None,
-    max_: float | None = None,
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
-    threshold_lines: bool = False,
     step: bool = False,
 ) -> dict[str, Any]:
+    """Lines over time; thresholds other than the all-green default are drawn as dashed lines."""
     custom = {
         "drawStyle": "line",
         "lineInterpolation": "stepAfter" if step else "linear",
@@ -120,7 +136,7 @@ def timeseries(
         "showPoints": "never",
         "spanNulls": False,
         "stacking": {"group": "A", "mode": "normal" if stack else "none"},
-        "thresholdsStyle": {"mode": "dashed" if threshold_lines else "off"},
+        "thresholdsStyle": {"mode": "off" if tuple(thresholds) == GREEN else "dashed"},
     }
     options = {
         "legend": {
@@ -132,26 +148,17 @@ def timeseries(
         "tooltip": {"mode": "multi", "sort": "desc"},
     }
     return _panel(
-        "timeseries",
-        title,
-        queries,
-        description=description,
-        unit=unit,
-        options=options,
-        custom=custom,
-        thresholds=thresholds,
-        min_=min_,
-        max_=max_,
+        "timeseries", title, queries, description, axis, options, custom=custom, thresholds=thresholds
     )
 
 
 def stat(
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
+    *,
     unit: str = "short",
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
     decimals: int | None = None,
 ) -> dict[str, Any]:
     options = {
@@ -160,29 +167,20 @@ def stat(
         "justifyMode": "auto",
         "textMode": "auto",
         "orientation": "auto",
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "reduceOptions": _last_value(),
     }
     return _panel(
-        "stat",
-        title,
-        queries,
-        description=description,
-        unit=unit,
-        options=options,
-        thresholds=thresholds,
-        decimals=decimals,
+        "stat", title, queries, description, Axis(unit), options, thresholds=thresholds, decimals=decimals
     )
 
 
 def bargauge(
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
-    unit: str = "short",
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
-    min_: float | None = None,
-    max_: float | None = None,
+    axis: Axis = PLAIN,
+    *,
+    thresholds: Steps = GREEN,
 ) -> dict[str, Any]:
     options = {
         "displayMode": "gradient",
@@ -190,30 +188,20 @@ def bargauge(
         "showUnfilled": True,
         "valueMode": "color",
         "namePlacement": "auto",
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "reduceOptions": _last_value(),
     }
-    return _panel(
-        "bargauge",
-        title,
-        queries,
-        description=description,
-        unit=unit,
-        options=options,
-        thresholds=thresholds,
-        min_=min_,
-        max_=max_,
-    )
+    return _panel("bargauge", title, queries, description, axis, options, thresholds=thresholds)
 
 
 def table(
     title: str,
     queries: Sequence[Query],
-    *,
     description: str,
+    *,
     unit: str = "short",
     links: Sequence[dict[str, Any]] = (),
     hide: Iterable[str] = ("Time",),
-    thresholds: Sequence[tuple[float | None, str]] = GREEN,
+    thresholds: Steps = GREEN,
 ) -> dict[str, Any]:
     """Instant table queries merged into one row per label set; ``hide`` drops columns."""
     transformations = [
@@ -225,16 +213,16 @@ def table(
         "table",
         title,
         queries,
-        description=description,
-        unit=unit,
-        options=options,
+        description,
+        Axis(unit),
+        options,
         links=links,
         transformations=transformations,
         thresholds=thresholds,
     )
 
 
-def heatmap(title: str, query: Query, *, description: str, unit: str = "short") -> dict[str, Any]:
+def heatmap(title: str, query: Query, description: str, *, unit: str = "short") -> dict[str, Any]:
     options = {
         "calculate": False,
         "cellGap": 1,
@@ -244,7 +232,7 @@ def heatmap(title: str, query: Query, *, description: str, unit: str = "short") 
         "legend": {"show": True},
         "tooltip": {"show": True, "yHistogram": True},
     }
-    return _panel("heatmap", title, [query], description=description, unit=unit, options=options)
+    return _panel("heatmap", title, [query], description, Axis(unit), options)
 
 
 def row(title: str) -> dict[str, Any]:
@@ -252,28 +240,39 @@ def row(title: str) -> dict[str, Any]:
 
 
 class Layout:
-    """Packs panels left to right into Grafana's 24-column grid; ``row`` starts a new band."""
+    """Packs panels left to right into Grafana's 24-column grid; ``row`` starts a new band and sets the
+    size of the panels added to it."""
 
     def __init__(self) -> None:
         self.panels: list[dict[str, Any]] = []
         self._x = 0
         self._y = 0
         self._row_height = 0
+        self._size = (GRID_WIDTH, 8)
 
     def _next_line(self) -> None:
         self._y += self._row_height
         self._x = 0
         self._row_height = 0
 
-    def row(self, title: str) -> None:
+    def row(self, title: str, w: int, h: int) -> None:
+        """A row header; the panels added after it are ``w`` x ``h`` unless ``add`` says otherwise."""
         if self._x:
             self._next_line()
         panel = row(title)
         panel["gridPos"] = {"x": 0, "y": self._y, "w": GRID_WIDTH, "h": 1}
         self.panels.append(panel)
         self._y += 1
+        self._size = (w, h)
 
-    def add(self, panel: dict[str, Any], w: int, h: int) -> None:
+    def add(self, *panels: dict[str, Any], w: int | None = None, h: int | None = None) -> None:
+        """Place ``panels`` in order, each ``w`` x ``h`` (default: the row's size)."""
+        width = self._size[0] if w is None else w
+        height = self._size[1] if h is None else h
+        for panel in panels:
+            self._place(panel, width, height)
+
+    def _place(self, panel: dict[str, Any], w: int, h: int) -> None:
         if not 0 < w <= GRID_WIDTH:
             raise ValueError(f"panel {panel['title']!r}: width {w} outside 1..{GRID_WIDTH}")
         if self._x + w > GRID_WIDTH:

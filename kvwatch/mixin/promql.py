@@ -136,19 +136,19 @@ class HistogramForm:
 
     def count(self, family: str, rated: Rated, grouping: str | None = None) -> str:
         """Observations (per second for a rate), summed ``by (grouping)`` (None: per series)."""
-        if self.is_native(family):
-            inner = rated(family)
-            return f"histogram_count({_sum_by(grouping, inner) if grouping is not None else inner})"
-        inner = rated(family + "_count")
-        return _sum_by(grouping, inner) if grouping is not None else inner
+        return self._total("count", family, rated, grouping)
 
     def sum(self, family: str, rated: Rated, grouping: str | None = None) -> str:
         """The sum of the observations, as ``count`` groups it."""
-        if self.is_native(family):
-            inner = rated(family)
-            return f"histogram_sum({_sum_by(grouping, inner) if grouping is not None else inner})"
-        inner = rated(family + "_sum")
-        return _sum_by(grouping, inner) if grouping is not None else inner
+        return self._total("sum", family, rated, grouping)
+
+    def _total(self, part: str, family: str, rated: Rated, grouping: str | None) -> str:
+        """``part`` (count or sum) of a histogram: ``histogram_<part>`` of the native series, or the
+        classic ``_<part>`` series."""
+        native = self.is_native(family)
+        inner = rated(family if native else f"{family}_{part}")
+        grouped = _sum_by(grouping, inner) if grouping is not None else inner
+        return f"histogram_{part}({grouped})" if native else grouped
 
     def quantile(self, q: float, family: str, rated: Rated, grouping: str | None) -> str:
         """``histogram_quantile`` of the sum ``by (grouping)`` (None: across everything selected)."""

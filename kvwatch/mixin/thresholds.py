@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvwatch.config.validate import INTEGER, Kind, quoted, read_value, schema_fields, setting
+from kvwatch.config.validate import INTEGER, Kind, quoted, read_value
 
 #: alert -> its default ``for:`` (None: fires at the first evaluation that sees the event)
 DEFAULT_FOR: Mapping[str, str | None] = {
@@ -68,104 +68,52 @@ NON_NEGATIVE = Kind("number ≥ 0", _non_negative)
 SHARE = Kind("share, 0 to 1", _share)
 
 
+def _knob(default: float, kind: Kind, doc: str, *, minimum: float | None = None) -> Any:
+    """A threshold field: its key (``alerts.thresholds.<key>``) is the field's name."""
+    return field(default=default, metadata={"kind": kind, "doc": doc, "min": minimum})
+
+
 @dataclass(frozen=True, slots=True)
 class AlertConfig:
     """Thresholds (``ratio`` fields are shares, 0 to 1) and ``for:`` durations of the alerts.
 
-    Each threshold's key (``alerts.thresholds.<key>``), kind and bounds are in its field's metadata,
-    read by the config's generic validator.
+    Each threshold's kind and bounds are in its field's metadata, read by the config's generic value
+    reader.
     """
 
-    kv_pressure_usage: float = field(
-        default=0.95,
-        metadata=setting("kv_pressure_usage", SHARE, "KV usage ratio above which preemptions mean pressure"),
+    kv_pressure_usage: float = _knob(0.95, SHARE, "KV usage ratio above which preemptions mean pressure")
+    storm_preemptions_per_finished: float = _knob(
+        0.5, NON_NEGATIVE, "preemptions per finished request: a storm"
     )
-    storm_preemptions_per_finished: float = field(
-        default=0.5,
-        metadata=setting(
-            "storm_preemptions_per_finished", NON_NEGATIVE, "preemptions per finished request: a storm"
-        ),
+    storm_min_preemptions_per_s: float = _knob(
+        0.05, NON_NEGATIVE, "and at least this many per second (3 a minute)"
     )
-    storm_min_preemptions_per_s: float = field(
-        default=0.05,
-        metadata=setting(
-            "storm_min_preemptions_per_s", NON_NEGATIVE, "and at least this many per second (3 a minute)"
-        ),
+    recompute_waste_ratio: float = _knob(0.2, SHARE, "recomputed tokens / tokens processed")
+    headroom_seconds: float = _knob(
+        300, NON_NEGATIVE, "seconds until the KV pool is full at its current growth"
     )
-    recompute_waste_ratio: float = field(
-        default=0.2, metadata=setting("recompute_waste_ratio", SHARE, "recomputed tokens / tokens processed")
+    stranded_ratio: float = _knob(0.2, SHARE, "stranded KV tokens / the model's KV capacity")
+    tier_pcie_ratio: float = _knob(0.8, SHARE, "KV tier traffic / one-direction PCIe bandwidth")
+    link_busy_utilization: float = _knob(0.1, SHARE, "GPUs lower the PCIe generation when idle to save power")
+    starving_long_completion: float = _knob(0.9, SHARE, "long bands completing less than this ...")
+    starving_short_completion: float = _knob(0.97, SHARE, "... while short bands complete at least this ...")
+    starving_aborted_ratio: float = _knob(
+        0.05, SHARE, "... and more than this share of long ones aborted ..."
     )
-    headroom_seconds: float = field(
-        default=300,
-        metadata=setting(
-            "headroom_seconds", NON_NEGATIVE, "seconds until the KV pool is full at its current growth"
-        ),
+    starving_min_requests: int = _knob(
+        20, INTEGER, "... with at least this many long requests in the hour", minimum=0
     )
-    stranded_ratio: float = field(
-        default=0.2, metadata=setting("stranded_ratio", SHARE, "stranded KV tokens / the model's KV capacity")
+    repeated_preemptions_per_request: float = _knob(
+        2.0, NON_NEGATIVE, "mean preemptions per finished request of a band"
     )
-    tier_pcie_ratio: float = field(
-        default=0.8,
-        metadata=setting("tier_pcie_ratio", SHARE, "KV tier traffic / one-direction PCIe bandwidth"),
+    repeated_preemptions_min_requests: float = _knob(
+        10, NON_NEGATIVE, "... over at least this many requests in 30 min"
     )
-    link_busy_utilization: float = field(
-        default=0.1,
-        metadata=setting(
-            "link_busy_utilization", SHARE, "GPUs lower the PCIe generation when idle to save power"
-        ),
+    source_stale_seconds: float = _knob(
+        600, NON_NEGATIVE, "a polled source without success for this long is stuck"
     )
-    starving_long_completion: float = field(
-        default=0.9,
-        metadata=setting("starving_long_completion", SHARE, "long bands completing less than this ..."),
-    )
-    starving_short_completion: float = field(
-        default=0.97,
-        metadata=setting(
-            "starving_short_completion", SHARE, "... while short bands complete at least this ..."
-        ),
-    )
-    starving_aborted_ratio: float = field(
-        default=0.05,
-        metadata=setting(
-            "starving_aborted_ratio", SHARE, "... and more than this share of long ones aborted ..."
-        ),
-    )
-    starving_min_requests: int = field(
-        default=20,
-        metadata=setting(
-            "starving_min_requests",
-            INTEGER,
-            "... with at least this many long requests in the hour",
-            minimum=0,
-        ),
-    )
-    repeated_preemptions_per_request: float = field(
-        default=2.0,
-        metadata=setting(
-            "repeated_preemptions_per_request",
-            NON_NEGATIVE,
-            "mean preemptions per finished request of a band",
-        ),
-    )
-    repeated_preemptions_min_requests: float = field(
-        default=10,
-        metadata=setting(
-            "repeated_preemptions_min_requests",
-            NON_NEGATIVE,
-            "... over at least this many requests in 30 min",
-        ),
-    )
-    source_stale_seconds: float = field(
-        default=600,
-        metadata=setting(
-            "source_stale_seconds", NON_NEGATIVE, "a polled source without success for this long is stuck"
-        ),
-    )
-    open_fds_ratio: float = field(
-        default=0.9,
-        metadata=setting(
-            "open_fds_ratio", SHARE, "kvwatch's open descriptors over its limit: past it, accepts fail"
-        ),
+    open_fds_ratio: float = _knob(
+        0.9, SHARE, "kvwatch's open descriptors over its limit: past it, accepts fail"
     )
     for_: Mapping[str, str | None] = field(default_factory=lambda: dict(DEFAULT_FOR))
 
@@ -173,7 +121,7 @@ class AlertConfig:
         return self.for_[alert]
 
 
-_THRESHOLD_FIELDS = schema_fields(AlertConfig)
+_THRESHOLD_FIELDS = {f.name: f for f in fields(AlertConfig) if "kind" in f.metadata}
 THRESHOLDS = tuple(_THRESHOLD_FIELDS)
 
 

@@ -15,10 +15,10 @@ lines), a replay refuses a ledger line it cannot replay and names the line and k
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
+from kvwatch.plan.jsonl import json_lines
 from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
 
@@ -61,15 +61,7 @@ def _ledger_lines(item: InputFile) -> list[tuple[str, dict]]:
     reader, raw = open_binary(item)
     rows = []
     try:
-        for number, line in enumerate(reader, start=1):
-            text = line.strip()
-            if not text:
-                continue
-            where = f"{item.path} line {number}"
-            try:
-                obj = json.loads(text)
-            except ValueError as exc:
-                raise PlanInputError(f"{where}: not JSON ({exc})") from None
+        for where, obj in json_lines(reader, item.path, PlanInputError):
             if not isinstance(obj, dict):
                 raise PlanInputError(f"{where}: not a JSON object")
             rows.append((where, obj))

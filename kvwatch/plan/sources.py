@@ -34,6 +34,7 @@ import httpx
 from kvwatch.model import EngineStep
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
+from kvwatch.plan.jsonl import json_lines
 
 STEP_SAMPLE_KEYS = (
     "context_tokens",
@@ -73,20 +74,14 @@ def read_step_samples(path: str | Path) -> list[tuple[float, ...]]:
     except OSError as exc:
         raise SourceError(f"cannot read step samples {path}: {exc.strerror or exc}") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise SourceError(f"{where}: not JSON ({exc})") from None
-        if isinstance(obj, list):
-            if len(obj) != len(STEP_SAMPLE_KEYS):
+    for where, parsed in json_lines(text.splitlines(), path, SourceError):
+        obj = parsed
+        if isinstance(parsed, list):
+            if len(parsed) != len(STEP_SAMPLE_KEYS):
                 raise SourceError(
                     f"{where}: a list needs {len(STEP_SAMPLE_KEYS)} numbers ({', '.join(STEP_SAMPLE_KEYS)})"
                 )
-            obj = dict(zip(STEP_SAMPLE_KEYS, obj, strict=True))
+            obj = dict(zip(STEP_SAMPLE_KEYS, parsed, strict=True))
         if not isinstance(obj, dict):
             raise SourceError(f"{where}: expected an object with {', '.join(STEP_SAMPLE_KEYS)}")
         values = []

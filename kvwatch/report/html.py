@@ -8,7 +8,15 @@ from kvwatch import humanize as h
 from kvwatch.model import UNKNOWN_BAND
 from kvwatch.report import svg
 from kvwatch.report.summary import ALL, BandRow, Report
-from kvwatch.report.text import KIND_NAMES, count_cells, count_headers, header_lines
+from kvwatch.report.text import (
+    KIND_NAMES,
+    count_cells,
+    count_headers,
+    e2e_cells,
+    header_lines,
+    kv_cells,
+    streaming_cells,
+)
 
 _STYLE = """
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d2330;background:#fff}
@@ -51,26 +59,9 @@ def _band_rows_table(report: Report, rows: list[BandRow]) -> str:
             totals.add(i)
         cells = count_cells(report, r)
         if report.has_ttft:
-            cells += [
-                h.seconds(v)
-                for v in (
-                    r.ttft_p50_seconds,
-                    r.ttft_p90_seconds,
-                    r.ttft_p99_seconds,
-                    r.tpot_p50_seconds,
-                    r.tpot_p90_seconds,
-                    r.tpot_p99_seconds,
-                )
-            ]
+            cells += streaming_cells(r)
         if report.has_e2e:
-            cells += [
-                h.seconds(r.e2e_p50_seconds),
-                h.seconds(r.e2e_p90_seconds),
-                h.seconds(r.e2e_p99_seconds),
-                h.si(r.kv_token_seconds),
-                h.ratio(r.kv_share),
-                h.si(r.kv_mean_tokens),
-            ]
+            cells += e2e_cells(r) + kv_cells(r)
         body.append(cells)
     return _table(headers, body, totals)
 
@@ -84,35 +75,20 @@ def _charts(report: Report) -> str:
     rows = [r for r in report.rows_for(ALL) if r.length_band not in (ALL, UNKNOWN_BAND)]
     bands = [r.length_band for r in rows]
     charts = []
-    if report.has_ttft:
-        charts.append(
-            svg.grouped_bars(
-                "TTFT by length band",
-                bands,
-                [("p50", [r.ttft_p50_seconds for r in rows]), ("p99", [r.ttft_p99_seconds for r in rows])],
-                h.seconds,
-                log=True,
-            )
-        )
-        charts.append(
-            svg.grouped_bars(
-                "TPOT by length band",
-                bands,
-                [("p50", [r.tpot_p50_seconds for r in rows]), ("p99", [r.tpot_p99_seconds for r in rows])],
-                h.seconds,
-                log=True,
-            )
-        )
-    if report.has_e2e:
-        charts.append(
-            svg.grouped_bars(
-                "End-to-end latency by length band",
-                bands,
-                [("p50", [r.e2e_p50_seconds for r in rows]), ("p99", [r.e2e_p99_seconds for r in rows])],
-                h.seconds,
-                log=True,
-            )
-        )
+    latencies = (
+        ("TTFT", report.has_ttft, [r.ttft_p50_seconds for r in rows], [r.ttft_p99_seconds for r in rows]),
+        ("TPOT", report.has_ttft, [r.tpot_p50_seconds for r in rows], [r.tpot_p99_seconds for r in rows]),
+        (
+            "End-to-end latency",
+            report.has_e2e,
+            [r.e2e_p50_seconds for r in rows],
+            [r.e2e_p99_seconds for r in rows],
+        ),
+    )
+    for what, shown, p50, p99 in latencies:
+        if shown:
+            title = f"{what} by length band"
+            charts.append(svg.grouped_bars(title, bands, [("p50", p50), ("p99", p99)], h.seconds, log=True))
     hist = report.output_histogram
     if hist.counts:
         classes = [_band_class(report, lo) for lo in hist.edges[:-1]]

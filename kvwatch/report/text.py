@@ -60,32 +60,34 @@ def count_cells(report: Report, r: BandRow) -> list[str]:
     """The cells under ``count_headers``."""
     cells = [_band_label(r), h.count(r.requests), h.ratio(r.request_share)]
     if report.has_outcomes:
-        cells += [
-            h.ratio(r.completed_ratio),
-            h.ratio(r.truncated_ratio),
-            h.ratio(r.aborted_ratio),
-            h.ratio(r.error_ratio),
-            h.ratio(r.rejected_ratio),
-        ]
-    return [
-        *cells,
-        h.si(r.output_tokens_p50),
-        h.si(r.output_tokens_p90),
-        h.si(r.output_tokens_p99),
-        h.si(r.prompt_tokens_p50),
-    ]
+        outcomes = (r.completed_ratio, r.truncated_ratio, r.aborted_ratio, r.error_ratio, r.rejected_ratio)
+        cells += [h.ratio(v) for v in outcomes]
+    sizes = (r.output_tokens_p50, r.output_tokens_p90, r.output_tokens_p99, r.prompt_tokens_p50)
+    return [*cells, *(h.si(v) for v in sizes)]
+
+
+def streaming_cells(r: BandRow) -> list[str]:
+    """TTFT p50 / p90 / p99 then TPOT p50 / p90 / p99 (inputs that time the first token)."""
+    ttft = (r.ttft_p50_seconds, r.ttft_p90_seconds, r.ttft_p99_seconds)
+    tpot = (r.tpot_p50_seconds, r.tpot_p90_seconds, r.tpot_p99_seconds)
+    return [h.seconds(v) for v in (*ttft, *tpot)]
+
+
+def e2e_cells(r: BandRow) -> list[str]:
+    """End-to-end latency p50 / p90 / p99."""
+    return [h.seconds(v) for v in (r.e2e_p50_seconds, r.e2e_p90_seconds, r.e2e_p99_seconds)]
+
+
+def kv_cells(r: BandRow) -> list[str]:
+    """KV memory-time: token-seconds held, its share, mean tokens held."""
+    return [h.si(r.kv_token_seconds), h.ratio(r.kv_share), h.si(r.kv_mean_tokens)]
 
 
 def requests_table(report: Report, rows: list[BandRow]) -> str:
     headers = count_headers(report)
     if report.has_e2e:
         headers += ["KV token-s", "KV share", "mean KV tok"]
-    body = []
-    for r in rows:
-        cells = count_cells(report, r)
-        if report.has_e2e:
-            cells += [h.si(r.kv_token_seconds), h.ratio(r.kv_share), h.si(r.kv_mean_tokens)]
-        body.append(cells)
+    body = [count_cells(report, r) + (kv_cells(r) if report.has_e2e else []) for r in rows]
     return texttable.render(headers, body)
 
 
@@ -94,20 +96,7 @@ def latency_table(report: Report, rows: list[BandRow]) -> str:
     if report.has_ttft:
         headers += ["TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99"]
     headers += ["e2e p50", "p90", "p99"]
-    body = []
-    for r in rows:
-        cells = [_band_label(r)]
-        if report.has_ttft:
-            cells += [
-                h.seconds(r.ttft_p50_seconds),
-                h.seconds(r.ttft_p90_seconds),
-                h.seconds(r.ttft_p99_seconds),
-                h.seconds(r.tpot_p50_seconds),
-                h.seconds(r.tpot_p90_seconds),
-                h.seconds(r.tpot_p99_seconds),
-            ]
-        cells += [h.seconds(r.e2e_p50_seconds), h.seconds(r.e2e_p90_seconds), h.seconds(r.e2e_p99_seconds)]
-        body.append(cells)
+    body = [[_band_label(r), *(streaming_cells(r) if report.has_ttft else []), *e2e_cells(r)] for r in rows]
     return texttable.render(headers, body)
 
 

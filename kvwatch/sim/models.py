@@ -189,8 +189,6 @@ class GpuSpec:
     bf16_flops: float
     fp8_flops: float
     pcie_bandwidth: float  # bytes/s per direction (host <-> device), theoretical
-    pcie_gen: int = 5
-    pcie_width: int = 16
     interconnect: Interconnect = PCIE_P2P  # GPU-to-GPU fabric for TP/EP/PP collectives
     #: measured host <-> device copy bandwidth per direction (what KV offload gets), bytes/s
     host_bandwidth: float = MEASURED_GEN5_HOST_BANDWIDTH
@@ -223,7 +221,6 @@ GPUS: dict[str, GpuSpec] = {
             2250e12,
             4500e12,
             128 * GB,
-            pcie_gen=6,
             interconnect=NVLINK5,
             # the GPU speaks Gen6, but the host CPUs of HGX/DGX B200 systems (DGX B200: two Xeon
             # Platinum 8570) are PCIe Gen5: host copies get the Gen5 rate

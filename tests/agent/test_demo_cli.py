@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from tests.local import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +39,12 @@ def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
         match = re.search(r"metrics (http://127\.0\.0\.1:\d+)/metrics", first)
         assert match, first
         base = match.group(1)
-        deadline = time.monotonic() + 15
-        body = ""
-        while time.monotonic() < deadline:
+
+        def scraped_with_requests() -> str:
             body = httpx.get(f"{base}/metrics", timeout=5).text
-            if "kvwatch_requests_total{" in body and 'replica="replica-7"' in body:
-                break
-            time.sleep(0.5)
+            return body if "kvwatch_requests_total{" in body and 'replica="replica-7"' in body else ""
+
+        body = wait_until(scraped_with_requests, 15, "the demo's requests on /metrics", interval_s=0.5)
         assert 'kvwatch_target_up{backend="vllm",replica="replica-0"} 1.0' in body
         assert "kvwatch_gpu_memory_used_bytes{" in body  # fake GPUs follow the simulator
         assert httpx.get(f"{base}/-/ready", timeout=5).status_code == 200

@@ -27,7 +27,7 @@ from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, Replic
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.sim.node import SimNode, h200_node
 from tests.engines import hostile
-from tests.local import free_port
+from tests.local import free_port, until
 
 MAX_LAG_S = 0.050
 
@@ -116,12 +116,9 @@ async def test_hostile_pages_never_stall_the_loop(tmp_path):
 
 
 async def _wait_serving(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise AssertionError("page server did not start")
+    async def accepts() -> bool:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        return True
+
+    await until(accepts, 10, "the page server to start", interval_s=0.05, retry_on=(OSError,))

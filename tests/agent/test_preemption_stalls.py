@@ -24,7 +24,7 @@ from kvwatch.agent.derived import update_derived
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import Outcome, ReplicaSample, RequestRecord
-from tests.local import serve_app
+from tests.local import serve_app, until
 
 STALLS = "kvwatch_request_preemption_stalls"
 T0 = 1_750_000_000.0
@@ -205,10 +205,7 @@ async def _metrics(session: ClientSession, agent: Agent) -> dict[tuple[str, str]
 
 
 async def _settle(agent: Agent, requests: int) -> None:
-    deadline = time.monotonic() + 20
-    while agent.state.requests.observed < requests:
-        assert time.monotonic() < deadline, "the proxy did not record the request"
-        await asyncio.sleep(0.05)
+    await until(lambda: agent.state.requests.observed >= requests, 20, "the proxy to record the request")
 
 
 async def test_agent_counts_a_stream_paused_by_a_preemption(running) -> None:

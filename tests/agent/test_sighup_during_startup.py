@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.local import free_port
+from tests.local import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,17 +45,20 @@ def test_a_sighup_during_start_up_is_held_and_applied(tmp_path: Path) -> None:
                 break
         config.write_text(_config(port, ["first", "second"]))  # an edit while it starts ...
         proc.send_signal(signal.SIGHUP)  # ... and the reload that asks for it
-        body = ""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-            except httpx.HTTPError:
-                time.sleep(0.1)
-                continue
-            if 'replica="second"' in body:
-                break
-            time.sleep(0.1)
+
+        def reloaded_or_dead() -> str | bool:
+            if proc.poll() is not None:
+                return True  # the assertion below says how it died
+            body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            return body if 'replica="second"' in body else ""
+
+        body = wait_until(
+            reloaded_or_dead,
+            timeout_s=60,
+            what="/metrics to show the replica the SIGHUP added",
+            interval_s=0.1,
+            retry_on=(httpx.HTTPError,),
+        )
         assert proc.poll() is None, f"kvwatch died (exit {proc.returncode}) on a SIGHUP during start-up"
         assert 'kvwatch_target_up{backend="vllm",replica="second"}' in body
         assert 'kvwatch_target_up{backend="vllm",replica="first"}' in body

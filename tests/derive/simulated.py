@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvwatch.derive.node import DerivedView, NodeInputs, derive_node
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.model import InFlightRequest, ReplicaSample
 from kvwatch.sim.engine import EngineConfig, SimEngine
@@ -201,3 +202,53 @@ def long_output_storm(until: float = 1300.0, scrape_until: float | None = 700.0)
     """
     arrivals = [Arrival(0.0, 0, 1000, 30_000, 30_000) for _ in range(32)]
     return simulate([config(50_000)], arrivals, until, scrape_until=scrape_until)
+
+
+# --------------------------------------------------------------------------------------------
+# the derived signals of a run, and the truth they are compared with (tests and bench/kv_signals_accuracy.py)
+# --------------------------------------------------------------------------------------------
+
+
+def derive_each(run: Run) -> list[DerivedView]:
+    """The derived view after every scrape of the run, as the agent would keep it."""
+    views, view = [], None
+    replicas = {s.replica for s in run.scrapes[0].samples}
+    for scrape in run.scrapes:
+        inputs = NodeInputs(
+            samples=tuple(scrape.samples), in_flight=tuple(scrape.in_flight), proxied=replicas
+        )
+        view = derive_node(view, inputs, scrape.t)
+        views.append(view)
+    return views
+
+
+def headroom_of(view: DerivedView, replica: str) -> float | None:
+    """The derived headroom of one replica (None: withheld)."""
+    return next(u.headroom.seconds for u in view.units if u.sample.replica == replica)
+
+
+def fragmentation_of(view: DerivedView, replica: str) -> float | None:
+    """The derived fragmentation ratio of one replica (None: withheld)."""
+    return next(f.ratio for f in view.fragmentation if f.replica == replica)
+
+
+def true_fragmentation(truth: Truth) -> float:
+    """The share of the used blocks' slots that hold no live token (16-token blocks)."""
+    return 1 - truth.live_tokens / (truth.used_blocks * 16) if truth.used_blocks else 0.0
+
+
+def true_stranded(scrape: Scrape, baseline: Scrape | None) -> float:
+    """Free tokens of replicas with no queue and no new preemption while another queues (now and at
+    the baseline) or preempts (since the baseline)."""
+
+    def pressured(i: int) -> bool:
+        if baseline is None:
+            return scrape.truth[i].waiting > 0
+        now, before = scrape.truth[i], baseline.truth[i]
+        return (now.waiting > 0 and before.waiting > 0) or now.preemptions > before.preemptions
+
+    flags = [pressured(i) for i in range(len(scrape.truth))]
+    if not any(flags):
+        return 0.0
+    idle = [t for t, p in zip(scrape.truth, flags, strict=True) if not p and t.waiting == 0]
+    return float(sum(t.free_tokens for t in idle))

@@ -10,30 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.derive.node import DerivedView, NodeInputs, derive_node
+from kvwatch.derive.node import DerivedView
 
 from . import simulated as sim
-
-
-def derive_each(run: sim.Run) -> list[DerivedView]:
-    """The derived view after every scrape of the run, as the agent would keep it."""
-    views, view = [], None
-    replicas = {s.replica for s in run.scrapes[0].samples}
-    for scrape in run.scrapes:
-        inputs = NodeInputs(
-            samples=tuple(scrape.samples), in_flight=tuple(scrape.in_flight), proxied=replicas
-        )
-        view = derive_node(view, inputs, scrape.t)
-        views.append(view)
-    return views
-
-
-def headroom_of(view: DerivedView, replica: str) -> float | None:
-    return next(u.headroom.seconds for u in view.units if u.sample.replica == replica)
-
-
-def fragmentation_of(view: DerivedView, replica: str) -> float | None:
-    return next(f.ratio for f in view.fragmentation if f.replica == replica)
+from .simulated import derive_each, fragmentation_of, headroom_of, true_fragmentation, true_stranded
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +34,6 @@ def runs() -> dict[str, tuple[sim.Run, list[DerivedView]]]:
 # --------------------------------------------------------------------------------------------
 # fragmentation
 # --------------------------------------------------------------------------------------------
-
-
-def true_fragmentation(truth: sim.Truth) -> float:
-    return 1 - truth.live_tokens / (truth.used_blocks * 16) if truth.used_blocks else 0.0
 
 
 @pytest.mark.parametrize("scenario", ["balanced", "imbalanced", "bursty", "long_output_storm"])
@@ -104,23 +80,6 @@ def test_prompt_underestimate_biases_fragmentation_up_by_about_the_bias():
 # --------------------------------------------------------------------------------------------
 # stranded capacity
 # --------------------------------------------------------------------------------------------
-
-
-def true_stranded(scrape: sim.Scrape, baseline: sim.Scrape | None) -> float:
-    """Free tokens of replicas with no queue and no new preemption while another queues (now and at
-    the baseline) or preempts (since the baseline)."""
-
-    def pressured(i: int) -> bool:
-        if baseline is None:
-            return scrape.truth[i].waiting > 0
-        now, before = scrape.truth[i], baseline.truth[i]
-        return (now.waiting > 0 and before.waiting > 0) or now.preemptions > before.preemptions
-
-    flags = [pressured(i) for i in range(len(scrape.truth))]
-    if not any(flags):
-        return 0.0
-    idle = [t for t, p in zip(scrape.truth, flags, strict=True) if not p and t.waiting == 0]
-    return float(sum(t.free_tokens for t in idle))
 
 
 @pytest.mark.parametrize("scenario", ["balanced", "imbalanced"])

@@ -135,7 +135,8 @@ def vllm_container(port: int = 8000, image: str = "vllm/vllm-openai:v0.11.0") ->
     }
 
 
-def _conditions(ready: bool) -> list[dict[str, str]]:
+def pod_conditions(ready: bool) -> list[dict[str, str]]:
+    """A pod's status.conditions as the kubelet writes them, Ready or not."""
     flag = "True" if ready else "False"
     return [
         {"type": "PodReadyToStartContainers", "status": "True"},
@@ -224,7 +225,7 @@ class FakeApiServer:
                 podIP=pod_ip,
                 podIPs=[{"ip": pod_ip}],
                 hostIP="10.0.0.1",
-                conditions=_conditions(False),
+                conditions=pod_conditions(False),
                 containerStatuses=[
                     {
                         "name": c["name"],
@@ -241,7 +242,7 @@ class FakeApiServer:
 
     async def set_ready(self, uid: str, ready: bool = True) -> None:
         def flag(pod: dict[str, Any]) -> None:
-            pod["status"]["conditions"] = _conditions(ready)
+            pod["status"]["conditions"] = pod_conditions(ready)
             for status in pod["status"].get("containerStatuses", []):
                 status["ready"] = ready
 
@@ -251,7 +252,7 @@ class FakeApiServer:
         """A container crashed and restarted: not ready meanwhile, restartCount + 1, same pod IP."""
 
         def crashed(pod: dict[str, Any]) -> None:
-            pod["status"]["conditions"] = _conditions(False)
+            pod["status"]["conditions"] = pod_conditions(False)
             for status in pod["status"].get("containerStatuses", []):
                 status.update(
                     ready=False,
@@ -267,7 +268,7 @@ class FakeApiServer:
 
         def ended(pod: dict[str, Any]) -> None:
             pod["status"]["phase"] = phase
-            pod["status"]["conditions"] = _conditions(False)
+            pod["status"]["conditions"] = pod_conditions(False)
             pod["status"]["containerStatuses"] = [
                 {
                     "name": c["name"],

@@ -118,7 +118,11 @@ async def test_a_watch_the_server_ends_resumes_without_a_relist(tmp_path):
     try:
         async with watching(server, tmp_path, watch_timeout_s=1.0) as (watch, _sinks):
             await until(lambda: watch.status.synced)
-            await asyncio.sleep(1.5)  # the first watch ended by timeoutSeconds, the next one running
+            # the first watch ended by timeoutSeconds, the next one running
+            await until(
+                lambda: sum("watch" in r for r in server.requests) >= 2,
+                what="a second watch once the first one's timeoutSeconds ran out",
+            )
             await server.create(make_pod("late"))
             await until(lambda: names(watch) == {"late"})
             lists = [r for r in server.requests if "watch" not in r]

@@ -8,12 +8,12 @@ import copy
 import pytest
 
 from kvwatch.discovery.pods import PodVerdict, is_ready, judge_pod
-from tests.discovery.fake_apiserver import _conditions, make_pod, vllm_container
+from tests.discovery.fake_apiserver import make_pod, pod_conditions, vllm_container
 
 
 def _ready(pod: dict, ip: str = "10.1.2.3") -> dict:
     pod = copy.deepcopy(pod)
-    pod["status"].update(phase="Running", podIP=ip, conditions=_conditions(True))
+    pod["status"].update(phase="Running", podIP=ip, conditions=pod_conditions(True))
     return pod
 
 
@@ -134,7 +134,7 @@ def test_only_running_pods_with_an_ip_that_are_not_terminating_are_engines(chang
 def test_a_running_pod_failing_its_readiness_probe_is_an_engine_marked_not_ready():
     pod = _ready(make_pod("x", containers=[vllm_container()]))
     assert judge_pod(pod).engine is not None and judge_pod(pod).engine.ready
-    pod["status"]["conditions"] = _conditions(False)
+    pod["status"]["conditions"] = pod_conditions(False)
     engine = judge_pod(pod).engine
     assert not is_ready(pod) and engine is not None and not engine.ready
 

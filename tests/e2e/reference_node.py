@@ -5,7 +5,6 @@ admission band. Shared by the scale test and ``bench/exposition_size.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from kvwatch.agent import Agent
 from kvwatch.config import config_from_mapping
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
+from tests.local import until
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "tests/fixtures/engines/captured/vllm-0.13-0.14-v1-lmcache-dynamo-2026-01-2.prom"
@@ -125,19 +125,18 @@ async def reference_node(
                 fake.add_process(gpu, 4000 + 10 * gpu + p, 40 << 30)
             for xid in xids:
                 fake.inject_xid(gpu, xid)
-        deadline = time.monotonic() + 30
         async with httpx.AsyncClient() as client:
-            while True:
+
+            async def populated() -> bool:
                 page = await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)
                 series = _series(page.text)
-                if (
+                return (
                     series.get("kvwatch_kv_headroom_seconds") == replicas
                     and series.get("kvwatch_gpu_xid_errors_total") == gpus * len(xids)
                     and series.get("kvwatch_replica_gpu_info") == replicas
-                ):
-                    break
-                assert time.monotonic() < deadline, f"node not fully populated: {series}"
-                await asyncio.sleep(0.3)
+                )
+
+            await until(populated, 30, "every replica's headroom, XIDs and GPU info", interval_s=0.3)
         yield agent
     finally:
         await agent.stop()

@@ -107,17 +107,48 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float
     return proc.returncode
 
 
-def rss_bytes(pid: int) -> int:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (the relay workers, the parse worker), from /proc's children lists."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in children.read_text().split())
+    return tree
+
+
+def _vm_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise ValueError(f"no VmRSS for pid {pid}")
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident bytes of the process and its live descendants: the agent's relay workers are part of
+    what it costs a node."""
+    total = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # a descendant that exits between the listing and the read
+            total += _vm_rss(member)
+    return total
+
+
+def _stat_times(pid: int) -> list[int]:
+    """utime, stime, cutime, cstime in clock ticks (``proc(5)``, fields 14-17)."""
+    return [int(f) for f in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:15]]
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process (not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of the process, of its reaped children, and of its live descendants."""
+    utime, stime, cutime, cstime = _stat_times(pid)
+    ticks = utime + stime + cutime + cstime
+    for member in process_tree(pid)[1:]:
+        with contextlib.suppress(OSError):
+            ticks += sum(_stat_times(member)[:2])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class KvwatchRun:

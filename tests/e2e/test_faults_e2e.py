@@ -29,6 +29,7 @@ from kvwatch.agent import Agent
 from kvwatch.catalog import CATALOG
 from kvwatch.config import config_from_mapping
 from kvwatch.gpu.fake import FakeNvml
+from tests.local import until
 
 from .stack import (
     KvwatchRun,
@@ -187,13 +188,11 @@ async def _metrics(agent: Agent) -> list[Sample]:
 
 
 async def _eventually(agent: Agent, check, timeout_s: float, what: str) -> list[Sample]:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    async def scraped() -> list[Sample]:
         m = await _metrics(agent)
-        if check(m):
-            return m
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        await asyncio.sleep(0.2)
+        return m if check(m) else []
+
+    return await until(scraped, timeout_s, what, interval_s=0.2)
 
 
 @pytest.fixture

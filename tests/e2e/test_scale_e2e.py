@@ -753,7 +753,8 @@ def test_agent_memory_stays_flat_over_a_long_run_under_load(soak: SoakRun):
     first_half = statistics.median(r for _, r in after[:half])
     second_half = statistics.median(r for _, r in after[half:])
     print(
-        f"agent RSS: start {soak.rss[0][1] / mib:.1f} MiB, after warm-up {early / mib:.1f} MiB, "
+        f"agent RSS (with its relay workers): start {soak.rss[0][1] / mib:.1f} MiB, "
+        f"after warm-up {early / mib:.1f} MiB, "
         f"end {late / mib:.1f} MiB, max {max(r for _, r in soak.rss) / mib:.1f} MiB; "
         f"CPU {soak.cpu_s:.1f} s over {soak.wall_s:.0f} s "
         f"({100 * soak.cpu_s / soak.wall_s:.1f}% of a core); "

@@ -8,8 +8,6 @@ same rule ``kvwatch top`` applies: each non-printable character is written as a 
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 from aiohttp import web
 
@@ -19,7 +17,7 @@ from kvwatch.discovery.pods import judge_pod
 from kvwatch.engines.registry import parse_exposition
 from kvwatch.requests.accounting import ModelLabels
 from tests.engines import hostile
-from tests.local import serve_app
+from tests.local import serve_app, until
 
 HOSTILE_MODEL = "evil\x1b[2J\x07\u202ename"
 SHOWN = "evil\\x1b[2J\\x07\\u202ename"  # as kvwatch top shows it
@@ -54,15 +52,15 @@ async def test_metrics_carry_no_raw_control_character_from_an_engine() -> None:
     await agent.start()
     try:
         async with httpx.AsyncClient() as client:
-            for _ in range(50):
+
+            async def scraped() -> str:
                 text = (await client.get(f"http://127.0.0.1:{agent.port}/metrics", timeout=5)).text
-                if "kvwatch_kv_capacity_tokens{" in text:
-                    break
-                await asyncio.sleep(0.2)
+                return text if "kvwatch_kv_capacity_tokens{" in text else ""
+
+            text = await until(scraped, 10, "a scrape of the engine on /metrics", interval_s=0.2)
     finally:
         await agent.stop()
         await runner.cleanup()
-    assert "kvwatch_kv_capacity_tokens{" in text
     assert not any(ch in text for ch in "\x1b\x07\u202e")
     assert 'model_name="evil\\\\x1b[2J\\\\x07\\\\u202ename"' in text  # the text format escapes the backslash
 

@@ -7,7 +7,7 @@ import pytest
 from kvwatch.cooperative import BudgetExceededError
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError
 from kvwatch.engines.fetch import ScrapeError
-from kvwatch.engines.page_worker import parse_in_worker, parse_page
+from kvwatch.engines.page_worker import PageJob, parse_in_worker, parse_page
 from kvwatch.engines.registry import NoEngineMetricsError
 from kvwatch.workers import WorkerFailedError, WorkerProcess
 from tests.engines import hostile
@@ -16,8 +16,8 @@ LIMITS = Limits()
 TEXT = "text/plain; version=0.0.4"
 
 
-def _args(page: str, budget_s: float = 5.0, limits: Limits = LIMITS) -> tuple:
-    return (page.encode(), TEXT, "r0", "http://127.0.0.1:1/metrics", "vllm", 1.0, limits, budget_s)
+def _args(page: str, budget_s: float = 5.0, limits: Limits = LIMITS) -> tuple[bytes, PageJob]:
+    return (page.encode(), PageJob(TEXT, "r0", "http://127.0.0.1:1/metrics", "vllm", 1.0, limits, budget_s))
 
 
 async def test_worker_results_and_errors_equal_parsing_here() -> None:

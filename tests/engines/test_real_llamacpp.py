@@ -19,6 +19,7 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
+from tests.local import wait_until
 
 from .real_checks import engine_metrics, inspect_json, value
 
@@ -41,12 +42,12 @@ def _hammer(base_url: str, model: str, stop: threading.Event) -> int:
 
 
 def _wait_idle(real) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if value(engine_metrics(real.metrics_url), "llamacpp:requests_processing") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("llama-server did not go idle")
+    wait_until(
+        lambda: value(engine_metrics(real.metrics_url), "llamacpp:requests_processing") == 0,
+        60,
+        "llama-server to go idle",
+        interval_s=0.2,
+    )
 
 
 def test_inspect_agrees_with_llamacpp_under_load(real_llamacpp):

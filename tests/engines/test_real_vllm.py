@@ -6,8 +6,6 @@ load (tests/e2e/test_real_engines_e2e.py), so one session drives one preempting 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -15,6 +13,7 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
+from tests.local import wait_until
 
 from .real_checks import engine_metrics, inspect_json, value
 
@@ -34,13 +33,11 @@ def _counters(metrics) -> tuple[float, float]:
 
 
 def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def idle() -> bool:
         _, running, waiting = _gauges(engine_metrics(url))
-        if running == 0 and waiting == 0:
-            return
-        time.sleep(0.5)
-    raise AssertionError("vLLM did not go idle")
+        return running == 0 and waiting == 0
+
+    wait_until(idle, timeout_s, "vLLM to go idle", interval_s=0.5)
 
 
 def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):

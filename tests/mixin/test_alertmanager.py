@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -17,7 +16,7 @@ import yaml
 from kvwatch.mixin.rulefile import alert_names
 from kvwatch.mixin.rules import rule_files
 from kvwatch.mixin.slo import load_slo_file
-from tests.local import free_port
+from tests.local import free_port, wait_until
 
 from .helpers import ALERTS, ROOT, run_tool, tool
 
@@ -98,15 +97,14 @@ def alertmanager(tmp_path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("alertmanager did not start") from None
-                time.sleep(0.2)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"alertmanager exited ({proc.returncode}) while starting")
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=2):
+                return True
+
+        wait_until(ready, 30, "alertmanager to start", interval_s=0.2, retry_on=(OSError,))
         yield url
     finally:
         proc.terminate()
@@ -131,17 +129,17 @@ def _post(url: str, alerts: list[dict[str, str]]) -> None:
 
 def _inhibited(url: str, expected: int) -> dict[tuple[str, str], bool]:
     """(alertname, distinguishing label) -> inhibited, once ``expected`` alerts are in."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def state() -> dict[tuple[str, str], bool]:
         with urllib.request.urlopen(f"{url}/api/v2/alerts", timeout=10) as response:
             alerts = json.loads(response.read())
-        state = {
+        now = {
             (a["labels"]["alertname"], a["labels"].get("key", "")): bool(a["status"]["inhibitedBy"])
             for a in alerts
         }
-        if (len(state) >= expected and any(state.values())) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.3)
+        return now if len(now) >= expected and any(now.values()) else {}
+
+    return wait_until(state, 30, f"{expected} alerts in Alertmanager, one inhibited", interval_s=0.3)
 
 
 @pytest.mark.prometheus

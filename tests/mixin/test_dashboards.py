@@ -170,6 +170,54 @@ def test_layout_is_a_grid_without_overlaps_and_ids_are_unique(name) -> None:
                 cells.add((x, y))
 
 
+def test_a_row_sizes_its_panels_and_add_overrides_only_the_panels_it_is_given() -> None:
+    def panel(title: str) -> dict:
+        return g.timeseries(title, [g.Query("up")], "x")
+
+    lay = g.Layout()
+    lay.row("first", 8, 6)
+    lay.add(panel("a"), panel("b"))
+    lay.add(panel("wide"), w=24, h=4)
+    lay.add(panel("c"))
+    lay.row("second", 12, 8)
+    lay.add(panel("d"))
+    pos = {p["title"]: p["gridPos"] for p in lay.panels}
+    assert pos["a"] == {"x": 0, "y": 1, "w": 8, "h": 6}
+    assert pos["b"] == {"x": 8, "y": 1, "w": 8, "h": 6}
+    assert pos["wide"] == {"x": 0, "y": 7, "w": 24, "h": 4}  # no room left on the line: the next one
+    assert pos["c"] == {"x": 0, "y": 11, "w": 8, "h": 6}  # back to the row's size
+    assert pos["second"] == {"x": 0, "y": 17, "w": 24, "h": 1}
+    assert pos["d"] == {"x": 0, "y": 18, "w": 12, "h": 8}
+
+
+def test_a_timeseries_draws_its_thresholds_as_dashed_lines_only_when_it_has_some() -> None:
+    def style(panel: dict) -> str:
+        return panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"]
+
+    plain = g.timeseries("plain", [g.Query("up")], "x")
+    marked = g.timeseries("marked", [g.Query("up")], "x", thresholds=((None, "green"), (0.2, "red")))
+    assert (style(plain), style(marked)) == ("off", "dashed")
+    share = g.timeseries("share", [g.Query("up")], "x", g.Axis("percentunit", 0, 1))
+    assert {k: share["fieldConfig"]["defaults"].get(k) for k in ("unit", "min", "max")} == {
+        "unit": "percentunit",
+        "min": 0,
+        "max": 1,
+    }
+    assert "min" not in plain["fieldConfig"]["defaults"] and "max" not in plain["fieldConfig"]["defaults"]
+
+
+def test_alerting_panels_mark_the_threshold_the_shipped_alert_uses(monkeypatch) -> None:
+    from kvwatch.mixin.dashboards import node
+    from kvwatch.mixin.thresholds import AlertConfig
+
+    monkeypatch.setattr(node, "SHIPPED_ALERTS", AlertConfig(recompute_waste_ratio=0.35))
+    board = node.node_board(Options()).json()
+    waste = next(p for p in board["panels"] if p["title"] == "Recompute waste")
+    steps = waste["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps == [{"color": "green", "value": None}, {"color": "red", "value": 0.35}]
+    assert "KVWatchRecomputeWaste fires above 35%" in waste["description"]
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_panel_titles_are_unique_within_a_dashboard(name) -> None:
     titles = [p["title"] for p in _panels(name)]

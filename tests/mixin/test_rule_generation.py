@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvwatch import buckets
+from kvwatch.buckets import Histogram
 from kvwatch.cli import main as cli
 from kvwatch.mixin import alerts as alerts_mod
 from kvwatch.mixin.promql import referenced_selectors, unknown_names
@@ -35,7 +36,7 @@ from kvwatch.mixin.rules import (
 )
 from kvwatch.mixin.rules import SEVERITIES as BURNS
 from kvwatch.mixin.slo import load_slo_file, slo_from_mapping
-from kvwatch.state import HISTOGRAM_FAMILIES, Histogram
+from kvwatch.state.request_stats import HISTOGRAM_FAMILIES
 
 from .helpers import ALERTS, PROMTOOL_TESTS, ROOT, run_tool, tool
 

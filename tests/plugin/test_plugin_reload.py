@@ -4,7 +4,6 @@ rest keep running. Datagrams come from the plugin's own sender (plugins/vllm).""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -20,6 +19,7 @@ import pytest
 from kvwatch.agent import Agent
 from kvwatch.agent.reload import ConfigReloader
 from kvwatch.config import load_config
+from tests.local import until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "vllm"))
 from kvwatch_vllm_plugin import wire
@@ -54,16 +54,6 @@ def _is_socket(path: Path) -> bool:
         return False
 
 
-async def _until(check, what: str, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not reached: {what}")
-
-
 def _send(path: Path, output: int) -> None:
     sender = wire.DatagramSender(str(path))
     header = {"v": wire.WIRE_VERSION, "e": 0, "p": os.getpid(), "n": 1, "t": 1000.0, "d": 0, "ds": 0}
@@ -78,17 +68,17 @@ async def _metrics(agent: Agent) -> str:
 
 
 async def _scrape_until(agent: Agent, *present: str, timeout_s: float = 10.0) -> str:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    body = ""
-    while loop.time() < deadline:
-        body = await _metrics(agent)
-        if all(p in body for p in present):
-            return body
-        await asyncio.sleep(0.05)
-    raise AssertionError(
-        f"not reached: {present}\n" + "\n".join(line for line in body.splitlines() if "vllm_plugin" in line)
-    )
+    last = [""]
+
+    async def scraped() -> str:
+        last[0] = await _metrics(agent)
+        return last[0] if all(p in last[0] for p in present) else ""
+
+    try:
+        return await until(scraped, timeout_s, f"{present} on /metrics", interval_s=0.05)
+    except AssertionError as exc:
+        plugin_lines = "\n".join(line for line in last[0].splitlines() if "vllm_plugin" in line)
+        raise AssertionError(f"{exc}\n{plugin_lines}") from None
 
 
 def _accepted(replica: str, n: int) -> str:
@@ -113,8 +103,8 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         # r1 moves to b, r2 gains c: both apply now, a is closed and removed
         _write(config_file, [("r1", b), ("r2", c)])
         assert reloader.reload("test")
-        await _until(
-            lambda: _is_socket(b) and _is_socket(c) and not os.path.lexists(a), "b and c bound, a gone"
+        await until(
+            lambda: _is_socket(b) and _is_socket(c) and not os.path.lexists(a), what="b and c bound, a gone"
         )
         assert "changed; it takes effect at the next restart" not in caplog.text
         _send(b, 7)
@@ -128,20 +118,20 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
         blocked.write_text("not a socket")
         _write(config_file, [("r1", b), ("r2", blocked)])
         assert reloader.reload("test")  # the file is valid; binding is what failed
-        await _until(lambda: not os.path.lexists(c), "c closed")
+        await until(lambda: not os.path.lexists(c), what="c closed")
         assert blocked.read_text() == "not a socket"  # never replaced
-        await _until(
+        await until(
             lambda: f"cannot be bound: {blocked} exists and is not a socket" in caplog.text,
-            "the bind failure logged",
+            what="the bind failure logged",
         )
         assert agent.state.collectors["vllm_plugin:r2"].success is False
         _send(b, 11)
-        await _until(lambda: agent.state.plugin.snapshot()[("r1", "0")].datagrams == 3, "b still read")
+        await until(lambda: agent.state.plugin.snapshot()[("r1", "0")].datagrams == 3, what="b still read")
 
         # every socket dropped: all closed and removed
         _write(config_file, [])
         assert reloader.reload("test")
-        await _until(lambda: not os.path.lexists(b), "b closed")
+        await until(lambda: not os.path.lexists(b), what="b closed")
         assert "vllm_plugin:r2" not in agent.state.collectors  # the failed socket is no longer configured
     finally:
         await agent.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -21,6 +22,7 @@ from kvwatch.requests.vllm_plugin import (
     bind_socket,
     decode,
 )
+from tests.local import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "vllm"))
 from kvwatch_vllm_plugin import wire
@@ -227,16 +229,22 @@ def test_the_drain_thread_sends_the_backlog_once_the_agent_reads_with_no_further
         for i in range(60):
             sender.send(f"{i}".encode())
         assert sender.backlog > 0
+        tries = []
+        drain = sender.drain
+        sender.drain = lambda: (tries.append(1), drain())[1]  # type: ignore[method-assign]
         drainer.wake()
-        time.sleep(0.2)  # the agent still stalls: the thread retries, nothing is lost or reordered
+        # the agent still stalls: the thread retries (seen several times), nothing is lost or reordered
+        wait_until(lambda: len(tries) >= 5, what="the drain thread to retry while the agent stalls")
         assert sender.dropped == 0 and sender.backlog > 0
         got: list[bytes] = []
-        deadline = time.monotonic() + 5
-        while len(got) < 60 and time.monotonic() < deadline:
-            try:
-                got.append(receiver.recv(100))
-            except BlockingIOError:
-                time.sleep(0.001)
+
+        def received_all() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                while len(got) < 60:
+                    got.append(receiver.recv(100))
+            return len(got) == 60
+
+        wait_until(received_all, 5, "the backlog to reach the agent", interval_s=0.001)
         drainer.stop()
         assert got == [f"{i}".encode() for i in range(60)] and sender.backlog == 0 and sender.sent == 60
     finally:

@@ -22,6 +22,7 @@ from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, LedgerConfig, NvmlConfig, OtlpConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord
 from kvwatch.requests.ledger import RequestLedger
+from tests.local import until
 
 LISTEN = HostPort("127.0.0.1", 0)
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -190,10 +191,12 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
             assert response.status_code == 200
         exporter.stdin.write(b"go\n")
         await exporter.stdin.drain()
-        for _ in range(300):
-            if dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))[("ledger_busy",)]:
-                break
-            await asyncio.sleep(0.05)
+        await until(
+            lambda: dict(agent.state.counters_for("kvwatch_otlp_exports_refused"))[("ledger_busy",)],
+            15,
+            "an export refused while the ledger is busy",
+            interval_s=0.05,
+        )
         disk.set()
         assert await asyncio.wait_for(exporter.stdout.readline(), 60) == b"SUCCESS\n"
         await exporter.wait()

@@ -35,6 +35,7 @@ from kvwatch.requests.ledger import ledger_line
 from kvwatch.requests.otlp import (
     REFUSED,
     SPANS,
+    DecodeJob,
     InflatedTooLargeError,
     OtlpReceiver,
     ReplicaResolver,
@@ -398,27 +399,26 @@ async def test_the_worker_process_decodes_exactly_as_a_thread_would_refusals_inc
     """Large and compressed exports are decoded in kvwatch's worker process (a 55,000-span export is
     ~0.9 s of pure Python: in a thread it holds the GIL against the loop); same records, same counts."""
     worker = WorkerProcess()
-    args = (_one_replica(), _labels())
+
+    def job(encoding: str, max_decompressed: int) -> DecodeJob:
+        return DecodeJob(encoding, "application/x-protobuf", max_decompressed, _one_replica(), _labels())
+
     try:
         for body, encoding in (
             (REQUESTS * 300, "identity"),
             (gzip.compress(REQUESTS * 300), "gzip"),
             (STARTUP + REQUESTS, "identity"),
         ):
-            here = decode_body(body, encoding, "application/x-protobuf", 64 << 20, *args)
-            there = await decode_in_worker(worker, body, encoding, "application/x-protobuf", 64 << 20, *args)
+            here = decode_body(body, job(encoding, 64 << 20))
+            there = await decode_in_worker(worker, body, job(encoding, 64 << 20))
             assert there == here and len(there[0]) == here[1]["request"] > 0
         with pytest.raises(InflatedTooLargeError):
-            await decode_in_worker(
-                worker, gzip.compress(REQUESTS * 300), "gzip", "application/x-protobuf", 1 << 16, *args
-            )
+            await decode_in_worker(worker, gzip.compress(REQUESTS * 300), job("gzip", 1 << 16))
         with pytest.raises(ValueError, match="not an OTLP protobuf"):
-            await decode_in_worker(
-                worker, b"\xff" * 1000, "identity", "application/x-protobuf", 1 << 20, *args
-            )
-        assert (
-            await decode_in_worker(worker, REQUESTS, "identity", "application/x-protobuf", 1 << 20, *args)
-        )[1]["request"] == 3  # still serving
+            await decode_in_worker(worker, b"\xff" * 1000, job("identity", 1 << 20))
+        assert (await decode_in_worker(worker, REQUESTS, job("identity", 1 << 20)))[1][
+            "request"
+        ] == 3  # serving
     finally:
         await worker.close()
 

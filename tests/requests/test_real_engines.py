@@ -160,8 +160,16 @@ async def test_counts_and_ttft_agree_with_vllms_own_histograms(real_vllm, vllm_p
                 pass
     finally:
         await client.close()
-    await asyncio.sleep(1.0)  # vLLM records finished-request stats on its next loop turn
-    after = await vllm_metrics(real_vllm)
+
+    async def finished_recorded() -> str:  # vLLM records finished-request stats on its next loop turn
+        text = await vllm_metrics(real_vllm)
+        counted = [
+            metric(text, name) - metric(before, name)
+            for name in ("vllm:request_success_total", "vllm:time_to_first_token_seconds_count")
+        ]
+        return text if min(counted) >= 3 else ""
+
+    after = await until(finished_recorded, 10, "vLLM's own counts of the three requests", interval_s=0.1)
     success = metric(after, "vllm:request_success_total") - metric(before, "vllm:request_success_total")
     ttft_count = metric(after, "vllm:time_to_first_token_seconds_count") - metric(
         before, "vllm:time_to_first_token_seconds_count"
@@ -204,13 +212,12 @@ async def _generation_stops(engine, left: float) -> tuple[float, float]:
 
 async def _until_idle(engine, timeout_s: float = 120) -> None:
     """Until no request runs or waits in the shared vLLM: another test's tokens would count as ours."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def idle() -> bool:
         text = await vllm_metrics(engine)
-        if metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") == 0:
-            return
-        assert time.monotonic() < deadline, "the shared vLLM is still busy with an earlier test's requests"
-        await asyncio.sleep(0.2)
+        return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") == 0
+
+    await until(idle, timeout_s, "the shared vLLM to finish an earlier test's requests", interval_s=0.2)
 
 
 @pytest.mark.real_vllm
@@ -349,10 +356,11 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
         predicted = await _metric_of(base, "llamacpp:tokens_predicted_total")
         body = {"prompt": "hello", "max_tokens": 16000, "stream": True, "ignore_eos": True}
         await asyncio.to_thread(_leave_after_first_event, harness.server.port, body)
-        left = time.monotonic()
-        while await _busy_slots(base) != 0:
-            assert time.monotonic() - left < 1.0, "llama.cpp slot still busy for a client that left"
-            await asyncio.sleep(0.05)
+
+        async def freed() -> bool:
+            return await _busy_slots(base) == 0
+
+        await until(freed, 1.0, "llama.cpp to free the slot of a client that left", interval_s=0.05)
         await until(lambda: len(harness.records) == 1)
         assert harness.records[0].outcome is Outcome.ABORTED
         generated = await _metric_of(base, "llamacpp:tokens_predicted_total") - predicted

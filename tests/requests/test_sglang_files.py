@@ -17,6 +17,7 @@ import pytest
 from kvwatch.config import SglangFilesConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.sglang_files import LINES, SglangFileFollower, line_record
+from tests.local import until
 
 PROMPT = "the secret prompt text 7f3a9c"
 
@@ -228,17 +229,11 @@ async def test_start_follower_reports_each_poll(tmp_path: Path) -> None:
         lambda *a: reports.append(a),
     )
     try:
-        for _ in range(200):
-            if reports:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: reports, what="the first poll's report")
         assert reports[0][:2] == ("sglang_files:s0", False) and "cannot list" in reports[0][3]
         (tmp_path / "later").mkdir()
         Dir(tmp_path / "later").append("20260101_10", exporter_line(completion=3))
-        for _ in range(200):
-            if got:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: got, what="the record of the file that appeared")
         assert [(r.output_tokens, r.model_name) for r in got] == [(3, "qwen")]
         assert reports[-1][:2] == ("sglang_files:s0", True)
     finally:
@@ -247,15 +242,15 @@ async def test_start_follower_reports_each_poll(tmp_path: Path) -> None:
 
 async def test_run_emits_records_on_the_loop(export_dir: Dir) -> None:
     follower = export_dir.follower()
+    polls: list[tuple] = []
+    follower.report = lambda *a: polls.append(a)
     got: list[RequestRecord] = []
     task = asyncio.create_task(follower.run(got.append))
     try:
-        await asyncio.sleep(0.2)
+        # a file there before the first poll is followed from its end: append after that poll
+        await until(lambda: polls, what="the follower's first poll")
         export_dir.append("20260101_10", exporter_line(completion=6))
-        for _ in range(200):
-            if got:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: got, what="the appended line's record")
         assert [r.output_tokens for r in got] == [6]
     finally:
         task.cancel()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 from kvwatch.sim.loadgen import LoadGenConfig, LoadGenerator
 from kvwatch.sim.node import NodeConfig, SimNode
 from kvwatch.sim.routing import RouterSpec
 from kvwatch.sim.workload import LengthDist, Patience, RequestClass, WorkloadSpec, generate
+from tests.local import until
 
 from .helpers import small_config
 
@@ -19,9 +18,7 @@ SHORT = RequestClass(
 
 
 async def settle(engines, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(e.in_system for e in engines) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await until(lambda: not any(e.in_system for e in engines), timeout, "the engines to finish every request")
 
 
 async def test_impatient_clients_abort_and_every_outcome_matches_the_engines():

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvwatch.sim.node import NodeConfig, SimNode
+from tests.local import until
 
 from .helpers import small_config
 
@@ -132,9 +133,7 @@ async def test_client_disconnect_aborts_the_request_and_frees_its_kv(node):
                 break
         assert e.num_running == 1 and e.used_blocks > 0
         await stream.close()
-    deadline = time.monotonic() + 10
-    while e.aborted == 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await until(lambda: e.aborted, what="the engine to abort the request of the client that left")
     assert e.aborted == 1 and e.in_system == 0
     assert e.used_blocks == 0 and e.live_tokens == 0  # freed in the abort itself, before any next step
     (view,) = [e.request(rid) for rid in list(e._finished)]

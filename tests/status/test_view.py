@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from kvwatch.buckets import Histogram
 from kvwatch.derive.quantiles import histogram_quantile
-from kvwatch.state import Histogram
 from kvwatch.status.view import ALL, build_view, view_from_dict, view_to_dict
 
 from .node import T0, populated_state

@@ -6,19 +6,22 @@ from __future__ import annotations
 from kvwatch.mixin import grafana as g
 from kvwatch.mixin.dashboards.scaffold import (
     ANY_IS_RED,
-    BUDGET,
+    COUNT,
     FLEET_BAND,
     FLEET_MODEL,
     FLEET_UID,
     NODE_UID,
-    PAGE_BURN,
     REPLICA_LABELS,
-    SLO_LABELS,
+    SHARE,
+    SHIPPED_ALERTS,
     TIER_LABELS,
+    WHOLE_SHARE,
     Board,
     Options,
     Scope,
-    burn_rate,
+    budget_left_panel,
+    burn_rate_panel,
+    fires_above,
     links,
     variables,
 )
@@ -30,7 +33,9 @@ def fleet_board(opts: Options) -> Board:
     rep = "{{instance}} {{replica}} {{dp_rank}}"
     lay = g.Layout()
 
-    lay.row("Fleet")
+    capacity = s.sel("kvwatch:kv_capacity_tokens:sum", labels=FLEET_MODEL)
+    stranded = s.sel("kvwatch:kv_stranded:ratio", labels=FLEET_MODEL)
+    lay.row("Fleet", 4, 4)
     lay.add(
         g.stat(
             "kvwatch agents up",
@@ -38,45 +43,27 @@ def fleet_board(opts: Options) -> Board:
                 Query('sum(up{cluster=~"$cluster", job=~"$job"})', "up"),
                 Query('count(up{cluster=~"$cluster", job=~"$job"})', "scraped"),
             ],
-            description="kvwatch agents Prometheus scraped successfully, of those it knows.",
+            "kvwatch agents Prometheus scraped successfully, of those it knows.",
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Engines down",
             [Query(f"count({s.sel('kvwatch_target_up')} == 0) or vector(0)")],
-            description="Engine replicas kvwatch cannot scrape.",
-            thresholds=((None, "green"), (1, "red")),
+            "Engine replicas kvwatch cannot scrape.",
+            thresholds=ANY_IS_RED,
         ),
-        4,
-        4,
-    )
-    capacity = s.sel("kvwatch:kv_capacity_tokens:sum", labels=FLEET_MODEL)
-    lay.add(
         g.stat(
             "KV capacity",
             [Query(f"sum({capacity})")],
-            description="KV tokens across the selected models' replicas.",
+            "KV tokens across the selected models' replicas.",
             unit="short",
         ),
-        4,
-        4,
-    )
-    stranded = s.sel("kvwatch:kv_stranded:ratio", labels=FLEET_MODEL)
-    lay.add(
         g.stat(
             "Most stranded KV",
             [Query(f"max({stranded})")],
-            description="Largest share of a model's KV capacity free on idle replicas while others queue.",
+            "Largest share of a model's KV capacity free on idle replicas while others queue.",
             unit="percentunit",
             thresholds=((None, "green"), (0.2, "orange")),
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Firing kvwatch alerts",
             [
@@ -85,24 +72,18 @@ def fleet_board(opts: Options) -> Board:
                     "or vector(0)"
                 )
             ],
-            description="kvwatch alerts firing now (pages and tickets).",
+            "kvwatch alerts firing now (pages and tickets).",
             thresholds=ANY_IS_RED,
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "GPUs lost",
             [Query(f"count({s.sel('kvwatch_gpu_lost')} == 1) or vector(0)")],
-            description="GPUs NVML reports lost, across nodes.",
+            "GPUs NVML reports lost, across nodes.",
             thresholds=ANY_IS_RED,
         ),
-        4,
-        4,
     )
 
-    lay.row("Stranded capacity")
+    lay.row("Stranded capacity", 12, 8)
     lay.add(
         g.timeseries(
             "Stranded KV tokens per model",
@@ -115,70 +96,55 @@ def fleet_board(opts: Options) -> Board:
                     "{{model_name}} within nodes",
                 ),
             ],
-            description="Free KV tokens on replicas with nothing waiting while another replica of the "
+            "Free KV tokens on replicas with nothing waiting while another replica of the "
             "same model queues or preempts, across nodes (recording rule) and summed over each node's own "
             "view (agent).",
-            min_=0,
+            COUNT,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Stranded share of capacity",
             [Query(s.sel("kvwatch:kv_stranded:ratio", labels=FLEET_MODEL), "{{model_name}}")],
-            description="Stranded tokens / the model's KV capacity. "
-            "KVWatchKVCapacityStranded fires above 20%.",
-            unit="percentunit",
-            min_=0,
-            max_=1,
-            thresholds=((None, "green"), (0.2, "red")),
-            threshold_lines=True,
+            "Stranded tokens / the model's KV capacity. KVWatchKVCapacityStranded fires above "
+            f"{SHIPPED_ALERTS.stranded_ratio:.0%}.",
+            WHOLE_SHARE,
+            thresholds=fires_above(SHIPPED_ALERTS.stranded_ratio),
         ),
-        12,
-        8,
     )
 
-    lay.row("Replicas under the most pressure")
+    lay.row("Replicas under the most pressure", 8, 8)
     lay.add(
-        g.table(
-            "Fullest KV caches",
-            [Query(f"topk(10, {s.sel('kvwatch_kv_usage_ratio')})", rep, instant=True, table=True)],
-            description="The 10 replicas with the highest KV occupancy.",
-            unit="percentunit",
-            hide=("Time", "job", "__name__"),
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        g.table(
-            "Least KV headroom",
-            [Query(f"bottomk(10, {s.sel('kvwatch_kv_headroom_seconds')})", rep, instant=True, table=True)],
-            description="The 10 replicas closest to a full KV pool at their current growth.",
-            unit="s",
-            hide=("Time", "job", "__name__"),
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        g.table(
-            "Most preemptions",
-            [
-                Query(
-                    f"topk(10, {s.sel('kvwatch:preemptions:rate5m', labels=REPLICA_LABELS)})",
-                    rep,
-                    instant=True,
-                    table=True,
-                )
-            ],
-            description="The 10 replicas preempting the most per second (5m rate).",
-            unit="reqps",
-            hide=("Time", "job", "__name__"),
-        ),
-        8,
-        8,
+        *(
+            g.table(
+                title,
+                [Query(f"{pick}(10, {series})", rep, instant=True, table=True)],
+                description,
+                unit=unit,
+                hide=("Time", "job", "__name__"),
+            )
+            for title, pick, series, unit, description in (
+                (
+                    "Fullest KV caches",
+                    "topk",
+                    s.sel("kvwatch_kv_usage_ratio"),
+                    "percentunit",
+                    "The 10 replicas with the highest KV occupancy.",
+                ),
+                (
+                    "Least KV headroom",
+                    "bottomk",
+                    s.sel("kvwatch_kv_headroom_seconds"),
+                    "s",
+                    "The 10 replicas closest to a full KV pool at their current growth.",
+                ),
+                (
+                    "Most preemptions",
+                    "topk",
+                    s.sel("kvwatch:preemptions:rate5m", labels=REPLICA_LABELS),
+                    "reqps",
+                    "The 10 replicas preempting the most per second (5m rate).",
+                ),
+            )
+        )
     )
     lay.add(
         g.timeseries(
@@ -191,16 +157,9 @@ def fleet_board(opts: Options) -> Board:
                 ),
                 Query(f"min by (model_name) ({s.sel('kvwatch_kv_usage_ratio')})", "{{model_name}} min"),
             ],
-            description="Spread of KV occupancy over a model's replicas: a wide spread with queues is "
-            "stranded capacity.",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            "Spread of KV occupancy over a model's replicas: a wide spread with queues is stranded capacity.",
+            WHOLE_SHARE,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "KV tier traffic / PCIe bandwidth, top 10",
             [
@@ -210,42 +169,18 @@ def fleet_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="Replicas whose KV offload/onload uses the most of their GPUs' PCIe bandwidth (needs "
+            "Replicas whose KV offload/onload uses the most of their GPUs' PCIe bandwidth (needs "
             "KV offload and the replica -> GPU map).",
-            unit="percentunit",
-            min_=0,
+            SHARE,
         ),
-        12,
-        8,
+        w=12,
+        h=8,
     )
 
-    lay.row("Service level per band")
-    slo_legend = "{{slo}} {{model_name}} {{length_band}}"
+    lay.row("Service level per band", 8, 10)
     lay.add(
-        g.bargauge(
-            "Error budget left",
-            [Query(s.sel("kvwatch:slo_error_budget_remaining:ratio", labels=SLO_LABELS), slo_legend)],
-            description="Share of each SLO's error budget left for the period, per model and band.",
-            unit="percentunit",
-            max_=1,
-            thresholds=BUDGET,
-        ),
-        8,
-        10,
-    )
-    lay.add(
-        g.timeseries(
-            "Burn rate, 1h",
-            [Query(burn_rate("1h", s), slo_legend)],
-            description="Error ratio over 1h / error budget, per objective and band.",
-            min_=0,
-            thresholds=PAGE_BURN,
-            threshold_lines=True,
-        ),
-        8,
-        10,
-    )
-    lay.add(
+        budget_left_panel(s, "Share of each SLO's error budget left for the period, per model and band."),
+        burn_rate_panel("1h", s, "Error ratio over 1h / error budget, per objective and band."),
         g.timeseries(
             "Completion ratio per band, 1h",
             [
@@ -254,43 +189,30 @@ def fleet_board(opts: Options) -> Board:
                     "{{model_name}} {{length_band}}",
                 )
             ],
-            description="(completed + truncated) / finished over 1h per band.",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            "(completed + truncated) / finished over 1h per band.",
+            WHOLE_SHARE,
         ),
-        8,
-        10,
     )
 
     node_url = f"/d/{NODE_UID}/kvwatch-node?${{__url_time_range}}&var-node=${{__data.fields.instance}}"
-    lay.row("Nodes")
+    lay.row("Nodes", 24, 8)
     lay.add(
         g.table(
             "Nodes",
             [
-                Query(
-                    f"max by (cluster, instance) ({s.sel('kvwatch_kv_usage_ratio')})",
-                    instant=True,
-                    table=True,
-                ),
-                Query(
-                    f"sum by (cluster, instance) ({s.rate('kvwatch_preemptions_total')})",
-                    instant=True,
-                    table=True,
-                ),
-                Query(f"sum by (cluster, instance) ({s.sel('kvwatch_target_up')})", instant=True, table=True),
-                Query(
-                    f"count by (cluster, instance) ({s.sel('kvwatch_gpu_info')})", instant=True, table=True
-                ),
+                Query(f"{how} by (cluster, instance) ({series})", instant=True, table=True)
+                for how, series in (
+                    ("max", s.sel("kvwatch_kv_usage_ratio")),
+                    ("sum", s.rate("kvwatch_preemptions_total")),
+                    ("sum", s.sel("kvwatch_target_up")),
+                    ("count", s.sel("kvwatch_gpu_info")),
+                )
             ],
-            description="Per node: highest KV occupancy (A), preemptions/s (B), engines up (C), GPUs (D). "
+            "Per node: highest KV occupancy (A), preemptions/s (B), engines up (C), GPUs (D). "
             "Click a row for its Node dashboard.",
             links=[{"title": "Node dashboard", "url": node_url}],
             hide=("Time",),
-        ),
-        24,
-        8,
+        )
     )
 
     return Board(

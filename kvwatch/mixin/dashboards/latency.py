@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from kvwatch.mixin import grafana as g
 from kvwatch.mixin.dashboards.scaffold import (
-    BUDGET,
+    COUNT,
     FLEET_BAND,
     LATENCY_UID,
-    PAGE_BURN,
     RATE,
+    REQUESTS_PER_S,
+    SECONDS,
+    SHARE,
     SLO_LABELS,
+    WHOLE_SHARE,
     Board,
     Options,
     Scope,
-    burn_rate,
+    budget_left_panel,
+    burn_rate_panel,
     links,
     quantile,
     variables,
@@ -41,39 +45,37 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm)
     def rated(series: str, *extra: Match | str) -> str:
         return s.rate(series, plugin, *extra)
 
-    lay.row("Inside the engine, per band (vLLM plugin)")
-    for title, family in (
-        ("Queue", "kvwatch_request_queue_seconds"),
-        ("Prefill", "kvwatch_request_prefill_seconds"),
-        ("Decode", "kvwatch_request_decode_seconds"),
-        ("End to end (engine)", "kvwatch_request_duration_seconds"),
-    ):
-        p90 = form.quantile(0.9, family, rated, "length_band")
-        lay.add(
+    def per_band_mean(family: str) -> str:
+        """Mean observation per band (sum / count), absent for a band with none."""
+        return (
+            f"{form.sum(family, rated, 'length_band')}\n/\n({form.count(family, rated, 'length_band')} > 0)"
+        )
+
+    lay.row("Inside the engine, per band (vLLM plugin)", 6, 8)
+    lay.add(
+        *(
             g.timeseries(
                 f"{title} p90, engine clock",
-                [PluginQuery(p90, band)],
-                description=f"{title} p90 per band as vLLM measured it (no proxy needed).",
-                unit="s",
-                min_=0,
-            ),
-            6,
-            8,
+                [PluginQuery(form.quantile(0.9, family, rated, "length_band"), band)],
+                f"{title} p90 per band as vLLM measured it (no proxy needed).",
+                SECONDS,
+            )
+            for title, family in (
+                ("Queue", "kvwatch_request_queue_seconds"),
+                ("Prefill", "kvwatch_request_prefill_seconds"),
+                ("Decode", "kvwatch_request_decode_seconds"),
+                ("End to end (engine)", "kvwatch_request_duration_seconds"),
+            )
         )
-    pre = "kvwatch_request_preemptions"
-    mean_pre = f"{form.sum(pre, rated, 'length_band')}\n/\n({form.count(pre, rated, 'length_band')} > 0)"
+    )
     lay.add(
         g.timeseries(
             "Preemptions per request",
-            [PluginQuery(mean_pre, band)],
-            description="Mean times a finished request of the band was preempted (exact). Long "
+            [PluginQuery(per_band_mean("kvwatch_request_preemptions"), band)],
+            "Mean times a finished request of the band was preempted (exact). Long "
             "bands far above short ones: KVWatchLongRequestsPreemptedRepeatedly.",
-            min_=0,
+            COUNT,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Output / max_tokens p50",
             [
@@ -81,35 +83,16 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm)
                     form.quantile(0.5, "kvwatch_request_output_limit_ratio", rated, "length_band"), band
                 )
             ],
-            description="How much of its max_tokens a request used: low values mean limits far above the "
+            "How much of its max_tokens a request used: low values mean limits far above the "
             "answers (length prediction error).",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            WHOLE_SHARE,
         ),
-        8,
-        8,
-    )
-    reuse = "kvwatch_request_prefix_reuse_ratio"
-    lay.add(
         g.timeseries(
             "Prefix reuse per band",
-            [
-                PluginQuery(
-                    f"{form.sum(reuse, rated, 'length_band')}\n/\n"
-                    f"({form.count(reuse, rated, 'length_band')} > 0)",
-                    band,
-                )
-            ],
-            description="Mean share of a request's prompt served from the prefix cache.",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            [PluginQuery(per_band_mean("kvwatch_request_prefix_reuse_ratio"), band)],
+            "Mean share of a request's prompt served from the prefix cache.",
+            WHOLE_SHARE,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Unused max_tokens",
             [
@@ -118,14 +101,10 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm)
                     band,
                 )
             ],
-            description="Tokens per second of max_tokens that requests stopping early never generated: KV a "
+            "Tokens per second of max_tokens that requests stopping early never generated: KV a "
             "worst-case reservation would have held for nothing.",
-            min_=0,
+            COUNT,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Exact recomputed tokens",
             [
@@ -133,14 +112,10 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm)
                     f"sum by (replica) ({s.rate('kvwatch_recomputed_tokens_total', plugin)})", "{{replica}}"
                 )
             ],
-            description="Tokens re-prefilled per second after preemption, from vLLM's prefix-cache stats "
+            "Tokens re-prefilled per second after preemption, from vLLM's prefix-cache stats "
             "(replaces the estimate where the plugin runs).",
-            min_=0,
+            COUNT,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Step time p90 by batch tokens",
             [
@@ -149,13 +124,12 @@ def _engine_side_panels(lay: g.Layout, s: Scope, band: str, form: HistogramForm)
                     "{{batch_tokens}}",
                 )
             ],
-            description="Engine step time by tokens scheduled in the step (needs vLLM's "
+            "Engine step time by tokens scheduled in the step (needs vLLM's "
             "--enable-logging-iteration-details).",
-            unit="s",
-            min_=0,
+            SECONDS,
         ),
-        8,
-        8,
+        w=8,
+        h=8,
     )
 
 
@@ -167,33 +141,27 @@ def latency_board(opts: Options) -> Board:
     lay = g.Layout()
 
     for title, family, what in _LATENCY:
-        lay.row(f"{title} by output-length band")
+        lay.row(f"{title} by output-length band", 8, 8)
         for q in (0.5, 0.9, 0.99):
             expr = quantile(q, family, s, form=form)
             lay.add(
                 g.timeseries(
                     f"{title} p{round(q * 100)}",
                     [Query(expr, band)],
-                    description=f"{what} p{round(q * 100)} per band (band = final output "
+                    f"{what} p{round(q * 100)} per band (band = final output "
                     f"tokens), from kvwatch's histogram.",
-                    unit="s",
-                    min_=0,
-                ),
-                8,
-                8,
+                    SECONDS,
+                )
             )
-    lay.row("Streaming and SLO attainment")
+    lay.row("Streaming and SLO attainment", 8, 8)
     gaps = quantile(0.99, "kvwatch_request_inter_chunk_seconds", s, form=form)
     lay.add(
         g.timeseries(
             "Inter-chunk gap p99",
             [Query(gaps, band)],
-            description="p99 of the gaps between content chunks (a chunk may carry several tokens) per band.",
-            unit="s",
-            min_=0,
-        ),
-        8,
-        8,
+            "p99 of the gaps between content chunks (a chunk may carry several tokens) per band.",
+            SECONDS,
+        )
     )
     for var, family, label in (
         ("ttft_slo", "kvwatch_request_ttft_seconds", "TTFT"),
@@ -209,54 +177,29 @@ def latency_board(opts: Options) -> Board:
             g.bargauge(
                 f"Requests within the {label} target",
                 [Query(share, band)],
-                description=f"Share of requests per band with {label} at most ${var} ({how}).",
-                unit="percentunit",
-                min_=0,
-                max_=1,
+                f"Share of requests per band with {label} at most ${var} ({how}).",
+                WHOLE_SHARE,
                 thresholds=((None, "red"), (0.9, "orange"), (0.99, "green")),
-            ),
-            8,
-            8,
+            )
         )
 
-    lay.row("SLO burn and error budget")
-    slo_legend = "{{slo}} {{model_name}} {{length_band}}"
+    lay.row("SLO burn and error budget", 8, 8)
     lay.add(
-        g.timeseries(
-            "Burn rate, 1h",
-            [Query(burn_rate("1h", fleet), slo_legend)],
-            description="Error ratio over 1h / error budget. The page needs 14.4 here (and over "
-            "5m), or 6 over 6h (and 30m).",
-            min_=0,
-            thresholds=PAGE_BURN,
-            threshold_lines=True,
+        burn_rate_panel(
+            "1h",
+            fleet,
+            "Error ratio over 1h / error budget. The page needs 14.4 here (and over 5m), or 6 over 6h "
+            "(and 30m).",
         ),
-        8,
-        8,
-    )
-    lay.add(
-        g.timeseries(
-            "Burn rate, 6h",
-            [Query(burn_rate("6h", fleet), slo_legend)],
-            description="Error ratio over 6h / error budget. 6 pages (with 30m); 1 over 3d opens a ticket.",
-            min_=0,
+        burn_rate_panel(
+            "6h",
+            fleet,
+            "Error ratio over 6h / error budget. 6 pages (with 30m); 1 over 3d opens a ticket.",
             thresholds=((None, "green"), (1, "orange"), (6, "red")),
-            threshold_lines=True,
         ),
-        8,
-        8,
-    )
-    lay.add(
-        g.bargauge(
-            "Error budget left",
-            [Query(fleet.sel("kvwatch:slo_error_budget_remaining:ratio", labels=SLO_LABELS), slo_legend)],
-            description="Share of the SLO period's error budget not yet spent, per objective and band.",
-            unit="percentunit",
-            max_=1,
-            thresholds=BUDGET,
+        budget_left_panel(
+            fleet, "Share of the SLO period's error budget not yet spent, per objective and band."
         ),
-        8,
-        8,
     )
     lay.add(
         g.table(
@@ -274,14 +217,15 @@ def latency_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="KVWatchLatencyBudgetBurn / KVWatchCompletionBudgetBurn firing now.",
+            "KVWatchLatencyBudgetBurn / KVWatchCompletionBudgetBurn firing now.",
             hide=("Time", "__name__", "Value", "alertstate"),
         ),
-        24,
-        6,
+        w=24,
+        h=6,
     )
 
-    lay.row("Outcomes per band")
+    outcome_ratio = "kvwatch:request_outcome:ratio_rate5m"
+    lay.row("Outcomes per band", 12, 8)
     lay.add(
         g.timeseries(
             "Finished requests by outcome",
@@ -291,16 +235,11 @@ def latency_board(opts: Options) -> Board:
                     "{{length_band}} {{outcome}}",
                 )
             ],
-            description="completed (stop), truncated (token budget), aborted (client went away), error "
+            "completed (stop), truncated (token budget), aborted (client went away), error "
             "(5xx / broken stream), rejected (4xx).",
-            unit="reqps",
+            REQUESTS_PER_S,
             stack=True,
-            min_=0,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Completion ratio per band",
             [
@@ -309,73 +248,52 @@ def latency_board(opts: Options) -> Board:
                     "{{model_name}} " + band,
                 )
             ],
-            description="(completed + truncated) / finished, 5m. Long bands falling while short bands "
+            "(completed + truncated) / finished, 5m. Long bands falling while short bands "
             "hold is starvation (KVWatchLongRequestsStarving).",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            WHOLE_SHARE,
         ),
-        12,
-        8,
-    )
-    lay.add(
-        g.timeseries(
-            "Abandonment ratio per band",
-            [
-                Query(
-                    fleet.sel("kvwatch:request_outcome:ratio_rate5m", 'outcome="aborted"', labels=FLEET_BAND),
-                    "{{model_name}} " + band,
-                )
-            ],
-            description="Share of finished requests whose client went away, 5m.",
-            unit="percentunit",
-            min_=0,
+        *(
+            g.timeseries(
+                f"{title} ratio per band",
+                [
+                    Query(
+                        fleet.sel(outcome_ratio, f'outcome="{outcome}"', labels=FLEET_BAND),
+                        f"{{{{model_name}}}} {band}",
+                    )
+                ],
+                f"Share of finished requests {what}, 5m.",
+                SHARE,
+            )
+            for title, outcome, what in (
+                ("Abandonment", "aborted", "whose client went away"),
+                ("Truncation", "truncated", "cut by their max_tokens"),
+            )
         ),
-        12,
-        8,
-    )
-    lay.add(
-        g.timeseries(
-            "Truncation ratio per band",
-            [
-                Query(
-                    fleet.sel(
-                        "kvwatch:request_outcome:ratio_rate5m", 'outcome="truncated"', labels=FLEET_BAND
-                    ),
-                    "{{model_name}} " + band,
-                )
-            ],
-            description="Share of finished requests cut by their max_tokens, 5m.",
-            unit="percentunit",
-            min_=0,
-        ),
-        12,
-        8,
     )
 
-    lay.row("Load and output lengths")
-    adm = "{{admission_band}}"
+    lay.row("Load and output lengths", 8, 8)
     lay.add(
-        g.timeseries(
-            "In flight by admission band",
-            [Query(f"sum by (admission_band) ({s.sel('kvwatch_requests_in_flight')})", adm)],
-            description="Requests being relayed now by the proxy, by band of their max_tokens.",
-            stack=True,
-            min_=0,
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        g.timeseries(
-            "In-flight tokens by admission band",
-            [Query(f"sum by (admission_band) ({s.sel('kvwatch_in_flight_tokens')})", adm)],
-            description="Estimated tokens (prompt + generated so far) held by in-flight requests.",
-            stack=True,
-            min_=0,
-        ),
-        8,
-        8,
+        *(
+            g.timeseries(
+                f"{what} by admission band",
+                [Query(f"sum by (admission_band) ({s.sel(series)})", "{{admission_band}}")],
+                description,
+                COUNT,
+                stack=True,
+            )
+            for what, series, description in (
+                (
+                    "In flight",
+                    "kvwatch_requests_in_flight",
+                    "Requests being relayed now by the proxy, by band of their max_tokens.",
+                ),
+                (
+                    "In-flight tokens",
+                    "kvwatch_in_flight_tokens",
+                    "Estimated tokens (prompt + generated so far) held by in-flight requests.",
+                ),
+            )
+        )
     )
     tokens = "kvwatch_request_output_tokens"
     if form.is_native(tokens):  # a native histogram has no le to draw bars or heatmap cells by
@@ -386,12 +304,9 @@ def latency_board(opts: Options) -> Board:
                     Query(form.quantile(q, tokens, s.rate, None), f"p{round(q * 100)}")
                     for q in (0.5, 0.9, 0.99)
                 ],
-                description="Output tokens of finished requests, quantiles across the selected bands.",
-                unit="short",
-                min_=0,
-            ),
-            8,
-            8,
+                "Output tokens of finished requests, quantiles across the selected bands.",
+                COUNT,
+            )
         )
     else:
         lay.add(
@@ -405,23 +320,19 @@ def latency_board(opts: Options) -> Board:
                         heatmap=True,
                     )
                 ],
-                description="Finished requests by output tokens over the time range (cumulative buckets as "
+                "Finished requests by output tokens over the time range (cumulative buckets as "
                 "counts per bucket).",
-                unit="short",
-            ),
-            8,
-            8,
+            )
         )
         per_step = f"sum by (le) (increase({s.sel(tokens + '_bucket')}[{RATE}]))"
         lay.add(
             g.heatmap(
                 "Output length over time",
                 Query(per_step, "{{le}}", heatmap=True),
-                description="Finished requests per output-token bucket over time.",
-                unit="short",
+                "Finished requests per output-token bucket over time.",
             ),
-            12,
-            8,
+            w=12,
+            h=8,
         )
     lay.add(
         g.timeseries(
@@ -433,13 +344,12 @@ def latency_board(opts: Options) -> Board:
                     "estimated",
                 )
             ],
-            description="Share of requests whose tokens were counted from chunks (no usage arrived): "
+            "Share of requests whose tokens were counted from chunks (no usage arrived): "
             "their band can be off.",
-            unit="percentunit",
-            min_=0,
+            SHARE,
         ),
-        12,
-        8,
+        w=12,
+        h=8,
     )
 
     _engine_side_panels(lay, s, band, form)

@@ -6,15 +6,26 @@ from __future__ import annotations
 from kvwatch.mixin import grafana as g
 from kvwatch.mixin.dashboards.scaffold import (
     ANY_IS_BAD,
+    ANY_IS_RED,
+    BYTES,
+    BYTES_PER_S,
+    COUNT,
     NODE_UID,
+    ON_OFF,
     PCT_HIGH_BAD,
     RATE,
     REPLICA_LABELS,
+    REQUESTS_PER_S,
+    SECONDS,
+    SHARE,
+    SHIPPED_ALERTS,
     TIER_LABELS,
+    WHOLE_SHARE,
     Board,
     Options,
     Scope,
     dcgm_link,
+    fires_above,
     links,
     variables,
 )
@@ -27,7 +38,7 @@ def node_board(opts: Options) -> Board:
     gpu = "{{instance}} GPU {{gpu}}"
     lay = g.Layout()
 
-    lay.row("Overview")
+    lay.row("Overview", 4, 4)
     lay.add(
         g.stat(
             "Engines up",
@@ -35,110 +46,69 @@ def node_board(opts: Options) -> Board:
                 Query(f"sum({s.sel('kvwatch_target_up')})", "up"),
                 Query(f"count({s.sel('kvwatch_target_up')})", "configured"),
             ],
-            description="Engine replicas whose last metrics scrape succeeded, of those configured.",
+            "Engine replicas whose last metrics scrape succeeded, of those configured.",
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Highest KV occupancy",
             [Query(f"max({s.sel('kvwatch_kv_usage_ratio')})")],
-            description="The fullest KV cache among the selected replicas (engine's own figure).",
+            "The fullest KV cache among the selected replicas (engine's own figure).",
             unit="percentunit",
             thresholds=PCT_HIGH_BAD,
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Lowest KV headroom",
             [Query(f"min({s.sel('kvwatch_kv_headroom_seconds')})")],
-            description="Seconds until the first KV pool fills at its current growth.",
+            "Seconds until the first KV pool fills at its current growth.",
             unit="s",
             thresholds=((None, "red"), (120, "orange"), (300, "green")),
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Preemptions, all replicas",
             [Query(f"sum({s.rate('kvwatch_preemptions_total')})")],
-            description="Requests preempted (vLLM) or retracted (SGLang) per second.",
+            "Requests preempted (vLLM) or retracted (SGLang) per second.",
             unit="reqps",
             thresholds=((None, "green"), (0.05, "orange"), (1, "red")),
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "Waiting requests",
             [Query(f"sum({s.sel('kvwatch_requests_waiting')})")],
-            description="Requests queued in the engines.",
+            "Requests queued in the engines.",
             thresholds=ANY_IS_BAD,
         ),
-        4,
-        4,
-    )
-    lay.add(
         g.stat(
             "GPUs lost",
             [Query(f"sum({s.sel('kvwatch_gpu_lost')})")],
-            description="GPUs NVML reports lost (fallen off the bus).",
-            thresholds=((None, "green"), (1, "red")),
+            "GPUs NVML reports lost (fallen off the bus).",
+            thresholds=ANY_IS_RED,
         ),
-        4,
-        4,
     )
 
-    lay.row("KV cache")
+    headroom = f"clamp_max({s.sel('kvwatch_kv_headroom_seconds')}, 3600)"
+    lay.row("KV cache", 12, 8)
     lay.add(
         g.timeseries(
             "KV occupancy per replica",
             [Query(s.sel("kvwatch_kv_usage_ratio"), rep)],
-            description="KV cache in use as the engine reports it (vLLM: blocks held by live "
+            "KV cache in use as the engine reports it (vLLM: blocks held by live "
             "requests; SGLang: token slots).",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            WHOLE_SHARE,
             thresholds=PCT_HIGH_BAD,
-            threshold_lines=True,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Internal fragmentation",
             [Query(s.sel("kvwatch_kv_fragmentation_ratio"), f"{rep} ({{{{source}}}})")],
-            description="1 - live tokens / (used blocks x block size): block slots held but not filled. "
+            "1 - live tokens / (used blocks x block size): block slots held but not filled. "
             "source=proxy_estimate when live tokens come from the proxy's accounting.",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            WHOLE_SHARE,
         ),
-        12,
-        8,
-    )
-    headroom = f"clamp_max({s.sel('kvwatch_kv_headroom_seconds')}, 3600)"
-    lay.add(
         g.timeseries(
             "KV headroom",
             [Query(headroom, rep)],
-            description="Seconds until the KV pool is full at the current net growth (shown up "
+            "Seconds until the KV pool is full at the current net growth (shown up "
             "to 1h; +Inf when not growing).",
-            unit="s",
-            min_=0,
+            SECONDS,
             thresholds=((None, "red"), (300, "green")),
-            threshold_lines=True,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "KV tokens: capacity, in use, live",
             [
@@ -149,80 +119,54 @@ def node_board(opts: Options) -> Board:
                 ),
                 Query(f"max without (source) ({s.sel('kvwatch_kv_live_tokens')})", f"{rep} live"),
             ],
-            description="In use = capacity - free (held by live requests); live = tokens the running "
+            "In use = capacity - free (held by live requests); live = tokens the running "
             "requests actually hold. The gap is fragmentation.",
-            unit="short",
-            min_=0,
+            COUNT,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Running and waiting requests",
             [
                 Query(s.sel("kvwatch_requests_running"), f"{rep} running"),
                 Query(s.sel("kvwatch_requests_waiting"), f"{rep} waiting"),
             ],
-            description="The engine's running batch and its queue.",
-            min_=0,
+            "The engine's running batch and its queue.",
+            COUNT,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Over-committed requests",
             [Query(s.sel("kvwatch_kv_overcommitted_requests"), rep)],
-            description="Running requests whose max_tokens could not all fit if every request "
-            "ran to its limit.",
-            min_=0,
+            "Running requests whose max_tokens could not all fit if every request ran to its limit.",
+            COUNT,
         ),
-        12,
-        8,
     )
 
-    lay.row("Preemption and recompute")
+    waste = s.sel("kvwatch:recompute_waste:ratio_rate15m", labels=REPLICA_LABELS)
+    lay.row("Preemption and recompute", 8, 8)
     lay.add(
         g.timeseries(
             "Preemptions",
             [Query(s.rate("kvwatch_preemptions_total"), rep)],
-            description="Preemptions (vLLM) or retractions (SGLang) per second.",
-            unit="reqps",
-            min_=0,
+            "Preemptions (vLLM) or retractions (SGLang) per second.",
+            REQUESTS_PER_S,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Recomputed tokens",
             [Query(s.rate("kvwatch_recomputed_tokens_total"), f"{rep} ({{{{source}}}})")],
-            description="Tokens recomputed after preemption per second; source=estimate is preemptions "
+            "Tokens recomputed after preemption per second; source=estimate is preemptions "
             "x mean live tokens per running request.",
-            unit="short",
-            min_=0,
+            COUNT,
         ),
-        8,
-        8,
-    )
-    waste = s.sel("kvwatch:recompute_waste:ratio_rate15m", labels=REPLICA_LABELS)
-    lay.add(
         g.timeseries(
             "Recompute waste",
             [Query(waste, rep)],
-            description="Recomputed tokens per token processed (prompt + output), 15m rate. "
-            "KVWatchRecomputeWaste fires above 20%.",
-            unit="percentunit",
-            min_=0,
-            thresholds=((None, "green"), (0.2, "red")),
-            threshold_lines=True,
+            "Recomputed tokens per token processed (prompt + output), 15m rate. "
+            f"KVWatchRecomputeWaste fires above {SHIPPED_ALERTS.recompute_waste_ratio:.0%}.",
+            SHARE,
+            thresholds=fires_above(SHIPPED_ALERTS.recompute_waste_ratio),
         ),
-        8,
-        8,
     )
 
-    lay.row("KV tier traffic beside PCIe")
+    lay.row("KV tier traffic beside PCIe", 12, 8)
     lay.add(
         g.timeseries(
             "KV tier traffic (engine)",
@@ -233,15 +177,10 @@ def node_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="KV bytes the engine moved between tiers (vLLM offload connectors, LMCache, SGLang "
+            "KV bytes the engine moved between tiers (vLLM offload connectors, LMCache, SGLang "
             "HiCache, Dynamo KVBM, TRT-LLM).",
-            unit="Bps",
-            min_=0,
+            BYTES_PER_S,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "PCIe traffic (NVML) and link bandwidth",
             [
@@ -249,16 +188,11 @@ def node_board(opts: Options) -> Board:
                 Query(s.rate("kvwatch_gpu_pcie_rx_bytes_total"), f"{gpu} rx"),
                 Query(s.sel("kvwatch_gpu_pcie_link_max_bytes_per_second"), f"{gpu} link max"),
             ],
-            description="Everything that crossed each GPU's PCIe link (NVML byte counters) next to the "
+            "Everything that crossed each GPU's PCIe link (NVML byte counters) next to the "
             "link's one-direction bandwidth as trained. More than the engine's tier traffic means "
             "something else uses the bus.",
-            unit="Bps",
-            min_=0,
+            BYTES_PER_S,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "KV tier traffic / PCIe bandwidth",
             [
@@ -268,17 +202,12 @@ def node_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
-            "links. KVWatchKVTierPCIeSaturated fires above 80%. Needs the replica -> GPU map.",
-            unit="percentunit",
-            min_=0,
-            thresholds=((None, "green"), (0.8, "red")),
-            threshold_lines=True,
+            "A replica's offload (or onload) bytes over the one-direction bandwidth of its GPUs' "
+            f"links. KVWatchKVTierPCIeSaturated fires above {SHIPPED_ALERTS.tier_pcie_ratio:.0%}. Needs the "
+            "replica -> GPU map.",
+            SHARE,
+            thresholds=fires_above(SHIPPED_ALERTS.tier_pcie_ratio),
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Recompute avoided per MB moved",
             [
@@ -288,18 +217,13 @@ def node_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="What the replica's KV tiers buy: tokens loaded back to the GPU instead of "
+            "What the replica's KV tiers buy: tokens loaded back to the GPU instead of "
             "recomputed, per MB offloaded plus onloaded (rate window). Near 0 while KV moves: "
             "the tier stores what is never reused and only costs PCIe bandwidth. A token's KV "
             "is ~0.1-0.3 MB on the presets, so a tier that returns everything it stores reads "
             "about half of 1 / (MB per token).",
-            unit="short",
-            min_=0,
+            COUNT,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.table(
             "PCIe links",
             [
@@ -311,16 +235,19 @@ def node_board(opts: Options) -> Board:
                     f"increase({s.sel('kvwatch_gpu_pcie_replays_total')}[$__range])", instant=True, table=True
                 ),
             ],
-            description="Generation and width as trained vs maximum (A: gen, B: max gen, C: width, D: max "
+            "Generation and width as trained vs maximum (A: gen, B: max gen, C: width, D: max "
             "width, E: replays in range). GPUs lower the generation when idle; under load it "
             "should match the maximum.",
             hide=("Time", "job", "__name__"),
         ),
-        12,
-        8,
     )
 
-    lay.row("GPUs")
+    dcgm_url = (
+        f"/d/{opts.dcgm_dashboard_uid}/nvidia-dcgm-exporter-dashboard?${{__url_time_range}}"
+        "&var-Hostname=${__data.fields.node}&var-gpu=${__data.fields.gpu}"
+        "&var-UUID=${__data.fields.uuid}"
+    )
+    lay.row("GPUs", 12, 8)
     lay.add(
         g.timeseries(
             "GPU memory",
@@ -328,68 +255,44 @@ def node_board(opts: Options) -> Board:
                 Query(s.sel("kvwatch_gpu_memory_used_bytes"), f"{gpu} used"),
                 Query(s.sel("kvwatch_gpu_memory_total_bytes"), f"{gpu} total"),
             ],
-            description="Framebuffer used by processes, against the total.",
-            unit="bytes",
-            min_=0,
+            "Framebuffer used by processes, against the total.",
+            BYTES,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "GPU utilization",
             [Query(s.sel("kvwatch_gpu_utilization_ratio"), gpu)],
-            description="Share of the sample period a kernel ran (not SM occupancy).",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            "Share of the sample period a kernel ran (not SM occupancy).",
+            WHOLE_SHARE,
         ),
-        12,
-        8,
-    )
-    nvlink = "sum by (cluster, instance, gpu) ({})"
-    lay.add(
         g.timeseries(
             "NVLink traffic",
             [
-                Query(nvlink.format(s.rate(f"kvwatch_gpu_nvlink_{d}_bytes_total")), f"{gpu} {d}")
+                Query(
+                    f"sum by (cluster, instance, gpu) ({s.rate(f'kvwatch_gpu_nvlink_{d}_bytes_total')})",
+                    f"{gpu} {d}",
+                )
                 for d in ("tx", "rx")
             ],
-            description="NVLink data bytes per GPU, all links summed.",
-            unit="Bps",
-            min_=0,
+            "NVLink data bytes per GPU, all links summed.",
+            BYTES_PER_S,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Power and temperature",
             [
                 Query(s.sel("kvwatch_gpu_power_watts"), f"{gpu} W"),
                 Query(s.sel("kvwatch_gpu_temperature_celsius"), f"{gpu} {{{{sensor}}}} °C"),
             ],
-            description="Power draw (W) and temperatures (°C, GPU and HBM) on one axis.",
-            unit="short",
+            "Power draw (W) and temperatures (°C, GPU and HBM) on one axis.",
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Clock events (throttling)",
             [Query(s.sel("kvwatch_gpu_clock_event_active", 'reason!="gpu_idle"'), f"{gpu} {{{{reason}}}}")],
-            description="1 while a clock-event reason is active. hw_/sw_thermal_slowdown, hw_slowdown and "
+            "1 while a clock-event reason is active. hw_/sw_thermal_slowdown, hw_slowdown and "
             "hw_power_brake_slowdown slow the GPU against its will; sw_power_cap is normal "
             "under load.",
-            min_=0,
-            max_=1,
+            ON_OFF,
             step=True,
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "XIDs and ECC errors",
             [
@@ -402,19 +305,10 @@ def node_board(opts: Options) -> Board:
                     f"increase({s.sel('kvwatch_gpu_ecc_errors_total')}[{RATE}])", f"{gpu} ECC {{{{type}}}}"
                 ),
             ],
-            description="XID events per code (a series appears with the first event) and ECC errors. See the "
+            "XID events per code (a series appears with the first event) and ECC errors. See the "
             "KVWatchGPUCriticalXID runbook for what each XID means.",
-            min_=0,
+            COUNT,
         ),
-        12,
-        8,
-    )
-    dcgm_url = (
-        f"/d/{opts.dcgm_dashboard_uid}/nvidia-dcgm-exporter-dashboard?${{__url_time_range}}"
-        "&var-Hostname=${__data.fields.node}&var-gpu=${__data.fields.gpu}"
-        "&var-UUID=${__data.fields.uuid}"
-    )
-    lay.add(
         g.table(
             "GPUs (open in the DCGM dashboard)",
             [
@@ -426,26 +320,18 @@ def node_board(opts: Options) -> Board:
                 ),
                 Query(s.sel("kvwatch_gpu_remapped_rows", 'type="uncorrectable"'), instant=True, table=True),
             ],
-            description="kvwatch's GPUs with the node name dcgm-exporter uses; click a row to open the "
+            "kvwatch's GPUs with the node name dcgm-exporter uses; click a row to open the "
             "dcgm-exporter dashboard for that GPU (uuid = dcgm-exporter's UUID label).",
             links=[{"title": "dcgm-exporter: this GPU", "url": dcgm_url, "targetBlank": True}],
             hide=("Time", "job", "__name__", "Value #A", "type"),
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.table(
             "Replicas on GPUs",
             [Query(s.sel("kvwatch_replica_gpu_info"), instant=True, table=True)],
-            description="Which GPUs each replica runs on, and how kvwatch found out (config, "
+            "Which GPUs each replica runs on, and how kvwatch found out (config, "
             "the engine's PIDs, CUDA_VISIBLE_DEVICES).",
             hide=("Time", "job", "__name__", "Value"),
         ),
-        12,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Tensor core activity (dcgm-exporter)",
             [
@@ -455,30 +341,21 @@ def node_board(opts: Options) -> Board:
                     "GPU {{gpu}} {{UUID}}",
                 )
             ],
-            description="dcgm-exporter's profiling field for the GPUs of the selected nodes, joined on UUID. "
+            "dcgm-exporter's profiling field for the GPUs of the selected nodes, joined on UUID. "
             "Empty without dcgm-exporter (or without its DCP metrics).",
-            unit="percentunit",
-            min_=0,
-            max_=1,
+            WHOLE_SHARE,
         ),
-        12,
-        8,
     )
 
-    lay.row("kvwatch agent")
+    lay.row("kvwatch agent", 8, 8)
     lay.add(
         g.timeseries(
             "Collectors",
             [Query(s.sel("kvwatch_collector_success"), "{{instance}} {{collector}}")],
-            description="1 if the collector's last run succeeded (engines, NVML, GPU mapping, export areas).",
-            min_=0,
-            max_=1,
+            "1 if the collector's last run succeeded (engines, NVML, GPU mapping, export areas).",
+            ON_OFF,
             step=True,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Source staleness",
             [
@@ -487,14 +364,10 @@ def node_board(opts: Options) -> Board:
                     "{{instance}} {{source}}",
                 )
             ],
-            description="Seconds since each source last succeeded. KVWatchSourceStale fires past 10 minutes.",
-            unit="s",
-            min_=0,
+            "Seconds since each source last succeeded. KVWatchSourceStale fires past "
+            f"{SHIPPED_ALERTS.source_stale_seconds / 60:g} minutes.",
+            SECONDS,
         ),
-        8,
-        8,
-    )
-    lay.add(
         g.timeseries(
             "Engine scrape errors",
             [
@@ -504,12 +377,9 @@ def node_board(opts: Options) -> Board:
                     sparse=True,
                 )
             ],
-            description="Failed scrapes of engine metrics by reason.",
-            unit="short",
-            min_=0,
+            "Failed scrapes of engine metrics by reason.",
+            COUNT,
         ),
-        8,
-        8,
     )
 
     return Board(

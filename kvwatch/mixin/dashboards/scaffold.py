@@ -1,6 +1,6 @@
 """What the three dashboards share: the variables, the scope that applies them, the board record,
-threshold colour steps and the link bar. A board module builds panels; this one knows Grafana's
-variables and how a selector picks them up.
+axes (unit and range), threshold colour steps, the SLO panels two boards show and the link bar. A
+board module builds panels; this one knows Grafana's variables and how a selector picks them up.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any
 from kvwatch import buckets
 from kvwatch.catalog import BY_NAME
 from kvwatch.mixin import grafana as g
+from kvwatch.mixin.grafana import Query
 from kvwatch.mixin.promql import CLASSIC, FLEET_LABELS, NATIVE, HistogramForm, Match, catalog_family, selector
+from kvwatch.mixin.thresholds import AlertConfig
 
 #: grafana.com dashboard 12239, NVIDIA's dcgm-exporter dashboard (grafana/dcgm-exporter-dashboard.json)
 DCGM_DASHBOARD_UID = "Oxed_c6Wz"
@@ -148,72 +150,70 @@ def dcgm_link(opts: Options) -> dict[str, Any]:
     }
 
 
+_REPLICA_INFO = 'kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"'
+
+#: label_values() variables: name -> (label, query)
+_QUERY_VARIABLES: Mapping[str, tuple[str, str]] = {
+    "cluster": ("Cluster", "label_values(kvwatch_build_info, cluster)"),
+    "node": ("Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'),
+    "model": ("Model", f"label_values({_REPLICA_INFO}}}, model_name)"),
+    "replica": ("Replica", f'label_values({_REPLICA_INFO}, model_name=~"$model"}}, replica)'),
+    "band": (
+        "Length band",
+        'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, length_band)',
+    ),
+}
+
+#: latency targets picked from a histogram's bucket boundaries: name -> (label, family, boundaries)
+_TARGET_VARIABLES: Mapping[str, tuple[str, str, Sequence[float]]] = {
+    "ttft_slo": ("TTFT target (s)", "kvwatch_request_ttft_seconds", buckets.TTFT_SECONDS),
+    "tpot_slo": ("TPOT target (s)", "kvwatch_request_tpot_seconds", buckets.TPOT_SECONDS),
+}
+
+
 def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
     out = [g.datasource_variable()]
     for name in names:
-        if name == "cluster":
-            out.append(g.query_variable("cluster", "Cluster", "label_values(kvwatch_build_info, cluster)"))
+        if name in _QUERY_VARIABLES:
+            out.append(g.query_variable(name, *_QUERY_VARIABLES[name]))
+        elif name in _TARGET_VARIABLES:
+            label, family, bounds = _TARGET_VARIABLES[name]
+            values = [buckets.le_label(b) for b in bounds]
+            description = f"A bucket boundary of {family}"
+            out.append(g.custom_variable(name, label, values, DEFAULT_VALUES[name], description))
         elif name == "job":
             var = g.query_variable(
                 "job", "Job", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, job)', multi=False
             )
             var.update(includeAll=False, current={"selected": True, "text": job, "value": job})
             out.append(var)
-        elif name == "node":
-            out.append(
-                g.query_variable(
-                    "node", "Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'
-                )
-            )
-        elif name == "model":
-            out.append(
-                g.query_variable(
-                    "model",
-                    "Model",
-                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"}, model_name)',
-                )
-            )
-        elif name == "replica":
-            out.append(
-                g.query_variable(
-                    "replica",
-                    "Replica",
-                    'label_values(kvwatch_replica_info{cluster=~"$cluster", instance=~"$node", '
-                    'model_name=~"$model"}, replica)',
-                )
-            )
-        elif name == "band":
-            out.append(
-                g.query_variable(
-                    "band",
-                    "Length band",
-                    'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, '
-                    "length_band)",
-                )
-            )
-        elif name == "ttft_slo":
-            out.append(
-                g.custom_variable(
-                    "ttft_slo",
-                    "TTFT target (s)",
-                    [buckets.le_label(b) for b in buckets.TTFT_SECONDS],
-                    DEFAULT_VALUES["ttft_slo"],
-                    "A bucket boundary of kvwatch_request_ttft_seconds",
-                )
-            )
-        elif name == "tpot_slo":
-            out.append(
-                g.custom_variable(
-                    "tpot_slo",
-                    "TPOT target (s)",
-                    [buckets.le_label(b) for b in buckets.TPOT_SECONDS],
-                    DEFAULT_VALUES["tpot_slo"],
-                    "A bucket boundary of kvwatch_request_tpot_seconds",
-                )
-            )
         else:
             raise ValueError(f"unknown dashboard variable {name!r}")
     return tuple(out)
+
+
+# what panels show, by unit and range
+#: a share of a whole, 0 to 100%
+WHOLE_SHARE = g.Axis("percentunit", 0, 1)
+#: a ratio from 0, the top fitted to the data
+SHARE = g.Axis("percentunit", 0)
+#: an error budget's share left: at most 100%, below 0 once overspent
+BUDGET_LEFT = g.Axis("percentunit", max_=1)
+SECONDS = g.Axis("s", 0)
+COUNT = g.Axis("short", 0)
+#: a 0/1 state
+ON_OFF = g.Axis("short", 0, 1)
+REQUESTS_PER_S = g.Axis("reqps", 0)
+BYTES_PER_S = g.Axis("Bps", 0)
+BYTES = g.Axis("bytes", 0)
+
+#: the alert thresholds kvwatch ships: a panel of an alerting ratio marks where its alert fires
+SHIPPED_ALERTS = AlertConfig()
+
+
+def fires_above(threshold: float) -> g.Steps:
+    """Threshold steps: green up to an alert's threshold, red above it."""
+    return ((None, "green"), (threshold, "red"))
 
 
 PCT_HIGH_BAD = ((None, "green"), (0.9, "orange"), (0.98, "red"))
@@ -223,6 +223,30 @@ PAGE_BURN = ((None, "green"), (6, "orange"), (14.4, "red"))
 BUDGET = ((None, "red"), (0, "orange"), (0.25, "green"))
 
 
+SLO_LEGEND = "{{slo}} {{model_name}} {{length_band}}"
+
+
 def burn_rate(window: str, s: Scope) -> str:
     ratio = s.sel(f"kvwatch:slo_errors:ratio_rate{window}", labels=SLO_LABELS)
     return f"{ratio}\n/ on (slo) group_left ()\n(1 - {SLO_OBJECTIVE})"
+
+
+def burn_rate_panel(
+    window: str, s: Scope, description: str, thresholds: g.Steps = PAGE_BURN
+) -> dict[str, Any]:
+    """Each objective's error ratio over ``window`` / its error budget, per model and band."""
+    return g.timeseries(
+        f"Burn rate, {window}",
+        [Query(burn_rate(window, s), SLO_LEGEND)],
+        description,
+        COUNT,
+        thresholds=thresholds,
+    )
+
+
+def budget_left_panel(s: Scope, description: str) -> dict[str, Any]:
+    """Each objective's error budget not yet spent, per model and band."""
+    budget = s.sel("kvwatch:slo_error_budget_remaining:ratio", labels=SLO_LABELS)
+    return g.bargauge(
+        "Error budget left", [Query(budget, SLO_LEGEND)], description, BUDGET_LEFT, thresholds=BUDGET
+    )

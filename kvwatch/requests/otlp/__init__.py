@@ -34,6 +34,7 @@ the worker process or a thread), ``spans.py`` (span -> RequestRecord, which repl
 """
 
 from kvwatch.requests.otlp.decode import (
+    DecodeJob,
     InflatedTooLargeError,
     decode_body,
     decode_export,
@@ -46,6 +47,7 @@ from kvwatch.requests.otlp.spans import ReplicaResolver, records_from_export
 __all__ = [
     "REFUSED",
     "SPANS",
+    "DecodeJob",
     "InflatedTooLargeError",
     "OtlpReceiver",
     "ReplicaResolver",

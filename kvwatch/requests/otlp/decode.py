@@ -14,6 +14,7 @@ import asyncio
 import zlib
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
@@ -93,24 +94,28 @@ def decode_export(body: bytes, content_type: str) -> ExportTraceServiceRequest:
     return export
 
 
-def decode_body(
-    body: bytes,
-    encoding: str,
-    content_type: str,
-    max_decompressed: int,
-    resolver: ReplicaResolver,
-    labels: dict[str, ModelLabels],
-) -> tuple[list[RequestRecord], Counter[str]]:
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    """What decoding one export needs besides its body: the worker receives it as one pickled value."""
+
+    encoding: str  # Content-Encoding, one of ENCODINGS
+    content_type: str
+    max_decompressed: int
+    resolver: ReplicaResolver
+    labels: dict[str, ModelLabels]
+
+
+def decode_body(body: bytes, job: DecodeJob) -> tuple[list[RequestRecord], Counter[str]]:
     """Inflate, decode and map one export: the CPU-heavy part, run off the event loop."""
-    export = decode_export(inflate(body, encoding, max_decompressed), content_type)
-    return records_from_export(export, resolver, labels)
+    export = decode_export(inflate(body, job.encoding, job.max_decompressed), job.content_type)
+    return records_from_export(export, job.resolver, job.labels)
 
 
-def answer_in_worker(args: tuple[Any, ...], body: bytes) -> Iterator[tuple[Any, ...]]:
+def answer_in_worker(job: DecodeJob, body: bytes) -> Iterator[tuple[Any, ...]]:
     """The worker's handler (``kvwatch.workers``): the counts, then the records SINK_BATCH at a time,
     so the agent unpickles a big export in short steps; a refusal is one frame."""
     try:
-        records, results = decode_body(body, *args)
+        records, results = decode_body(body, job)
     except InflatedTooLargeError as exc:
         yield ("inflated_too_large", str(exc))
         return
@@ -123,18 +128,10 @@ def answer_in_worker(args: tuple[Any, ...], body: bytes) -> Iterator[tuple[Any, 
 
 
 async def decode_in_worker(
-    worker: WorkerProcess,
-    body: bytes,
-    encoding: str,
-    content_type: str,
-    max_decompressed: int,
-    resolver: ReplicaResolver,
-    labels: dict[str, ModelLabels],
+    worker: WorkerProcess, body: bytes, job: DecodeJob
 ) -> tuple[list[RequestRecord], Counter[str]]:
     """``decode_body`` in the worker process: raises what it raises, or ``WorkerFailedError``."""
-    frames = await worker.call(
-        answer_in_worker, (encoding, content_type, max_decompressed, resolver, labels), body
-    )
+    frames = await worker.call(answer_in_worker, job, body)
     kind, value = frames[0]
     if kind == "inflated_too_large":
         raise InflatedTooLargeError(value)
@@ -147,20 +144,10 @@ async def decode_in_worker(
 
 
 async def decode_off_loop(
-    worker: WorkerProcess | None,
-    body: bytes,
-    encoding: str,
-    content_type: str,
-    max_decompressed: int,
-    resolver: ReplicaResolver,
-    labels: dict[str, ModelLabels],
+    worker: WorkerProcess | None, body: bytes, job: DecodeJob
 ) -> tuple[list[RequestRecord], Counter[str]]:
     """``decode_body`` off the loop: a large or compressed export in the worker process (when there is
     one), a small one in a thread. Raises what ``decode_in_worker`` raises."""
-    if worker is not None and (len(body) > WORKER_DECODE_BYTES or encoding != "identity"):
-        return await decode_in_worker(
-            worker, body, encoding, content_type, max_decompressed, resolver, labels
-        )
-    return await asyncio.to_thread(
-        decode_body, body, encoding, content_type, max_decompressed, resolver, labels
-    )
+    if worker is not None and (len(body) > WORKER_DECODE_BYTES or job.encoding != "identity"):
+        return await decode_in_worker(worker, body, job)
+    return await asyncio.to_thread(decode_body, body, job)

@@ -22,7 +22,13 @@ from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.ledger import RequestLedger
-from kvwatch.requests.otlp.decode import ENCODINGS, SINK_BATCH, InflatedTooLargeError, decode_off_loop
+from kvwatch.requests.otlp.decode import (
+    ENCODINGS,
+    SINK_BATCH,
+    DecodeJob,
+    InflatedTooLargeError,
+    decode_off_loop,
+)
 from kvwatch.requests.otlp.spans import ReplicaResolver
 from kvwatch.selfmetrics import Count, Report
 from kvwatch.workers import WorkerFailedError, WorkerProcess
@@ -115,15 +121,10 @@ class OtlpReceiver:
             return self._ledger_busy(request.remote)
         try:
             async with self._decoding:
-                records, results = await decode_off_loop(
-                    self.worker,
-                    body,
-                    encoding,
-                    content_type,
-                    self.config.max_decompressed_bytes,
-                    self.resolver,
-                    self.labels,
+                job = DecodeJob(
+                    encoding, content_type, self.config.max_decompressed_bytes, self.resolver, self.labels
                 )
+                records, results = await decode_off_loop(self.worker, body, job)
         except InflatedTooLargeError as exc:
             self._refuse("inflated_too_large")
             self._report(False, started, str(exc))

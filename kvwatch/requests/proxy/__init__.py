@@ -1,6 +1,8 @@
 """Streaming reverse proxy in front of one OpenAI-compatible engine (vLLM, SGLang, TRT-LLM, ...).
 
-One listener per replica. Every request is relayed; ``POST /v1/chat/completions`` and
+One listener per replica, on the agent's loop, or with ``proxy.workers`` in relay worker processes
+that all listen on every replica's port (``workers.py``, accounting to the agent over
+``channel.py``; docs/requests.md "Every core"). Every request is relayed; ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` are also measured (``requests/accounting.py``) and end as one
 ``RequestRecord`` handed to ``sink``. Everything else (``/v1/models``, ``/health``, ``/metrics``, ...)
 passes through untouched: status, headers (minus hop-by-hop) and body bytes as the engine sent them.
@@ -23,6 +25,8 @@ Imports point one way (server -> client -> exchange -> pool, metering -> seams);
 under ``TYPE_CHECKING``.
 - ``relay.py``: the usage-chunk relay, pure bytes in and out (no I/O, no clock).
 - ``answers.py``: kvwatch's own error answers; ``seams.py``: the typed interfaces to the agent.
+- ``workers.py``: relay worker processes (``SO_REUSEPORT``) and their supervisor; ``channel.py``: their
+  accounting channel to the agent; ``cpus.py``: the CPUs the agent may use (cgroup quota, affinity).
 
 Built on raw asyncio protocols, not aiohttp: measured in ``bench/proxy_bench.py`` (docs/performance.md
 "Streaming proxy"), an aiohttp server+client relay cost 2.3x nginx's CPU per chunk with uvloop and

@@ -113,13 +113,20 @@ class ProxyServer:
         return self.metering.inject_usage
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def start(self, host: str, port: int, learn_models: bool = True) -> None:
+    async def start(self, host: str, port: int, learn_models: bool = True, reuse_port: bool = False) -> None:
+        """``reuse_port``: share the port with other processes' listeners (``SO_REUSEPORT``: the relay
+        worker processes of ``workers.py``), the kernel spreading connections among them."""
         loop = asyncio.get_running_loop()
         _log_accept_failures(loop, self)
         _warn_if_descriptors_short(self)
         clients = self.clients
         self._server = await loop.create_server(
-            lambda: ClientConnection(clients), host, port, backlog=1024, reuse_address=True
+            lambda: ClientConnection(clients),
+            host,
+            port,
+            backlog=1024,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
         )
         if learn_models:
             self._learner = self.spawn(self._learn_models())
@@ -211,6 +218,7 @@ async def start_proxy(
     learn_models: bool = True,
     clock: Clock = perf_counter,
     wall_clock: Clock = time.time,
+    reuse_port: bool = False,
 ) -> ProxyServer:
     """Start the replica's listener on ``replica.proxy_listen``; the agent's wiring entry point.
 
@@ -218,7 +226,8 @@ async def start_proxy(
     replica's ``model_name`` and, with ``learn_models``, the engine's ``/v1/models`` ids join them.
     ``sink`` gets every finished metered request; ``count`` is ``NodeState.count``. ``clock``
     measures durations; ``wall_clock`` dates requests (``started_at``, ``max_gap_ended_at``): the agent
-    passes its own clock so requests and engine scrapes share one time base.
+    passes its own clock so requests and engine scrapes share one time base. ``reuse_port``: see
+    ``ProxyServer.start``.
     """
     if replica.proxy_listen is None:
         raise ValueError(f"replica {replica.name}: proxy_listen is not set")
@@ -239,7 +248,7 @@ async def start_proxy(
         count(family, replica.name, amount=0)
     for reason in ("buffer", "connections"):
         count(SHED, replica.name, reason, amount=0)
-    await server.start(replica.proxy_listen.host, replica.proxy_listen.port, learn_models)
+    await server.start(replica.proxy_listen.host, replica.proxy_listen.port, learn_models, reuse_port)
     return server
 
 

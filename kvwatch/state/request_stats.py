@@ -1,0 +1,164 @@
+"""Cumulative request stats: per (replica, model, band, source) histograms and outcome counts.
+
+Fed once per finished request by every request source (proxy, OTLP, SGLang files, vLLM plugin);
+read as copies by the exporters, the derived signals and the status page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Self
+
+from kvwatch import buckets
+from kvwatch.buckets import Histogram
+from kvwatch.model import LengthBands, Outcome, RequestRecord
+from kvwatch.native_histogram import NativeHistogram
+
+HISTOGRAM_FAMILIES = {
+    "kvwatch_request_ttft_seconds": buckets.TTFT_SECONDS,
+    "kvwatch_request_tpot_seconds": buckets.TPOT_SECONDS,
+    "kvwatch_request_inter_chunk_seconds": buckets.INTER_CHUNK_SECONDS,
+    "kvwatch_request_duration_seconds": buckets.DURATION_SECONDS,
+    "kvwatch_request_queue_seconds": buckets.QUEUE_SECONDS,
+    "kvwatch_request_prefill_seconds": buckets.TTFT_SECONDS,
+    "kvwatch_request_decode_seconds": buckets.DURATION_SECONDS,
+    "kvwatch_request_preemptions": buckets.PREEMPTIONS,
+    "kvwatch_request_output_limit_ratio": buckets.RATIO,
+    "kvwatch_request_prefix_reuse_ratio": buckets.RATIO,
+}
+#: (family, RequestRecord attribute) observed as the record gives it, when it gives it (queue, prefill,
+#: decode and preemptions only an engine-side source gives)
+_OBSERVED_AS_IS = (
+    ("kvwatch_request_ttft_seconds", "ttft_seconds"),
+    ("kvwatch_request_tpot_seconds", "tpot_seconds"),
+    ("kvwatch_request_duration_seconds", "e2e_seconds"),
+    ("kvwatch_request_output_tokens", "output_tokens"),
+    ("kvwatch_request_queue_seconds", "queue_seconds"),
+    ("kvwatch_request_prefill_seconds", "prefill_seconds"),
+    ("kvwatch_request_decode_seconds", "decode_seconds"),
+    ("kvwatch_request_preemptions", "preemptions"),
+)
+#: families fed pre-binned (a request's inter-chunk gaps arrive as classic bins): no native form
+PREBINNED_FAMILIES = frozenset({"kvwatch_request_inter_chunk_seconds"})
+
+
+class DualHistogram(Histogram):
+    """Classic buckets and a native histogram of the same observations: the protobuf exposition
+    sends both in one message, the text exposition the classic ones."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        super().__init__(bounds)
+        self.native = NativeHistogram()
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        super().observe(value, weight)
+        self.native.observe(value, weight)
+
+    def copy(self) -> Self:
+        out = super().copy()
+        out.native = self.native.copy()
+        return out
+
+
+class RequestStats:
+    """Cumulative per-(replica, model, band, source) request histograms and outcome counts.
+
+    ``observe`` is called once per finished request (never per chunk). Thread-safe.
+    """
+
+    def __init__(self, bands: LengthBands) -> None:
+        self.bands = bands
+        self.bounds = dict(HISTOGRAM_FAMILIES)
+        self.bounds["kvwatch_request_output_tokens"] = buckets.output_token_bounds(bands.edges)
+        self._lock = threading.Lock()
+        # (replica, model, band, source) -> family -> Histogram
+        self.histograms: dict[tuple[str, str, str, str], dict[str, Histogram]] = {}
+        self.outcomes: Counter[tuple[str, str, str, str, str]] = Counter()
+        self.estimated: Counter[tuple[str, str, str, str]] = Counter()
+        #: (replica, model, band, source) -> requests whose longest gap was a preemption stall; a key
+        #: is present (at 0) once a request with a measured longest gap was seen
+        self.stalls: Counter[tuple[str, str, str, str]] = Counter()
+        #: (replica, model, band, source) -> max_tokens - output tokens of requests that stopped early
+        self.unused_limit_tokens: Counter[tuple[str, str, str, str]] = Counter()
+        self.observed = 0
+
+    def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
+        hists = self.histograms.get(key)
+        if hists is None:
+            hists = self.histograms[key] = {
+                name: Histogram(b) if name in PREBINNED_FAMILIES else DualHistogram(b)
+                for name, b in self.bounds.items()
+            }
+        return hists
+
+    def observe(self, record: RequestRecord, stalled: bool | None = None) -> str:
+        """Fold one finished request in; returns the length band it was counted in.
+
+        ``stalled``: whether its longest gap overlapped a preemption (None: not measured).
+        """
+        band = self.bands.band_for(record.output_tokens)
+        key = (record.replica, record.model_name, band, record.source)
+        with self._lock:
+            hists = self._hists(key)
+            for family, attribute in _OBSERVED_AS_IS:
+                value = getattr(record, attribute)
+                if value is not None:
+                    hists[family].observe(value)
+            if record.gap_counts:
+                hists["kvwatch_request_inter_chunk_seconds"].merge_bins(
+                    record.gap_bounds, record.gap_counts, record.gap_sum
+                )
+            self._observe_ratios(hists, key, record)
+            self.outcomes[(*key, record.outcome.value)] += 1
+            if record.output_tokens_estimated:
+                self.estimated[key] += 1
+            if stalled is not None:
+                self.stalls[key] += int(stalled)
+            self.observed += 1
+        return band
+
+    def _observe_ratios(
+        self, hists: dict[str, Histogram], key: tuple[str, str, str, str], record: RequestRecord
+    ) -> None:
+        """Output / max_tokens (and the unused limit of a request that stopped early) and the prefix
+        cache's share of the prompt, where the source knew both sides."""
+        if record.output_tokens is not None and record.max_tokens:
+            hists["kvwatch_request_output_limit_ratio"].observe(record.output_tokens / record.max_tokens)
+            if record.outcome is Outcome.COMPLETED and not record.output_tokens_estimated:
+                self.unused_limit_tokens[key] += max(0, record.max_tokens - record.output_tokens)
+        if record.cached_prompt_tokens is not None and record.prompt_tokens:
+            hists["kvwatch_request_prefix_reuse_ratio"].observe(
+                min(1.0, record.cached_prompt_tokens / record.prompt_tokens)
+            )
+
+    def snapshot(
+        self,
+    ) -> tuple[
+        dict[tuple[str, str, str, str], dict[str, Histogram]],
+        dict[tuple[str, str, str, str, str], int],
+        dict[tuple[str, str, str, str], int],
+    ]:
+        """Copies for exporters (scrape must not hold the lock while rendering)."""
+        with self._lock:
+            hists = {
+                key: {name: h.copy() for name, h in fams.items()} for key, fams in self.histograms.items()
+            }
+            return hists, dict(self.outcomes), dict(self.estimated)
+
+    def outcome_counts(self) -> dict[tuple[str, str, str, str, str], int]:
+        """A copy of the finished-request counts by (replica, model, band, source, outcome)."""
+        with self._lock:
+            return dict(self.outcomes)
+
+    def unused_limit_counts(self) -> dict[tuple[str, str, str, str], int]:
+        """A copy of the unused max_tokens per key, for exporters."""
+        with self._lock:
+            return dict(self.unused_limit_tokens)
+
+    def stall_counts(self) -> dict[tuple[str, str, str, str], int]:
+        """A copy of the preemption-stall counts, for exporters."""
+        with self._lock:
+            return dict(self.stalls)
