@@ -54,7 +54,7 @@ QUICK: dict[str, Quick] = {
 #: as files (``.venv/bin/python bench/NAME.py``) until then
 NOT_QUICK_HERE = {
     "node_rate.py": "no --quick yet (a ramp of real nginx and proxy runs); imports proxy_bench by sys.path",
-    "proxy_bench.py": "no --quick yet; starts nginx and engines",
+    "proxy_bench.py": "runs as a file (its roles import a --baseline checkout's kvwatch); quick runs below",
 }
 #: benches that still change sys.path (each one a gap, to close when it is reworked)
 CHANGES_SYS_PATH = {"node_rate.py"}
@@ -134,3 +134,22 @@ def test_bench_quick_run_works(bench: str) -> None:
     assert proc.returncode == 0, f"{bench} --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), f"{bench} --quick printed nothing"
     assert quick.ends_with in proc.stdout, f"{bench} --quick stopped early:\n{proc.stdout[-2000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["streaming", "late-tail"])
+def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
+    """bench/proxy_bench.py's roles (upstream, kvwatch, relays) run as the script itself, with the
+    kvwatch of this checkout or of a ``--baseline`` one: it runs as a file, not with ``-m``."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "proxy_bench.py"), "--quick", "--scenario", scenario],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert proc.returncode == 0, f"proxy_bench --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert "| kvwatch-uvloop |" in proc.stdout and "; cores " in proc.stdout, proc.stdout[-2000:]

@@ -106,3 +106,53 @@ async def test_engine_saying_connection_close_is_not_pooled(http: ClientSession)
             assert harness.server.pool.idle == []
         finally:
             await harness.server.stop()
+
+
+async def test_the_engine_keeps_warm_connections_in_proportion_to_demand() -> None:
+    """Spares follow measured demand: after requests that saw 6 at once, as they end, idle
+    connections are opened until idle + in flight covers the demand (no request waits for a connect);
+    never more than MAX_WARM however high demand goes; and idle past the pool's timeout, closed."""
+    from kvwatch.requests.proxy.pool import MAX_WARM, Engine, EnginePool, UpstreamAddress
+
+    accepted: list[asyncio.StreamWriter] = []
+    closed = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal closed
+        accepted.append(writer)
+        await reader.read()  # until kvwatch closes it
+        closed += 1
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = Engine(UpstreamAddress.from_url(f"http://127.0.0.1:{port}"), 2.0, EnginePool(idle_s=0.5))
+    try:
+        for _ in range(30):  # a steady 6 in flight: each arrival sees 6, itself included
+            engine.in_flight = 5
+            engine.begin()
+        assert round(engine.demand) == 6
+        for _ in range(2):
+            engine.end()
+        await until(lambda: len(engine.pool.idle) == 2, what="two spares for the two requests that ended")
+        await asyncio.sleep(0.05)
+        assert len(accepted) == 2  # no more than demand expects: 4 in flight + 2 idle = 6
+
+        for _ in range(200):  # demand far above the cap
+            engine.begin()
+        engine.in_flight = 0  # and all of it over
+        engine.keep_warm()
+        await until(lambda: len(engine.pool.idle) >= MAX_WARM, timeout_s=10, what="warm up to the cap")
+        await asyncio.sleep(0.1)
+        engine.keep_warm()
+        await asyncio.sleep(0.1)
+        assert len(engine.pool.idle) == MAX_WARM and len(accepted) == MAX_WARM
+
+        # nobody uses them: closed once idle past the pool's idle_s
+        await until(lambda: not engine.pool.idle, timeout_s=5, what="idle spares closed")
+        await until(lambda: closed == len(accepted), what="the engine saw every spare closed")
+    finally:
+        await engine.stop()
+        server.close()
+        for writer in accepted:
+            writer.close()
+        await server.wait_closed()

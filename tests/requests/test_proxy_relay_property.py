@@ -23,7 +23,7 @@ from kvwatch.requests.accounting import ModelLabels, RequestMeter
 from kvwatch.requests.http1 import ChunkedDecoder, parse_request_head, parse_response_head
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, ProxyServer
 from kvwatch.requests.proxy.client import ClientConnection
-from kvwatch.requests.proxy.exchange import Exchange
+from kvwatch.requests.proxy.exchange import Exchange, Phase
 from kvwatch.requests.proxy.relay import UsageRelay, separator
 from kvwatch.state import InFlightTracker
 
@@ -95,15 +95,16 @@ async def relay(
         count,
         meter_factory=meter,
     )
-    conn = ClientConnection(proxy)
+    conn = ClientConnection(proxy.clients)
     down = RecordingTransport()
     conn.transport = down
     head = parse_request_head(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(client_body)
     )
-    exchange = Exchange(conn, head, client_body, 0.0, 0.0)
+    exchange = Exchange(proxy.clients.exchanges, conn, head, client_body, 0.0, 0.0)
     conn.exchange = exchange
-    exchange._send = lambda: None  # type: ignore[method-assign]  # no engine connection: driven below
+    # no engine connection: the request counts as written on one, and the response is driven below
+    exchange._send = lambda: exchange._to(Phase.AWAITING_HEAD)  # type: ignore[method-assign]
     exchange.start()
     injected = exchange.strip
     response = parse_response_head(
@@ -284,13 +285,13 @@ def streaming_exchange(
         lambda record: None,
         lambda *a, **k: None,
     )
-    conn = ClientConnection(proxy)
+    conn = ClientConnection(proxy.clients)
     conn.transport = down = RecordingTransport()
     head = parse_request_head(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(STREAMING)
     )
-    exchange = Exchange(conn, head, STREAMING, 0.0, 0.0)
-    exchange._send = lambda: None  # type: ignore[method-assign]
+    exchange = Exchange(proxy.clients.exchanges, conn, head, STREAMING, 0.0, 0.0)
+    exchange._send = lambda: exchange._to(Phase.AWAITING_HEAD)  # type: ignore[method-assign]
     exchange.start()
     exchange.on_head(
         parse_response_head(

@@ -9,12 +9,20 @@ passes through untouched: status, headers (minus hop-by-hop) and body bytes as t
 
 The package, by concern:
 
-- ``server.py``: the listener, accepting, the connection cap and descriptor limit, and what every
-  connection of a replica shares (engine pool, buffer budget, counters); ``start_proxy``.
+- ``server.py``: the listener, accepting, the connection cap and descriptor limit; it builds what a
+  replica's connections share and hands each piece only its context; ``start_proxy``.
 - ``client.py``: one client connection, the HTTP/1.1 protocol per client (keep-alive, pipelining,
-  the slow-client timer).
-- ``exchange.py``: one request and its response, with its accounting.
-- ``pool.py``: keep-alive engine connections, and one engine connection reading a response.
+  the slow-client timer); gets a ``ClientContext``.
+- ``exchange.py``: one request and its response, with its accounting; explicit phases
+  (``Phase``: sending upstream, awaiting the head, head read, streaming, done, failed), every move
+  checked against a table; gets an ``ExchangeContext`` and sees its client as ``Downstream``.
+- ``pool.py``: the engine (address, connecting, spares), keep-alive engine connections, and one
+  engine connection reading a response for a ``ResponseReader``.
+- ``metering.py``: the accounting a replica's pieces share (meter inputs, sink, counters, throttled
+  log) and the buffer budget (``BufferBudget``, one ``Holding`` per owner).
+
+Imports point one way (server -> client -> exchange -> pool, metering -> seams); none is hidden
+under ``TYPE_CHECKING``.
 - ``relay.py``: the usage-chunk relay, pure bytes in and out (no I/O, no clock).
 - ``answers.py``: kvwatch's own error answers; ``seams.py``: the typed interfaces to the agent.
 - ``workers.py``: relay worker processes (``SO_REUSEPORT``) and their supervisor; ``channel.py``: their

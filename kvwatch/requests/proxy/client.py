@@ -8,16 +8,20 @@ request spent inside kvwatch. A request that begins on an idle connection is par
 after its read, so the other reads of that turn are stamped first: a burst of requests read in one
 turn is not stamped one parse after another. What every connection buffers counts in
 ``proxy.max_buffered_bytes``.
+
+A connection gets a ``ClientContext`` (the config, the buffer budget, the set of open connections, the
+metering, and what its exchanges get), never the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
+from typing import cast
 
+from kvwatch.config import ProxyConfig
 from kvwatch.requests.http1 import (
     HEAD_END,
     MAX_HEAD_BYTES,
@@ -27,11 +31,9 @@ from kvwatch.requests.http1 import (
     parse_request_head,
 )
 from kvwatch.requests.proxy.answers import error_response
-from kvwatch.requests.proxy.exchange import Exchange
+from kvwatch.requests.proxy.exchange import Exchange, ExchangeContext
+from kvwatch.requests.proxy.metering import BufferBudget, Holding, Metering
 from kvwatch.requests.proxy.seams import TIMED_OUT
-
-if TYPE_CHECKING:
-    from kvwatch.requests.proxy.server import ProxyServer
 
 log = logging.getLogger("kvwatch.requests.proxy")
 
@@ -40,11 +42,24 @@ MAX_ARRIVALS = 64  # read times kept for buffered bytes; later reads share the l
 LINGER_S = 2.0  # after refusing a request, how long its remaining bytes are read and dropped
 
 
+@dataclass(frozen=True, slots=True)
+class ClientContext:
+    """What a replica's client connections share."""
+
+    config: ProxyConfig
+    budget: BufferBudget
+    connections: set[ClientConnection]  # open and served (a shed one never joins)
+    metering: Metering
+    exchanges: ExchangeContext
+
+
 class ClientConnection(asyncio.Protocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, proxy: ProxyServer) -> None:
-        self.proxy = proxy
+    def __init__(self, context: ClientContext) -> None:
+        self.context = context
+        self.config = context.config
+        self.metering = context.metering
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.head: RequestHead | None = None
@@ -61,26 +76,26 @@ class ClientConnection(asyncio.Protocol):
         self.reading_paused = False
         self.parse_scheduled = False  # a request began in a read: parsed on the next loop turn
         self.read_total = 0  # bytes read from the client so far
-        self.accounted = 0  # len(buf) + len(body) as counted in proxy.buffered
+        self.holding = Holding(context.budget)  # len(buf) + len(body)
         self.arrivals: deque[tuple[int, float, float]] = deque()  # (offset of a read, clock, wall)
 
     # -- asyncio callbacks ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = stream = cast(asyncio.Transport, transport)  # a stream transport (also uvloop's)
-        proxy = self.proxy
-        if len(proxy.connections) >= proxy.config.max_connections:
-            proxy.shed("connections")
+        context = self.context
+        if len(context.connections) >= self.config.max_connections:
+            self.metering.shed("connections")
             self.refused = True
             stream.write(error_response(503, "too many client connections (proxy.max_connections)", True))
             stream.close()
             return
-        proxy.connections.add(self)
+        context.connections.add(self)
         self._arm_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
-        self.proxy.connections.discard(self)
+        self.context.connections.discard(self)
         self.buf.clear()
         self.body = bytearray()
         self._account()
@@ -93,7 +108,7 @@ class ClientConnection(asyncio.Protocol):
         starts = not self.buf and self.head is None  # this read's first byte begins a request
         self._forget_arrivals(self.read_total - len(self.buf))
         if len(self.arrivals) < MAX_ARRIVALS:
-            self.arrivals.append((self.read_total, self.proxy.clock(), self.proxy.wall_clock()))
+            self.arrivals.append((self.read_total, self.metering.clock(), self.metering.wall_clock()))
         self.read_total += len(data)
         self.buf += data
         if self.exchange is not None:  # pipelined: the response in progress goes first (HTTP order)
@@ -119,16 +134,9 @@ class ClientConnection(asyncio.Protocol):
         self._account()
 
     def _account(self) -> None:
-        """Keep ``proxy.buffered`` current with this connection's buffers; over budget: 503."""
-        held = len(self.buf) + len(self.body)
-        delta = held - self.accounted
-        if not delta:
-            return
-        self.accounted = held
-        proxy = self.proxy
-        proxy.buffered += delta
-        if delta > 0 and proxy.buffered > proxy.config.max_buffered_bytes and not self.refused:
-            proxy.shed("buffer")
+        """Keep the buffer budget current with this connection's buffers; over budget: 503."""
+        if not self.holding.hold(len(self.buf) + len(self.body)) and not self.refused:
+            self.metering.shed("buffer")
             self.body = bytearray()
             self._refuse(503, "the proxy holds as many request bytes as it may (proxy.max_buffered_bytes)")
             self._account()
@@ -154,7 +162,7 @@ class ClientConnection(asyncio.Protocol):
 
     # -- request parsing --------------------------------------------------------------------------
     def _parse(self) -> None:
-        config = self.proxy.config
+        config = self.config
         head = self.head
         if head is None:
             if not self.buf:
@@ -223,11 +231,11 @@ class ClientConnection(asyncio.Protocol):
         self._cancel_timer()
         body = bytes(self.body)
         self.body = bytearray()
-        exchange = self.exchange = Exchange(self, head, body, self.t0, self.wall)
+        exchange = self.exchange = Exchange(self.context.exchanges, self, head, body, self.t0, self.wall)
         try:
             exchange.start()
         except Exception:
-            log.exception("proxy %s: could not start relaying a request", self.proxy.replica)
+            log.exception("proxy %s: could not start relaying a request", self.metering.replica)
             exchange.abandon()
 
     def exchange_done(self, keep_alive: bool) -> None:
@@ -246,7 +254,7 @@ class ClientConnection(asyncio.Protocol):
             self.reading_paused = False
             transport.resume_reading()
         if not self.buf:
-            self._arm_timer(self.proxy.config.client_keepalive_timeout_s)
+            self._arm_timer(self.config.client_keepalive_timeout_s)
             return
         self._arm_timer()  # a pipelined request: received when its first byte came (arrivals)
         self._parse()
@@ -260,7 +268,7 @@ class ClientConnection(asyncio.Protocol):
         """
         self._cancel_timer()
         if head is not None and status == 413:
-            self.proxy.record_refusal(head, status, self.t0, self.wall)
+            self.metering.record_refusal(head, status, self.t0, self.wall)
         self.buf.clear()
         self.body = bytearray()
         self.refused = True
@@ -275,14 +283,14 @@ class ClientConnection(asyncio.Protocol):
                 transport.abort()
             else:
                 asyncio.get_running_loop().call_later(LINGER_S, transport.close)
-        self.proxy.refused(status, client_gone=not delivered)
+        self.metering.refused(status, client_gone=not delivered)
 
     # -- slow clients -----------------------------------------------------------------------------
     def _arm_timer(self, seconds: float | None = None) -> None:
         """The slow-loris timer by default; ``exchange_done`` arms the keep-alive idle one instead."""
         self._cancel_timer()
         loop = asyncio.get_running_loop()
-        timeout = self.proxy.config.client_header_timeout_s if seconds is None else seconds
+        timeout = self.config.client_header_timeout_s if seconds is None else seconds
         self.timer = loop.call_later(timeout, self._timed_out)
 
     def _cancel_timer(self) -> None:
@@ -296,8 +304,7 @@ class ClientConnection(asyncio.Protocol):
             return
         partial = bool(self.buf) or self.head is not None
         if partial or self.served == 0:  # an idle keep-alive connection just closes
-            with contextlib.suppress(Exception):
-                self.proxy.count(TIMED_OUT, self.proxy.replica)
+            self.metering.counted(TIMED_OUT)
         if partial:
             self.transport.write(
                 error_response(

@@ -4,19 +4,27 @@ Driven by callbacks: the client connection starts it once the request is read; t
 calls ``on_head``, ``on_body`` per read and ``on_end``. An event stream passes through the usage
 relay (``relay.py``); everything else is relayed as it comes. Output to the client is written once
 per engine read (``flush``).
+
+An exchange is in one ``Phase`` at a time and moves only along ``TRANSITIONS`` (as h11 models a
+connection): a move the table does not list is a bug in kvwatch and raises ``PhaseError``. What it
+uses of the replica comes in an ``ExchangeContext`` (the engine, the metering, the buffer budget),
+and of its client through ``Downstream``: it never sees the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvwatch.model import InFlightRequest
 from kvwatch.requests import sse
 from kvwatch.requests.accounting import (
     End,
+    RequestInfo,
     RequestMeter,
     body_requesting_usage,
     estimate_prompt_tokens,
@@ -24,56 +32,118 @@ from kvwatch.requests.accounting import (
 )
 from kvwatch.requests.http1 import LAST_CHUNK, RequestHead, ResponseHead, end_to_end, frame_chunk, render_head
 from kvwatch.requests.proxy.answers import error_response
+from kvwatch.requests.proxy.metering import METERED_PATHS, BufferBudget, Holding, Metering
+from kvwatch.requests.proxy.pool import Engine, EngineConnection
 from kvwatch.requests.proxy.relay import UsageRelay
-
-if TYPE_CHECKING:
-    from kvwatch.requests.proxy.client import ClientConnection
-    from kvwatch.requests.proxy.pool import EngineConnection
 
 log = logging.getLogger("kvwatch.requests.proxy")
 
-METERED_PATHS = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
+__all__ = ["METERED_PATHS", "Downstream", "Exchange", "ExchangeContext", "Phase", "PhaseError"]
+
 MAX_CAPTURE_BYTES = 8 << 20  # non-streaming response bodies read for usage
+
+
+class Phase(enum.Enum):
+    SENDING_UPSTREAM = "sending upstream"  # waiting for an engine connection (pooled or connecting)
+    AWAITING_HEAD = "awaiting the response head"  # the request is written on an engine connection
+    HEAD_READ = "head read"  # the response head is ready for the client; nothing written to it yet
+    STREAMING = "streaming"  # bytes of the response reached the client
+    DONE = "done"  # the response ended complete
+    FAILED = "failed"  # ended otherwise: the engine failed, the client left, or kvwatch gave up
+
+
+TERMINAL = frozenset({Phase.DONE, Phase.FAILED})
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.SENDING_UPSTREAM: frozenset({Phase.AWAITING_HEAD, *TERMINAL}),
+    # back to SENDING_UPSTREAM: the engine refused include_usage, or a pooled connection was closed
+    Phase.AWAITING_HEAD: frozenset({Phase.SENDING_UPSTREAM, Phase.HEAD_READ, *TERMINAL}),
+    Phase.HEAD_READ: frozenset({Phase.STREAMING, *TERMINAL}),
+    Phase.STREAMING: TERMINAL,
+    Phase.DONE: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+
+class PhaseError(RuntimeError):
+    """A phase change ``TRANSITIONS`` does not allow: a bug in kvwatch, never the peer's doing."""
+
+
+class Downstream(Protocol):
+    """The client connection as an exchange uses it (``ClientConnection``)."""
+
+    closed: bool
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    def exchange_done(self, keep_alive: bool) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeContext:
+    """What a replica's exchanges share: the engine, the accounting, the buffer budget, a timeout."""
+
+    engine: Engine
+    metering: Metering
+    budget: BufferBudget
+    upstream_read_timeout_s: float
 
 
 class Exchange:
     """One request: upstream connection, response relay, accounting. Driven by callbacks."""
 
     def __init__(
-        self, conn: ClientConnection, head: RequestHead, body: bytes, t0: float, wall: float
+        self,
+        context: ExchangeContext,
+        client: Downstream,
+        head: RequestHead,
+        body: bytes,
+        t0: float,
+        wall: float,
     ) -> None:
-        self.conn = conn
-        self.proxy = conn.proxy
-        self.down = conn.transport
+        self.context = context
+        self.metering = context.metering
+        self.client = client
+        self.down = client.transport
         self.head = head
         self.body = body
         self.t0 = t0
         self.wall = wall
+        self.phase = Phase.SENDING_UPSTREAM
+        self.info: RequestInfo | None = None  # a metered request's, as the client wrote it
         self.meter: RequestMeter | None = None
         self.handle: int | None = None
-        self.streaming = False
         self.request = b""  # what is sent upstream; both dropped once the response head came
-        self.budgeted = 0  # len(body) + len(request) + len(capture) as counted in proxy.buffered
-        self.relay_budgeted = 0  # bytes the usage relay holds back, as counted in proxy.buffered
+        self.holding = Holding(context.budget)  # body + request + capture
+        self.relay_holding = Holding(context.budget)  # what the usage relay holds back
         self.up: EngineConnection | None = None
-        self.finished = False
         self.status: int | None = None
-        self.head_sent = False
-        self.wrote = False  # some bytes of the response were written to the client
         self.keep_alive = head.keep_alive
-        self.down_chunked = False
+        self.down_chunked = False  # the response goes to the client chunked
         self.relay: UsageRelay | None = None  # an event stream this exchange reads
         self.strip = False  # kvwatch asked for usage: its usage chunk is removed
         self.retried = False  # the engine refused include_usage once; the client's own body was sent
-        self.unasked = False  # a metered stream whose body asks no usage (as the client wrote it)
-        self.continuous = False  # the body asks usage on every chunk (stream_options.continuous_usage_stats)
         self.capture: bytearray | None = None
-        self.gone = False
         self.idle_timer: asyncio.TimerHandle | None = None
         self.out = b""  # bytes for the client, written once per upstream read (see flush)
 
+    # -- phases -----------------------------------------------------------------------------------
+    def _to(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise PhaseError(f"exchange cannot go from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in TERMINAL
+
+    @property
+    def method(self) -> bytes:
+        return self.head.method
+
     # -- the request ------------------------------------------------------------------------------
     def start(self) -> None:
+        self.context.engine.begin()  # matched by end() in _end, which every started exchange reaches
         endpoint = METERED_PATHS.get(self.head.path) if self.head.method == b"POST" else None
         injected = self._start_metering(endpoint) if endpoint else None
         self.strip = injected is not None
@@ -83,27 +153,21 @@ class Exchange:
 
     def _budget(self) -> None:
         """Count the bytes this exchange holds (the request body, what goes upstream, a JSON response
-        read for its usage) in proxy.buffered."""
+        read for its usage) in proxy.max_buffered_bytes."""
         held = len(self.body) + len(self.request) + (len(self.capture) if self.capture is not None else 0)
-        self.proxy.buffered += held - self.budgeted
-        self.budgeted = held
+        self.holding.hold(held)
 
     def _budget_relay(self, relay: UsageRelay, held: int) -> None:
-        """Count what the usage relay holds back in proxy.buffered; over the budget it holds nothing
-        more: what it kept goes to the client now, and the rest of the stream passes as it comes."""
-        proxy = self.proxy
-        proxy.buffered += held - self.relay_budgeted
-        grew = held > self.relay_budgeted
-        self.relay_budgeted = held
-        if grew and proxy.buffered > proxy.config.max_buffered_bytes:
+        """Count what the usage relay holds back in the budget; over it the relay holds nothing more:
+        what it kept goes to the client now, and the rest of the stream passes as it comes."""
+        if not self.relay_holding.hold(held):
             out = relay.overflow()
             events, sep = relay.events, relay.sep
             if out:
                 self._emit(frame_chunk(out) if self.down_chunked else out)
             if events and sep is not None:
                 self._meter_events(events, sep)
-            proxy.buffered -= self.relay_budgeted
-            self.relay_budgeted = 0
+            self.relay_holding.release()
 
     def _drop_request(self) -> None:
         """The response head came: no retry can need the request now, so its bytes go."""
@@ -116,31 +180,24 @@ class Exchange:
 
     def _send(self) -> None:
         """On a pooled connection right now, else on a new one from a task."""
-        proxy = self.proxy
-        protocol = proxy.pool.take()
+        engine = self.context.engine
+        protocol = engine.take()
         if protocol is not None:
             self._attach(protocol, reused=True)
         else:
-            proxy.spawn(self._connect())
-        if proxy.tails and not proxy.pool.idle:  # tails hold connections: the next request gets a spare
-            proxy.warm_spare()
+            engine.spawn(self._connect())
 
     async def _connect(self) -> None:
-        up = self.proxy.upstream
+        up = self.context.engine.address
         try:
-            protocol = await self.proxy.connect_upstream()
+            protocol = await self.context.engine.connect()
         except TimeoutError:
-            self._end(
-                self._fail_before_head(504, f"timed out connecting to the engine at {up.host}:{up.port}")
-            )
+            self._fail_before_head(504, f"timed out connecting to the engine at {up.host}:{up.port}")
             return
         except OSError as exc:
-            self._end(
-                self._fail_before_head(
-                    502,
-                    f"cannot connect to the engine at {up.host}:{up.port} "
-                    f"({exc.strerror or type(exc).__name__})",
-                )
+            self._fail_before_head(
+                502,
+                f"cannot connect to the engine at {up.host}:{up.port} ({exc.strerror or type(exc).__name__})",
             )
             return
         if self.finished:  # the client left while we connected
@@ -149,6 +206,7 @@ class Exchange:
         self._attach(protocol, reused=False)
 
     def _attach(self, protocol: EngineConnection, reused: bool) -> None:
+        self._to(Phase.AWAITING_HEAD)
         self.up = protocol
         protocol.attach(self, reused)
         protocol.write(self.request)
@@ -159,6 +217,9 @@ class Exchange:
 
         Counted if that succeeds; it changes nothing for the next request (``usage_injection_refused``).
         """
+        if self.finished:
+            return
+        self._to(Phase.SENDING_UPSTREAM)
         self.retried, self.strip, self.status = True, False, None
         self.request = self._upstream_request(self.body)
         self._budget()
@@ -166,36 +227,37 @@ class Exchange:
 
     def retry_fresh(self) -> None:
         """A pooled connection closed before answering anything: the request again, on a new one."""
+        self._to(Phase.SENDING_UPSTREAM)
         self.status = None
-        self.proxy.spawn(self._connect())
+        self.context.engine.spawn(self._connect())
 
     def _end(self, end: End) -> None:
         """The one way out: release the request, hand the client connection on, then record it."""
         if self.finished:
             return
-        self.finished = True
+        self._to(Phase.DONE if end is End.COMPLETE else Phase.FAILED)
         self._drop_request()
         self._drop_capture()
-        if self.relay_budgeted:
-            self.proxy.buffered -= self.relay_budgeted
-            self.relay_budgeted = 0
+        self.relay_holding.release()
         self.flush()
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
+        metering = self.metering
         if self.retried and end is End.COMPLETE and self.status is not None and self.status < 400:
-            self.proxy.usage_injection_refused()
+            metering.usage_injection_refused()
         meter = self.meter
         if meter is not None and meter.e2e is None:
             try:
-                meter.on_end(self.proxy.clock())  # e2e ends now, not when the record is built
+                meter.on_end(metering.clock())  # e2e ends now, not when the record is built
             except Exception as exc:
                 self.meter = None
-                self.proxy.accounting_failed("end", exc)
+                metering.accounting_failed("end", exc)
         # the connection goes on first: its next request (pipelined, or arriving as the client reads
         # this response's end) is not held behind this one's record, sink, ledger line and in-flight
         # entry, which run on the next loop turn, once each
-        self.conn.exchange_done(self.keep_alive and end is End.COMPLETE and not self.gone)
+        self.client.exchange_done(self.keep_alive and end is End.COMPLETE)
+        self.context.engine.end()
         asyncio.get_running_loop().call_soon(self._finish, end)
 
     def abandon(self) -> None:
@@ -206,54 +268,51 @@ class Exchange:
         self._end(End.UPSTREAM_FAILED)
 
     def _start_metering(self, endpoint: str) -> bytes | None:
-        proxy = self.proxy
+        metering = self.metering
         try:
-            info = inspect_request(self.body, endpoint)
-            self.streaming = info.streaming
-            model = proxy.labels.label(info.model)
-            self.handle = proxy.in_flight.start(
+            info = self.info = inspect_request(self.body, endpoint)
+            model = metering.labels.label(info.model)
+            self.handle = metering.in_flight.start(
                 InFlightRequest(
-                    proxy.replica,
+                    metering.replica,
                     model,
-                    proxy.bands.band_for(info.max_tokens),
+                    metering.bands.band_for(info.max_tokens),
                     estimate_prompt_tokens(len(self.body)),
                     0,
                     self.wall,
                     info.max_tokens,
                 )
             )
-            self.meter = proxy.meter_factory(
-                proxy.replica, model, info, self.wall, self.t0, proxy.in_flight, self.handle
+            self.meter = metering.meter_factory(
+                metering.replica, model, info, self.wall, self.t0, metering.in_flight, self.handle
             )
-            self.unasked = info.streaming and not info.wants_usage
-            self.continuous = info.continuous_usage
-            if proxy.inject_usage and not proxy.engine_forces_usage:
+            if metering.asks_usage():
                 return body_requesting_usage(self.body, info)
         except Exception as exc:
             self.meter = None
-            proxy.accounting_failed("request", exc)
+            metering.accounting_failed("request", exc)
         return None
 
     def _finish(self, end: End) -> None:
         """The request's bookkeeping: its record to the sink, its in-flight entry closed."""
-        proxy = self.proxy
+        metering = self.metering
         if self.meter is not None:
             try:
                 record = self.meter.record(self.status, end)
             except Exception as exc:
-                proxy.accounting_failed("record", exc)
+                metering.accounting_failed("record", exc)
             else:
-                proxy.emit(record)
+                metering.emit(record)
         if self.handle is not None:
             try:
-                proxy.in_flight.finish(self.handle)
+                metering.in_flight.finish(self.handle)
             except Exception as exc:
-                proxy.accounting_failed("in_flight", exc)
+                metering.accounting_failed("in_flight", exc)
 
     def _upstream_request(self, body: bytes) -> bytes:
-        up = self.proxy.upstream
+        up = self.context.engine.address
         drop = {b"host", b"expect"}
-        if self.streaming:
+        if self.info is not None and self.info.streaming:
             drop.add(b"accept-encoding")  # the relay reads the event stream: identity encoding
         headers = end_to_end(self.head, frozenset(drop))
         headers.append((b"host", up.host_header))
@@ -267,7 +326,7 @@ class Exchange:
     def _watch_upstream(self, protocol: EngineConnection, reads: int) -> None:
         loop = asyncio.get_running_loop()
         self.idle_timer = loop.call_later(
-            self.proxy.config.upstream_read_timeout_s, self._check_upstream, protocol, reads
+            self.context.upstream_read_timeout_s, self._check_upstream, protocol, reads
         )
 
     def _check_upstream(self, protocol: EngineConnection, reads: int) -> None:
@@ -289,8 +348,9 @@ class Exchange:
         the end of the stream and the last-chunk marker, leave in one syscall, not three."""
         if self.out:
             out, self.out = self.out, b""
-            if not self.conn.closed and self.down is not None:
-                self.wrote = True
+            if not self.client.closed and self.down is not None:
+                if self.phase is Phase.HEAD_READ:
+                    self._to(Phase.STREAMING)
                 self.down.write(out)
 
     # -- callbacks from the upstream connection ---------------------------------------------------
@@ -299,7 +359,7 @@ class Exchange:
         self.status = head.status
         if self.strip and head.status in (400, 422):
             return False  # the upstream connection drops this answer and calls retry_without_usage
-        if self.gone:
+        if self.finished:
             return False
         metered = self.meter is not None
         content_type = (head.get(b"content-type") or b"").lower()
@@ -310,7 +370,12 @@ class Exchange:
             and not encoded
             and content_type.startswith(b"text/event-stream")
         ):
-            self.relay = UsageRelay(self.strip, self.unasked, self.continuous)
+            info = self.info
+            self.relay = UsageRelay(
+                self.strip,
+                info is not None and info.streaming and not info.wants_usage,
+                info is not None and info.continuous_usage,
+            )
         elif metered and head.status == 200 and not encoded and content_type.startswith(b"application/json"):
             self.capture = bytearray()
         headers = end_to_end(head)
@@ -327,7 +392,7 @@ class Exchange:
         if not self.keep_alive:
             headers.append((b"connection", b"close"))
         self._emit(render_head(b"HTTP/1.1 %d %b" % (head.status, head.reason), headers))
-        self.head_sent = True
+        self._to(Phase.HEAD_READ)
         self._drop_request()
         return True
 
@@ -340,25 +405,21 @@ class Exchange:
             events, sep, meter = relay.events, relay.sep, self.meter
             if events and sep is not None and meter is not None:
                 try:
-                    meter.on_events(events, sep, self.proxy.clock())
+                    meter.on_events(events, sep, self.metering.clock())
                 except Exception as exc:
                     self.meter = None
-                    self.proxy.accounting_failed("stream", exc)
+                    self.metering.accounting_failed("stream", exc)
             if relay.noted:
                 self._take_notes(relay)
             held = len(relay.carry) + relay.held_bytes
-            if held != self.relay_budgeted:
+            if held != self.relay_holding.held:
                 self._budget_relay(relay, held)
             if relay.done and self.down_chunked:
                 self._stream_done()
             return
         self._emit(b"%x\r\n%b\r\n" % (len(data), data) if self.down_chunked else data)
         if self.capture is not None:
-            proxy = self.proxy
-            if (
-                len(self.capture) + len(data) <= MAX_CAPTURE_BYTES
-                and proxy.buffered + len(data) <= proxy.config.max_buffered_bytes
-            ):
+            if len(self.capture) + len(data) <= MAX_CAPTURE_BYTES and self.context.budget.fits(len(data)):
                 self.capture += data
             else:
                 self.capture = None  # usage unread, as for a body over MAX_CAPTURE_BYTES
@@ -368,10 +429,10 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             try:
-                meter.on_events(events, sep, self.proxy.clock())
+                meter.on_events(events, sep, self.metering.clock())
             except Exception as exc:
                 self.meter = None
-                self.proxy.accounting_failed("stream", exc)
+                self.metering.accounting_failed("stream", exc)
 
     def _send_events(self, events: bytes, sep: bytes) -> None:
         self._emit(frame_chunk(events) if self.down_chunked else events)
@@ -382,9 +443,9 @@ class Exchange:
         relay.noted = False
         errors, relay.errors = relay.errors, []
         for exc in errors:
-            self.proxy.accounting_failed("usage", exc)
+            self.metering.accounting_failed("usage", exc)
         if relay.forced_usage:
-            self.proxy.engine_sends_usage_unasked()
+            self.metering.engine_sends_usage_unasked()
         usage, relay.usage = relay.usage, None
         if usage is not None:
             self._usage(usage)
@@ -404,12 +465,12 @@ class Exchange:
                 self.meter.on_usage(usage)
             except Exception as exc:
                 self.meter = None
-                self.proxy.accounting_failed("usage", exc)
+                self.metering.accounting_failed("usage", exc)
 
     def _release_held(self, relay: UsageRelay) -> bytes:
         """End of stream: send what the relay held, as it was; returns the incomplete rest."""
         held, carry = relay.finish()
-        if held and relay.sep is not None and not self.conn.closed:
+        if held and relay.sep is not None and not self.client.closed:
             self._send_events(held, relay.sep)
         return carry
 
@@ -428,10 +489,10 @@ class Exchange:
                     capture = bytes(self.capture)
                     self._drop_capture()
                     meter.on_json_body(capture)
-                meter.on_end(self.proxy.clock())
+                meter.on_end(self.metering.clock())
             except Exception as exc:
                 self.meter = None
-                self.proxy.accounting_failed("end", exc)
+                self.metering.accounting_failed("end", exc)
         self._end(End.COMPLETE)
 
     def on_broken(self, reason: str) -> None:
@@ -441,40 +502,41 @@ class Exchange:
     def _upstream_failed(self, status: int, reason: str) -> None:
         if self.finished:
             return
-        if self.head_sent and not self.wrote:  # nothing reached the client yet: it can get a 502
-            self.out, self.head_sent, self.down_chunked = b"", False, False
-        if self.head_sent:
-            self.proxy.log_repeatable(
+        if self.phase is Phase.HEAD_READ:  # nothing reached the client yet: it can get a 502
+            self.out, self.down_chunked = b"", False
+        elif self.phase is Phase.STREAMING:
+            self.metering.log_repeatable(
                 logging.WARNING,
                 "stream_cut",
                 "proxy %s: %s; cutting the client's stream",
-                self.proxy.replica,
+                self.metering.replica,
                 reason,
             )
             if self.relay is not None:
                 self._release_held(self.relay)  # the incomplete rest is not sent: the stream is cut
             self.keep_alive = False
             self.flush()
-            if not self.conn.closed and self.down is not None:
+            if not self.client.closed and self.down is not None:
                 self.down.close()  # no last chunk: the client sees a cut
             self._end(End.UPSTREAM_FAILED)
-        else:
-            self._end(self._fail_before_head(status, reason))
+            return
+        self._fail_before_head(status, reason)
 
-    def _fail_before_head(self, status: int, reason: str) -> End:
-        self.proxy.log_repeatable(
+    def _fail_before_head(self, status: int, reason: str) -> None:
+        """Answer the client kvwatch's own error (no byte of a response reached it) and end."""
+        self.metering.log_repeatable(
             logging.WARNING,
             f"answer_{status}",
             "proxy %s: %s; answering %d",
-            self.proxy.replica,
+            self.metering.replica,
             reason,
             status,
         )
         self.status = status
-        if not self.conn.closed:
+        if not self.client.closed:
             self._emit(error_response(status, reason, close=True))
         self.keep_alive = False
-        return End.UPSTREAM_FAILED
+        self._end(End.UPSTREAM_FAILED)
 
     # -- from the client connection ---------------------------------------------------------------
     def client_gone(self) -> None:
@@ -485,17 +547,16 @@ class Exchange:
         it reads ``[DONE]``, which often beats the engine's last-chunk marker to kvwatch; that
         request ends by its finish reason, not as ``aborted``.
         """
-        if self.gone or self.finished:
+        if self.finished:
             return
-        self.gone = True
+        self.keep_alive = False
         if self.up is not None:
             self.up.abort()
-        if not self.finished:
-            meter = self.meter
-            if meter is not None:
-                with contextlib.suppress(Exception):
-                    meter.on_end(self.proxy.clock())
-            self._end(End.COMPLETE if meter is not None and meter.finish_reason else End.CLIENT_GONE)
+        meter = self.meter
+        if meter is not None:
+            with contextlib.suppress(Exception):
+                meter.on_end(self.metering.clock())
+        self._end(End.COMPLETE if meter is not None and meter.finish_reason else End.CLIENT_GONE)
 
     def pause_upstream(self, paused: bool) -> None:
         if self.up is not None:

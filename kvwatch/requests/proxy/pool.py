@@ -1,5 +1,6 @@
-"""Keep-alive connections to the engine: the pool of idle ones, and one connection reading one
-response at a time for the exchange attached to it.
+"""The engine side: where it is, the pool of idle keep-alive connections, connecting (and spares
+opened ahead of need), and one connection reading one response at a time for the response reader
+attached to it (an exchange, seen here only through ``ResponseReader``).
 
 Idle connections are dropped after ``UPSTREAM_IDLE_S`` (engines close theirs after 5 s: uvicorn's
 default). A response whose client already has everything (``[DONE]`` relayed) is read to its end
@@ -10,20 +11,74 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
-from typing import TYPE_CHECKING, cast
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+from urllib.parse import urlsplit
 
-from kvwatch.requests.http1 import HEAD_END, MAX_HEAD_BYTES, ChunkedDecoder, HttpError, parse_response_head
-
-if TYPE_CHECKING:
-    from kvwatch.requests.proxy.exchange import Exchange
-    from kvwatch.requests.proxy.server import ProxyServer
+from kvwatch.requests.http1 import (
+    HEAD_END,
+    MAX_HEAD_BYTES,
+    ChunkedDecoder,
+    HttpError,
+    ResponseHead,
+    parse_response_head,
+)
 
 UPSTREAM_IDLE_S = 4.0  # an idle pooled upstream connection older than this is not reused
 DRAIN_S = 5.0  # how long an engine may take to end a stream after [DONE] before its connection is closed
 MAX_IDLE_UPSTREAM = 64  # idle upstream connections kept per replica
 
+MAX_WARM = 32  # idle and opening connections kept for expected requests, at most (Engine.keep_warm)
+DEMAND_ALPHA = 0.2  # weight of each arriving request's concurrency in the demand EWMA
+
 _HEAD, _CHUNKED, _LENGTH, _UNTIL_CLOSE, _ENDED = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAddress:
+    """Where requests go: the engine's OpenAI base URL (``api_url``) split for sockets.
+
+    A path in ``api_url`` is a prefix put before the client's path, minus a trailing ``/v1``
+    (``http://engine:8000/v1`` and ``http://engine:8000`` mean the same engine).
+    """
+
+    host: str
+    port: int
+    tls: bool
+    host_header: bytes
+    base_path: bytes
+
+    @classmethod
+    def from_url(cls, url: str) -> UpstreamAddress:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"api_url must be an http(s) URL, got {url!r}")
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        path = parts.path.rstrip("/")
+        path = path.removesuffix("/v1")
+        return cls(parts.hostname, port, tls, parts.netloc.encode("idna"), path.encode())
+
+
+class ResponseReader(Protocol):
+    """What an engine connection tells the exchange whose response it reads (``Exchange``)."""
+
+    @property
+    def method(self) -> bytes: ...  # the request's: a HEAD response has no body
+
+    @property
+    def status(self) -> int | None: ...
+
+    def on_head(self, head: ResponseHead, length: int | None, has_body: bool) -> bool: ...
+    def on_body(self, data: bytes) -> None: ...
+    def on_end(self) -> None: ...
+    def on_broken(self, reason: str) -> None: ...
+    def flush(self) -> None: ...
+    def retry_without_usage(self) -> None: ...
+    def retry_fresh(self) -> None: ...
 
 
 class EnginePool:
@@ -54,18 +109,143 @@ class EnginePool:
         with contextlib.suppress(ValueError):
             self.idle.remove(protocol)
 
+    def sweep(self) -> None:
+        """Close the idle connections older than ``idle_s``: extras a fall in demand left unused."""
+        now = time.monotonic()
+        stale = [p for p in self.idle if p.closed or now - p.idle_since >= self.idle_s]
+        if stale:
+            self.idle = [p for p in self.idle if p not in stale]
+            for protocol in stale:
+                protocol.abort()
+
     def close(self) -> None:
         for protocol in self.idle:
             protocol.abort()
         self.idle.clear()
 
 
-class EngineConnection(asyncio.Protocol):
-    """One connection to the engine; reads one response at a time for the exchange attached."""
+class Engine:
+    """One replica's engine as the exchanges see it: take a pooled connection or connect one.
 
-    def __init__(self, proxy: ProxyServer) -> None:
-        self.proxy = proxy
-        self.ex: Exchange | None = None
+    Keeps warm connections in proportion to measured demand, so a request does not wait for a
+    connect: ``demand`` is an EWMA of the concurrency each arriving request sees (itself included),
+    and after each request (and while a stream's late tail holds its connection) idle spares are
+    opened until idle + opening covers ``round(demand)`` minus the requests in flight (at least one
+    while tails are pending), bounded by ``MAX_WARM``; idle ones unused for ``pool.idle_s`` are
+    closed (``sweep``). Owns its tasks (connects, spares), so ``stop`` ends them all.
+    """
+
+    def __init__(
+        self, address: UpstreamAddress, connect_timeout_s: float, pool: EnginePool | None = None
+    ) -> None:
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.ssl_context = ssl.create_default_context() if address.tls else None
+        self.pool = pool if pool is not None else EnginePool()
+        self.tails = 0  # engine connections reading a stream's tail after [DONE] on their own
+        self.in_flight = 0  # requests between begin() and end()
+        self.demand = 0.0  # EWMA of the concurrency arriving requests see
+        self._spares = 0
+        self._warm_scheduled = False
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- demand -----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A request is about to go to the engine."""
+        self.in_flight += 1
+        self.demand += DEMAND_ALPHA * (self.in_flight - self.demand)
+
+    def end(self) -> None:
+        """A request is over (its connection pooled, reading a tail, or closed): warm spares for the
+        next ones on the next loop turn, once the read that ended it is fully handled."""
+        self.in_flight -= 1
+        self._warm_soon()
+
+    def _warm_soon(self) -> None:
+        if not self._warm_scheduled:
+            self._warm_scheduled = True
+            asyncio.get_running_loop().call_soon(self.keep_warm)
+
+    def keep_warm(self) -> None:
+        """Open idle spares up to what demand expects beyond the requests in flight (bounded)."""
+        self._warm_scheduled = False
+        if self.stopping:
+            return
+        expected = max(round(self.demand) - self.in_flight, 1 if self.tails else 0)
+        want = min(expected, MAX_WARM, self.pool.max_idle) - len(self.pool.idle) - self._spares
+        for _ in range(want):  # only a request's start or end calls this: no connect loop of its own
+            self._spares += 1
+            self.spawn(self._open_spare())
+        self._arm_sweeper()
+
+    def _arm_sweeper(self) -> None:
+        if self._sweeper is None and (self.pool.idle or self._spares) and not self.stopping:
+            self._sweeper = asyncio.get_running_loop().call_later(self.pool.idle_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.pool.sweep()
+        self._arm_sweeper()
+
+    # -- connections ------------------------------------------------------------------------------
+    def take(self) -> EngineConnection | None:
+        """A pooled connection for a request now, or None (the caller connects one)."""
+        protocol = self.pool.take()
+        if self.tails and not self.pool.idle:  # tails hold connections: the next request gets a spare
+            self.keep_warm()
+        return protocol
+
+    async def connect(self) -> EngineConnection:
+        up = self.address
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout_s):
+            _, protocol = await loop.create_connection(
+                lambda: EngineConnection(self),
+                up.host,
+                up.port,
+                ssl=self.ssl_context,
+                server_hostname=up.host if up.tls else None,
+            )
+        return protocol
+
+    async def _open_spare(self) -> None:
+        try:
+            protocol = await self.connect()
+        except (OSError, TimeoutError):
+            return  # a request that needs one will connect (and report the failure) itself
+        finally:
+            self._spares -= 1
+        if self.stopping:
+            protocol.abort()
+        else:
+            self.pool.give(protocol)
+            self._arm_sweeper()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self.pool.close()
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+
+class EngineConnection(asyncio.Protocol):
+    """One connection to the engine; reads one response at a time for the reader attached."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ex: ResponseReader | None = None
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -85,7 +265,7 @@ class EngineConnection(asyncio.Protocol):
         assert self.transport is not None  # attached connections are connected
         self.transport.write(data)
 
-    def attach(self, exchange: Exchange, reused: bool) -> None:
+    def attach(self, exchange: ResponseReader, reused: bool) -> None:
         self.ex = exchange
         self.reused = reused
         self.mode = _HEAD
@@ -115,18 +295,18 @@ class EngineConnection(asyncio.Protocol):
         self.pause_reading(False)  # the slow client it was paused for is gone
         loop = asyncio.get_running_loop()
         self.tail_timer = loop.call_later(DRAIN_S, self._tail_too_slow)
-        self.proxy.tails += 1
+        self.engine.tails += 1
         loop.call_soon(self._spare_if_draining)  # after this read: its last-chunk marker may be in it
 
     def _spare_if_draining(self) -> None:
         if self.tail_timer is not None:
-            self.proxy.warm_spare()
+            self.engine.keep_warm()
 
     def _tail_done(self) -> None:
         if self.tail_timer is not None:
             self.tail_timer.cancel()
             self.tail_timer = None
-            self.proxy.tails -= 1
+            self.engine.tails -= 1
 
     def _tail_too_slow(self) -> None:
         self.abort()
@@ -178,7 +358,7 @@ class EngineConnection(asyncio.Protocol):
             if self.ex is not None:
                 self.ex.on_body(data)
         else:  # bytes on an idle connection: nothing asked for them
-            self.proxy.pool.discard(self)
+            self.engine.pool.discard(self)
             self.abort()
 
     def _read_head(self, data: bytes) -> None:
@@ -208,7 +388,7 @@ class EngineConnection(asyncio.Protocol):
         except HttpError as exc:
             self._broken(f"the engine sent bad framing ({exc.reason})")
             return
-        has_body = ex.head.method != b"HEAD" and head.status not in (204, 304)
+        has_body = ex.method != b"HEAD" and head.status not in (204, 304)
         self.reusable = (
             head.version == b"HTTP/1.1"
             and not head.closes
@@ -237,7 +417,7 @@ class EngineConnection(asyncio.Protocol):
         ex, self.ex, self.mode = self.ex, None, _ENDED
         self._tail_done()
         if self.reusable and not self.closed:
-            self.proxy.pool.give(self)
+            self.engine.pool.give(self)
         else:
             self.closed = True
             if self.transport is not None:
@@ -256,7 +436,7 @@ class EngineConnection(asyncio.Protocol):
         self._tail_done()
         ex = self.ex
         if ex is None:
-            self.proxy.pool.discard(self)
+            self.engine.pool.discard(self)
             return
         if self.mode == _UNTIL_CLOSE:
             self._end()

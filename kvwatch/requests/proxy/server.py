@@ -10,27 +10,21 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 import time
 from collections.abc import Coroutine, Iterable
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvwatch.config import ProxyConfig, ReplicaConfig
-from kvwatch.logthrottle import LogThrottle
-from kvwatch.model import LengthBands, Outcome, RequestRecord
+from kvwatch.model import LengthBands
 from kvwatch.requests.accounting import InFlight, ModelLabels, RequestMeter
-from kvwatch.requests.http1 import RequestHead
-from kvwatch.requests.proxy.client import ClientConnection
-from kvwatch.requests.proxy.exchange import METERED_PATHS
-from kvwatch.requests.proxy.pool import MAX_IDLE_UPSTREAM, EngineConnection, EnginePool
+from kvwatch.requests.proxy.client import ClientConnection, ClientContext
+from kvwatch.requests.proxy.exchange import ExchangeContext
+from kvwatch.requests.proxy.metering import BufferBudget, Metering
+from kvwatch.requests.proxy.pool import MAX_IDLE_UPSTREAM, Engine, EnginePool, UpstreamAddress
 from kvwatch.requests.proxy.seams import (
     ACCEPT_ERRORS,
     ACCOUNTING_ERRORS,
-    REFUSED,
-    REFUSED_CLIENT_GONE,
     SHED,
     TIMED_OUT,
     USAGE_REFUSED,
@@ -42,37 +36,15 @@ from kvwatch.selfmetrics import Count
 
 log = logging.getLogger("kvwatch.requests.proxy")
 
-MAX_SPARES = 8  # engine connections being opened ahead of need at once (see ProxyServer.warm_spare)
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamAddress:
-    """Where requests go: the engine's OpenAI base URL (``api_url``) split for sockets.
-
-    A path in ``api_url`` is a prefix put before the client's path, minus a trailing ``/v1``
-    (``http://engine:8000/v1`` and ``http://engine:8000`` mean the same engine).
-    """
-
-    host: str
-    port: int
-    tls: bool
-    host_header: bytes
-    base_path: bytes
-
-    @classmethod
-    def from_url(cls, url: str) -> UpstreamAddress:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"api_url must be an http(s) URL, got {url!r}")
-        tls = parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        path = parts.path.rstrip("/")
-        path = path.removesuffix("/v1")
-        return cls(parts.hostname, port, tls, parts.netloc.encode("idna"), path.encode())
+__all__ = ["ProxyServer", "UpstreamAddress", "start_proxy"]
 
 
 class ProxyServer:
-    """One replica's listener; ``await stop()`` closes it and every connection."""
+    """One replica's listener; ``await stop()`` closes it and every connection.
+
+    It builds what the pieces share (``Metering``, ``BufferBudget``, ``Engine``) and hands each piece
+    only its context: a connection or an exchange never reaches back into the server.
+    """
 
     def __init__(
         self,
@@ -92,27 +64,53 @@ class ProxyServer:
         self.replica = replica.name
         self.config = config
         self.upstream = UpstreamAddress.from_url(replica.api_url)
-        self.ssl_context = ssl.create_default_context() if self.upstream.tls else None
-        self.labels = labels
-        self.bands = bands
-        self.in_flight = in_flight
-        self.sink = sink
-        self.count = count
-        self.meter_factory = meter_factory
-        self.clock = clock  # durations are measured on it (the demo passes the simulator's clock)
-        self.wall_clock = wall_clock  # started_at: the agent's time base, which its scrapes share
-        self.inject_usage = config.inject_usage  # proxy.inject_usage; never switched off by a request
-        self.engine_forces_usage = False  # seen: a usage chunk in a stream nobody asked usage of
-        self.pool = EnginePool()
+        self.metering = Metering(
+            replica.name,
+            labels,
+            bands,
+            in_flight,
+            sink,
+            count,
+            meter_factory,
+            clock,
+            wall_clock,
+            config.inject_usage,
+        )
+        self.budget = BufferBudget(config.max_buffered_bytes)
+        self.engine = Engine(self.upstream, config.upstream_connect_timeout_s, EnginePool())
         self.connections: set[ClientConnection] = set()
-        self.buffered = 0  # bytes held by all connections and exchanges (proxy.max_buffered_bytes)
+        self.clients = ClientContext(
+            config,
+            self.budget,
+            self.connections,
+            self.metering,
+            ExchangeContext(self.engine, self.metering, self.budget, config.upstream_read_timeout_s),
+        )
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._learner: asyncio.Task[None] | None = None
-        self.log_throttle = LogThrottle()  # every line a client or the engine can repeat goes through it
-        self._spares = 0
-        self.tails = 0  # engine connections reading a stream's tail after [DONE] on their own
-        self._stopping = False
+
+    # what tests and the agent read of a replica's proxy
+    @property
+    def buffered(self) -> int:
+        """Bytes held by all connections and exchanges (proxy.max_buffered_bytes)."""
+        return self.budget.held
+
+    @property
+    def pool(self) -> EnginePool:
+        return self.engine.pool
+
+    @property
+    def labels(self) -> ModelLabels:
+        return self.metering.labels
+
+    @property
+    def in_flight(self) -> InFlight:
+        return self.metering.in_flight
+
+    @property
+    def inject_usage(self) -> bool:
+        return self.metering.inject_usage
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, host: str, port: int, learn_models: bool = True, reuse_port: bool = False) -> None:
@@ -121,8 +119,9 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         _log_accept_failures(loop, self)
         _warn_if_descriptors_short(self)
+        clients = self.clients
         self._server = await loop.create_server(
-            lambda: ClientConnection(self),
+            lambda: ClientConnection(clients),
             host,
             port,
             backlog=1024,
@@ -155,15 +154,16 @@ class ProxyServer:
         return False
 
     async def stop(self) -> None:
-        self._stopping = True
         if self._server is not None:
             self._server.close()
-        self.pool.close()
+        self.engine.stopping = True
+        self.engine.pool.close()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
         if self._learner is not None:
             self._learner.cancel()
+        await self.engine.stop()
         tasks = list(self._tasks)
         if tasks:
             await asyncio.wait(tasks, timeout=5)
@@ -175,140 +175,6 @@ class ProxyServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def connect_upstream(self) -> EngineConnection:
-        up = self.upstream
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.config.upstream_connect_timeout_s):
-            _, protocol = await loop.create_connection(
-                lambda: EngineConnection(self),
-                up.host,
-                up.port,
-                ssl=self.ssl_context,
-                server_hostname=up.host if up.tls else None,
-            )
-        return protocol
-
-    def warm_spare(self) -> None:
-        """A stream's late tail holds its engine connection while the client, which already has its
-        response, may send its next request at once: open an idle one for it now, so that request
-        does not wait for a connect (measured: bench/proxy_bench.py --scenario late-tail)."""
-        if self.pool.idle or self._spares >= MAX_SPARES or self._stopping:
-            return
-        self._spares += 1
-        self.spawn(self._open_spare())
-
-    async def _open_spare(self) -> None:
-        try:
-            protocol = await self.connect_upstream()
-        except (OSError, TimeoutError):
-            return  # a request that needs one will connect (and report the failure) itself
-        finally:
-            self._spares -= 1
-        if self._stopping:
-            protocol.abort()
-        else:
-            self.pool.give(protocol)
-
-    def counted(self, family: str, *labels: str) -> None:
-        """Count one occurrence of a self-metric of this replica; counting never raises into the proxy."""
-        with contextlib.suppress(Exception):
-            self.count(family, self.replica, *labels)
-
-    def log_repeatable(
-        self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | bool | None = None
-    ) -> None:
-        """Log a line a client or the engine can make kvwatch repeat: throttled per ``key``."""
-        self.log_throttle.log(log, level, key, msg, *args, exc_info=exc_info)
-
-    def shed(self, reason: str) -> None:
-        self.counted(SHED, reason)
-        self.log_repeatable(
-            logging.WARNING,
-            f"{SHED}:{reason}",
-            "proxy %s: answering 503 (%s limit reached: proxy.%s; counted in %s_total)",
-            self.replica,
-            reason,
-            "max_buffered_bytes" if reason == "buffer" else "max_connections",
-            SHED,
-        )
-
-    def refused(self, status: int, client_gone: bool) -> None:
-        """A request kvwatch answered itself while reading it (``ClientConnection._refuse``)."""
-        self.counted(REFUSED, str(status))
-        if client_gone:  # nothing to tell anyone: the client left before its answer could be written
-            self.counted(REFUSED_CLIENT_GONE, str(status))
-
-    # -- accounting hooks (never raise into the relay) --------------------------------------------
-    def accounting_failed(self, where: str, exc: BaseException | None = None) -> None:
-        self.counted(ACCOUNTING_ERRORS)
-        self.log_repeatable(
-            logging.ERROR,
-            ACCOUNTING_ERRORS,
-            "proxy %s: request accounting failed in %s; the stream kept flowing (counted in %s_total)",
-            self.replica,
-            where,
-            ACCOUNTING_ERRORS,
-            exc_info=exc if exc is not None else True,
-        )
-
-    def emit(self, record: RequestRecord) -> None:
-        try:
-            self.sink(record)
-            if record.chunks and record.output_tokens and not record.output_tokens_estimated:
-                # exact usage of a finished stream teaches the in-flight estimate how many tokens
-                # a chunk carries on this replica (stream intervals, speculative decoding)
-                self.in_flight.calibrate(self.replica, record.output_tokens, record.chunks)
-        except Exception as exc:
-            self.accounting_failed("sink", exc)
-
-    def record_refusal(self, head: RequestHead, status: int, t0: float, wall: float) -> None:
-        """A metered request kvwatch answered itself (413): counted as rejected, never relayed."""
-        endpoint = METERED_PATHS.get(head.path) if head.method == b"POST" else None
-        if endpoint is None:
-            return
-        try:
-            self.emit(
-                RequestRecord(
-                    replica=self.replica,
-                    model_name=self.labels.label(None),
-                    source="proxy",
-                    outcome=Outcome.REJECTED,
-                    started_at=wall,
-                    endpoint=endpoint,
-                    status_code=status,
-                    e2e_seconds=self.clock() - t0,
-                )
-            )
-        except Exception as exc:
-            self.accounting_failed("refusal", exc)
-
-    def usage_injection_refused(self) -> None:
-        """The engine refused a body with include_usage and took the client's own: counted, logged.
-
-        Nothing is decided for the replica from it: one client's body must not switch usage counting
-        off for everyone (an operator whose engine refuses the field sets proxy.inject_usage: false).
-        """
-        self.counted(USAGE_REFUSED)
-        self.log_repeatable(
-            logging.WARNING,
-            USAGE_REFUSED,
-            "proxy %s: the engine refused a body with stream_options.include_usage and "
-            "took the client's own; that stream is counted from chunks (counted in "
-            "%s_total; set proxy.inject_usage: false if the engine never takes it)",
-            self.replica,
-            USAGE_REFUSED,
-        )
-
-    def engine_sends_usage_unasked(self) -> None:
-        """Engine output, which no client can forge (its text is JSON-escaped inside one event)."""
-        if not self.engine_forces_usage:
-            self.engine_forces_usage = True
-            log.info(
-                "proxy %s: the engine sends a usage chunk unasked (--enable-force-include-usage); "
-                "kvwatch no longer asks for it, and relays it as the engine sent it",
-                self.replica,
-            )
 
     async def _learn_models(self) -> None:
         """Add the engine's served model names (``/v1/models``) to the label set, once."""
@@ -403,8 +269,8 @@ def _log_accept_failures(loop: asyncio.AbstractEventLoop, proxy: ProxyServer) ->
             and isinstance(exc, OSError)
             and proxy.listens_on(context.get("socket"))
         ):
-            proxy.counted(ACCEPT_ERRORS)
-            proxy.log_repeatable(
+            proxy.metering.counted(ACCEPT_ERRORS)
+            proxy.metering.log_repeatable(
                 logging.ERROR,
                 ACCEPT_ERRORS,
                 "proxy %s: cannot accept a connection (%s); new clients wait or are "

@@ -1,0 +1,3 @@
+"""bench/proxy_bench.py by role: ``common`` (chunks, ports), ``upstreams`` (the paced SSE engine),
+``peers`` (nginx, bare relays, the kvwatch role), ``clients`` (streams, bursts, keep-alive clients),
+``scenarios`` (orchestration of steady, burst, flat and late-tail), ``report`` (the table)."""

@@ -1,0 +1,60 @@
+"""Shared by every role of bench/proxy_bench.py: the chunks the upstream writes, ports, uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "proxy_bench.py"  # every role runs as this script with --role
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NGINX = "/usr/sbin/nginx"
+
+#: the role chunk's id carries the upstream's receive time of the request (perf_counter_ns)
+ROLE_CHUNK = (
+    b'data: {"id":"chatcmpl-%d","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+CONTENT_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":"%d"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
+FINISH_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
+    b'"finish_reason":"stop","stop_reason":null}]}\n\n'
+)
+USAGE_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[],"usage":{"prompt_tokens":12,"total_tokens":%d,'
+    b'"completion_tokens":%d}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _use_uvloop(on: bool) -> None:
+    if on:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def _ready(port: int) -> None:
+    print(f"READY {port}", flush=True)
+
+
+def _frame(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+BASELINE_ENV = "KVWATCH_BENCH_BASELINE"

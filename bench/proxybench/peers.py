@@ -1,0 +1,224 @@
+"""What the bench relays through besides kvwatch (nginx, bare aiohttp and asyncio relays), the
+kvwatch role itself, and the role table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from proxybench.common import NGINX, _ready
+from proxybench.upstreams import role_upstream
+
+HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+    "proxy-connection",
+}
+
+
+async def role_aiohttp(args: argparse.Namespace) -> None:
+    """aiohttp server + aiohttp client, bytes passed through as read (iter_any)."""
+    import aiohttp
+    from aiohttp import web
+
+    upstream = f"http://127.0.0.1:{args.upstream_port}"
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        async with session.request(
+            request.method, upstream + request.path_qs, data=body, headers=headers
+        ) as up:
+            resp = web.StreamResponse(
+                status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in HOP}
+            )
+            await resp.prepare(request)
+            async for data in up.content.iter_any():
+                await resp.write(data)
+            await resp.write_eof()
+            return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", args.port, backlog=1024).start()
+    _ready(args.port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+class _RawUp(asyncio.Protocol):
+    def __init__(self, down: asyncio.Transport) -> None:
+        self.down = down
+
+    def data_received(self, data: bytes) -> None:
+        self.down.write(data)
+
+    def connection_lost(self, exc) -> None:
+        self.down.close()
+
+
+class _RawDown(asyncio.Protocol):
+    """Raw protocols: request bytes forwarded once complete, response bytes forwarded untouched.
+
+    A floor for the stack comparison, not a proxy: one upstream connection per client connection
+    (the client's ``connection: close`` travels with the bytes), no parsing of the response."""
+
+    upstream_port = 0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self.buf = b""
+        self.up: asyncio.Transport | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.up is not None:
+            return
+        m = re.search(rb"(?im)^content-length:\s*(\d+)", self.buf[:end])
+        if len(self.buf) < end + 4 + (int(m.group(1)) if m else 0):
+            return
+        asyncio.get_running_loop().create_task(self.forward(self.buf))
+
+    async def forward(self, request: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        self.up, _ = await loop.create_connection(
+            lambda: _RawUp(self.transport), "127.0.0.1", self.upstream_port
+        )
+        self.up.write(request)
+
+    def connection_lost(self, exc) -> None:
+        if self.up is not None:
+            self.up.close()
+
+
+async def role_raw(args: argparse.Namespace) -> None:
+    _RawDown.upstream_port = args.upstream_port
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_RawDown, "127.0.0.1", args.port, backlog=1024)
+    _ready(args.port)
+    async with server:
+        await server.serve_forever()
+
+
+async def role_kvwatch(args: argparse.Namespace) -> None:
+    """The real proxy with full accounting: request stats, in-flight tracking and the ledger."""
+    from kvwatch.agent.heap import freeze_start_up_heap
+    from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
+    from kvwatch.model import DEFAULT_BANDS
+    from kvwatch.requests.ledger import RequestLedger
+    from kvwatch.requests.proxy import start_proxy
+    from kvwatch.state import NodeState
+
+    state = NodeState("bench", DEFAULT_BANDS)
+    replica = ReplicaConfig(
+        name="bench",
+        metrics_url=f"http://127.0.0.1:{args.upstream_port}/metrics",
+        api_url=f"http://127.0.0.1:{args.upstream_port}",
+        proxy_listen=parse_host_port(f"127.0.0.1:{args.port}"),
+        model_name="bench",
+    )
+    ledger_dir = tempfile.mkdtemp(prefix="kvwatch-bench-ledger-")
+    ledger = RequestLedger(os.path.join(ledger_dir, "requests.jsonl"), DEFAULT_BANDS, counter=state.count)
+    ledger.start()
+
+    def sink(record) -> None:
+        state.requests.observe(record)
+        ledger.write(record)
+
+    proxy = await start_proxy(
+        replica, ProxyConfig(), frozenset({"bench"}), DEFAULT_BANDS, state.in_flight, sink, state.count
+    )
+    # as the agent does once started (agent/heap.py): without it, a full collection walks the
+    # start-up heap on the loop (20-60 ms here), a stall the agent does not have
+    freeze_start_up_heap()
+    _ready(args.port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await proxy.stop()
+        ledger.stop()
+        shutil.rmtree(ledger_dir, ignore_errors=True)
+
+
+#: ``kvwatchbase``: the same role with kvwatch imported from ``--baseline`` (another checkout), so a
+#: change is measured against the code before it in the same run, targets interleaved
+ROLES = {
+    "upstream": role_upstream,
+    "aiohttp": role_aiohttp,
+    "raw": role_raw,
+    "kvwatch": role_kvwatch,
+    "kvwatchbase": role_kvwatch,
+}
+
+
+def _spawn_nginx(
+    port: int, upstream_port: int, workdir: Path, workers: str = "1", more: Sequence[tuple[int, int]] = ()
+) -> subprocess.Popen:
+    """nginx as a streaming proxy on ``port`` -> ``upstream_port`` (and each (listen, upstream) pair
+    in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core)."""
+    for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
+        (workdir / d).mkdir(parents=True, exist_ok=True)
+    routes = [(port, upstream_port), *more]
+    blocks = "".join(
+        f"""
+  upstream engine{i} {{
+    server 127.0.0.1:{up};
+    keepalive 64;
+  }}
+  server {{
+    listen 127.0.0.1:{listen} backlog=1024;
+    location / {{
+      proxy_pass http://engine{i};
+      proxy_buffering off;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}"""
+        for i, (listen, up) in enumerate(routes)
+    )
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+worker_processes {workers};
+pid {workdir}/nginx.pid;
+error_log {workdir}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {workdir}/client_body;
+  proxy_temp_path {workdir}/proxy;
+  fastcgi_temp_path {workdir}/fastcgi;
+  uwsgi_temp_path {workdir}/uwsgi;
+  scgi_temp_path {workdir}/scgi;{blocks}
+}}
+""")
+    proc = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "logs/err.log")])
+    for _ in range(100):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.1):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("nginx did not start")

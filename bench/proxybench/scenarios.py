@@ -1,0 +1,199 @@
+"""Orchestration: start the upstream and each target, run the phases (steady, burst, flat) or the
+late-tail scenario, interleaved over rounds."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from _harness import percentile as _pct
+from proxybench.clients import _children, _cpu_seconds, burst, one_stream, reused_connections, steady
+from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop
+from proxybench.peers import _spawn_nginx
+from proxybench.report import Result, _median, _ms, _print, _rows
+
+
+def _spawn(
+    role: str, port: int, upstream_port: int, extra: Sequence[str] = (), uvloop: bool = False
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--upstream-port",
+        str(upstream_port),
+        *extra,
+    ]
+    if uvloop:
+        cmd.append("--uvloop")
+    tree = os.environ.get(BASELINE_ENV, "") if role == "kvwatchbase" else str(ROOT)
+    if not tree:
+        raise SystemExit("target kvwatchbase needs --baseline DIR (a checkout of the code to compare)")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": tree}
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("READY"):
+        proc.kill()
+        raise RuntimeError(f"{role} did not start: {line!r}")
+    return proc
+
+
+def _measure(target: str, port: int, pids: list[int], args) -> Result:
+    """Runs the phases against ``port`` (the upstreams are the same for every target)."""
+
+    async def run() -> Result:
+        await asyncio.gather(*(one_stream(port) for _ in range(8)))  # warm-up
+        c0 = _cpu_seconds(pids)
+        arrivals, latencies, chunks = await steady(port, args.streams, args.seconds)
+        c1 = _cpu_seconds(pids)
+        burst_ttfts = await burst(port, args.streams, 3)
+        return Result(target, arrivals, latencies, chunks, c1 - c0, burst_ttfts, 0, 0.0, 0.0)
+
+    return asyncio.run(run())
+
+
+def _measure_flat(port: int, pids: list[int], streams: int, rounds: int) -> tuple[int, float, float]:
+    async def run() -> tuple[int, float, float]:
+        await asyncio.gather(*(one_stream(port) for _ in range(4)))
+        c0, w0 = _cpu_seconds(pids), time.monotonic()
+        chunks = 0
+        for _ in range(rounds):
+            samples = await asyncio.gather(*(one_stream(port) for _ in range(streams)))
+            chunks += sum(s.chunks for s in samples)
+        return chunks, _cpu_seconds(pids) - c0, time.monotonic() - w0
+
+    return asyncio.run(run())
+
+
+def _start_target(name: str, up_port: int, workdir: Path) -> tuple[int, subprocess.Popen | None, list[int]]:
+    if name == "direct":
+        return up_port, None, []
+    port = _free_port()
+    if name == "nginx":
+        proc = _spawn_nginx(port, up_port, workdir / f"nginx-{up_port}")
+    else:
+        role, _, loop = name.partition("-")
+        proc = _spawn(role, port, up_port, uvloop=loop == "uvloop")
+    return port, proc, _children(proc.pid)
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def orchestrate_late_tail(args: argparse.Namespace) -> int:
+    """Scenario late-tail: the upstream ends its streams 0.5-2 s after [DONE]; reused connections."""
+    targets = args.targets.split(",")
+    if "direct" not in targets:
+        targets.insert(0, "direct")
+    _use_uvloop(True)
+    up_port = _free_port()
+    upstream = _spawn(
+        "upstream", up_port, 0, ["--chunks", "20", "--interval", "0.01", "--tail", "0.5,2.0"], uvloop=True
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
+    ttfts: dict[str, list[int]] = {name: [] for name in targets}
+    try:
+        for n in range(args.rounds):
+            for name in targets:
+                port, proc, _pids = _start_target(name, up_port, workdir)
+                try:
+                    ttfts[name] += asyncio.run(reused_connections(port, args.clients, args.requests))
+                finally:
+                    _stop(proc)
+                print(f"# round {n + 1}: {name} done", file=sys.stderr, flush=True)
+    finally:
+        _stop(upstream)
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = {q: _pct(ttfts["direct"], q) for q in (50, 99)}
+    nginx = {q: _pct(ttfts["nginx"], q) for q in (50, 99)} if "nginx" in ttfts else None
+    print("| target | requests | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | p99 vs nginx ms |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, values in ttfts.items():
+        row = {
+            "target": name,
+            "requests": len(values),
+            "ttft_p50_ms": _ms(_pct(values, 50)),
+            "ttft_p99_ms": _ms(_pct(values, 99)),
+            "added_ttft_p50_ms": _ms(_pct(values, 50) - base[50]),
+            "added_ttft_p99_ms": _ms(_pct(values, 99) - base[99]),
+            "p99_vs_nginx_ms": _ms(_pct(values, 99) - nginx[99]) if nginx else None,
+        }
+        rows.append(row)
+        vs_nginx = "-" if row["p99_vs_nginx_ms"] is None else f"{row['p99_vs_nginx_ms']:+.3f}"
+        print(
+            f"| {name} | {len(values)} | {row['ttft_p50_ms']:.3f} | {row['ttft_p99_ms']:.3f} | "
+            f"{row['added_ttft_p50_ms']:+.3f} | {row['added_ttft_p99_ms']:+.3f} | {vs_nginx} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(
+        f"\n{args.rounds} round(s) x {args.clients} clients x {args.requests} sequential requests on one "
+        f"keep-alive connection each (TTFT of the {args.requests - 1} on a reused connection); "
+        f"upstream: 20 chunks x 10 ms, [DONE], then 0.5-2 s before "
+        f"the last-chunk marker; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+    )
+    return 0
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    targets = args.targets.split(",")
+    if "direct" not in targets:
+        targets.insert(0, "direct")
+    if args.uvloop_client:
+        _use_uvloop(True)
+    paced_port, flat_port = _free_port(), _free_port()
+    paced = _spawn("upstream", paced_port, 0, ["--chunks", "200", "--interval", "0.01"], uvloop=True)
+    flat = _spawn("upstream", flat_port, 0, ["--chunks", "200", "--interval", "0"], uvloop=True)
+    rounds: list[list[Result]] = []
+    workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
+    try:
+        for n in range(args.rounds):  # targets interleaved, so a busy spell on the host hits all
+            results: list[Result] = []
+            for name in targets:
+                port, proc, pids = _start_target(name, paced_port, workdir)
+                try:
+                    r = _measure(name, port, pids, args)
+                finally:
+                    _stop(proc)
+                port, proc, pids = _start_target(name, flat_port, workdir)
+                try:
+                    r.flat_chunks, r.flat_cpu_s, r.flat_wall_s = _measure_flat(port, pids, args.streams, 2)
+                finally:
+                    _stop(proc)
+                results.append(r)
+                print(f"# round {n + 1}: {name} done", file=sys.stderr, flush=True)
+            rounds.append(results)
+    finally:
+        _stop(paced)
+        _stop(flat)
+        shutil.rmtree(workdir, ignore_errors=True)
+    per_round = [_rows(results) for results in rounds]
+    rows = [
+        {
+            key: (_median([r[i][key] for r in per_round]) if key != "target" else value)
+            for key, value in row.items()
+        }
+        for i, row in enumerate(per_round[0])
+    ]
+    _print(rows, args)
+    return 0
