@@ -19,6 +19,7 @@ from typing import Any, NoReturn, TypeVar
 import httpx
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 _GIVEN: set[int] = set()
 
@@ -222,6 +223,29 @@ def start_vllm(port: int, log: Path, extra_args: str = "", env: dict[str, str] |
             stop_group(pid)
         pytest.fail(f"{script} {port} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}", pytrace=False)
     return pid
+
+
+def vllm_requests_in_flight(metrics_url: str) -> float:
+    """Requests running plus waiting in a vLLM, summed over its engines, from its own /metrics."""
+    text = httpx.get(metrics_url, timeout=30.0).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    )
+
+
+def wait_vllm_idle(metrics_url: str, timeout_s: float = 120.0, what: str = "vLLM to go idle") -> None:
+    """Until no request runs or waits in the vLLM at ``metrics_url``: the session's vLLM is shared, so
+    a test that compares its counters starts (and leaves it) idle."""
+    wait_until(
+        lambda: vllm_requests_in_flight(metrics_url) == 0,
+        timeout_s,
+        what,
+        interval_s=0.5,
+        retry_on=(httpx.HTTPError,),  # a busy frontend on the small test machine can time out
+    )
 
 
 def llama_server_binary() -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 import yaml
 from report.ledgers import HAND, write
 
-from tests.local import free_port
+from tests.local import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,16 +77,12 @@ def test_the_daemon_maps_neither_pandas_nor_numpy(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def serving() -> bool:
             assert proc.poll() is None, "kvwatch run exited"
-            try:
-                if httpx.get(f"http://127.0.0.1:{listen}/metrics", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "kvwatch run did not serve /metrics"
-            time.sleep(0.2)
+            return httpx.get(f"http://127.0.0.1:{listen}/metrics", timeout=2).status_code == 200
+
+        wait_until(serving, 30, "kvwatch run to serve /metrics", 0.2, retry_on=(httpx.HTTPError,))
         # a request through the proxy (the engine is not there: 502) runs the request path too
         httpx.post(f"http://127.0.0.1:{proxy}/v1/completions", json={"prompt": "x"}, timeout=10)
         maps = Path(f"/proc/{proc.pid}/maps").read_text()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -296,6 +297,17 @@ class Prometheus:
 
     def alerts(self) -> list[dict[str, Any]]:
         return self.api("alerts")["alerts"]
+
+    def evaluated_after(self, moment: float) -> bool:
+        """Every rule group on the global evaluation interval (not one with a longer interval of its
+        own) has finished an evaluation that started after ``moment`` (Unix time)."""
+        groups = self.api("rules")["groups"]
+        fastest = min((g["interval"] for g in groups), default=0)
+        return bool(groups) and all(
+            datetime.fromisoformat(g["lastEvaluation"]).timestamp() > moment
+            for g in groups
+            if g["interval"] == fastest
+        )
 
     def rule_errors(self) -> list[str]:
         """Rules whose last evaluation failed (a rule file Prometheus could load but not evaluate)."""

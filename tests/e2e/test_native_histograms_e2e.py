@@ -205,7 +205,12 @@ def run(tmp_path_factory) -> Iterator[NativeRun]:
                 f"{prom.workdir.name}: the burn-rate alerts of {sorted(BREACHED)}",
                 interval_s=1.0,
             )
-        time.sleep(3)  # a few more evaluations: every group has read the step
+        for _ in range(3):  # a few more evaluations of every group: chained rules have read the step
+            moment = time.time()
+            for prom in started:
+                wait_until(
+                    lambda p=prom, m=moment: p.evaluated_after(m), 30, f"{prom.workdir.name}: an evaluation"
+                )
         yield NativeRun(instance, classic, native, records)
     finally:
         for prom in started:

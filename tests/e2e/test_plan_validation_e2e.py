@@ -27,10 +27,10 @@ from kvwatch.plan.candidate import CALIBRATED, Candidate
 from kvwatch.plan.inputs import read_workload
 from kvwatch.plan.replay import replay
 from kvwatch.report import build_report
-from tests.local import free_port
+from tests.local import free_port, wait_vllm_idle
 
 from .plan_validation import BANDS, compare, drive, make_trace, peak_kv, preemptions, split_ledger, table
-from .stack import KvwatchRun, Prometheus, parse, total, wait_until
+from .stack import KvwatchRun, Prometheus, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -44,19 +44,17 @@ SHAPE_FLAGS = [
 ]  # vllm-cpu.sh and vLLM's CPU default
 
 
-def _idle(metrics_url: str) -> bool:
-    s = parse(__import__("httpx").get(metrics_url, timeout=30).text)
-    return total(s, "vllm:num_requests_running") + total(s, "vllm:num_requests_waiting") == 0
-
-
 def _run_trace(real_vllm, proxy: str, prom: Prometheus, trace, seed: int) -> dict:
-    wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle before the trace", 0.5)
+    wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle before the trace")
     before, started = preemptions(real_vllm.metrics_url), time.time()
     results = drive(proxy, trace, seed)
     assert all(r.get("end") == "complete" for r in results), results
-    wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle after the trace", 0.5)
+    wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle after the trace")
     ended = time.time()
-    time.sleep(2.5)  # two more 1 s scrapes, so Prometheus holds the trace's last samples
+    # Prometheus holds the trace's last samples: a scrape at or after the end the queries below read at
+    wait_until(
+        lambda: prom.query(f'timestamp(up{{job="vllm"}}) >= {ended + 2}'), 30, "a scrape after the trace"
+    )
     return {
         "start": started,
         "end": ended,
@@ -91,7 +89,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
     cal_load, cal_prom = tmp_path / "cal-load.yaml", tmp_path / "cal-prometheus.yaml"
     cal_prom_b = tmp_path / "cal-prometheus-b.yaml"
     try:
-        wait_until(lambda: _idle(real_vllm.metrics_url), 120, "vLLM idle before calibration", 0.5)
+        wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle before calibration")
         assert (
             main(["plan", "calibrate", "--load", real_vllm.base_url, *SHAPE_FLAGS, "-o", str(cal_load)]) == 0
         )

@@ -31,6 +31,7 @@ import pytest
 from engines.real_checks import inspect_json
 
 from kvwatch.model import OUTCOMES, LengthBands
+from tests.local import until, wait_vllm_idle
 
 from .stack import (
     KvwatchRun,
@@ -111,14 +112,6 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], KvwatchRu
 
 def engine_samples(url: str) -> list[Sample]:
     return parse(httpx.get(url, timeout=30).text)
-
-
-def wait_for_vllm_idle(url: str, timeout_s: float = 120.0) -> None:
-    def idle() -> bool:
-        s = engine_samples(url)
-        return total(s, "vllm:num_requests_running") + total(s, "vllm:num_requests_waiting") == 0
-
-    wait_until(idle, timeout_s, "vLLM to go idle", interval_s=0.5)
 
 
 # -- 1. requests through the proxies, per band ------------------------------------------------------
@@ -249,19 +242,21 @@ async def _engine_page(http: httpx.AsyncClient, engine_url: str) -> list[Sample]
     return parse((await http.get(engine_url, timeout=60, headers={"Connection": "close"})).text)
 
 
+def _vllm_scrape_started(mine: list[Sample]) -> float:
+    """When kvwatch's last successful scrape of vLLM started, by its own metrics (0: none yet)."""
+    stamp = select(mine, "kvwatch_source_last_success_timestamp_seconds", source=f"engine:{VLLM}")
+    return stamp[0].value if stamp else 0.0
+
+
 async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: str) -> Bracket:
     before = await _engine_page(http, engine_url)
     after_before = time.time()
-    source = f"engine:{VLLM}"
-    deadline = time.monotonic() + 30
-    while True:  # a kvwatch scrape of the engine that started after A was complete
-        mine = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
-        stamp = select(mine, "kvwatch_source_last_success_timestamp_seconds", source=source)
-        if stamp and stamp[0].value > after_before:
-            started = stamp[0].value
-            break
-        assert time.monotonic() < deadline, "kvwatch did not scrape vLLM within 30 s"
-        await asyncio.sleep(0.1)
+
+    async def scrape_after_a() -> float | None:
+        started = _vllm_scrape_started(parse((await http.get(f"{agent.url}/metrics", timeout=30)).text))
+        return started if started > after_before else None
+
+    started = await until(scrape_after_a, 30, "a kvwatch scrape of vLLM that started after A", 0.1)
     # read once more: the render runs in a thread and may have read the samples just before the
     # scrape that set the timestamp; one that starts now sees samples of that scrape or a later one
     # (scrapes run every 0.5 s, and a render on this loaded box can take seconds), so the page it
@@ -387,13 +382,17 @@ def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[Load
         for bracket in run.brackets:
             bracket.page_texts = relay.pages_between(bracket.scrape_started, bracket.rendered)
             bracket.pages_read = [parse(page) for page in bracket.page_texts]
-        wait_for_vllm_idle(real_vllm.metrics_url)
+        wait_vllm_idle(real_vllm.metrics_url)
+        idle_at = time.time()
         run.alerts_recorded = prom.query("max_over_time(ALERTS[10m])")
         run.rule_errors = prom.rule_errors()
         for expr in READ_BACK:
             run.from_prometheus[expr] = prom.query(expr)
-        time.sleep(2.0)  # kvwatch's next scrapes (0.5 s interval) see the idle engine
         run.idle_engine = engine_samples(real_vllm.metrics_url)
+        wait_until(
+            lambda: _vllm_scrape_started(agent.metrics()) > idle_at, 30, "a kvwatch scrape of the idle vLLM"
+        )
+        # read once more: a render may hold the samples of the scrape before the one that set the stamp
         run.idle_kvwatch = agent.metrics()
         yield run
     finally:
@@ -401,7 +400,7 @@ def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[Load
         agent.stop()
         relay.stop()
         with contextlib.suppress(AssertionError, httpx.HTTPError):
-            wait_for_vllm_idle(real_vllm.metrics_url, 60)
+            wait_vllm_idle(real_vllm.metrics_url, 60)
 
 
 def _series(run: LoadRun, name: str, **labels: str) -> list[float]:

@@ -13,7 +13,7 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
-from tests.local import wait_until
+from tests.local import wait_vllm_idle
 
 from .real_checks import engine_metrics, inspect_json, value
 
@@ -32,17 +32,9 @@ def _counters(metrics) -> tuple[float, float]:
     return value(metrics, "vllm:num_preemptions_total"), value(metrics, "vllm:generation_tokens_total")
 
 
-def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
-    def idle() -> bool:
-        _, running, waiting = _gauges(engine_metrics(url))
-        return running == 0 and waiting == 0
-
-    wait_until(idle, timeout_s, "vLLM to go idle", interval_s=0.5)
-
-
 def test_inspect_reads_cache_config_and_steady_state_exactly(real_vllm):
     url = real_vllm.metrics_url
-    _wait_idle(url)
+    wait_vllm_idle(url)
     engine = engine_metrics(url)
     (x,) = inspect_json(url)["replicas"]
     ((config, _),) = engine["vllm:cache_config_info"]

@@ -25,7 +25,7 @@ from kvwatch.config import (
     ReplicaConfig,
     VllmPluginSocketConfig,
 )
-from plugin.test_plugin_real_engine import agent_metrics, engine_counters, total
+from plugin.test_plugin_real_engine import engine_counters, total, wait_for_requests
 from tests.local import CACHE, free_port, start_vllm, stop_group
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
@@ -57,14 +57,8 @@ async def scenario(base: str, socket_path: str) -> tuple[dict, dict[str, float],
             await asyncio.gather(*(complete(i, m) for i, m in enumerate(MAX_TOKENS)))
             await complete(99, None)  # no max_tokens: /v1/completions reads it as 16
             after = engine_counters((await client.get(f"{base}/metrics")).text)
-            for _ in range(60):  # until the agent has all five requests and has scraped the engine
-                fams = await agent_metrics(client, agent)
-                if (
-                    total(fams, "kvwatch_requests", source="vllm_plugin") >= 5
-                    and total(fams, "kvwatch_recomputed_tokens", source="estimate") > 0
-                ):
-                    break
-                await asyncio.sleep(0.5)
+            # until the agent has all five requests and has scraped the engine (the estimate needs both)
+            fams = await wait_for_requests(client, agent, 5, recomputed_by="estimate")
     finally:
         await agent.stop()
     return fams, before, after

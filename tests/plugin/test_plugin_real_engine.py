@@ -18,7 +18,6 @@ import asyncio
 import json
 import re
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from kvwatch.config import (
     VllmPluginSocketConfig,
 )
 from kvwatch.model import DEFAULT_BANDS
+from tests.local import until, wait_vllm_idle
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
@@ -110,33 +110,30 @@ async def agent_metrics(client: httpx.AsyncClient, agent: Agent) -> dict[str, li
     return families((await client.get(f"http://127.0.0.1:{agent.port}/metrics")).text)
 
 
-async def wait_for_requests(client: httpx.AsyncClient, agent: Agent, n: int, timeout_s: float = 60) -> dict:
-    """Until the agent counted ``n`` plugin requests and rendered the exact recompute."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+async def wait_for_requests(
+    client: httpx.AsyncClient, agent: Agent, n: int, recomputed_by: str | None = None, timeout_s: float = 60
+) -> dict[str, list]:
+    """Until the agent counted ``n`` plugin requests (and, given ``recomputed_by``, exported recomputed
+    tokens of that source); its metrics then."""
+
+    async def counted() -> dict[str, list] | None:
         fams = await agent_metrics(client, agent)
         done = total(fams, "kvwatch_requests", source="vllm_plugin") >= n
-        exact = total(fams, "kvwatch_recomputed_tokens", source="vllm_plugin") > 0 or n < len(MAX_TOKENS)
-        if (done and exact) or time.monotonic() > deadline:
-            return fams
-        await asyncio.sleep(0.5)
+        recomputed = (
+            recomputed_by is None or total(fams, "kvwatch_recomputed_tokens", source=recomputed_by) > 0
+        )
+        return fams if done and recomputed else None
 
-
-async def wait_idle(client: httpx.AsyncClient, engine, timeout_s: float = 120) -> None:
-    """Until no request of an earlier test runs or waits in the shared engine."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        fams = families((await client.get(engine.metrics_url)).text.replace("vllm:", "vllm_"))
-        if total(fams, "vllm_num_requests_running") + total(fams, "vllm_num_requests_waiting") == 0:
-            return
-        assert time.monotonic() < deadline, "the shared vLLM is still busy with an earlier test's requests"
-        await asyncio.sleep(0.5)
+    what = f"{n} plugin requests" + (f" and {recomputed_by} recomputed tokens" if recomputed_by else "")
+    return await until(counted, timeout_s, what, interval_s=0.5)
 
 
 async def scenario(plugin, ledger: Path) -> Observed:
     engine = plugin.engine
     async with httpx.AsyncClient(timeout=180) as client:
-        await wait_idle(client, engine)
+        await asyncio.to_thread(
+            wait_vllm_idle, engine.metrics_url, 120, "the shared vLLM to finish earlier tests"
+        )
         unobserved = await asyncio.gather(*(complete(client, engine.base_url, 24, i) for i in range(2)))
 
         agent = Agent(agent_config(plugin, ledger))
@@ -147,7 +144,7 @@ async def scenario(plugin, ledger: Path) -> Observed:
             usage = await asyncio.gather(
                 *(complete(client, engine.base_url, m, i) for i, m in enumerate(MAX_TOKENS))
             )
-            fams = await wait_for_requests(client, agent, len(MAX_TOKENS))
+            fams = await wait_for_requests(client, agent, len(MAX_TOKENS), recomputed_by="vllm_plugin")
             after = engine_counters((await client.get(engine.metrics_url)).text)
             with engine.log.open("rb") as f:
                 before_load = ITERATION.findall(f.read(offset).decode(errors="replace"))

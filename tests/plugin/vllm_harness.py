@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import sys
-import time
 from types import SimpleNamespace
 
 from vllm.config import CacheConfig
@@ -203,12 +202,16 @@ for _ in range(100):
     if not stalled.sender.backlog:
         break
     stalled.log()
-# the backlog can empty (the drain thread sending) between a read and the check: read what it sent
-for _ in range(100):
-    read_waiting()
-    if len(received) >= 100:
-        break
-    time.sleep(0.02)
+# the backlog can empty (the drain thread sending) between a read and the check: wait for what it sent
+# (this runs in vLLM's venv, outside pytest: tests/local.py's wait_until is not importable here)
+stalled_agent.settimeout(10.0)
+while len(received) < 100:
+    try:
+        received.append(json.loads(stalled_agent.recv(70_000)))
+    except TimeoutError:
+        break  # fewer than 100 arrived: the test reports the sequence it got
+stalled_agent.setblocking(False)
+read_waiting()  # and any extra one already queued: the test expects exactly 100
 print(
     json.dumps(
         {
