@@ -18,7 +18,7 @@ from kvwatch.gpu.events import XidWatcher
 from kvwatch.gpu.nvml import NvmlCollector
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOKE = ROOT / "bench" / "nvml_smoke.py"
+SMOKE = "bench.nvml_smoke"  # run as the docs say: python -m bench.nvml_smoke, from the repository root
 
 
 def _has_driver() -> bool:
@@ -32,7 +32,7 @@ def _has_driver() -> bool:
 
 def run_smoke(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SMOKE), *args],
+        [sys.executable, "-m", SMOKE, *args],
         capture_output=True,
         text=True,
         timeout=120,
