@@ -37,6 +37,7 @@ from kvwatch.config import (
 )
 from kvwatch.config.loader import config_from_mapping
 from kvwatch.model import InFlightRequest, LengthBands, Outcome, RequestRecord
+from kvwatch.requests.proxy import channel, seams
 from kvwatch.requests.proxy.channel import ChannelReceiver, WorkerChannel
 from kvwatch.requests.proxy.cpus import cgroup_cpu_limit, parse_cpu_max, relay_workers, usable_cpus
 from kvwatch.requests.proxy.workers import worker_share
@@ -479,3 +480,13 @@ async def test_a_backed_up_channel_never_blocks_and_every_record_is_applied_or_c
     assert len({r.output_tokens for r in records}) == len(records)  # none applied twice
     assert tracker.current() == []  # every start that was sent was finished
     theirs.close()
+
+
+def test_every_relay_counter_may_cross_the_worker_channel():
+    """A counter the relay gains in seams.py but the channel does not accept would be refused as a
+    malformed datagram in every worker: RELAY_COUNTERS must name each of them."""
+    families = {
+        v for k, v in vars(seams).items() if k.isupper() and isinstance(v, str) and v.startswith("kvwatch_")
+    }
+    assert families and families == seams.RELAY_COUNTERS
+    assert seams.RELAY_COUNTERS < channel.WORKER_FAMILIES

@@ -45,16 +45,7 @@ from typing import Any
 
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests.accounting import InFlight
-from kvwatch.requests.proxy.seams import (
-    ACCEPT_ERRORS,
-    ACCOUNTING_ERRORS,
-    REFUSED,
-    REFUSED_CLIENT_GONE,
-    SHED,
-    TIMED_OUT,
-    USAGE_REFUSED,
-    Sink,
-)
+from kvwatch.requests.proxy.seams import ACCOUNTING_ERRORS, RELAY_COUNTERS, Sink
 from kvwatch.selfmetrics import Count
 
 log = logging.getLogger("kvwatch.requests.proxy.workers")
@@ -64,18 +55,7 @@ DATAGRAMS_REFUSED = "kvwatch_proxy_worker_datagrams_refused"
 WORKER_RESTARTS = "kvwatch_proxy_worker_restarts"
 
 #: the counter families a worker may increment through the channel (anything else is refused)
-WORKER_FAMILIES = frozenset(
-    {
-        ACCEPT_ERRORS,
-        ACCOUNTING_ERRORS,
-        REFUSED,
-        REFUSED_CLIENT_GONE,
-        SHED,
-        TIMED_OUT,
-        USAGE_REFUSED,
-        RECORDS_LOST,
-    }
-)
+WORKER_FAMILIES = RELAY_COUNTERS | {RECORDS_LOST}
 
 MAX_DATAGRAM_BYTES = 64 * 1024  # a batch is split before this; SEQPACKET's own limit is the send buffer
 RECEIVE_BYTES = 256 * 1024  # a larger datagram arrives cut short, fails to parse, and is refused

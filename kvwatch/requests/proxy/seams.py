@@ -24,6 +24,11 @@ ACCEPT_ERRORS = "kvwatch_proxy_accept_errors"
 REFUSED = "kvwatch_proxy_requests_refused"  # status: what kvwatch answered while reading the request
 REFUSED_CLIENT_GONE = "kvwatch_proxy_refusals_undelivered"  # status: the client left before the answer
 
+#: every counter family the relay itself increments (a relay worker's channel carries only these)
+RELAY_COUNTERS = frozenset(
+    {ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED, SHED, ACCEPT_ERRORS, REFUSED, REFUSED_CLIENT_GONE}
+)
+
 
 class MeterFactory(Protocol):
     """``RequestMeter`` or a subclass: one request's meter, made when its body has been read."""
