@@ -32,23 +32,13 @@ from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import RequestRecord
 from kvwatch.requests.otlp import start_otlp_receiver
 from tests.local import free_port
+from tests.vllm_bench import OFFLINE_ENV, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
 MODEL_DIR = CACHE / "kvwatch-vllm" / "model"
 IN_FLIGHT = 12
-
-
-def ascii_word_tokens() -> list[int]:
-    """Whole ASCII-word tokens only: the first streamed event then always has text (see
-    tests/requests/test_independent_clients.py, "Why allowed_token_ids")."""
-    vocab = json.loads((MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"]
-    return sorted(
-        i
-        for token, i in vocab.items()
-        if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha()
-    )
 
 
 async def run(argv: list[str], env: dict[str, str], timeout_s: float) -> str:
@@ -119,51 +109,11 @@ async def measure(requests: int) -> dict:
         pgid = int(out.strip().splitlines()[-1])
         try:
             result = Path(tmp) / "bench.json"
-            extra = {"allowed_token_ids": ascii_word_tokens(), "temperature": 0}
-            command = [
-                str(VENV / "bin" / "vllm"),
-                "bench",
-                "serve",
-                "--backend",
-                "vllm",
-                "--base-url",
-                base,
-                "--endpoint",
-                "/v1/completions",
-                "--model",
-                "tiny",
-                "--tokenizer",
-                str(MODEL_DIR),
-                "--dataset-name",
-                "random",
-                "--random-input-len",
-                "32",
-                "--random-output-len",
-                "80",
-                "--random-range-ratio",
-                "0.7",
-                "--num-prompts",
-                str(requests),
-                "--max-concurrency",
-                str(IN_FLIGHT),
-                "--request-rate",
-                "30",
-                "--ignore-eos",
-                "--seed",
-                "12",
-                "--extra-body",
-                json.dumps(extra),
-                "--save-result",
-                "--save-detailed",
-                "--result-dir",
-                tmp,
-                "--result-filename",
-                result.name,
-            ]
+            command = serve_command(VENV / "bin" / "vllm", base, MODEL_DIR, requests, IN_FLIGHT, result)
             before = len(spans)
             await run(
                 command,
-                {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+                OFFLINE_ENV,
                 timeout_s=300,
             )
             deadline = time.monotonic() + 60  # vLLM's BatchSpanProcessor exports about every 5 s

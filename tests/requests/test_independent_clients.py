@@ -44,6 +44,7 @@ import pytest
 from kvwatch.model import LengthBands, RequestRecord
 from kvwatch.requests.ledger import ledger_line
 from tests.local import until
+from tests.vllm_bench import OFFLINE_ENV, ascii_word_tokens, serve_command
 
 from .scripted import ProxyHarness, launch_proxy
 from .wire import requests_on_wire
@@ -60,16 +61,6 @@ TIMING_TOLERANCE_S = 0.050
 WIRE_TOLERANCE_S = 0.005
 BANDS = LengthBands((48, 96))  # the random output lengths (24-136) span three bands
 HERE = Path(__file__).parent
-
-
-def ascii_word_tokens(model_dir: Path = MODEL_DIR) -> list[int]:
-    """Token ids whose text is a whole ASCII word piece (byte-level BPE: optional leading space)."""
-    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    return sorted(
-        i
-        for token, i in vocab.items()
-        if token.lstrip("\u0120").isascii() and token.lstrip("\u0120").isalpha()
-    )
 
 
 @pytest.fixture
@@ -230,50 +221,10 @@ def assert_started_at_first_byte(pcap: Path, port: int, records: list[RequestRec
 
 
 async def _vllm_bench(proxy: ProxyHarness, out: Path) -> list[dict]:
-    extra = {"allowed_token_ids": ascii_word_tokens(), "temperature": 0}
     await run(
-        [
-            str(VLLM_VENV / "bin" / "vllm"),
-            "bench",
-            "serve",
-            "--backend",
-            "vllm",
-            "--base-url",
-            proxy.url,
-            "--endpoint",
-            "/v1/completions",
-            "--model",
-            "tiny",
-            "--tokenizer",
-            str(MODEL_DIR),
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            "32",
-            "--random-output-len",
-            "80",
-            "--random-range-ratio",
-            "0.7",
-            "--num-prompts",
-            str(BENCH_REQUESTS),
-            "--max-concurrency",
-            str(IN_FLIGHT),
-            "--request-rate",
-            "30",
-            "--ignore-eos",
-            "--seed",
-            "12",
-            "--extra-body",
-            json.dumps(extra),
-            "--save-result",
-            "--save-detailed",
-            "--result-dir",
-            str(out.parent),
-            "--result-filename",
-            out.name,
-        ],
+        serve_command(VLLM_VENV / "bin" / "vllm", proxy.url, MODEL_DIR, BENCH_REQUESTS, IN_FLIGHT, out),
         timeout_s=240,
-        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+        env=OFFLINE_ENV,
     )
     bench: dict[str, Any] = json.loads(out.read_text())
     assert bench["completed"] == BENCH_REQUESTS and bench["failed"] == 0
@@ -296,7 +247,7 @@ async def _openai_sequential(proxy: ProxyHarness, out: Path) -> list[dict]:
             str(out),
             "1",
             json.dumps(OPENAI_LENGTHS),
-            json.dumps(ascii_word_tokens()),
+            json.dumps(ascii_word_tokens(MODEL_DIR)),
         ],
         timeout_s=180,
     )

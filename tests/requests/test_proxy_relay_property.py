@@ -16,18 +16,17 @@ from collections import Counter
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
-from kvwatch.model import DEFAULT_BANDS
+from kvwatch.config import ProxyConfig
 from kvwatch.requests import sse
-from kvwatch.requests.accounting import ModelLabels, RequestMeter
+from kvwatch.requests.accounting import RequestMeter
 from kvwatch.requests.http1 import ChunkedDecoder, parse_request_head, parse_response_head
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, ProxyServer
 from kvwatch.requests.proxy.client import ClientConnection
 from kvwatch.requests.proxy.exchange import Exchange, Phase
 from kvwatch.requests.proxy.relay import UsageRelay, separator
-from kvwatch.state import InFlightTracker
 
 from .scripted import DONE, chat_chunk, usage_chunk
+from .unstarted import unstarted_proxy
 
 
 class RecordingTransport(asyncio.Transport):
@@ -78,23 +77,7 @@ async def relay(
         counters[(family, *labels)] += amount
 
     meter = type("Meter", (FailingMeter,), {"failing": failing})
-    replica = ReplicaConfig(
-        name="r0",
-        metrics_url="http://127.0.0.1:1/metrics",
-        api_url="http://127.0.0.1:1",
-        proxy_listen=HostPort("127.0.0.1", 0),
-        model_name="tiny",
-    )
-    proxy = ProxyServer(
-        replica,
-        ProxyConfig(),
-        ModelLabels((), "tiny"),
-        DEFAULT_BANDS,
-        InFlightTracker(),
-        lambda record: None,
-        count,
-        meter_factory=meter,
-    )
+    proxy = unstarted_proxy(count=count, meter_factory=meter)
     conn = ClientConnection(proxy.clients)
     down = RecordingTransport()
     conn.transport = down
@@ -269,22 +252,7 @@ def streaming_exchange(
 ) -> tuple[ProxyServer, ClientConnection, Exchange, RecordingTransport]:
     """An exchange of a streaming chat request kvwatch asked usage for, its event-stream response head
     read (``framing``: the engine's), driven by hand from here on."""
-    replica = ReplicaConfig(
-        name="r0",
-        metrics_url="http://127.0.0.1:1/metrics",
-        api_url="http://127.0.0.1:1",
-        proxy_listen=HostPort("127.0.0.1", 0),
-        model_name="tiny",
-    )
-    proxy = ProxyServer(
-        replica,
-        config,
-        ModelLabels((), "tiny"),
-        DEFAULT_BANDS,
-        InFlightTracker(),
-        lambda record: None,
-        lambda *a, **k: None,
-    )
+    proxy = unstarted_proxy(config)
     conn = ClientConnection(proxy.clients)
     conn.transport = down = RecordingTransport()
     head = parse_request_head(

@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
-from kvwatch.model import DEFAULT_BANDS
-from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.http1 import parse_request_head, parse_response_head
-from kvwatch.requests.proxy import ProxyServer
 from kvwatch.requests.proxy.client import ClientConnection
 from kvwatch.requests.proxy.exchange import TRANSITIONS, Exchange, Phase, PhaseError
-from kvwatch.state import InFlightTracker
+
+from .unstarted import unstarted_proxy
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvwatch" / "requests" / "proxy"
 PREFIX = "kvwatch.requests.proxy."
@@ -68,22 +65,7 @@ def test_no_module_of_the_package_imports_under_type_checking() -> None:
 
 
 def exchange() -> Exchange:
-    replica = ReplicaConfig(
-        name="r0",
-        metrics_url="http://127.0.0.1:1/metrics",
-        api_url="http://127.0.0.1:1",
-        proxy_listen=HostPort("127.0.0.1", 0),
-        model_name="tiny",
-    )
-    proxy = ProxyServer(
-        replica,
-        ProxyConfig(),
-        ModelLabels((), "tiny"),
-        DEFAULT_BANDS,
-        InFlightTracker(),
-        lambda record: None,
-        lambda *a, **k: None,
-    )
+    proxy = unstarted_proxy()
     head = parse_request_head(b"GET /v1/models HTTP/1.1\r\nHost: x")
     return Exchange(proxy.clients.exchanges, ClientConnection(proxy.clients), head, b"", 0.0, 0.0)
 
