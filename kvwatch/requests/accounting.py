@@ -256,24 +256,29 @@ class RequestMeter:
         """Complete SSE events just written to the client at ``now`` (perf_counter seconds)."""
         n = sse.count_content_events(events, separator)
         if n:
-            if self._first is None:
-                self._first = now
-                self._bins[0] += n - 1
-            else:
-                gap = now - self._last
-                self._bins[bisect.bisect_left(self.GAP_BOUNDS, gap)] += 1
-                self._bins[0] += n - 1
-                self.gap_sum += gap
-                if gap > self._max_gap:
-                    self._max_gap = gap
-                    self._max_gap_end = now
-            self._last = now
-            self.chunks += n
-            if self.handle is not None and self.in_flight is not None:
-                self.in_flight.progress(self.handle, self.chunks)
+            self.on_content(n, now)
         reason = sse.finish_reason(events)
         if reason is not None:
             self.finish_reason = reason
+
+    def on_content(self, n: int, now: float) -> None:
+        """``n`` content-bearing events written together at ``now``, none with a finish reason: the
+        proxy's per-chunk path calls this directly for a read that is one content event."""
+        if self._first is None:
+            self._first = now
+            self._bins[0] += n - 1
+        else:
+            gap = now - self._last
+            self._bins[bisect.bisect_left(self.GAP_BOUNDS, gap)] += 1
+            self._bins[0] += n - 1
+            self.gap_sum += gap
+            if gap > self._max_gap:
+                self._max_gap = gap
+                self._max_gap_end = now
+        self._last = now
+        self.chunks += n
+        if self.handle is not None and self.in_flight is not None:
+            self.in_flight.progress(self.handle, self.chunks)
 
     def on_usage(self, usage: sse.Usage) -> None:
         self.usage = usage

@@ -319,6 +319,21 @@ class ChunkedDecoder:
         self.done = False
         self.rest = b""
 
+    def whole_chunk(self, data: bytes) -> int:
+        """Where the payload starts when ``data`` is exactly one whole chunk, framed as ``frame_chunk``
+        frames it (lowercase hex size, no extension), with nothing pending and no body limit to count
+        against (the engine's side): such a read may leave for the client as it came. 0 otherwise.
+
+        Nothing is consumed: the decoder stays between chunks either way, as ``feed`` would leave it.
+        """
+        if self._buf or self._state != self._SIZE or self.done or self._max_body is not None:
+            return 0
+        nl = data.find(CRLF, 0, 18)
+        size = len(data) - nl - 4
+        if nl > 0 and size > 0 and data.endswith(CRLF) and data[:nl] == b"%x" % size:
+            return nl + 2
+        return 0
+
     def feed(self, data: bytes) -> bytes:
         if self.done:
             self.rest += data

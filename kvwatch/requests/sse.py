@@ -53,6 +53,20 @@ def is_content_bearing(event: bytes) -> bool:
     return CONTENT.search(event) is not None
 
 
+def is_plain_content(data: bytes, start: int, end: int) -> bool:
+    """The one event in ``data[start:end]`` is content-bearing by its compact ``"content":"`` marker
+    and has no usage and no finish reason: a token for the meter to count and nothing else to read.
+    False leaves the event to the general path (``count_content_events`` and the rest decide)."""
+    at = data.find(COMPACT_CONTENT, start, end)
+    return (
+        at >= 0
+        and at + 11 < end
+        and data[at + 11] != _QUOTE
+        and data.find(USAGE_MARK, start, end) < 0
+        and FINISH.search(data, start, end) is None
+    )
+
+
 def count_content_events(events: bytes, separator: bytes) -> int:
     """Content-bearing events among complete events (each ends with ``separator``)."""
     if events.count(separator) == 1:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS
 from kvwatch.requests.accounting import ModelLabels, RequestMeter
-from kvwatch.requests.proxy import Count, MeterFactory, ProxyServer
+from kvwatch.requests.proxy import Count, MeterFactory, ProxyServer, Sink
+from kvwatch.requests.proxy.seams import Clock
 from kvwatch.state import InFlightTracker
 
 
@@ -14,9 +17,14 @@ def _ignore(family: str, *labels: str, amount: float = 1) -> None:
 
 
 def unstarted_proxy(
-    config: ProxyConfig | None = None, count: Count = _ignore, meter_factory: MeterFactory = RequestMeter
+    config: ProxyConfig | None = None,
+    count: Count = _ignore,
+    meter_factory: MeterFactory = RequestMeter,
+    sink: Sink = lambda record: None,
+    clock: Clock = perf_counter,
 ) -> ProxyServer:
-    """The proxy of replica ``r0`` (model ``tiny``, an engine nobody listens for), records dropped."""
+    """The proxy of replica ``r0`` (model ``tiny``, an engine nobody listens for), records dropped
+    unless a ``sink`` takes them."""
     replica = ReplicaConfig(
         name="r0",
         metrics_url="http://127.0.0.1:1/metrics",
@@ -30,7 +38,8 @@ def unstarted_proxy(
         ModelLabels((), "tiny"),
         DEFAULT_BANDS,
         InFlightTracker(),
-        lambda record: None,
+        sink,
         count,
         meter_factory=meter_factory,
+        clock=clock,
     )

@@ -396,6 +396,46 @@ class Exchange:
         self._drop_request()
         return True
 
+    def pass_chunk(self, frame: bytes, start: int) -> bool:
+        """Hot path, one engine read at an engine's pace: ``frame`` is one whole chunk, framed as this
+        exchange would frame it (``ChunkedDecoder.whole_chunk``; its payload from ``start``), and holds
+        one complete content event that the relay would pass unchanged (no usage, no finish reason,
+        nothing carried or held). It leaves as it came, in one write, and the meter counts it: what
+        ``on_body`` and ``flush`` would do, without de-chunking and framing it again.
+
+        False, with nothing changed, leaves the read to the general path.
+        """
+        relay = self.relay
+        if (
+            relay is None
+            or relay.carry
+            or relay.held is not None
+            or relay.plain
+            or relay.done
+            or self.out
+            or not self.down_chunked
+            or self.phase is not Phase.STREAMING
+        ):
+            return False
+        sep = relay.sep
+        end = len(frame) - 2
+        if (
+            sep is None
+            or frame.find(sep, start) != end - len(sep)
+            or not sse.is_plain_content(frame, start, end)
+        ):
+            return False
+        meter = self.meter
+        if meter is not None:
+            try:
+                meter.on_content(1, self.metering.clock())
+            except Exception as exc:
+                self.meter = None
+                self.metering.accounting_failed("stream", exc)
+        if not self.client.closed and self.down is not None:
+            self.down.write(frame)
+        return True
+
     def on_body(self, data: bytes) -> None:
         relay = self.relay
         if relay is not None:  # hot path: one event stream's read

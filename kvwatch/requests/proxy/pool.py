@@ -74,6 +74,7 @@ class ResponseReader(Protocol):
 
     def on_head(self, head: ResponseHead, length: int | None, has_body: bool) -> bool: ...
     def on_body(self, data: bytes) -> None: ...
+    def pass_chunk(self, frame: bytes, start: int) -> bool: ...
     def on_end(self) -> None: ...
     def on_broken(self, reason: str) -> None: ...
     def flush(self) -> None: ...
@@ -322,6 +323,11 @@ class EngineConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         ex = self.ex
+        if ex is not None and self.mode == _CHUNKED:
+            start = self.decoder.whole_chunk(data)
+            if start and ex.pass_chunk(data, start):
+                self.reads += 1
+                return
         self._received(data)
         if ex is not None:
             ex.flush()
