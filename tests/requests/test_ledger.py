@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -84,9 +83,8 @@ def test_rotation_keeps_the_ledger_under_its_cap(tmp_path: Path) -> None:
     size = len(json.dumps(ledger_line(record(), DEFAULT_BANDS), separators=(",", ":"))) + 1
     ledger = RequestLedger(str(path), DEFAULT_BANDS, max_bytes=size * 10, backups=2, counter=Counts())
     ledger.start()
-    for _ in range(100):
+    for _ in range(100):  # one batch for the writer, split where the file rotates
         ledger.write(record())
-        time.sleep(0.001)  # several batches
     _drain(ledger)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["ledger.jsonl", "ledger.jsonl.1", "ledger.jsonl.2"]
@@ -102,6 +100,23 @@ def test_write_errors_are_counted_never_raised(tmp_path: Path) -> None:
     ledger.write(record())
     _drain(ledger)
     assert counts.c[(WRITE_ERRORS,)] == 2
+
+
+def test_a_line_that_cannot_be_encoded_is_counted_and_the_rest_written(tmp_path: Path) -> None:
+    """Encoding happens in ``write`` (the caller's thread); a record JSON cannot hold is dropped and
+    counted there, and an admitted one gives its room back."""
+    counts = Counts()
+    path = tmp_path / "ledger.jsonl"
+    ledger = RequestLedger(str(path), DEFAULT_BANDS, counter=counts, queue_size=1)
+    ledger.start()
+    assert ledger.admit(1)
+    ledger.write(record(finish_reason=object()), admitted=True)  # type: ignore[arg-type]
+    assert not ledger.busy()  # the room it was admitted to is free again
+    ledger.write(record(finish_reason=b"stop"))  # type: ignore[arg-type]
+    ledger.write(record(10))
+    _drain(ledger)
+    assert counts.c[(WRITE_ERRORS,)] == 2
+    assert [json.loads(line)["output_tokens"] for line in path.read_text().splitlines()] == [10]
 
 
 def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:

@@ -173,7 +173,7 @@ async def test_the_otlp_exporter_vllm_uses_retries_a_ledger_busy_refusal(tmp_pat
     ledger = agent._ledger
     assert ledger is not None
     write = ledger._write
-    ledger._write = lambda records: (disk.wait(30), write(records))  # type: ignore[method-assign]
+    ledger._write = lambda lines: (disk.wait(30), write(lines))  # type: ignore[method-assign]
     try:
         url = f"http://127.0.0.1:{agent.otlp_port}/v1/traces"
         exporter = await asyncio.create_subprocess_exec(
