@@ -76,6 +76,7 @@ def fingerprint(path: str) -> tuple[str, bytes] | None:
         return None
 
 
+@dataclasses.dataclass(eq=False)
 class ConfigReloader:
     """Re-reads ``path`` and hands a valid result to ``apply``; records the outcome in ``status``.
 
@@ -84,51 +85,44 @@ class ConfigReloader:
     ``seen`` the fingerprint of the file the running config came from.
     """
 
-    def __init__(
-        self,
-        path: str,
-        running: Callable[[], Config],
-        apply: Callable[[Config], None],
-        status: ConfigReloadStatus,
-        adjust: Callable[[Config], Config] = lambda c: c,
-        poll_s: float = 2.0,
-        clock: Callable[[], float] = time.time,
-        seen: tuple[str, bytes] | None = None,
-    ) -> None:
-        self.path = path
-        self._running = running
-        self._apply = apply
-        self.status = status
-        self._adjust = adjust
-        self.poll_s = poll_s
-        self._clock = clock
-        #: what the running config was read from (``seen``: taken before it was read, so an edit made
-        #: while the agent started is still a change)
-        self._seen = seen if seen is not None else fingerprint(path)
-        self._task: asyncio.Task[None] | None = None
+    path: str
+    running: Callable[[], Config]
+    apply: Callable[[Config], None]
+    status: ConfigReloadStatus
+    adjust: Callable[[Config], Config] = lambda c: c
+    poll_s: float = 2.0
+    clock: Callable[[], float] = time.time
+    #: what the running config was read from (given: taken before it was read, so an edit made while
+    #: the agent started is still a change; None: read now)
+    seen: tuple[str, bytes] | None = None
+    _task: asyncio.Task[None] | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.seen is None:
+            self.seen = fingerprint(self.path)
 
     def loaded(self) -> None:
         """The config the agent started with loaded fine."""
         self.status.successful = True
-        self.status.last_success_ts = self._clock()
+        self.status.last_success_ts = self.clock()
 
     def reload(self, why: str) -> bool:
-        self._seen = fingerprint(self.path)
+        self.seen = fingerprint(self.path)
         try:
-            new = self._adjust(load_config(self.path))
+            new = self.adjust(load_config(self.path))
         except (ConfigError, ValueError) as exc:
             self.status.successful = False
             self.status.last_error = str(exc)
             log.error("config reload (%s) refused, the running config is kept: %s", why, exc)
             return False
-        running = self._running()
+        running = self.running()
         for key in restart_only_changes(running, new):
             log.warning("config reload (%s): %s changed; it takes effect at the next restart", why, key)
-        self._apply(applicable(running, new))
+        self.apply(applicable(running, new))
         logging.getLogger("kvwatch").setLevel(new.log_level.upper())
         self.status.successful = True
         self.status.last_error = None
-        self.status.last_success_ts = self._clock()
+        self.status.last_success_ts = self.clock()
         log.info("config reloaded (%s): %d replica(s) in the file", why, len(new.replicas))
         return True
 
@@ -137,7 +131,7 @@ class ConfigReloader:
         while True:
             await asyncio.sleep(self.poll_s)
             now = fingerprint(self.path)
-            if now is not None and now != self._seen:
+            if now is not None and now != self.seen:
                 self.reload(f"{self.path} changed, now {now[0]}")
 
     def start(self) -> None:

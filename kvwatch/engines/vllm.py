@@ -173,28 +173,31 @@ def _offload_traffic(view: RankView) -> list[TierTraffic | None]:
     if not any(out):  # the legacy family only where the new one is absent: never count twice
         for transfer_type, (src, dst) in OFFLOAD_LEGACY.items():
             out.append(
-                traffic(
-                    "vllm_offload_legacy",
-                    src,
-                    dst,
-                    bytes_total=view.value(OFFLOAD_LEGACY_BYTES, transfer_type=transfer_type),
-                    seconds_total=view.value(OFFLOAD_LEGACY_TIME, transfer_type=transfer_type),
+                _transfer(
+                    view,
+                    ("vllm_offload_legacy", src, dst),
+                    OFFLOAD_LEGACY_BYTES,
+                    OFFLOAD_LEGACY_TIME,
+                    transfer_type=transfer_type,
                 )
             )
     for direction, bytes_name, time_name in TIERING:
         for tier in sorted({lab["tier"] for lab, _ in view.series(bytes_name) if "tier" in lab}):
             plain = SECONDARY_TIERS.get(tier.lower(), "remote")
             src, dst = (plain, "host") if direction == "read" else ("host", plain)
-            out.append(
-                traffic(
-                    "vllm_tiering",
-                    src,
-                    dst,
-                    bytes_total=view.value(bytes_name, tier=tier),
-                    seconds_total=view.value(time_name, tier=tier),
-                )
-            )
+            out.append(_transfer(view, ("vllm_tiering", src, dst), bytes_name, time_name, tier=tier))
     return out
+
+
+def _transfer(
+    view: RankView, direction: tuple[str, str, str], bytes_name: str, time_name: str, **where: str
+) -> TierTraffic | None:
+    """(family, src, dst) from a bytes and a seconds counter, both read at the labels ``where``."""
+    return traffic(
+        *direction,
+        bytes_total=view.value(bytes_name, shared=False, **where),
+        seconds_total=view.value(time_name, shared=False, **where),
+    )
 
 
 class _Capacity(TypedDict):

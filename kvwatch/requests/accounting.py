@@ -23,9 +23,9 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvwatch import buckets
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
@@ -192,6 +192,7 @@ def decide_outcome(status: int | None, end: End, finish_reason: str | None) -> O
     return Outcome.COMPLETED
 
 
+@dataclass(slots=True, eq=False)
 class RequestMeter:
     """One request's timings and counts while it streams; ``record()`` builds the RequestRecord.
 
@@ -200,57 +201,26 @@ class RequestMeter:
     longest yet), a dict store for the in-flight estimate.
     """
 
-    __slots__ = (
-        "_bins",
-        "_first",
-        "_last",
-        "_max_gap",
-        "_max_gap_end",
-        "chunks",
-        "e2e",
-        "finish_reason",
-        "gap_sum",
-        "handle",
-        "in_flight",
-        "info",
-        "model_name",
-        "prompt_tokens",
-        "replica",
-        "started_at",
-        "t0",
-        "usage",
-    )
+    GAP_BOUNDS: ClassVar[tuple[float, ...]] = buckets.INTER_CHUNK_SECONDS
 
-    GAP_BOUNDS = buckets.INTER_CHUNK_SECONDS
-
-    def __init__(
-        self,
-        replica: str,
-        model_name: str,
-        info: RequestInfo,
-        started_at: float,
-        t0: float,
-        in_flight: InFlight | None = None,
-        handle: int | None = None,
-    ) -> None:
-        self.replica = replica
-        self.model_name = model_name
-        self.info = info
-        self.started_at = started_at
-        self.t0 = t0
-        self.in_flight = in_flight
-        self.handle = handle
-        self._bins = [0] * (len(self.GAP_BOUNDS) + 1)
-        self._first: float | None = None
-        self._last = 0.0
-        self._max_gap = 0.0
-        self._max_gap_end: float | None = None
-        self.gap_sum = 0.0
-        self.chunks = 0
-        self.e2e: float | None = None
-        self.finish_reason: str | None = None
-        self.usage: sse.Usage | None = None
-        self.prompt_tokens: int | None = None
+    replica: str
+    model_name: str
+    info: RequestInfo
+    started_at: float
+    t0: float
+    in_flight: InFlight | None = None
+    handle: int | None = None
+    _bins: list[int] = field(init=False, default_factory=lambda: [0] * (len(RequestMeter.GAP_BOUNDS) + 1))
+    _first: float | None = field(init=False, default=None)
+    _last: float = field(init=False, default=0.0)
+    _max_gap: float = field(init=False, default=0.0)
+    _max_gap_end: float | None = field(init=False, default=None)
+    gap_sum: float = field(init=False, default=0.0)
+    chunks: int = field(init=False, default=0)
+    e2e: float | None = field(init=False, default=None)
+    finish_reason: str | None = field(init=False, default=None)
+    usage: sse.Usage | None = field(init=False, default=None)
+    prompt_tokens: int | None = field(init=False, default=None)
 
     def on_events(self, events: bytes, separator: bytes, now: float) -> None:
         """Complete SSE events just written to the client at ``now`` (perf_counter seconds)."""

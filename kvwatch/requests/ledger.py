@@ -65,35 +65,32 @@ def ledger_line(record: RequestRecord, bands: LengthBands) -> dict:
     return line
 
 
+@dataclasses.dataclass(eq=False)
 class RequestLedger:
     """``write(record)`` from any thread or the loop; never blocks, never raises."""
 
-    def __init__(
-        self,
-        path: str,
-        bands: LengthBands,
-        max_bytes: int = 64 * 1024 * 1024,
-        backups: int = 4,
-        counter: Count | None = None,
-        queue_size: int = 10_000,
-    ) -> None:
-        self.path = path
-        self.bands = bands
-        self.max_bytes = max_bytes
-        self.backups = backups
-        self.counter = counter
-        self.queue_size = queue_size
-        #: (encoded line, admitted) items; its depth is bounded by the two counts below
-        self._pending: list[tuple[bytes, bool]] = []
-        self._lock = threading.Lock()
+    path: str
+    bands: LengthBands
+    max_bytes: int = 64 * 1024 * 1024
+    backups: int = 4
+    counter: Count | None = None
+    queue_size: int = 10_000
+    #: (encoded line, admitted) items; its depth is bounded by the two counts below
+    _pending: list[tuple[bytes, bool]] = dataclasses.field(init=False, default_factory=list)
+    _lock: threading.Lock = dataclasses.field(init=False, default_factory=threading.Lock)
+    _wake: threading.Condition = dataclasses.field(init=False)
+    _stopping: bool = dataclasses.field(init=False, default=False)
+    #: lines write() queued one at a time, not yet written
+    _waiting: int = dataclasses.field(init=False, default=0)
+    #: lines admit() made room for, not yet written (queued or still to come)
+    _admitted: int = dataclasses.field(init=False, default=0)
+    _throttle: LogThrottle = dataclasses.field(init=False, default_factory=LogThrottle)
+    _thread: threading.Thread | None = dataclasses.field(init=False, default=None)
+    _file: BinaryIO | None = dataclasses.field(init=False, default=None)
+    _size: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
         self._wake = threading.Condition(self._lock)
-        self._stopping = False
-        self._waiting = 0  # lines write() queued one at a time, not yet written
-        self._admitted = 0  # lines admit() made room for, not yet written (queued or still to come)
-        self._throttle = LogThrottle()
-        self._thread: threading.Thread | None = None
-        self._file: BinaryIO | None = None
-        self._size = 0
 
     def start(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))

@@ -28,7 +28,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.config import Config, SglangFilesConfig
@@ -151,32 +151,29 @@ class _Followed:
     skipping: bool = False  # inside a line longer than MAX_READ_BYTES
 
 
+@dataclass(eq=False)
 class SglangFileFollower:
     """Polls one SGLang export directory; ``poll()`` returns the new records (call from a thread)."""
 
-    def __init__(
-        self,
-        config: SglangFilesConfig,
-        model_name: str,
-        count: Count,
-        from_start: bool = False,
-        report: Report | None = None,
-    ) -> None:
-        self.config = config
-        self.model_name = model_name
-        self.count = count
-        self.from_start = from_start
-        self.report = report
-        self.collector = f"sglang_files:{config.replica}"
-        self.error: str | None = None  # why the last poll could not list the directory
-        self.files: dict[str, _Followed] = {}
-        self._started = False
-        self._missing_logged = False
-        self._throttle = LogThrottle()  # the engine's files can repeat every line below at will
-        self._task: asyncio.Task | None = None
+    config: SglangFilesConfig
+    model_name: str
+    count: Count
+    from_start: bool = False
+    report: Report | None = None
+    collector: str = field(init=False)
+    error: str | None = field(init=False, default=None)  # why the last poll could not list the directory
+    files: dict[str, _Followed] = field(init=False, default_factory=dict)
+    _started: bool = field(init=False, default=False)
+    _missing_logged: bool = field(init=False, default=False)
+    #: the engine's files can repeat every line below at will
+    _throttle: LogThrottle = field(init=False, default_factory=LogThrottle)
+    _task: asyncio.Task | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.collector = f"sglang_files:{self.config.replica}"
         for result in ("request", "malformed"):  # zero series from the start
             with contextlib.suppress(Exception):
-                self.count(LINES, config.replica, result, amount=0)
+                self.count(LINES, self.config.replica, result, amount=0)
 
     def poll(self) -> list[RequestRecord]:
         try:

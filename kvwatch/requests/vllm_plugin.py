@@ -28,7 +28,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvwatch.logthrottle import LogThrottle
@@ -277,6 +277,7 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     return Decoded(link, steps, tuple(records), tuple(dropped), tuple(refused))
 
 
+@dataclass(eq=False)
 class PluginReceiver:
     """One bound socket (one replica), read by its own thread. ``await start()``, ``await stop()``.
 
@@ -285,27 +286,18 @@ class PluginReceiver:
     behind a scrape or a /metrics render. The sinks it calls are thread-safe.
     """
 
-    def __init__(
-        self,
-        replica: str,
-        path: str,
-        model_name: str,
-        records: RecordSink,
-        steps: StepSink,
-        count: Count,
-        report: Report | None = None,
-    ) -> None:
-        self.replica = replica
-        self.path = path
-        self.model_name = model_name
-        self.records = records
-        self.steps = steps
-        self.count = count
-        self.report = report
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._throttle = LogThrottle()  # the engine process can repeat every line below at will
+    replica: str
+    path: str
+    model_name: str
+    records: RecordSink
+    steps: StepSink
+    count: Count
+    report: Report | None = None
+    _sock: socket.socket | None = field(init=False, default=None)
+    _thread: threading.Thread | None = field(init=False, default=None)
+    _stopping: threading.Event = field(init=False, default_factory=threading.Event)
+    #: the engine process can repeat every line below at will
+    _throttle: LogThrottle = field(init=False, default_factory=LogThrottle)
 
     async def start(self) -> None:
         sock = bind_socket(self.path)
@@ -363,9 +355,9 @@ class PluginReceiver:
             self._warn(exc)
             return
         self._count("accepted")
-        for field in decoded.dropped_step_values:
+        for name in decoded.dropped_step_values:
             with contextlib.suppress(Exception):
-                self.count(VALUES_DROPPED, self.replica, SOURCE, out_of_range(field))
+                self.count(VALUES_DROPPED, self.replica, SOURCE, out_of_range(name))
         for reason in decoded.refused:
             self._count_refused(reason)
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import LengthBands, Outcome, RequestRecord
@@ -31,14 +32,12 @@ log = logging.getLogger("kvwatch.requests.proxy")
 METERED_PATHS = {b"/v1/chat/completions": "chat", b"/v1/completions": "completions"}
 
 
+@dataclass(slots=True, eq=False)
 class BufferBudget:
     """Bytes held by all of a replica's connections and exchanges (``proxy.max_buffered_bytes``)."""
 
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
+    limit: int
+    held: int = field(init=False, default=0)
 
     def acquire(self, n: int) -> bool:
         """Count ``n`` more bytes held; False when that puts the total over the limit."""
@@ -52,14 +51,12 @@ class BufferBudget:
         return self.held + n <= self.limit
 
 
+@dataclass(slots=True, eq=False)
 class Holding:
     """One owner's share of a ``BufferBudget``: it says what it holds now, the budget follows."""
 
-    __slots__ = ("budget", "held")
-
-    def __init__(self, budget: BufferBudget) -> None:
-        self.budget = budget
-        self.held = 0
+    budget: BufferBudget
+    held: int = field(init=False, default=0)
 
     def hold(self, n: int) -> bool:
         """Now ``n`` bytes are held; False when the share grew and the budget is over its limit."""
@@ -76,37 +73,27 @@ class Holding:
         self.hold(0)
 
 
+@dataclass(eq=False)
 class Metering:
     """A replica's accounting: what a meter is made of, where records go, what is counted and logged.
 
     No method raises into the relay: a failing sink or counter is itself counted and logged.
     """
 
-    def __init__(
-        self,
-        replica: str,
-        labels: ModelLabels,
-        bands: LengthBands,
-        in_flight: InFlight,
-        sink: Sink,
-        count: Count,
-        meter_factory: MeterFactory,
-        clock: Clock,
-        wall_clock: Clock,
-        inject_usage: bool,
-    ) -> None:
-        self.replica = replica
-        self.labels = labels
-        self.bands = bands
-        self.in_flight = in_flight
-        self.sink = sink
-        self.count = count
-        self.meter_factory = meter_factory
-        self.clock = clock  # durations are measured on it (the demo passes the simulator's clock)
-        self.wall_clock = wall_clock  # started_at: the agent's time base, which its scrapes share
-        self.inject_usage = inject_usage  # proxy.inject_usage; never switched off by a request
-        self.engine_forces_usage = False  # seen: a usage chunk in a stream nobody asked usage of
-        self.log_throttle = LogThrottle()  # every line a client or the engine can repeat goes through it
+    replica: str
+    labels: ModelLabels
+    bands: LengthBands
+    in_flight: InFlight
+    sink: Sink
+    count: Count
+    meter_factory: MeterFactory
+    clock: Clock  # durations are measured on it (the demo passes the simulator's clock)
+    wall_clock: Clock  # started_at: the agent's time base, which its scrapes share
+    inject_usage: bool  # proxy.inject_usage; never switched off by a request
+    #: seen: a usage chunk in a stream nobody asked usage of
+    engine_forces_usage: bool = field(init=False, default=False)
+    #: every line a client or the engine can repeat goes through it
+    log_throttle: LogThrottle = field(init=False, default_factory=LogThrottle)
 
     def asks_usage(self) -> bool:
         """Whether kvwatch adds ``stream_options.include_usage`` to a streaming body."""

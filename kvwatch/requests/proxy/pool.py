@@ -246,18 +246,22 @@ class EngineConnection(asyncio.Protocol):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.ex: ResponseReader | None = None
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False
-        self.mode = _ENDED
+        self.tail_timer: asyncio.TimerHandle | None = None
+        self._read_state(None, False, _ENDED)
+
+    def _read_state(self, exchange: ResponseReader | None, reused: bool, mode: int) -> None:
+        """What reading one response starts from (and, with no reader, what a new connection holds)."""
+        self.ex = exchange
+        self.reused = reused
+        self.mode = mode
         self.buf = b""
         self.decoder = ChunkedDecoder()
         self.remaining = 0
         self.reads = 0
         self.reusable = False  # the response allows this connection to carry another request
-        self.tail_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport (also uvloop's)
@@ -267,14 +271,7 @@ class EngineConnection(asyncio.Protocol):
         self.transport.write(data)
 
     def attach(self, exchange: ResponseReader, reused: bool) -> None:
-        self.ex = exchange
-        self.reused = reused
-        self.mode = _HEAD
-        self.buf = b""
-        self.decoder = ChunkedDecoder()
-        self.remaining = 0
-        self.reads = 0
-        self.reusable = False
+        self._read_state(exchange, reused, _HEAD)
 
     def pause_reading(self, paused: bool) -> None:
         if self.transport is not None:
