@@ -99,7 +99,7 @@ async def test_engine_4xx_is_relayed_and_recorded_as_rejected(
     assert (record.outcome, record.status_code) == (Outcome.REJECTED, 400)
     # a 400 to the injected body is retried as the client wrote it; 400 again: not our doing
     assert [json.loads(s.body).get("stream_options") for s in engine.seen] == [{"include_usage": True}, None]
-    assert proxy.server.inject_usage
+    assert proxy.server.metering.inject_usage
 
 
 async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_decides_nothing(
@@ -112,7 +112,7 @@ async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_deci
         async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
             assert response.status == 200
             assert (await response.read()).endswith(DONE)
-    assert proxy.server.inject_usage
+    assert proxy.server.metering.inject_usage
     assert [b"stream_options" in s.body for s in engine.seen] == [True, False, True, False]
     assert proxy.count(USAGE_REFUSED, "r0") == 2
     assert [r.output_tokens_estimated for r in proxy.records] == [True, True]
@@ -388,7 +388,7 @@ async def test_served_model_names_are_learned_from_the_engine(
     engine.models = ["served-a"]
     harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
     try:
-        await until(lambda: "served-a" in harness.server.labels.known)
+        await until(lambda: "served-a" in harness.server.metering.labels.known)
         for model in ("served-a", "else", None):
             body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:

@@ -352,14 +352,14 @@ async def test_buffered_request_bytes_have_a_global_budget(engine: ScriptedEngin
         )
         first = await asyncio.open_connection(host, int(port))
         first[1].write(head + b"x" * 700_000)
-        await until(lambda: harness.server.buffered >= 700_000)
+        await until(lambda: harness.server.budget.held >= 700_000)
         second = await send_raw(harness.url, head + b"y" * 700_000)
         assert status_of(second) == 503
         assert harness.count(SHED, "r0", "buffer") == 1
         first[1].write(b"x" * 200_000)  # the first request completes within the budget
         assert status_of(await asyncio.wait_for(first[0].read(-1), 5)) == 400  # the engine's: not JSON
         first[1].close()
-        await until(lambda: harness.server.buffered == 0)
+        await until(lambda: harness.server.budget.held == 0)
     finally:
         await harness.server.stop()
 
@@ -378,7 +378,7 @@ async def test_request_body_is_dropped_once_the_response_head_came(engine: Scrip
         await reader.readuntil(b"\r\n\r\n")  # streaming has begun
         [conn] = harness.server.connections
         assert conn.exchange is not None and conn.exchange.body == b"" and conn.exchange.request == b""
-        assert harness.server.buffered == 0
+        assert harness.server.budget.held == 0
         assert b"[DONE]" in await asyncio.wait_for(reader.read(-1), 10)
         writer.close()
     finally:
@@ -477,7 +477,7 @@ async def test_a_json_response_read_for_usage_counts_in_the_budget(engine: Scrip
         for harness in (roomy, tight):
             response = await send_raw(harness.url, request)
             assert status_of(response) == 200 and b'"usage"' in response  # the client's bytes, always
-            await until(lambda h=harness: h.server.buffered == 0)
+            await until(lambda h=harness: h.server.budget.held == 0)
         assert roomy.records[-1].output_tokens == 2 and not roomy.records[-1].output_tokens_estimated
         assert tight.records[-1].output_tokens is None  # read nothing it had no room for
     finally:

@@ -21,7 +21,7 @@ async def test_sequential_requests_reuse_one_engine_connection(
         async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
             await response.read()
     assert len({s.peer for s in engine.seen}) == 1
-    assert len(proxy.server.pool.idle) == 1
+    assert len(proxy.server.engine.pool.idle) == 1
 
 
 async def test_concurrent_requests_use_separate_connections(
@@ -51,7 +51,7 @@ async def test_aborted_exchange_never_returns_its_connection(
         what="the aborted exchange's record and the engine connection's close",
     )
     assert [r.outcome for r in proxy.records] == [Outcome.ABORTED]
-    assert proxy.server.pool.idle == []
+    assert proxy.server.engine.pool.idle == []
 
 
 async def test_a_pooled_connection_the_engine_closed_is_replaced_transparently(http: ClientSession) -> None:
@@ -103,7 +103,7 @@ async def test_engine_saying_connection_close_is_not_pooled(http: ClientSession)
         try:
             async with http.get(f"{harness.url}/health") as response:
                 assert await response.read() == b"ok"
-            assert harness.server.pool.idle == []
+            assert harness.server.engine.pool.idle == []
         finally:
             await harness.server.stop()
 

@@ -296,11 +296,11 @@ async def test_what_the_relay_holds_back_counts_in_the_buffer_budget() -> None:
     reads = [final + b"data: " + b"x" * (100 << 10), b"x" * (200 << 10), b"\n\n" + usage_chunk(3, 2) + DONE]
     exchange.on_body(reads[0])
     exchange.flush()
-    assert exchange.relay is not None and proxy.buffered == exchange.relay.holding > 100 << 10
+    assert exchange.relay is not None and proxy.budget.held == exchange.relay.holding > 100 << 10
     assert b'"finish_reason":"stop"' not in down.written  # held for the usage chunk, within the budget
     exchange.on_body(reads[1])  # 300 KiB would be held: over the budget
     exchange.flush()
-    assert proxy.buffered == 0 and exchange.relay.holding == 0
+    assert proxy.budget.held == 0 and exchange.relay.holding == 0
     assert down.written.endswith(b"x" * (200 << 10) + b"\r\n")  # everything kept went out, in order
     exchange.on_body(reads[2])
     exchange.on_end()
@@ -308,4 +308,4 @@ async def test_what_the_relay_holds_back_counts_in_the_buffer_budget() -> None:
     _, _, body = bytes(down.written).partition(b"\r\n\r\n")
     decoder = ChunkedDecoder()
     assert decoder.feed(body) == b"".join(reads) and decoder.done  # the engine's bytes, all of them
-    assert proxy.buffered == 0
+    assert proxy.budget.held == 0

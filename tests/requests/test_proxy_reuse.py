@@ -107,7 +107,7 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             # the tails are read on their own and both connections go back to the pool (beside any
             # spare opened while a tail was pending)
             def pooled() -> set:
-                return {c.transport.get_extra_info("sockname") for c in harness.server.pool.idle}
+                return {c.transport.get_extra_info("sockname") for c in harness.server.engine.pool.idle}
 
             await until(lambda: {received[0][1], received[1][1]} <= pooled(), timeout_s=3 * tail_s)
         finally:
@@ -135,7 +135,7 @@ async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientS
             async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
                 assert b"[DONE]" in await response.read()
             await asyncio.wait_for(closed.wait(), 2)
-            spares = harness.server.pool.idle  # opened for a next request while the tail was pending
+            spares = harness.server.engine.pool.idle  # opened for a next request while the tail was pending
             assert len(spares) == 1 and spares[0].reads == 0 and not spares[0].closed
             assert [r.outcome for r in harness.records] == [Outcome.COMPLETED]
         finally:

@@ -57,7 +57,7 @@ def normalized(raw: bytes) -> bytes:
 @pytest.fixture
 async def vllm_proxy(real_vllm) -> AsyncIterator[ProxyHarness]:
     harness = await launch_proxy(real_vllm.base_url, model_name=None, learn_models=True)
-    await until(lambda: "tiny" in harness.server.labels.known, timeout_s=30)
+    await until(lambda: "tiny" in harness.server.metering.labels.known, timeout_s=30)
     yield harness
     await harness.server.stop()
 

@@ -43,7 +43,9 @@ class ProxyServer:
     """One replica's listener; ``await stop()`` closes it and every connection.
 
     It builds what the pieces share (``Metering``, ``BufferBudget``, ``Engine``) and hands each piece
-    only its context: a connection or an exchange never reaches back into the server.
+    only its context: a connection or an exchange never reaches back into the server. What a test
+    reads of a replica's proxy it reads from the piece that holds it (``budget.held``,
+    ``engine.pool``, ``metering.labels``).
     """
 
     def __init__(
@@ -89,28 +91,6 @@ class ProxyServer:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._learner: asyncio.Task[None] | None = None
-
-    # what tests and the agent read of a replica's proxy
-    @property
-    def buffered(self) -> int:
-        """Bytes held by all connections and exchanges (proxy.max_buffered_bytes)."""
-        return self.budget.held
-
-    @property
-    def pool(self) -> EnginePool:
-        return self.engine.pool
-
-    @property
-    def labels(self) -> ModelLabels:
-        return self.metering.labels
-
-    @property
-    def in_flight(self) -> InFlight:
-        return self.metering.in_flight
-
-    @property
-    def inject_usage(self) -> bool:
-        return self.metering.inject_usage
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, host: str, port: int, learn_models: bool = True, reuse_port: bool = False) -> None:
@@ -193,7 +173,7 @@ class ProxyServer:
                 ):
                     if response.status == 200:
                         doc = json.loads(await response.content.read(1 << 20))
-                        self.labels.learn(
+                        self.metering.labels.learn(
                             name
                             for m in doc.get("data", [])
                             if isinstance(m, dict) and isinstance(name := m.get("id"), str)
