@@ -16,7 +16,7 @@ the replica. A field whose names are all absent stays ``None`` (not measured), n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import product
 from typing import Any
@@ -263,6 +263,20 @@ def rank_keys(
         for labels, _ in expo.series(name)
     }
     return sorted(found, key=lambda k: (k[0] or "", rank_sort_key(k[1])))
+
+
+def rank_views(
+    expo: Exposition,
+    keys: Sequence[tuple[str | None, str | None]],
+    rank_label: str,
+    model_label: str = "model_name",
+    lowest: tuple[str, ...] = (),
+) -> Iterator[tuple[str | None, str | None, RankView]]:
+    """(model, rank, its view) for each of ``keys``; with more than one rank on the page every view
+    is ``ranked``: series without a rank label belong to no single rank."""
+    ranked = len({rank for _, rank in keys}) > 1
+    for model, rank in keys:
+        yield model, rank, RankView(expo, {model_label: model, rank_label: rank}, lowest, ranked)
 
 
 def rank_sort_key(value: str | None) -> tuple[int, int, str]:

@@ -25,6 +25,7 @@ from kvwatch.engines.base import (
     VersionHint,
     as_int,
     rank_keys,
+    rank_views,
     read_fields,
     read_histograms,
     traffic,
@@ -137,10 +138,8 @@ def _frontend(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
 
 def _kvstats(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
     keys = rank_keys(expo, KVSTATS_ANCHORS, "dp_rank", model_label="model")
-    ranked = len({dp for _, dp in keys}) > 1
     out = []
-    for model, dp_rank in keys:
-        view = RankView(expo, {"model": model, "dp_rank": dp_rank}, ranked=ranked)
+    for model, dp_rank, view in rank_views(expo, keys, "dp_rank", model_label="model"):
         values = read_fields(view, KVSTATS_FIELDS)
         blocks = as_int(values.pop("num_gpu_blocks"))
         out.append(

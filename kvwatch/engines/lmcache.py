@@ -8,7 +8,8 @@ page; the vLLM and SGLang adapters call ``tier_traffic``. Tiers in plain words:
 * remote backend bytes (``num_remote_write_bytes`` / ``num_remote_read_bytes``): host <-> remote.
 
 Labels are ``model_name, worker_id`` (+ ``role``, ``served_model_name`` in newer releases), with no DP
-rank, so LMCache traffic is attributed only when the page has a single engine rank. Every TP worker
+rank, so LMCache traffic is attributed only when the page has a single engine rank (a view that is
+not ``ranked``). Every TP worker
 counts the same tokens (one shard each), so tokens are read from the lowest ``worker_id``; bytes are
 per-shard and are summed over workers.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from kvwatch.engines.base import rank_sort_key
+from kvwatch.engines.base import RankView, rank_sort_key
 from kvwatch.engines.exposition_parser import Exposition, Labels
 from kvwatch.model import TierTraffic
 
@@ -53,11 +54,14 @@ def _series(expo: Exposition, name: str, model: str | None) -> list[tuple[Labels
     return found
 
 
-def tier_traffic(expo: Exposition, model: str | None) -> tuple[TierTraffic, ...]:
-    """LMCache traffic of ``model`` on a single-rank page, one TierTraffic per direction."""
+def tier_traffic(view: RankView, model: str | None) -> tuple[TierTraffic, ...]:
+    """LMCache traffic of ``model``, one TierTraffic per direction; none for a view that is one of
+    several ranks on its page."""
+    if view.ranked:
+        return ()
     out = []
     for src, dst, name, unit in TRANSFERS:
-        found = _series(expo, name, model)
+        found = _series(view.expo, name, model)
         if not found:
             continue
         if unit == "tokens":

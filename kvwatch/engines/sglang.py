@@ -39,6 +39,7 @@ from kvwatch.engines.base import (
     VersionHint,
     as_int,
     rank_keys,
+    rank_views,
     read_fields,
     read_histograms,
     traffic,
@@ -212,18 +213,13 @@ def _sum_or_none(*values: float | None) -> float | None:
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
-    keys = ranks(expo)
-    ranked = len({dp for _, dp in keys}) > 1
     scrape = Scrape(replica, BACKEND, scraped_at, version_hint(expo, VERSION_HINTS, DEFAULT_HINT))
-    with_lmcache = lmcache.present(expo) and not ranked
     out = []
-    for model, dp_rank in keys:
-        view = RankView(expo, {"model_name": model, "dp_rank": dp_rank}, lowest=COPY_LABELS, ranked=ranked)
+    for model, dp_rank, view in rank_views(expo, ranks(expo), "dp_rank", lowest=COPY_LABELS):
         values = read_fields(view, FIELDS)
         page = as_int(view.value("sglang:page_size"))
         tiers = [t for t in _tier_traffic(view) if t is not None]
-        if with_lmcache:
-            tiers.extend(lmcache.tier_traffic(expo, model))
+        tiers.extend(lmcache.tier_traffic(view, model))
         out.append(
             scrape.sample(
                 model_name=model,

@@ -28,6 +28,7 @@ from kvwatch.engines.base import (
     VersionHint,
     as_int,
     rank_keys,
+    rank_views,
     read_fields,
     read_histograms,
     traffic,
@@ -246,20 +247,15 @@ def kv_bytes_per_token(
 
 
 def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSample]:
-    keys = ranks(expo)
-    ranked = len({engine for _, engine in keys}) > 1
     scrape = Scrape(replica, BACKEND, scraped_at, hint(expo))
-    with_lmcache = lmcache.present(expo) and not ranked
     out = []
-    for model, engine in keys:
-        view = RankView(expo, {"model_name": model, "engine": engine}, ranked=ranked)
+    for model, engine, view in rank_views(expo, ranks(expo), "engine"):
         values = read_fields(view, FIELDS)
         capacity = _capacity(view)
         usage, blocks = values["kv_usage_ratio"], capacity["num_gpu_blocks"]
         used_blocks = round(usage * (blocks - 1)) if usage is not None and blocks else None
         tiers = [t for t in _offload_traffic(view) if t is not None]
-        if with_lmcache:
-            tiers.extend(lmcache.tier_traffic(expo, model))
+        tiers.extend(lmcache.tier_traffic(view, model))
         out.append(
             scrape.sample(
                 model_name=model,
