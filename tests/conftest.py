@@ -3,8 +3,8 @@
 Real engines (``real_vllm``, ``real_llamacpp``): started once per test session on a free loopback
 port, torn down (whole process group) at the end. A missing installation FAILS the test with the
 set-up command to run, unless ``KVWATCH_SKIP_REAL_ENGINES=1`` is set (then such tests skip). The
-launchers live in ``tests/local.py`` (``start_vllm``, ``start_llama_server``): a test that needs an
-engine started differently uses them too.
+launchers and what they yield live in ``tests/local.py`` (``start_vllm``, ``start_llama_server``,
+``RealEngine``): a test that needs an engine started differently uses them too.
 
 One vLLM serves every real-vLLM test: a CPU vLLM start costs 30-90 s of CI's two cores, and CI has 25
 minutes. It is started with what the plugin tests and the OTLP test need (kvwatch's plugin sending to
@@ -17,27 +17,12 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.local import CACHE, free_port, start_llama_server, start_vllm, stop_group
-
-
-@dataclass(frozen=True)
-class RealEngine:
-    """A real inference engine running for this test session."""
-
-    base_url: str  # http://127.0.0.1:PORT (OpenAI API under /v1)
-    metrics_url: str
-    pid: int  # process group leader
-    model: str  # served model name
-    log: Path
-    plugin_socket: str | None = None  # where kvwatch's vLLM plugin sends (nobody binds it at first)
-    otlp_port: int | None = None  # where the engine exports OTLP/HTTP spans (nobody listens at first)
-
+from tests.local import CACHE, RealEngine, free_port, start_llama_server, start_vllm, stop_group
 
 #: the two vLLM switches that feed the plugin's step samples and KV block histograms
 PLUGIN_ENGINE_ARGS = "--enable-logging-iteration-details --kv-cache-metrics --kv-cache-metrics-sample 1.0"

@@ -1,4 +1,5 @@
-"""Loopback ports and servers, waiting for a condition, local processes and external tools, for tests."""
+"""Loopback ports and servers, waiting for a condition, local processes (the real engines among them)
+and external tools, for tests."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -188,6 +190,19 @@ def wait_healthy(url: str, pid: int, timeout_s: float, log: Path) -> None:
         time.sleep(0.5)
     stop_group(pid)
     pytest.fail(f"engine not healthy at {url} after {timeout_s:.0f}s; see {log}", pytrace=False)
+
+
+@dataclass(frozen=True)
+class RealEngine:
+    """A real inference engine running for this test session."""
+
+    base_url: str  # http://127.0.0.1:PORT (OpenAI API under /v1)
+    metrics_url: str
+    pid: int  # process group leader
+    model: str  # served model name
+    log: Path
+    plugin_socket: str | None = None  # where kvwatch's vLLM plugin sends (nobody binds it at first)
+    otlp_port: int | None = None  # where the engine exports OTLP/HTTP spans (nobody listens at first)
 
 
 def start_vllm(port: int, log: Path, extra_args: str = "", env: dict[str, str] | None = None) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from conftest import RealEngine
+
+from tests.local import RealEngine
 
 
 @dataclass(frozen=True)
