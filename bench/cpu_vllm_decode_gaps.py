@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 
 from bench._harness import parser
-from kvwatch.plan.sources import _decode_phase, _filler_words
+from kvwatch.plan.sources import decode_phase, filler_prompts
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.models import model_preset
 from kvwatch.sim.node import NodeConfig, SimNode
@@ -31,7 +31,7 @@ def main(url: str, model: str = MODEL, repeats: int = 3, concurrencies: tuple[in
     for c in concurrencies:
         medians = []
         for _ in range(repeats):
-            gaps, _prompt = _decode_phase(url, model, c, _filler_words(48, c), 64, 120.0)
+            gaps, _prompt = decode_phase(url, model, c, filler_prompts(48, c), 64, 120.0)
             if len(gaps) >= 3:
                 medians.append(statistics.fmean(gaps))
         out[str(c)] = medians

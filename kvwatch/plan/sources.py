@@ -265,8 +265,8 @@ def calibration_load(
                     )
                 )
         for c, context in [(c, decode_prompt) for c in concurrencies] + list(long_context):
-            gaps, prompt = _decode_phase(
-                base_url, model, c, _filler_words(words(context), c), decode_tokens, timeout_s
+            gaps, prompt = decode_phase(
+                base_url, model, c, filler_prompts(words(context), c), decode_tokens, timeout_s
             )
             if len(gaps) >= 3:
                 obs.append(
@@ -280,11 +280,12 @@ def calibration_load(
     return obs
 
 
-def _filler_words(words: int, count: int) -> list[str]:
+def filler_prompts(words: int, count: int) -> list[str]:
+    """``count`` prompts of ``words`` filler words each, no two sharing a prefix (``_filler``)."""
     return [_filler(words) for _ in range(count)]
 
 
-def _decode_phase(
+def decode_phase(
     base_url: str, model: str, c: int, prompts: list[str], tokens: int, timeout_s: float
 ) -> tuple[list[float], float]:
     """``c`` streams started together (clients made first, then a barrier); their chunk gaps while
