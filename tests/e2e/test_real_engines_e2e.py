@@ -294,7 +294,7 @@ async def _drive_load(agent: KvwatchRun, prom: Prometheus, engine_url: str) -> L
         base_url=proxy_url(agent, VLLM),
         api_key="unused",
         max_retries=0,
-        timeout=httpx.Timeout(600, connect=60),
+        timeout=openai.Timeout(600, connect=60),  # the HTTP library openai itself uses (httpx2 from 3.x)
     )
     streams: list[asyncio.Task] = []
     started = time.monotonic()
