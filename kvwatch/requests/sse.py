@@ -44,24 +44,24 @@ COMPACT_CONTENT = b'"content":"'
 _QUOTE = 0x22
 
 
+def _compact_content(data: bytes, start: int, end: int) -> bool:
+    """A compact ``"content":"`` followed by anything but a quote in ``data[start:end]``: a match of
+    ``CONTENT`` found with one bytes search (0.25 against 0.75 µs on a vLLM chat chunk)."""
+    at = data.find(COMPACT_CONTENT, start, end)
+    return at >= 0 and at + 11 < end and data[at + 11] != _QUOTE
+
+
 def is_content_bearing(event: bytes) -> bool:
-    """``CONTENT`` matches; a compact ``"content":"`` followed by anything but a quote is a match of it
-    (measured: 0.25 against 0.75 µs on a vLLM chat chunk), anything else asks the regex."""
-    at = event.find(COMPACT_CONTENT)
-    if at >= 0 and at + 11 < len(event) and event[at + 11] != _QUOTE:
-        return True
-    return CONTENT.search(event) is not None
+    """``CONTENT`` matches: the compact marker first, anything else asks the regex."""
+    return _compact_content(event, 0, len(event)) or CONTENT.search(event) is not None
 
 
 def is_plain_content(data: bytes, start: int, end: int) -> bool:
     """The one event in ``data[start:end]`` is content-bearing by its compact ``"content":"`` marker
     and has no usage and no finish reason: a token for the meter to count and nothing else to read.
     False leaves the event to the general path (``count_content_events`` and the rest decide)."""
-    at = data.find(COMPACT_CONTENT, start, end)
     return (
-        at >= 0
-        and at + 11 < end
-        and data[at + 11] != _QUOTE
+        _compact_content(data, start, end)
         and data.find(USAGE_MARK, start, end) < 0
         and FINISH.search(data, start, end) is None
     )
