@@ -26,7 +26,7 @@ from kvwatch.requests.http1 import parse_request_head, parse_response_head
 from kvwatch.state import InFlightTracker
 
 try:  # the proxy package (from c6134be on)
-    from kvwatch.requests.proxy import ProxyServer
+    from kvwatch.requests.proxy import Accounting, ProxyServer
     from kvwatch.requests.proxy.client import ClientConnection
     from kvwatch.requests.proxy.exchange import Exchange
 except ImportError:  # one module, kvwatch/requests/proxy.py (3b6fc93 and before)
@@ -75,10 +75,7 @@ def exchange_factory() -> Callable[[], Any]:
         replica,
         ProxyConfig(),
         ModelLabels((), "bench"),
-        DEFAULT_BANDS,
-        InFlightTracker(),
-        lambda record: None,
-        lambda *a, **k: None,
+        Accounting(DEFAULT_BANDS, InFlightTracker(), lambda record: None, lambda *a, **k: None),
     )
     head = parse_request_head(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % len(BODY)

@@ -78,7 +78,7 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
     from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.ledger import RequestLedger
-    from kvwatch.requests.proxy import start_proxy
+    from kvwatch.requests.proxy import Accounting, start_proxy
     from kvwatch.state import NodeState
 
     state = NodeState("bench", DEFAULT_BANDS)
@@ -90,6 +90,7 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         state.requests.observe(record)
         ledger.write(record)
 
+    accounting = Accounting(DEFAULT_BANDS, state.in_flight, sink, state.count)
     proxies = []
     replicas = [
         ReplicaConfig(
@@ -108,30 +109,13 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         from kvwatch.requests.proxy.workers import WorkerGroup
 
         group = WorkerGroup(
-            replicas,
-            ProxyConfig(),
-            frozenset({"bench"}),
-            DEFAULT_BANDS,
-            state.in_flight,
-            sink,
-            state.count,
-            workers,
-            learn_models=False,
+            replicas, ProxyConfig(), frozenset({"bench"}), accounting, workers, learn_models=False
         )
         await group.start()
         proxies.append(group)
     for replica in replicas if workers <= 1 else ():
         proxies.append(
-            await start_proxy(
-                replica,
-                ProxyConfig(),
-                frozenset({"bench"}),
-                DEFAULT_BANDS,
-                state.in_flight,
-                sink,
-                state.count,
-                learn_models=False,
-            )
+            await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), accounting, learn_models=False)
         )
     print("READY", flush=True)
     try:

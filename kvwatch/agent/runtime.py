@@ -465,42 +465,35 @@ class Agent:
             return 0
         return workers
 
-    async def _start_request_sources(self) -> None:
+    async def _start_proxies(self, proxied: list[ReplicaConfig]) -> None:
+        """The proxied replicas' relay: in relay worker processes, or on this loop."""
+        if not proxied:
+            return
+        from kvwatch.requests.proxy import Accounting, start_proxy
+
         cfg = self.config
-        proxied = [r for r in cfg.replicas if r.proxy_listen is not None]
+        accounting = Accounting(
+            cfg.length_bands,
+            self.state.in_flight,
+            self.record,
+            self.state.count,
+            clock=self.proxy_clock,
+            wall_clock=self.clock,
+        )
         workers = self._relay_workers(len(proxied))
         if workers:
             from kvwatch.requests.proxy.workers import WorkerGroup
 
-            group = WorkerGroup(
-                proxied,
-                cfg.proxy,
-                cfg.known_models,
-                cfg.length_bands,
-                self.state.in_flight,
-                self.record,
-                self.state.count,
-                workers,
-            )
+            group = WorkerGroup(proxied, cfg.proxy, cfg.known_models, accounting, workers)
             await group.start()
             self._proxy_workers = group
-        elif proxied:
-            from kvwatch.requests.proxy import start_proxy
+            return
+        for replica in proxied:
+            self._proxies.append(await start_proxy(replica, cfg.proxy, cfg.known_models, accounting))
 
-            for replica in proxied:
-                self._proxies.append(
-                    await start_proxy(
-                        replica,
-                        cfg.proxy,
-                        cfg.known_models,
-                        cfg.length_bands,
-                        self.state.in_flight,
-                        self.record,
-                        self.state.count,
-                        clock=self.proxy_clock,
-                        wall_clock=self.clock,
-                    )
-                )
+    async def _start_request_sources(self) -> None:
+        cfg = self.config
+        await self._start_proxies([r for r in cfg.replicas if r.proxy_listen is not None])
         if cfg.otlp.listen is not None:
             from kvwatch.requests.otlp import start_otlp_receiver
 

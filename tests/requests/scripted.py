@@ -20,7 +20,7 @@ from aiohttp import web
 from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS, RequestRecord
 from kvwatch.requests.accounting import RequestMeter
-from kvwatch.requests.proxy import ProxyServer, start_proxy
+from kvwatch.requests.proxy import Accounting, ProxyServer, start_proxy
 from kvwatch.state import InFlightTracker
 from tests.local import serve_app
 
@@ -315,11 +315,7 @@ async def launch_proxy(
         replica,
         config or ProxyConfig(),
         known,
-        DEFAULT_BANDS,
-        in_flight,
-        sink or records.append,
-        count,
-        meter_factory=meter_factory,
+        Accounting(DEFAULT_BANDS, in_flight, sink or records.append, count, meter_factory),
         learn_models=learn_models,
     )
     return ProxyHarness(server, records, counters, in_flight, f"http://127.0.0.1:{server.port}")

@@ -17,7 +17,7 @@ from aiohttp import ClientSession
 
 from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS, RequestRecord
-from kvwatch.requests.proxy import ProxyServer, start_proxy
+from kvwatch.requests.proxy import Accounting, ProxyServer, start_proxy
 from kvwatch.state import InFlightTracker
 from tests.local import until
 
@@ -39,18 +39,15 @@ async def dated() -> AsyncIterator[tuple[ProxyServer, list[RequestRecord], Scrip
         proxy_listen=HostPort("127.0.0.1", 0),
         model_name="tiny",
     )
-    server = await start_proxy(
-        replica,
-        ProxyConfig(),
-        frozenset(),
+    accounting = Accounting(
         DEFAULT_BANDS,
         InFlightTracker(),
         records.append,
         lambda *a, **k: None,
-        learn_models=False,
         clock=time.perf_counter,
         wall_clock=lambda: OFFSET + time.perf_counter(),
     )
+    server = await start_proxy(replica, ProxyConfig(), frozenset(), accounting, learn_models=False)
     yield server, records, engine
     await server.stop()
     await engine.stop()

@@ -7,7 +7,7 @@ from time import perf_counter
 from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
 from kvwatch.model import DEFAULT_BANDS
 from kvwatch.requests.accounting import ModelLabels, RequestMeter
-from kvwatch.requests.proxy import Count, MeterFactory, ProxyServer, Sink
+from kvwatch.requests.proxy import Accounting, Count, MeterFactory, ProxyServer, Sink
 from kvwatch.requests.proxy.seams import Clock
 from kvwatch.state import InFlightTracker
 
@@ -36,10 +36,5 @@ def unstarted_proxy(
         replica,
         config or ProxyConfig(),
         ModelLabels((), "tiny"),
-        DEFAULT_BANDS,
-        InFlightTracker(),
-        sink,
-        count,
-        meter_factory=meter_factory,
-        clock=clock,
+        Accounting(DEFAULT_BANDS, InFlightTracker(), sink, count, meter_factory, clock),
     )

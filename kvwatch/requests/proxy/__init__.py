@@ -53,6 +53,7 @@ upstream that refuses, times out or breaks shows the client the same kind of fai
 before the response head, a cut stream after it).
 """
 
+from kvwatch.requests.proxy.metering import Accounting
 from kvwatch.requests.proxy.seams import (
     ACCEPT_ERRORS,
     ACCOUNTING_ERRORS,
@@ -75,6 +76,7 @@ __all__ = [
     "SHED",
     "TIMED_OUT",
     "USAGE_REFUSED",
+    "Accounting",
     "Count",
     "MeterFactory",
     "ProxyServer",

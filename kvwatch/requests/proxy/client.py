@@ -108,7 +108,8 @@ class ClientConnection(asyncio.Protocol):
         starts = not self.buf and self.head is None  # this read's first byte begins a request
         self._forget_arrivals(self.read_total - len(self.buf))
         if len(self.arrivals) < MAX_ARRIVALS:
-            self.arrivals.append((self.read_total, self.metering.clock(), self.metering.wall_clock()))
+            accounting = self.metering.accounting
+            self.arrivals.append((self.read_total, accounting.clock(), accounting.wall_clock()))
         self.read_total += len(data)
         self.buf += data
         if self.exchange is not None:  # pipelined: the response in progress goes first (HTTP order)

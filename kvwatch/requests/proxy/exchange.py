@@ -249,7 +249,7 @@ class Exchange:
         meter = self.meter
         if meter is not None and meter.e2e is None:
             try:
-                meter.on_end(metering.clock())  # e2e ends now, not when the record is built
+                meter.on_end(metering.accounting.clock())  # e2e ends now, not when the record is built
             except Exception as exc:
                 self.meter = None
                 metering.accounting_failed("end", exc)
@@ -272,19 +272,19 @@ class Exchange:
         try:
             info = self.info = inspect_request(self.body, endpoint)
             model = metering.labels.label(info.model)
-            self.handle = metering.in_flight.start(
+            self.handle = metering.accounting.in_flight.start(
                 InFlightRequest(
                     metering.replica,
                     model,
-                    metering.bands.band_for(info.max_tokens),
+                    metering.accounting.bands.band_for(info.max_tokens),
                     estimate_prompt_tokens(len(self.body)),
                     0,
                     self.wall,
                     info.max_tokens,
                 )
             )
-            self.meter = metering.meter_factory(
-                metering.replica, model, info, self.wall, self.t0, metering.in_flight, self.handle
+            self.meter = metering.accounting.meter_factory(
+                metering.replica, model, info, self.wall, self.t0, metering.accounting.in_flight, self.handle
             )
             if metering.asks_usage():
                 return body_requesting_usage(self.body, info)
@@ -305,7 +305,7 @@ class Exchange:
                 metering.emit(record)
         if self.handle is not None:
             try:
-                metering.in_flight.finish(self.handle)
+                metering.accounting.in_flight.finish(self.handle)
             except Exception as exc:
                 metering.accounting_failed("in_flight", exc)
 
@@ -428,7 +428,7 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             try:
-                meter.on_content(1, self.metering.clock())
+                meter.on_content(1, self.metering.accounting.clock())
             except Exception as exc:
                 self.meter = None
                 self.metering.accounting_failed("stream", exc)
@@ -445,7 +445,7 @@ class Exchange:
             events, sep, meter = relay.events, relay.sep, self.meter
             if events and sep is not None and meter is not None:
                 try:
-                    meter.on_events(events, sep, self.metering.clock())
+                    meter.on_events(events, sep, self.metering.accounting.clock())
                 except Exception as exc:
                     self.meter = None
                     self.metering.accounting_failed("stream", exc)
@@ -469,7 +469,7 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             try:
-                meter.on_events(events, sep, self.metering.clock())
+                meter.on_events(events, sep, self.metering.accounting.clock())
             except Exception as exc:
                 self.meter = None
                 self.metering.accounting_failed("stream", exc)
@@ -529,7 +529,7 @@ class Exchange:
                     capture = bytes(self.capture)
                     self._drop_capture()
                     meter.on_json_body(capture)
-                meter.on_end(self.metering.clock())
+                meter.on_end(self.metering.accounting.clock())
             except Exception as exc:
                 self.meter = None
                 self.metering.accounting_failed("end", exc)
@@ -595,7 +595,7 @@ class Exchange:
         meter = self.meter
         if meter is not None:
             with contextlib.suppress(Exception):
-                meter.on_end(self.metering.clock())
+                meter.on_end(self.metering.accounting.clock())
         self._end(End.COMPLETE if meter is not None and meter.finish_reason else End.CLIENT_GONE)
 
     def pause_upstream(self, paused: bool) -> None:

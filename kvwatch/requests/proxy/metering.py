@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import LengthBands, Outcome, RequestRecord
-from kvwatch.requests.accounting import InFlight, ModelLabels
+from kvwatch.requests.accounting import InFlight, ModelLabels, RequestMeter
 from kvwatch.requests.http1 import RequestHead
 from kvwatch.requests.proxy.seams import (
     ACCOUNTING_ERRORS,
@@ -73,6 +75,21 @@ class Holding:
         self.hold(0)
 
 
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """Where proxied requests are accounted, the same for every replica's proxy of a process: the
+    agent's state, a relay worker's channel to it, or a test's lists. Made once, handed to each proxy.
+    """
+
+    bands: LengthBands
+    in_flight: InFlight
+    sink: Sink  # gets every finished metered request
+    count: Count  # ``NodeState.count``
+    meter_factory: MeterFactory = RequestMeter
+    clock: Clock = perf_counter  # durations are measured on it (the demo passes the simulator's clock)
+    wall_clock: Clock = time.time  # started_at: the agent's time base, which its scrapes share
+
+
 @dataclass(eq=False)
 class Metering:
     """A replica's accounting: what a meter is made of, where records go, what is counted and logged.
@@ -82,13 +99,7 @@ class Metering:
 
     replica: str
     labels: ModelLabels
-    bands: LengthBands
-    in_flight: InFlight
-    sink: Sink
-    count: Count
-    meter_factory: MeterFactory
-    clock: Clock  # durations are measured on it (the demo passes the simulator's clock)
-    wall_clock: Clock  # started_at: the agent's time base, which its scrapes share
+    accounting: Accounting
     inject_usage: bool  # proxy.inject_usage; never switched off by a request
     #: seen: a usage chunk in a stream nobody asked usage of
     engine_forces_usage: bool = field(init=False, default=False)
@@ -102,7 +113,7 @@ class Metering:
     def counted(self, family: str, *labels: str) -> None:
         """Count one occurrence of a self-metric of this replica; counting never raises into the proxy."""
         with contextlib.suppress(Exception):
-            self.count(family, self.replica, *labels)
+            self.accounting.count(family, self.replica, *labels)
 
     def log_repeatable(
         self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | bool | None = None
@@ -142,11 +153,11 @@ class Metering:
 
     def emit(self, record: RequestRecord) -> None:
         try:
-            self.sink(record)
+            self.accounting.sink(record)
             if record.chunks and record.output_tokens and not record.output_tokens_estimated:
                 # exact usage of a finished stream teaches the in-flight estimate how many tokens
                 # a chunk carries on this replica (stream intervals, speculative decoding)
-                self.in_flight.calibrate(self.replica, record.output_tokens, record.chunks)
+                self.accounting.in_flight.calibrate(self.replica, record.output_tokens, record.chunks)
         except Exception as exc:
             self.accounting_failed("sink", exc)
 
@@ -165,7 +176,7 @@ class Metering:
                     started_at=wall,
                     endpoint=endpoint,
                     status_code=status,
-                    e2e_seconds=self.clock() - t0,
+                    e2e_seconds=self.accounting.clock() - t0,
                 )
             )
         except Exception as exc:

@@ -10,17 +10,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Coroutine, Iterable
-from time import perf_counter
 from typing import Any
 
 from kvwatch.config import ProxyConfig, ReplicaConfig
-from kvwatch.model import LengthBands
-from kvwatch.requests.accounting import InFlight, ModelLabels, RequestMeter
+from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.proxy.client import ClientConnection, ClientContext
 from kvwatch.requests.proxy.exchange import ExchangeContext
-from kvwatch.requests.proxy.metering import BufferBudget, Metering
+from kvwatch.requests.proxy.metering import Accounting, BufferBudget, Metering
 from kvwatch.requests.proxy.pool import MAX_IDLE_UPSTREAM, Engine, EnginePool, UpstreamAddress
 from kvwatch.requests.proxy.seams import (
     ACCEPT_ERRORS,
@@ -28,11 +25,7 @@ from kvwatch.requests.proxy.seams import (
     SHED,
     TIMED_OUT,
     USAGE_REFUSED,
-    Clock,
-    MeterFactory,
-    Sink,
 )
-from kvwatch.selfmetrics import Count
 
 log = logging.getLogger("kvwatch.requests.proxy")
 
@@ -49,35 +42,14 @@ class ProxyServer:
     """
 
     def __init__(
-        self,
-        replica: ReplicaConfig,
-        config: ProxyConfig,
-        labels: ModelLabels,
-        bands: LengthBands,
-        in_flight: InFlight,
-        sink: Sink,
-        count: Count,
-        meter_factory: MeterFactory = RequestMeter,
-        clock: Clock = perf_counter,
-        wall_clock: Clock = time.time,
+        self, replica: ReplicaConfig, config: ProxyConfig, labels: ModelLabels, accounting: Accounting
     ) -> None:
         if replica.api_url is None:
             raise ValueError(f"replicas[{replica.name}].api_url: the proxy needs the engine's base URL")
         self.replica = replica.name
         self.config = config
         self.upstream = UpstreamAddress.from_url(replica.api_url)
-        self.metering = Metering(
-            replica.name,
-            labels,
-            bands,
-            in_flight,
-            sink,
-            count,
-            meter_factory,
-            clock,
-            wall_clock,
-            config.inject_usage,
-        )
+        self.metering = Metering(replica.name, labels, accounting, config.inject_usage)
         self.budget = BufferBudget(config.max_buffered_bytes)
         self.engine = Engine(self.upstream, config.upstream_connect_timeout_s, EnginePool())
         self.connections: set[ClientConnection] = set()
@@ -189,41 +161,24 @@ async def start_proxy(
     replica: ReplicaConfig,
     proxy: ProxyConfig,
     known_models: Iterable[str],
-    bands: LengthBands,
-    in_flight: InFlight,
-    sink: Sink,
-    count: Count,
+    accounting: Accounting,
     *,
-    meter_factory: MeterFactory = RequestMeter,
     learn_models: bool = True,
-    clock: Clock = perf_counter,
-    wall_clock: Clock = time.time,
     reuse_port: bool = False,
 ) -> ProxyServer:
     """Start the replica's listener on ``replica.proxy_listen``; the agent's wiring entry point.
 
     ``known_models``: label values a client's ``model`` may keep (``Config.known_models``); the
     replica's ``model_name`` and, with ``learn_models``, the engine's ``/v1/models`` ids join them.
-    ``sink`` gets every finished metered request; ``count`` is ``NodeState.count``. ``clock``
-    measures durations; ``wall_clock`` dates requests (``started_at``, ``max_gap_ended_at``): the agent
-    passes its own clock so requests and engine scrapes share one time base. ``reuse_port``: see
-    ``ProxyServer.start``.
+    ``accounting``: where requests are counted; the agent passes its own ``wall_clock`` there, so
+    requests (``started_at``, ``max_gap_ended_at``) and engine scrapes share one time base.
+    ``reuse_port``: see ``ProxyServer.start``.
     """
     if replica.proxy_listen is None:
         raise ValueError(f"replica {replica.name}: proxy_listen is not set")
-    server = ProxyServer(
-        replica,
-        proxy,
-        ModelLabels(known_models, replica.model_name),
-        bands,
-        in_flight,
-        sink,
-        count,
-        meter_factory,
-        clock,
-        wall_clock,
-    )
+    server = ProxyServer(replica, proxy, ModelLabels(known_models, replica.model_name), accounting)
     # zero series from the start, so rate() sees the first
+    count = accounting.count
     for family in (ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED, ACCEPT_ERRORS):
         count(family, replica.name, amount=0)
     for reason in ("buffer", "connections"):

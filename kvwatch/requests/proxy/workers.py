@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from kvwatch.config import ProxyConfig, ReplicaConfig
 from kvwatch.config.validate import HostPort
 from kvwatch.model import LengthBands
-from kvwatch.requests.accounting import InFlight
 from kvwatch.requests.proxy.channel import (
     DATAGRAMS_REFUSED,
     RECORDS_LOST,
@@ -52,8 +51,7 @@ from kvwatch.requests.proxy.channel import (
     ChannelReceiver,
     WorkerChannel,
 )
-from kvwatch.requests.proxy.seams import Sink
-from kvwatch.selfmetrics import Count
+from kvwatch.requests.proxy.metering import Accounting
 
 log = logging.getLogger("kvwatch.requests.proxy.workers")
 
@@ -122,10 +120,7 @@ class WorkerGroup:
         replicas: Iterable[ReplicaConfig],
         proxy: ProxyConfig,
         known_models: Iterable[str],
-        bands: LengthBands,
-        in_flight: InFlight,
-        sink: Sink,
-        count: Count,
+        accounting: Accounting,
         workers: int,
         learn_models: bool = True,
     ) -> None:
@@ -136,10 +131,8 @@ class WorkerGroup:
                 raise ValueError(f"replica {replica.name}: the proxy needs proxy_listen and api_url")
         self.proxy = worker_share(proxy, workers)
         self.known_models = tuple(known_models)
-        self.bands = bands
-        self.in_flight = in_flight
-        self.sink = sink
-        self.count = count
+        self.accounting = accounting
+        self.count = accounting.count
         self.slots = [_Slot(i) for i in range(workers)]
         self.ports: dict[str, int] = {}
         self._reserved: list[socket.socket] = []
@@ -200,7 +193,7 @@ class WorkerGroup:
             self._bound,
             self.proxy,
             self.known_models,
-            self.bands,
+            self.accounting.bands,
             logging.getLogger("kvwatch").getEffectiveLevel(),
             self.learn_models,
         )
@@ -216,7 +209,12 @@ class WorkerGroup:
             theirs.close()
         slot.process = process
         slot.receiver = ChannelReceiver(
-            ours, (r.name for r in self.replicas), self.sink, self.count, self.in_flight, on_ready
+            ours,
+            (r.name for r in self.replicas),
+            self.accounting.sink,
+            self.count,
+            self.accounting.in_flight,
+            on_ready,
         )
         assert process.stdin is not None
         process.stdin.write(pickle.dumps(spec))
@@ -341,10 +339,7 @@ async def serve(spec: WorkerSpec) -> None:
                 replica,
                 spec.proxy,
                 spec.known_models,
-                spec.bands,
-                channel,
-                channel.sink,
-                channel.count,
+                Accounting(spec.bands, channel, channel.sink, channel.count),
                 learn_models=spec.learn_models,
                 reuse_port=True,
             )
