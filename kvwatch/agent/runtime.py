@@ -453,8 +453,6 @@ class Agent:
         Workers measure on the real clocks; an agent given its own (the demo's simulator) keeps
         its proxies in process, where they can read them.
         """
-        if not proxied:
-            return 0
         from kvwatch.requests.proxy.cpus import relay_workers, usable_cpus
 
         workers = relay_workers(self.config.proxy.workers, proxied, usable_cpus())
