@@ -129,7 +129,7 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
     from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.ledger import RequestLedger
-    from kvwatch.requests.proxy import Accounting, start_proxy
+    from kvwatch.requests.proxy import start_proxy
     from kvwatch.state import NodeState
 
     state = NodeState("bench", DEFAULT_BANDS)
@@ -148,8 +148,13 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         state.requests.observe(record)
         ledger.write(record)
 
-    accounting = Accounting(DEFAULT_BANDS, state.in_flight, sink, state.count)
-    proxy = await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), accounting)
+    try:
+        from kvwatch.requests.proxy import Accounting
+    except ImportError:  # a --baseline checkout from before Accounting (a8cc5d0) takes the parts
+        parts: tuple = (DEFAULT_BANDS, state.in_flight, sink, state.count)
+    else:
+        parts = (Accounting(DEFAULT_BANDS, state.in_flight, sink, state.count),)
+    proxy = await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), *parts)
     # as the agent does once started (agent/heap.py): without it, a full collection walks the
     # start-up heap on the loop (20-60 ms here), a stall the agent does not have
     freeze_start_up_heap()
