@@ -24,8 +24,15 @@ is complete: TTFT of the requests on reused connections, against direct and ngin
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail
+  .venv/bin/python bench/proxy_bench.py --targets direct,nginx,nginxlua,kvwatch-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail --baseline /tmp/base \\
       --targets direct,nginx,kvwatch-uvloop,kvwatchbase-uvloop         # this checkout against another
+
+Target ``nginxlua``: Debian's nginx with kvwatch's request accounting in Lua
+(proxybench/nginx_meter.lua, libnginx-mod-http-lua and lua-cjson), reporting to a ``meter`` role
+that applies its messages with the agent's own ChannelReceiver; the CPU of both counts. A prototype
+of nginx as kvwatch's data plane, measured; before measuring, the bench checks its totals against
+the clients' and exits 1 if they differ.
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "--targets",
         default="direct,nginx,kvwatch-uvloop",
         help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
-        "aiohttp[-uvloop], raw[-uvloop]",
+        "aiohttp[-uvloop], raw[-uvloop], nginxlua (nginx with kvwatch's accounting in Lua)",
     )
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=8.0, help="steady phase length per target")
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--socket", help=argparse.SUPPRESS)  # role meter: where nginx_meter.lua sends
     p.add_argument("--chunks", type=int, default=200, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--tail", help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian 12 machine, idempotent and cached:
-#   - Debian: prometheus (+promtool), prometheus-alertmanager (+amtool), nginx (proxy benchmark peer),
+#   - Debian: prometheus (+promtool), prometheus-alertmanager (+amtool), nginx (proxy benchmark peer;
+#     libnginx-mod-http-lua and lua-cjson for its nginxlua target),
 #     chromium (status page test), systemd (systemd-analyze), kubectl (kubectl kustomize renders the
 #     overlays under test; the kubectl package of the machine's apt sources), tcpdump (the proxy's
 #     request times against the wire)
@@ -25,6 +26,9 @@ for pair in prometheus:prometheus promtool:prometheus amtool:prometheus-alertman
   bin=${pair%%:*}; pkg=${pair##*:}
   command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || need_apt+=("$pkg")
 done
+# the proxy bench's nginxlua target: lua-nginx-module (with lua-resty-core) and lua-cjson
+[ -f /usr/lib/nginx/modules/ngx_http_lua_module.so ] || need_apt+=(libnginx-mod-http-lua)
+compgen -G "/usr/lib/*/lua/5.1/cjson.so" >/dev/null || need_apt+=(lua-cjson)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   $SUDO apt-get update -qq

@@ -136,14 +136,11 @@ def test_bench_quick_run_works(bench: str) -> None:
     assert quick.ends_with in proc.stdout, f"{bench} --quick stopped early:\n{proc.stdout[-2000:]}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["streaming", "late-tail"])
-def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
-    """bench/proxy_bench.py's roles (upstream, kvwatch, relays) run as the script itself, with the
-    kvwatch of this checkout or of a ``--baseline`` one: it runs as a file, not with ``-m``."""
+def _proxy_bench_quick(*args: str) -> subprocess.CompletedProcess[str]:
+    """bench/proxy_bench.py --quick, run as a file with this checkout's kvwatch importable."""
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "proxy_bench.py"), "--quick", "--scenario", scenario],
+    return subprocess.run(
+        [sys.executable, str(BENCH / "proxy_bench.py"), "--quick", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
@@ -151,5 +148,24 @@ def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
         timeout=400,
         check=False,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["streaming", "late-tail"])
+def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
+    """bench/proxy_bench.py's roles (upstream, kvwatch, relays) run as the script itself, with the
+    kvwatch of this checkout or of a ``--baseline`` one: it runs as a file, not with ``-m``."""
+    proc = _proxy_bench_quick("--scenario", scenario)
     assert proc.returncode == 0, f"proxy_bench --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert "| kvwatch-uvloop |" in proc.stdout and "; cores " in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_proxy_bench_nginx_meter_accounts_every_request() -> None:
+    """The ``nginxlua`` target (bench/proxybench/nginx_meter.lua in Debian's nginx with
+    libnginx-mod-http-lua) sends what the agent's ChannelReceiver accepts, and its totals agree
+    with what the clients counted: the bench checks that before it measures, and exits 1 if not."""
+    proc = _proxy_bench_quick("--targets", "nginx,nginxlua")
+    assert proc.returncode == 0, f"proxy_bench nginxlua failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert "# nginxlua accounting matches the clients" in proc.stderr, proc.stderr[-2000:]
+    assert "| nginxlua |" in proc.stdout, proc.stdout[-2000:]

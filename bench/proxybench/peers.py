@@ -167,10 +167,62 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         shutil.rmtree(ledger_dir, ignore_errors=True)
 
 
+async def role_meter(args: argparse.Namespace) -> None:
+    """The agent's end of the ``nginxlua`` target: the messages nginx_meter.lua sends, decoded and
+    applied by the agent's own ``ChannelReceiver`` to the sinks the ``kvwatch`` role feeds (request
+    stats, in-flight tracker, ledger). At exit it writes what it applied to ``--socket``.json."""
+    import json
+
+    from kvwatch.model import DEFAULT_BANDS
+    from kvwatch.requests.ledger import RequestLedger
+    from kvwatch.requests.proxy.channel import DATAGRAMS_REFUSED, ChannelReceiver
+    from kvwatch.state import NodeState
+
+    state = NodeState("bench", DEFAULT_BANDS)
+    ledger_dir = tempfile.mkdtemp(prefix="kvwatch-bench-ledger-")
+    ledger = RequestLedger(os.path.join(ledger_dir, "requests.jsonl"), DEFAULT_BANDS, counter=state.count)
+    ledger.start()
+    applied = {"records": 0, "chunks": 0, "estimated": 0, "whole": 0, "outcomes": {}}
+
+    def sink(record) -> None:
+        state.requests.observe(record)
+        ledger.write(record)
+        applied["records"] += 1
+        applied["chunks"] += record.chunks or 0
+        applied["estimated"] += record.output_tokens_estimated
+        # as RequestMeter builds them: a gap per content chunk after the first, a TTFT, an e2e after it
+        whole = (
+            sum(record.gap_counts) == (record.chunks or 0) - 1
+            and record.ttft_seconds is not None
+            and record.e2e_seconds is not None
+            and 0 < record.ttft_seconds <= record.e2e_seconds
+        )
+        applied["whole"] += whole
+        applied["outcomes"][record.outcome.value] = applied["outcomes"].get(record.outcome.value, 0) + 1
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    sock.bind(args.socket)
+    ChannelReceiver(sock, ["bench"], sink, state.count, state.in_flight)
+    _ready(args.port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        applied["refused"] = sum(v for _, v in state.counters_for(DATAGRAMS_REFUSED))
+        applied["in_flight_left"] = len(state.in_flight.current())
+        Path(args.socket + ".json").write_text(json.dumps(applied))
+        ledger.stop()
+        shutil.rmtree(ledger_dir, ignore_errors=True)
+
+
+#: ``meter``: the agent's end of the ``nginxlua`` target (nginx running nginx_meter.lua)
 #: ``kvwatchbase``: the same role with kvwatch imported from ``--baseline`` (another checkout), so a
 #: change is measured against the code before it in the same run, targets interleaved
 ROLES = {
     "upstream": role_upstream,
+    "meter": role_meter,
     "aiohttp": role_aiohttp,
     "raw": role_raw,
     "kvwatch": role_kvwatch,
@@ -178,11 +230,54 @@ ROLES = {
 }
 
 
+#: nginx_meter.lua in every proxied location, and the module it needs loaded; the workers run as
+#: the bench's own user (root here), so they may send to the meter's socket in its private folder
+_METER_MAIN = """
+user root;
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;"""
+_METER_LOCATION = """
+      access_by_lua_block { meter.access() }
+      body_filter_by_lua_block { meter.body() }
+      log_by_lua_block { meter.log() }"""
+
+
+def _meter_http(socket_path: str) -> str:
+    """The http-level lines that load and configure nginx_meter.lua with the agent's settings."""
+    import json
+
+    from kvwatch.buckets import INTER_CHUNK_SECONDS
+    from kvwatch.model import DEFAULT_BANDS
+
+    conf = json.dumps(
+        {
+            "socket": socket_path,
+            "replica": "bench",
+            "models": ["bench"],
+            "default_model": "bench",
+            "gap_bounds": INTER_CHUNK_SECONDS,
+            "band_edges": DEFAULT_BANDS.edges,
+            "band_names": DEFAULT_BANDS.names,
+        }
+    )
+    return f"""
+  lua_package_path "{Path(__file__).parent}/?.lua;;";
+  client_body_buffer_size 1m;
+  init_by_lua_block {{ meter = require "nginx_meter"; meter.configure([=[{conf}]=]) }}
+  init_worker_by_lua_block {{ meter.init_worker() }}"""
+
+
 def _spawn_nginx(
-    port: int, upstream_port: int, workdir: Path, workers: str = "1", more: Sequence[tuple[int, int]] = ()
+    port: int,
+    upstream_port: int,
+    workdir: Path,
+    workers: str = "1",
+    more: Sequence[tuple[int, int]] = (),
+    meter_socket: str | None = None,
 ) -> subprocess.Popen:
     """nginx as a streaming proxy on ``port`` -> ``upstream_port`` (and each (listen, upstream) pair
-    in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core)."""
+    in ``more``); ``workers`` is its ``worker_processes`` (a count, or ``auto``: one per core).
+    With ``meter_socket``, every location runs nginx_meter.lua, sending to that socket."""
     for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
         (workdir / d).mkdir(parents=True, exist_ok=True)
     routes = [(port, upstream_port), *more]
@@ -198,14 +293,14 @@ def _spawn_nginx(
       proxy_pass http://engine{i};
       proxy_buffering off;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection "";{_METER_LOCATION if meter_socket else ""}
     }}
   }}"""
         for i, (listen, up) in enumerate(routes)
     )
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
-daemon off;
+daemon off;{_METER_MAIN if meter_socket else ""}
 worker_processes {workers};
 pid {workdir}/nginx.pid;
 error_log {workdir}/logs/error.log warn;
@@ -216,7 +311,7 @@ http {{
   proxy_temp_path {workdir}/proxy;
   fastcgi_temp_path {workdir}/fastcgi;
   uwsgi_temp_path {workdir}/uwsgi;
-  scgi_temp_path {workdir}/scgi;{blocks}
+  scgi_temp_path {workdir}/scgi;{_meter_http(meter_socket) if meter_socket else ""}{blocks}
 }}
 """)
     proc = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "logs/err.log")])

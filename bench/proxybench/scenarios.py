@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,10 +85,80 @@ def _start_target(name: str, up_port: int, workdir: Path) -> tuple[int, subproce
     port = _free_port()
     if name == "nginx":
         proc = _spawn_nginx(port, up_port, workdir / f"nginx-{up_port}")
+    elif name == "nginxlua":
+        return _start_nginx_meter(port, up_port, workdir / f"nginxlua-{port}")
     else:
         role, _, loop = name.partition("-")
         proc = _spawn(role, port, up_port, uvloop=loop == "uvloop")
     return port, proc, _children(proc.pid)
+
+
+class _Pair:
+    """nginx and the meter role it sends to, stopped together (nginx first: its last messages
+    reach the meter, which then writes what it applied)."""
+
+    def __init__(self, nginx: subprocess.Popen, meter: subprocess.Popen, socket_path: str) -> None:
+        self.nginx, self.meter, self.socket_path = nginx, meter, socket_path
+
+    def terminate(self) -> None:
+        self.nginx.send_signal(signal.SIGQUIT)  # graceful: open requests end, last messages flushed
+        try:
+            self.nginx.wait(10)
+        except subprocess.TimeoutExpired:
+            self.nginx.kill()
+        time.sleep(0.2)
+        self.meter.terminate()
+
+    def wait(self, timeout: float) -> None:
+        self.meter.wait(timeout)
+
+    def applied(self) -> dict:
+        """What the meter applied, once stopped (its summary file)."""
+        return json.loads(Path(self.socket_path + ".json").read_text())
+
+    def kill(self) -> None:
+        self.nginx.kill()
+        self.meter.kill()
+
+
+def _start_nginx_meter(port: int, up_port: int, workdir: Path) -> tuple[int, subprocess.Popen, list[int]]:
+    """Target ``nginxlua``: nginx running nginx_meter.lua, and the meter role it reports to; the CPU
+    of both counts (the meter does the agent's share, as the kvwatch role does in its process)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    socket_path = str(workdir / "meter.sock")
+    meter = _spawn("meter", _free_port(), 0, ["--socket", socket_path], uvloop=True)
+    nginx = _spawn_nginx(port, up_port, workdir, meter_socket=socket_path)
+    pair = _Pair(nginx, meter, socket_path)
+    return port, pair, [meter.pid, *_children(nginx.pid)]  # type: ignore[return-value]
+
+
+def check_meter(up_port: int, workdir: Path, streams: int) -> bool:
+    """The ``nginxlua`` target's accounting against the clients': ``streams`` requests, then the
+    meter's totals once nginx has stopped. Every request one record, completed, with the content
+    chunks the client counted, a gap for each after the first and a TTFT within the e2e; no datagram
+    refused, nothing left in flight."""
+    port, pair, _pids = _start_nginx_meter(_free_port(), up_port, workdir / "nginxlua-check")
+
+    async def run() -> list[int]:
+        return [s.chunks for s in await asyncio.gather(*(one_stream(port) for _ in range(streams)))]
+
+    try:
+        counted = asyncio.run(run())
+    finally:
+        _stop(pair)  # type: ignore[arg-type]
+    applied = pair.applied()  # type: ignore[attr-defined]
+    expected = {
+        "records": streams,
+        "whole": streams,
+        "chunks": sum(counted),
+        "outcomes": {"completed": streams},
+        "refused": 0,
+        "in_flight_left": 0,
+    }
+    got = {key: applied.get(key) for key in expected}
+    ok = got == expected
+    print(f"# nginxlua accounting {'matches' if ok else 'DIFFERS from'} the clients: {got}", file=sys.stderr)
+    return ok
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
@@ -167,6 +238,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     rounds: list[list[Result]] = []
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
     try:
+        if "nginxlua" in targets and not check_meter(paced_port, workdir, args.streams):
+            return 1
         for n in range(args.rounds):  # targets interleaved, so a busy spell on the host hits all
             results: list[Result] = []
             for name in targets:
