@@ -173,6 +173,7 @@ async def role_meter(args: argparse.Namespace) -> None:
     stats, in-flight tracker, ledger). At exit it writes what it applied to ``--socket``.json."""
     import json
 
+    from kvwatch.agent.heap import freeze_start_up_heap
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.ledger import RequestLedger
     from kvwatch.requests.proxy.channel import DATAGRAMS_REFUSED, ChannelReceiver
@@ -206,6 +207,7 @@ async def role_meter(args: argparse.Namespace) -> None:
         os.unlink(args.socket)
     sock.bind(args.socket)
     ChannelReceiver(sock, ["bench"], sink, state.count, state.in_flight)
+    freeze_start_up_heap()  # as the agent does once started, and the kvwatch role (above)
     _ready(args.port)
     try:
         await asyncio.Event().wait()
