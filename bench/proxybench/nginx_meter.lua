@@ -14,9 +14,8 @@
 -- across reads) takes the slower path with a Lua string, a few times a request.
 --
 -- Left out, on purpose, as a prototype: injecting stream_options.include_usage (and removing the
--- usage chunk the client did not ask for), telling a client abort from a broken upstream stream
--- (nginx logs both as a 200 whose last buffer never came; both are "aborted" here), and learning
--- model names from the engine. docs/performance.md says what each would take.
+-- usage chunk the client did not ask for), and learning model names from the engine.
+-- docs/performance.md says what each would take.
 
 local ffi = require "ffi"
 local base = require "resty.core.base"
@@ -382,7 +381,12 @@ end
 -- ---------------------------------------------------------------------------------------------
 
 local function outcome(ctx, status)
-  if not ctx.eof then return status >= 500 and "error" or "aborted" end
+  if not ctx.eof then
+    -- the last buffer never came: nginx calls the request complete when the engine's stream broke
+    -- ("upstream prematurely closed"), not when the client left first
+    if status >= 500 or ngx.var.request_completion == "OK" then return "error" end
+    return "aborted"
+  end
   if status >= 500 then return "error" end
   if status >= 400 then return "rejected" end
   if ctx.finish_reason == "length" then return "truncated" end

@@ -189,7 +189,8 @@ async def role_meter(args: argparse.Namespace) -> None:
         state.requests.observe(record)
         ledger.write(record)
         applied["records"] += 1
-        applied["chunks"] += record.chunks or 0
+        if record.outcome.value == "completed":  # what a client that stayed counted, to compare
+            applied["chunks"] += record.chunks or 0
         applied["estimated"] += record.output_tokens_estimated
         # as RequestMeter builds them: a gap per content chunk after the first, a TTFT, an e2e after it
         whole = (

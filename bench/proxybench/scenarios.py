@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from _harness import percentile as _pct
-from proxybench.clients import _children, _cpu_seconds, burst, one_stream, reused_connections, steady
+from proxybench.clients import (
+    REQUEST_BODY,
+    _children,
+    _cpu_seconds,
+    burst,
+    one_stream,
+    reused_connections,
+    steady,
+)
 from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop
 from proxybench.peers import _spawn_nginx
 from proxybench.report import Result, _median, _ms, _print, _rows
@@ -132,15 +140,39 @@ def _start_nginx_meter(port: int, up_port: int, workdir: Path) -> tuple[int, sub
     return port, pair, [meter.pid, *_children(nginx.pid)]  # type: ignore[return-value]
 
 
-def check_meter(up_port: int, workdir: Path, streams: int) -> bool:
-    """The ``nginxlua`` target's accounting against the clients': ``streams`` requests, then the
-    meter's totals once nginx has stopped. Every request one record, completed, with the content
-    chunks the client counted, a gap for each after the first and a TTFT within the e2e; no datagram
-    refused, nothing left in flight."""
+async def _cut_short(port: int, path: str, events: int | None) -> None:
+    """A request whose stream does not end well: the client hangs up after ``events`` SSE events,
+    or (None) reads until the connection ends (an upstream told by ``path`` to break)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (path.encode(), len(REQUEST_BODY), REQUEST_BODY)
+    )
+    seen = b""
+    while events is None or seen.count(b"\n\n") < events:
+        data = await reader.read(65536)
+        if not data:
+            break
+        seen += data
+    writer.close()
+
+
+def check_meter(up_port: int, workdir: Path, streams: int, cut: int = 2) -> bool:
+    """The ``nginxlua`` target's accounting against the clients': ``streams`` requests read to the
+    end, ``cut`` whose client leaves after a few events and ``cut`` whose upstream breaks, then the
+    meter's totals once nginx has stopped. Every request one record: completed with the content
+    chunks its client counted, aborted, or error; each with a gap per chunk after the first and a
+    TTFT within the e2e; no datagram refused, nothing left in flight."""
     port, pair, _pids = _start_nginx_meter(_free_port(), up_port, workdir / "nginxlua-check")
+    path = "/v1/chat/completions"
 
     async def run() -> list[int]:
-        return [s.chunks for s in await asyncio.gather(*(one_stream(port) for _ in range(streams)))]
+        done = await asyncio.gather(
+            *(one_stream(port) for _ in range(streams)),
+            *(_cut_short(port, path, 4) for _ in range(cut)),
+            *(_cut_short(port, path + "?break=5", None) for _ in range(cut)),
+        )
+        return [s.chunks for s in done if s is not None]
 
     try:
         counted = asyncio.run(run())
@@ -148,10 +180,10 @@ def check_meter(up_port: int, workdir: Path, streams: int) -> bool:
         _stop(pair)  # type: ignore[arg-type]
     applied = pair.applied()  # type: ignore[attr-defined]
     expected = {
-        "records": streams,
-        "whole": streams,
+        "records": streams + 2 * cut,
+        "whole": streams + 2 * cut,
         "chunks": sum(counted),
-        "outcomes": {"completed": streams},
+        "outcomes": {"completed": streams, **({"aborted": cut, "error": cut} if cut else {})},
         "refused": 0,
         "in_flight_left": 0,
     }

@@ -28,7 +28,8 @@ class _Upstream(asyncio.Protocol):
         self.closed = True
 
     def data_received(self, data: bytes) -> None:
-        """One request at a time; keep-alive unless the request says ``connection: close``."""
+        """One request at a time; keep-alive unless the request says ``connection: close``; a path
+        with ``break=N`` in its query gets a stream that breaks after N content chunks."""
         self.buf += data
         end = self.buf.find(b"\r\n\r\n")
         if end < 0:
@@ -41,9 +42,13 @@ class _Upstream(asyncio.Protocol):
         body = self.buf[end + 4 : end + 4 + length]
         self.buf = self.buf[end + 4 + length :]
         close = re.search(r"(?im)^connection:\s*close", head) is not None
-        asyncio.get_running_loop().create_task(self.stream(body, time.perf_counter_ns(), close))
+        cut = re.match(r"\S+ \S*[?&]break=(\d+)", head)  # the stream breaks after that many chunks
+        breaks_after = int(cut.group(1)) if cut else None
+        asyncio.get_running_loop().create_task(self.stream(body, time.perf_counter_ns(), close, breaks_after))
 
-    async def stream(self, body: bytes, received_ns: int, close: bool) -> None:
+    async def stream(
+        self, body: bytes, received_ns: int, close: bool, breaks_after: int | None = None
+    ) -> None:
         t = self.transport
         assert t is not None
         usage = b'"include_usage":true' in body or b'"include_usage": true' in body
@@ -61,6 +66,9 @@ class _Upstream(asyncio.Protocol):
             else:
                 await asyncio.sleep(0)
             if self.closed:
+                return
+            if i == breaks_after:  # an engine that dies mid-stream: the connection reset, no last chunk
+                t.abort()
                 return
             t.write(_frame(CONTENT_CHUNK % time.perf_counter_ns()))
         tail = _frame(FINISH_CHUNK)
