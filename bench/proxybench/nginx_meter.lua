@@ -13,9 +13,9 @@
 -- memmem. A chunk that is not one plain token event (role, finish, usage chunks, events split
 -- across reads) takes the slower path with a Lua string, a few times a request.
 --
--- Left out, on purpose, as a prototype: injecting stream_options.include_usage (and removing the
--- usage chunk the client did not ask for), and learning model names from the engine.
--- docs/performance.md says what each would take.
+-- Left out, on purpose, as a prototype: retrying without include_usage when the engine refuses
+-- it, moving vLLM's system_fingerprint back from the removed usage chunk, and learning model
+-- names from the engine. docs/performance.md says what each would take.
 
 local ffi = require "ffi"
 local base = require "resty.core.base"
@@ -225,6 +225,15 @@ function M.access()
   end
   ctx.max_tokens = positive_int(limit)
   ctx.wants_usage = type(options) == "table" and lax_true(options.include_usage)
+  -- as body_requesting_usage: a streaming JSON object with one choice and no stream_options gets
+  -- "stream_options":{"include_usage":true} after its opening brace, every other byte as sent
+  -- (unlike the proxy, nothing is retried when the engine refuses the field)
+  if cfg.inject_usage and ctx.streaming and options == nil and (doc.n == nil or doc.n == 1)
+    and find(body, "^[ \t\r\n]*{") then
+    local brace = find(body, "{", 1, true)
+    ngx.req.set_body_data(body:sub(1, brace) .. '"stream_options":{"include_usage":true},' .. body:sub(brace + 1))
+    ctx.injected = true
+  end
   if type(model) ~= "string" then
     ctx.model = cfg.default_model or "other"
   else
@@ -302,6 +311,13 @@ local function read_event(ctx, event)
 end
 
 --- complete events in a Lua string (the slower path): returns what is left after the last one
+--- the chunk include_usage adds (sse.is_usage_only): a usage object and "choices":[]
+local function usage_only(event)
+  return match(event, '"usage"[ \t]*:[ \t]*{') ~= nil and match(event, '"choices"[ \t]*:[ \t]*%[[ \t]*%]') ~= nil
+end
+
+--- complete events in a Lua string (the slower path). Returns what is left after the last one
+--- and, where this module asked for usage, the text to send instead (without the usage chunk).
 local function read_events(ctx, text, t)
   local sep = ctx.sep
   if sep == nil then
@@ -309,14 +325,25 @@ local function read_events(ctx, text, t)
     ctx.sep = sep
   end
   local pos, n = 1, 0
+  local kept = ctx.injected and {} or nil
   while true do
     local at = find(text, sep, pos, true)
     if not at then break end
-    if read_event(ctx, text:sub(pos, at - 1)) then n = n + 1 end
+    local event = text:sub(pos, at - 1)
+    if read_event(ctx, event) then n = n + 1 end
+    if kept and not usage_only(event) then kept[#kept + 1] = event .. sep end
     pos = at + #sep
   end
   if n > 0 then on_content(ctx, n, t) end
-  return pos <= #text and text:sub(pos) or nil
+  return pos <= #text and text:sub(pos) or nil, kept and concat(kept) or nil
+end
+
+--- the slower path for one read: with usage asked for by this module, the client gets the events
+--- but the usage chunk, and an incomplete event waits for the rest (it might be that chunk)
+local function read_slowly(ctx, text, t)
+  local rest, kept = read_events(ctx, text, t)
+  ctx.carry = rest
+  if kept then ngx.arg[1] = kept end
 end
 
 local SPACE, TAB, COLON = 32, 9, 58
@@ -365,14 +392,18 @@ function M.body()
         and not names_a_reason(p, n) and C.memmem(p, n, USAGE_MARK, 7) == nil then
         on_content(ctx, 1, t)
       else
-        ctx.carry = read_events(ctx, ffi_string(p, n), t)
+        read_slowly(ctx, ffi_string(p, n), t)
       end
     else
-      ctx.carry = read_events(ctx, (ctx.carry or "") .. ffi_string(p, n), t)
+      read_slowly(ctx, (ctx.carry or "") .. ffi_string(p, n), t)
     end
   end
   if C.ngx_http_lua_ffi_get_body_filter_param_eof(r) == 1 then
     ctx.eof = true
+    if ctx.injected and ctx.carry then -- an incomplete last event: the client gets it as it came
+      ngx.arg[1] = (n > 0 and ngx.arg[1] or "") .. ctx.carry
+      ctx.carry = nil
+    end
   end
 end
 

@@ -258,6 +258,7 @@ def _meter_http(socket_path: str) -> str:
             "replica": "bench",
             "models": ["bench"],
             "default_model": "bench",
+            "inject_usage": True,  # proxy.inject_usage's default
             "gap_bounds": INTER_CHUNK_SECONDS,
             "band_edges": DEFAULT_BANDS.edges,
             "band_names": DEFAULT_BANDS.names,

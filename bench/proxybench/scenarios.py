@@ -18,6 +18,7 @@ from pathlib import Path
 
 from _harness import percentile as _pct
 from proxybench.clients import (
+    _STAMP,
     REQUEST_BODY,
     _children,
     _cpu_seconds,
@@ -140,12 +141,13 @@ def _start_nginx_meter(port: int, up_port: int, workdir: Path) -> tuple[int, sub
     return port, pair, [meter.pid, *_children(nginx.pid)]  # type: ignore[return-value]
 
 
-async def _cut_short(port: int, path: str, events: int | None) -> None:
-    """A request whose stream does not end well: the client hangs up after ``events`` SSE events,
-    or (None) reads until the connection ends (an upstream told by ``path`` to break)."""
+async def _raw_stream(port: int, path: str, events: int | None) -> bytes:
+    """One request's response as it came: the client hangs up after ``events`` SSE events, or
+    (None) reads until the connection ends (``connection: close``, or an upstream told by ``path``
+    to break)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s" % (path.encode(), len(REQUEST_BODY), REQUEST_BODY)
     )
     seen = b""
@@ -155,39 +157,43 @@ async def _cut_short(port: int, path: str, events: int | None) -> None:
             break
         seen += data
     writer.close()
+    return seen
 
 
 def check_meter(up_port: int, workdir: Path, streams: int, cut: int = 2) -> bool:
     """The ``nginxlua`` target's accounting against the clients': ``streams`` requests read to the
     end, ``cut`` whose client leaves after a few events and ``cut`` whose upstream breaks, then the
     meter's totals once nginx has stopped. Every request one record: completed with the content
-    chunks its client counted, aborted, or error; each with a gap per chunk after the first and a
-    TTFT within the e2e; no datagram refused, nothing left in flight."""
+    chunks its client counted and its tokens from the usage the module asked for (a client reading
+    the raw stream sees no usage chunk), aborted, or error; each with a gap per chunk after the
+    first and a TTFT within the e2e; no datagram refused, nothing left in flight."""
     port, pair, _pids = _start_nginx_meter(_free_port(), up_port, workdir / "nginxlua-check")
     path = "/v1/chat/completions"
 
-    async def run() -> list[int]:
+    async def run() -> tuple[list[int], bytes]:
         done = await asyncio.gather(
             *(one_stream(port) for _ in range(streams)),
-            *(_cut_short(port, path, 4) for _ in range(cut)),
-            *(_cut_short(port, path + "?break=5", None) for _ in range(cut)),
+            *(_raw_stream(port, path, 4) for _ in range(cut)),
+            *(_raw_stream(port, path + "?break=5", None) for _ in range(cut)),
         )
-        return [s.chunks for s in done if s is not None]
+        return [s.chunks for s in done[:streams]], await _raw_stream(port, path, None)
 
     try:
-        counted = asyncio.run(run())
+        counted, raw = asyncio.run(run())
     finally:
         _stop(pair)  # type: ignore[arg-type]
     applied = pair.applied()  # type: ignore[attr-defined]
     expected = {
-        "records": streams + 2 * cut,
-        "whole": streams + 2 * cut,
-        "chunks": sum(counted),
-        "outcomes": {"completed": streams, **({"aborted": cut, "error": cut} if cut else {})},
+        "records": streams + 1 + 2 * cut,
+        "whole": streams + 1 + 2 * cut,
+        "chunks": sum(counted) + len(_STAMP.findall(raw)),
+        "estimated": 2 * cut,
+        "usage_seen": False,
+        "outcomes": {"completed": streams + 1, **({"aborted": cut, "error": cut} if cut else {})},
         "refused": 0,
         "in_flight_left": 0,
     }
-    got = {key: applied.get(key) for key in expected}
+    got = {key: applied.get(key) for key in expected} | {"usage_seen": b'"usage"' in raw}
     ok = got == expected
     print(f"# nginxlua accounting {'matches' if ok else 'DIFFERS from'} the clients: {got}", file=sys.stderr)
     return ok
