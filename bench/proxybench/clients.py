@@ -63,13 +63,18 @@ REQUEST_BODY = (
 )
 
 
+def chat_request(port: int, path: str = "/v1/chat/completions", close: bool = True) -> bytes:
+    """The bench's streaming chat request, head and body (``connection: close`` unless kept alive)."""
+    return (
+        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n%s\r\n%s"
+        % (path.encode(), port, len(REQUEST_BODY), b"connection: close\r\n" if close else b"", REQUEST_BODY)
+    )
+
+
 async def one_stream(port: int) -> _Stream:
     loop = asyncio.get_running_loop()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-        % (port, len(REQUEST_BODY), REQUEST_BODY)
-    )
+    request = chat_request(port)
     done = loop.create_future()
     sample = _Stream()
     sent = time.perf_counter_ns()
@@ -183,11 +188,7 @@ class _KeepAliveClient(asyncio.Protocol):
 async def reused_connections(port: int, clients: int, requests: int) -> list[int]:
     """TTFT of every request after each client's first (those go on a reused connection)."""
     loop = asyncio.get_running_loop()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-        % (port, len(REQUEST_BODY), REQUEST_BODY)
-    )
+    request = chat_request(port, close=False)
 
     async def one_client() -> list[_Stream]:
         done = loop.create_future()

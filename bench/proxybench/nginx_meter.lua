@@ -183,14 +183,14 @@ end
 
 local MAX_COUNT = 2147483648 -- values.MAX_COUNT (2**31): a count past it is not recorded
 
-local function positive_int(v)
-  if type(v) == "number" and v > 0 and v == math.floor(v) and v <= MAX_COUNT then return v end
-  return nil
-end
-
 local function count(v)
   if type(v) == "number" and v >= 0 and v == math.floor(v) and v <= MAX_COUNT then return v end
   return nil
+end
+
+local function positive_int(v)
+  local n = count(v)
+  return n ~= nil and n > 0 and n or nil
 end
 
 local function lax_true(v)

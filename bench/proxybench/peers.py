@@ -13,8 +13,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from proxybench.common import NGINX, _ready
 from proxybench.upstreams import role_upstream
@@ -123,23 +124,15 @@ async def role_raw(args: argparse.Namespace) -> None:
         await server.serve_forever()
 
 
-async def role_kvwatch(args: argparse.Namespace) -> None:
-    """The real proxy with full accounting: request stats, in-flight tracking and the ledger."""
-    from kvwatch.agent.heap import freeze_start_up_heap
-    from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
+@contextlib.contextmanager
+def _agent_sinks() -> Iterator[tuple[Any, Callable[[Any], None]]]:
+    """A ``NodeState`` and what the agent does with each finished record: request stats and the
+    ledger (written to a folder removed at the end)."""
     from kvwatch.model import DEFAULT_BANDS
     from kvwatch.requests.ledger import RequestLedger
-    from kvwatch.requests.proxy import start_proxy
     from kvwatch.state import NodeState
 
     state = NodeState("bench", DEFAULT_BANDS)
-    replica = ReplicaConfig(
-        name="bench",
-        metrics_url=f"http://127.0.0.1:{args.upstream_port}/metrics",
-        api_url=f"http://127.0.0.1:{args.upstream_port}",
-        proxy_listen=parse_host_port(f"127.0.0.1:{args.port}"),
-        model_name="bench",
-    )
     ledger_dir = tempfile.mkdtemp(prefix="kvwatch-bench-ledger-")
     ledger = RequestLedger(os.path.join(ledger_dir, "requests.jsonl"), DEFAULT_BANDS, counter=state.count)
     ledger.start()
@@ -149,22 +142,42 @@ async def role_kvwatch(args: argparse.Namespace) -> None:
         ledger.write(record)
 
     try:
-        from kvwatch.requests.proxy import Accounting
-    except ImportError:  # a --baseline checkout from before Accounting (a8cc5d0) takes the parts
-        parts: tuple = (DEFAULT_BANDS, state.in_flight, sink, state.count)
-    else:
-        parts = (Accounting(DEFAULT_BANDS, state.in_flight, sink, state.count),)
-    proxy = await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), *parts)
-    # as the agent does once started (agent/heap.py): without it, a full collection walks the
-    # start-up heap on the loop (20-60 ms here), a stall the agent does not have
-    freeze_start_up_heap()
-    _ready(args.port)
-    try:
-        await asyncio.Event().wait()
+        yield state, sink
     finally:
-        await proxy.stop()
         ledger.stop()
         shutil.rmtree(ledger_dir, ignore_errors=True)
+
+
+async def role_kvwatch(args: argparse.Namespace) -> None:
+    """The real proxy with full accounting: request stats, in-flight tracking and the ledger."""
+    from kvwatch.agent.heap import freeze_start_up_heap
+    from kvwatch.config import ProxyConfig, ReplicaConfig, parse_host_port
+    from kvwatch.model import DEFAULT_BANDS
+    from kvwatch.requests.proxy import start_proxy
+
+    replica = ReplicaConfig(
+        name="bench",
+        metrics_url=f"http://127.0.0.1:{args.upstream_port}/metrics",
+        api_url=f"http://127.0.0.1:{args.upstream_port}",
+        proxy_listen=parse_host_port(f"127.0.0.1:{args.port}"),
+        model_name="bench",
+    )
+    with _agent_sinks() as (state, sink):
+        try:
+            from kvwatch.requests.proxy import Accounting
+        except ImportError:  # a --baseline checkout from before Accounting (a8cc5d0) takes the parts
+            parts: tuple = (DEFAULT_BANDS, state.in_flight, sink, state.count)
+        else:
+            parts = (Accounting(DEFAULT_BANDS, state.in_flight, sink, state.count),)
+        proxy = await start_proxy(replica, ProxyConfig(), frozenset({"bench"}), *parts)
+        # as the agent does once started (agent/heap.py): without it, a full collection walks the
+        # start-up heap on the loop (20-60 ms here), a stall the agent does not have
+        freeze_start_up_heap()
+        _ready(args.port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await proxy.stop()
 
 
 async def role_meter(args: argparse.Namespace) -> None:
@@ -174,20 +187,11 @@ async def role_meter(args: argparse.Namespace) -> None:
     import json
 
     from kvwatch.agent.heap import freeze_start_up_heap
-    from kvwatch.model import DEFAULT_BANDS
-    from kvwatch.requests.ledger import RequestLedger
     from kvwatch.requests.proxy.channel import DATAGRAMS_REFUSED, ChannelReceiver
-    from kvwatch.state import NodeState
 
-    state = NodeState("bench", DEFAULT_BANDS)
-    ledger_dir = tempfile.mkdtemp(prefix="kvwatch-bench-ledger-")
-    ledger = RequestLedger(os.path.join(ledger_dir, "requests.jsonl"), DEFAULT_BANDS, counter=state.count)
-    ledger.start()
     applied = {"records": 0, "chunks": 0, "estimated": 0, "whole": 0, "outcomes": {}}
 
-    def sink(record) -> None:
-        state.requests.observe(record)
-        ledger.write(record)
+    def tally(record) -> None:
         applied["records"] += 1
         if record.outcome.value == "completed":  # what a client that stayed counted, to compare
             applied["chunks"] += record.chunks or 0
@@ -207,17 +211,21 @@ async def role_meter(args: argparse.Namespace) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)
     sock.bind(args.socket)
-    ChannelReceiver(sock, ["bench"], sink, state.count, state.in_flight)
-    freeze_start_up_heap()  # as the agent does once started, and the kvwatch role (above)
-    _ready(args.port)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        applied["refused"] = sum(v for _, v in state.counters_for(DATAGRAMS_REFUSED))
-        applied["in_flight_left"] = len(state.in_flight.current())
-        Path(args.socket + ".json").write_text(json.dumps(applied))
-        ledger.stop()
-        shutil.rmtree(ledger_dir, ignore_errors=True)
+    with _agent_sinks() as (state, agent_sink):
+
+        def sink(record) -> None:
+            agent_sink(record)
+            tally(record)
+
+        ChannelReceiver(sock, ["bench"], sink, state.count, state.in_flight)
+        freeze_start_up_heap()  # as the agent does once started, and the kvwatch role (above)
+        _ready(args.port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            applied["refused"] = sum(v for _, v in state.counters_for(DATAGRAMS_REFUSED))
+            applied["in_flight_left"] = len(state.in_flight.current())
+            Path(args.socket + ".json").write_text(json.dumps(applied))
 
 
 #: ``meter``: the agent's end of the ``nginxlua`` target (nginx running nginx_meter.lua)

@@ -19,10 +19,10 @@ from pathlib import Path
 from _harness import percentile as _pct
 from proxybench.clients import (
     _STAMP,
-    REQUEST_BODY,
     _children,
     _cpu_seconds,
     burst,
+    chat_request,
     one_stream,
     reused_connections,
     steady,
@@ -146,10 +146,7 @@ async def _raw_stream(port: int, path: str, events: int | None) -> bytes:
     (None) reads until the connection ends (``connection: close``, or an upstream told by ``path``
     to break)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n%s" % (path.encode(), len(REQUEST_BODY), REQUEST_BODY)
-    )
+    writer.write(chat_request(port, path))
     seen = b""
     while events is None or seen.count(b"\n\n") < events:
         data = await reader.read(65536)
