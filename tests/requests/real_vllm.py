@@ -1,0 +1,170 @@
+"""The real CPU vLLM's own counters, and the client-disconnect attempts the real-engine tests make.
+
+What a disconnect test can see, learned from a CI failure: the proxy closes its engine connection
+within a millisecond of the client's FIN (tcpdump), and vLLM aborts at the next token, unless its
+frontend is busy. Polling vLLM's /metrics every 50 ms from the moment the client left kept that
+frontend (one event loop: it renders /metrics and notices a gone client when it next writes to it)
+0.85 s, 10 s, or the whole 1900-token request behind its engine on the 2-core machine. So the
+attempt leaves vLLM alone for QUIET_S, polls every 0.25 s after that, and reads kvwatch's part off
+the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from aiohttp import ClientSession
+
+from kvwatch.model import Outcome
+from tests.local import RealEngine, until
+
+from .scripted import launch_proxy
+
+CHAT = [{"role": "user", "content": "Say something long."}]
+LONG = 1900  # tokens the client asks for and leaves early from
+ATTEMPTS = 5
+QUIET_S = 0.3  # no poll of vLLM's /metrics this soon after the client left: its FIN would be first
+_CLOSE = re.compile(r"^(\d+\.\d+) IP 127\.0\.0\.1\.(\d+) > 127\.0\.0\.1\.(\d+): Flags \[([^\]]*)\]")
+
+
+@dataclass(frozen=True)
+class Engine:
+    metrics_url: str
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def vllm_metrics(engine: Engine | RealEngine) -> str:
+    """Async: the proxy under test runs on this loop, so nothing here may block it."""
+    async with httpx.AsyncClient() as client:
+        return (await client.get(engine.metrics_url, timeout=10)).text
+
+
+async def until_idle(engine: Engine, timeout_s: float = 120) -> None:
+    """Until no request runs or waits in the shared vLLM: another test's tokens would count as ours."""
+
+    async def idle() -> bool:
+        text = await vllm_metrics(engine)
+        return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") == 0
+
+    await until(idle, timeout_s, "the shared vLLM to finish an earlier test's requests", interval_s=0.2)
+
+
+async def leave_at_first_chunk(url: str, http: ClientSession) -> float:
+    """Stream LONG tokens and leave at the first content chunk; returns when the client left."""
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+        async for line in response.content:
+            if b'"content":"' in line and b'"content":""' not in line:
+                break
+        response.close()
+        return time.monotonic()
+
+
+async def generation_stops(engine: Engine, left: float) -> tuple[float, float]:
+    """Poll ``vllm:generation_tokens_total`` until it stops moving: (last value, when it last rose).
+    Gently: vLLM's frontend renders /metrics on the loop that also notices the disconnect, and
+    polling every 50 ms held that loop up to 10 s behind its engine on CI's two cores."""
+    value = metric(await vllm_metrics(engine), "vllm:generation_tokens_total")
+    rose = left
+    while time.monotonic() - rose < 1.0:  # a second without a new token: stopped
+        assert time.monotonic() - left < 30, "vLLM kept generating for a client that left"
+        await asyncio.sleep(0.25)
+        now = metric(await vllm_metrics(engine), "vllm:generation_tokens_total")
+        if now != value:
+            value, rose = now, time.monotonic()
+    return value, rose
+
+
+@contextlib.asynccontextmanager
+async def closes(*ports: int) -> AsyncIterator[list[tuple[float, int, int]]]:
+    """tcpdump (root, Debian) of every FIN or RST sent to ``ports`` on loopback: (epoch time, from
+    port, to port), filled in when the block ends."""
+    binary = shutil.which("tcpdump") or "/usr/bin/tcpdump"
+    to = " or ".join(f"dst port {p}" for p in ports)
+    proc = await asyncio.create_subprocess_exec(
+        *(binary, "-i", "lo", "-nn", "-tt", "-l", "-B", "4096"),
+        f"tcp[tcpflags] & (tcp-fin|tcp-rst) != 0 and ({to})",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    seen: list[tuple[float, int, int]] = []
+    try:
+        line = b""
+        while b"listening on" not in line:  # after "verbose output suppressed"
+            line = await asyncio.wait_for(proc.stderr.readline(), 10)  # type: ignore[union-attr]
+            assert line, "tcpdump did not start"
+        yield seen
+    finally:
+        await asyncio.sleep(0.1)  # the last segments reach the capture
+        proc.terminate()
+        out, err = await asyncio.wait_for(proc.communicate(), 10)
+    dropped = re.search(rb"(\d+) packets? dropped by kernel", err)
+    assert dropped is None or dropped.group(1) == b"0", f"tcpdump lost packets: {err!r}"
+    for text in out.decode().splitlines():
+        if m := _CLOSE.match(text):
+            seen.append((float(m[1]), int(m[2]), int(m[3])))
+
+
+def upstream_closed_after(seen: list[tuple[float, int, int]], since: float, proxy: int, engine: int) -> float:
+    """Seconds from the client's first FIN to the proxy after ``since`` to the next FIN or RST the
+    engine got (the proxy's, as nothing else closes a connection to the engine that soon)."""
+    client_left = min(t for t, _, to in seen if to == proxy and t >= since)
+    return min(t for t, _, to in seen if to == engine and t >= client_left) - client_left
+
+
+async def disconnect_attempts(base_url: str) -> dict[str, object]:
+    """Leave at the first content chunk until vLLM had not finished by then (at most ATTEMPTS times,
+    each on an idle engine so that only this request's tokens count); what was seen, for the test."""
+    engine = Engine(f"{base_url}/metrics")
+    engine_port = urlsplit(base_url).port
+    assert engine_port is not None, base_url
+    harness = await launch_proxy(base_url, model_name=None, learn_models=True)
+    proxy_port = harness.server.port
+    attempts: list[dict[str, float]] = []
+    try:
+        await until(lambda: "tiny" in harness.server.metering.labels.known, timeout_s=30)
+        async with ClientSession(auto_decompress=False) as http, closes(proxy_port, engine_port) as seen:
+            for _ in range(ATTEMPTS):
+                await until_idle(engine)
+                before = metric(await vllm_metrics(engine), "vllm:generation_tokens_total")
+                sent, sent_at = time.monotonic(), time.time()
+                left = await leave_at_first_chunk(harness.url, http)
+                await asyncio.sleep(QUIET_S)
+                after, rose = await generation_stops(engine, left)
+                seen_by = {"sent_at": sent_at, "waited_s": left - sent, "rose_s": rose - left}
+                attempts.append({**seen_by, "generated": after - before})
+                if after - before < LONG:
+                    break
+        for attempt in attempts:
+            attempt["upstream_closed_s"] = upstream_closed_after(
+                seen, attempt["sent_at"], proxy_port, engine_port
+            )
+        await until(lambda: any(r.outcome is Outcome.ABORTED for r in harness.records), 10, "the record")
+        running = metric(await vllm_metrics(engine), "vllm:num_requests_running")
+        last = harness.records[-1]
+    finally:
+        await harness.server.stop()
+    return {
+        "attempts": attempts,
+        "running_after": running,
+        "outcome": last.outcome.value,
+        "output_tokens": last.output_tokens,
+    }
