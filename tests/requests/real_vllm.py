@@ -13,11 +13,8 @@ So the attempt leaves vLLM alone for QUIET_S and reads kvwatch's part off the wi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import shutil
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -28,12 +25,13 @@ from kvwatch.model import Outcome
 from tests.local import RealEngine, until
 
 from .scripted import launch_proxy
+from .wire import tcpdump
 
 CHAT = [{"role": "user", "content": "Say something long."}]
 LONG = 1900  # tokens the client asks for and leaves early from
 ATTEMPTS = 5
 QUIET_S = 0.3  # no poll of vLLM's /metrics this soon after the client left: its FIN would be first
-_CLOSE = re.compile(r"^(\d+\.\d+) IP 127\.0\.0\.1\.(\d+) > 127\.0\.0\.1\.(\d+): Flags \[([^\]]*)\]")
+_CLOSE = re.compile(r"^(\d+\.\d+) IP 127\.0\.0\.1\.(\d+) > 127\.0\.0\.1\.(\d+): Flags ")
 
 
 @dataclass(frozen=True)
@@ -94,34 +92,9 @@ async def generation_stops(engine: Engine, left: float) -> tuple[float, float]:
     return value, rose
 
 
-@contextlib.asynccontextmanager
-async def closes(*ports: int) -> AsyncIterator[list[tuple[float, int, int]]]:
-    """tcpdump (root, Debian) of every FIN or RST sent to ``ports`` on loopback: (epoch time, from
-    port, to port), filled in when the block ends."""
-    binary = shutil.which("tcpdump") or "/usr/bin/tcpdump"
-    to = " or ".join(f"dst port {p}" for p in ports)
-    proc = await asyncio.create_subprocess_exec(
-        *(binary, "-i", "lo", "-nn", "-tt", "-l", "-B", "4096"),
-        f"tcp[tcpflags] & (tcp-fin|tcp-rst) != 0 and ({to})",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    seen: list[tuple[float, int, int]] = []
-    try:
-        line = b""
-        while b"listening on" not in line:  # after "verbose output suppressed"
-            line = await asyncio.wait_for(proc.stderr.readline(), 10)  # type: ignore[union-attr]
-            assert line, "tcpdump did not start"
-        yield seen
-    finally:
-        await asyncio.sleep(0.1)  # the last segments reach the capture
-        proc.terminate()
-        out, err = await asyncio.wait_for(proc.communicate(), 10)
-    dropped = re.search(rb"(\d+) packets? dropped by kernel", err)
-    assert dropped is None or dropped.group(1) == b"0", f"tcpdump lost packets: {err!r}"
-    for text in out.decode().splitlines():
-        if m := _CLOSE.match(text):
-            seen.append((float(m[1]), int(m[2]), int(m[3])))
+def closes(lines: bytes) -> list[tuple[float, int, int]]:
+    """The FINs and RSTs a text capture (``tcpdump -nn -tt``) saw: (epoch time, from port, to port)."""
+    return [(float(m[1]), int(m[2]), int(m[3])) for m in map(_CLOSE.match, lines.decode().splitlines()) if m]
 
 
 def upstream_closed_after(seen: list[tuple[float, int, int]], since: float, proxy: int, engine: int) -> float:
@@ -142,7 +115,8 @@ async def disconnect_attempts(base_url: str) -> dict[str, object]:
     attempts: list[dict[str, float]] = []
     try:
         await until(lambda: "tiny" in harness.server.metering.labels.known, timeout_s=30)
-        async with ClientSession(auto_decompress=False) as http, closes(proxy_port, engine_port) as seen:
+        fins = f"tcp[tcpflags] & (tcp-fin|tcp-rst) != 0 and (dst port {proxy_port} or dst port {engine_port})"
+        async with ClientSession(auto_decompress=False) as http, tcpdump("-nn", "-tt", "-l", fins) as output:
             for _ in range(ATTEMPTS):
                 await until_idle(engine)
                 before = metric(await vllm_metrics(engine), "vllm:generation_tokens_total")
@@ -154,6 +128,7 @@ async def disconnect_attempts(base_url: str) -> dict[str, object]:
                 attempts.append({**seen_by, "generated": after - before})
                 if after - before < LONG:
                     break
+        seen = closes(output[0])
         for attempt in attempts:
             attempt["upstream_closed_s"] = upstream_closed_after(
                 seen, attempt["sent_at"], proxy_port, engine_port

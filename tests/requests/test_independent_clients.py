@@ -31,8 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import shutil
 import sys
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -47,7 +45,7 @@ from tests.local import until
 from tests.vllm_bench import OFFLINE_ENV, ascii_word_tokens, serve_command
 
 from .scripted import ProxyHarness, launch_proxy
-from .wire import requests_on_wire
+from .wire import requests_on_wire, tcpdump
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 
@@ -90,43 +88,6 @@ def engine_niced(pgid: int) -> Iterator[None]:
             autogroup.write_text("0")
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PGRP, pgid, 0)
-
-
-@contextlib.asynccontextmanager
-async def tcpdump(port: int, pcap: Path) -> AsyncIterator[None]:
-    """Capture every client->proxy segment on loopback (root, Debian ``tcpdump``); a capture the
-    kernel dropped packets of fails here, as the instrument's fault, not kvwatch's."""
-    binary = shutil.which("tcpdump") or "/usr/bin/tcpdump"
-    if not Path(binary).exists():
-        pytest.fail(
-            "tcpdump is not installed: run scripts/setup-test-env.sh (apt-get install tcpdump)", pytrace=False
-        )
-    proc = await asyncio.create_subprocess_exec(
-        binary,
-        "-i",
-        "lo",
-        "-n",
-        "-U",
-        "-s",
-        "0",
-        "-B",
-        "32768",
-        "-w",
-        str(pcap),
-        f"tcp dst port {port}",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        line = await asyncio.wait_for(proc.stderr.readline(), 10)  # type: ignore[union-attr]
-        assert b"listening on" in line, line
-        yield
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        summary, _ = await asyncio.wait_for(proc.communicate(), 10)
-    dropped = re.search(rb"(\d+) packets? dropped by kernel", summary or b"")
-    assert dropped is None or dropped.group(1) == b"0", f"tcpdump lost packets: {summary!r}"
 
 
 async def run(argv: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
@@ -264,7 +225,7 @@ async def test_independent_clients_and_tcpdump_agree_with_kvwatch(
     port = proxy.server.port
     total = BENCH_REQUESTS + len(OPENAI_LENGTHS)
     with engine_niced(real_vllm.pid):
-        async with tcpdump(port, pcap):
+        async with tcpdump("-U", "-s", "0", "-B", "32768", "-w", str(pcap), f"tcp dst port {port}"):
             bench, sequential = await asyncio.gather(
                 _vllm_bench(proxy, tmp_path / "bench.json"),
                 _openai_sequential(proxy, tmp_path / "openai.json"),

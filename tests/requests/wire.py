@@ -8,10 +8,17 @@ not trust kvwatch's own HTTP parser; it only knows Content-Length bodies (what t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import re
+import shutil
 import struct
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 _LINK_HEADER = {1: 14, 113: 16, 276: 20}  # Ethernet (loopback), Linux cooked v1 and v2
 _PCAP_MAGIC = {
@@ -96,3 +103,39 @@ def _split(stream: bytes, times: list[tuple[int, float]], port: int) -> list[Wir
         first = max(t for start, t in times if start <= offset)
         out.append(WireRequest(first, port, method, path, body))
         offset = end + 4 + length
+
+
+@contextlib.asynccontextmanager
+async def tcpdump(*args: str) -> AsyncIterator[list[bytes]]:
+    """Debian ``tcpdump -i lo -n`` (root) with ``args`` (options, then the filter), running for the
+    block; then its standard output, in the list it yields. A capture the kernel dropped packets of
+    fails here, as the instrument's fault, not kvwatch's."""
+    binary = shutil.which("tcpdump") or "/usr/bin/tcpdump"
+    if not Path(binary).exists():
+        pytest.fail(
+            "tcpdump is not installed: run scripts/setup-test-env.sh (apt-get install tcpdump)", pytrace=False
+        )
+    proc = await asyncio.create_subprocess_exec(
+        binary,
+        "-i",
+        "lo",
+        "-n",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    output: list[bytes] = []
+    try:
+        line = b""
+        while b"listening on" not in line:  # after "verbose output suppressed" where it writes text
+            line = await asyncio.wait_for(proc.stderr.readline(), 10)  # type: ignore[union-attr]
+            assert line, "tcpdump did not start"
+        yield output
+    finally:
+        await asyncio.sleep(0.1)  # the last segments reach the capture
+        if proc.returncode is None:
+            proc.terminate()
+        out, summary = await asyncio.wait_for(proc.communicate(), 10)
+    dropped = re.search(rb"(\d+) packets? dropped by kernel", summary or b"")
+    assert dropped is None or dropped.group(1) == b"0", f"tcpdump lost packets: {summary!r}"
+    output.append(out)
