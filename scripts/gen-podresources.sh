@@ -5,8 +5,8 @@
 # the committed stubs are what this produces.
 set -eu
 cd "$(dirname "$0")/.."
-out=${1:-kvwatch/discovery/podresources_v1}
-"${PYTHON:-python3}" -m grpc_tools.protoc -I kvwatch/discovery/podresources_v1 --python_out="$out" \
-  --pyi_out="$out" --grpc_python_out="$out" kvwatch/discovery/podresources_v1/api.proto
+out=${1:-kvwatch/third_party/podresources_v1}
+"${PYTHON:-python3}" -m grpc_tools.protoc -I kvwatch/third_party/podresources_v1 --python_out="$out" \
+  --pyi_out="$out" --grpc_python_out="$out" kvwatch/third_party/podresources_v1/api.proto
 # the generated service module imports its messages as a top-level module; make it package-relative
 sed -i 's/^import api_pb2 as api__pb2$/from . import api_pb2 as api__pb2/' "$out/api_pb2_grpc.py"

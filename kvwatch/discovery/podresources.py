@@ -4,9 +4,9 @@ gRPC over the kubelet's unix socket (``/var/lib/kubelet/pod-resources/kubelet.so
 as dcgm-exporter does: every pod of the node with its containers and, per container, the devices
 the device plugins allocated (``resource_name`` + ``device_ids``). Only ``resource_names`` count
 (``nvidia.com/gpu`` by default; add e.g. ``nvidia.com/gpu.shared`` for time-slicing renames). The
-stubs in ``podresources_v1/`` are generated from the kubelet's ``api.proto`` and committed (no build
-step for a pure-Python package, no protoc at install time); ``scripts/gen-podresources.sh``
-regenerates them and a test checks they are current.
+stubs in ``kvwatch/third_party/podresources_v1/`` are generated from the kubelet's ``api.proto``
+and committed (no build step for a pure-Python package, no protoc at install time);
+``scripts/gen-podresources.sh`` regenerates them and a test checks they are current.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ async def list_grants(socket: str, resource_names: Sequence[str], timeout_s: flo
     """One ``List`` call on the kubelet's socket."""
     import grpc
 
-    from kvwatch.discovery.podresources_v1 import api_pb2, api_pb2_grpc
+    from kvwatch.third_party.podresources_v1 import api_pb2, api_pb2_grpc
 
     try:
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:

@@ -19,9 +19,9 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from kvwatch.export.client_model import metrics_pb2 as pb
 from kvwatch.export.encode import HistogramRows
 from kvwatch.native_histogram import NativeHistogram, spans_and_deltas
+from kvwatch.third_party.client_model import metrics_pb2 as pb
 
 PROTOBUF_MEDIA_TYPE = "application/vnd.google.protobuf"
 PROTOBUF_PARAMS = {"proto": "io.prometheus.client.MetricFamily", "encoding": "delimited"}

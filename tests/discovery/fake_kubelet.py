@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvwatch.discovery.podresources_v1 import api_pb2, api_pb2_grpc
+from kvwatch.third_party.podresources_v1 import api_pb2, api_pb2_grpc
 
 
 @dataclass(frozen=True)

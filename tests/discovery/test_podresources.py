@@ -29,7 +29,7 @@ from tests.discovery.cluster import Cluster, scrape_until
 from tests.discovery.fake_kubelet import FakeKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
-STUBS = ROOT / "kvwatch" / "discovery" / "podresources_v1"
+STUBS = ROOT / "kvwatch" / "third_party" / "podresources_v1"
 GPU0, GPU1 = _uuid_for(0), _uuid_for(1)
 
 

@@ -10,11 +10,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from google.protobuf.internal.decoder import _DecodeVarint  # type: ignore[attr-defined]
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.export.client_model import metrics_pb2 as pb
 from kvwatch.export.encode import TextEncoder
 from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE, ProtobufEncoder, wants_protobuf
 from kvwatch.export.server import metrics_app
 from kvwatch.native_histogram import NativeHistogram, bucket_index, spans_and_deltas, upper_bound
+from kvwatch.third_party.client_model import metrics_pb2 as pb
 
 from .node import full_node_registry
 from .test_encode import Frozen
