@@ -26,6 +26,7 @@ The sustainable rate is the highest step a target passed.
   .venv/bin/python bench/node_rate.py --start 4 --max-streams 32 --step-seconds 4 --json /tmp/nr.json
   .venv/bin/python bench/node_rate.py --baseline /tmp/base   # also kvwatch from another checkout
   .venv/bin/python bench/node_rate.py --workers 1,2          # in process vs 2 relay workers
+  .venv/bin/python bench/node_rate.py --quick                # one 1-second step: does it still work
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import proxy_bench as pb  # bench/ is not a package: its scripts run as files
+# run as a file, like proxy_bench.py (its roles run this script again, with a --baseline checkout's
+# kvwatch importable): bench/ is first on sys.path, so its helper modules import by their own names
+from _harness import parser
+from _harness import percentile as _pct
+from proxybench.clients import _children, _cpu_seconds, one_stream
+from proxybench.common import ROOT, _free_port, _use_uvloop
+from proxybench.peers import _spawn_nginx
+from proxybench.report import _ms
+from proxybench.scenarios import _stop
+from proxybench.upstreams import _Upstream
 
 ENGINES = 8
 LATE_FRACTION = 0.001
@@ -58,12 +66,11 @@ LATE_FRACTION = 0.001
 
 async def role_upstreams(args: argparse.Namespace) -> None:
     """8 paced SSE engines on one loop (one listening socket each)."""
-    pb._Upstream.chunks = args.chunks
-    pb._Upstream.interval = 1.0 / args.tokens_per_s
+    _Upstream.chunks = args.chunks
+    _Upstream.interval = 1.0 / args.tokens_per_s
     loop = asyncio.get_running_loop()
     servers = [
-        await loop.create_server(pb._Upstream, "127.0.0.1", int(p), backlog=4096)
-        for p in args.ports.split(",")
+        await loop.create_server(_Upstream, "127.0.0.1", int(p), backlog=4096) for p in args.ports.split(",")
     ]
     print("READY", flush=True)
     try:
@@ -133,7 +140,7 @@ ROLES = {"upstreams": role_upstreams, "kvwatch": role_kvwatch}
 def _run_role(args: argparse.Namespace) -> int:
     import signal
 
-    pb._use_uvloop(True)
+    _use_uvloop(True)
 
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
@@ -144,7 +151,7 @@ def _run_role(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn(role: str, *extra: str, tree: Path = pb.ROOT) -> subprocess.Popen:
+def _spawn(role: str, *extra: str, tree: Path = ROOT) -> subprocess.Popen:
     """A role process, importing kvwatch from ``tree`` (this checkout, or ``--baseline``)."""
     proc = subprocess.Popen(
         [sys.executable, __file__, "--role", role, *extra],
@@ -188,7 +195,7 @@ async def _step(
         nonlocal chunks, expected, failed
         while time.monotonic() < deadline:
             try:
-                s = await pb.one_stream(port)
+                s = await one_stream(port)
             except (OSError, TimeoutError):
                 failed += 1
                 continue
@@ -208,17 +215,17 @@ async def _step(
 
 def measure(target: str, ports: list[int], pids: list[int], streams: int, args: argparse.Namespace) -> Step:
     async def run() -> Step:
-        c0 = pb._cpu_seconds(pids)
+        c0 = _cpu_seconds(pids)
         chunks, expected, failed, latencies, wall = await _step(
             ports, streams, args.step_seconds, args.chunks, args.chunks / args.tokens_per_s
         )
-        return Step(target, streams, chunks, expected, failed, wall, pb._cpu_seconds(pids) - c0, latencies)
+        return Step(target, streams, chunks, expected, failed, wall, _cpu_seconds(pids) - c0, latencies)
 
     return asyncio.run(run())
 
 
 def _verdict(step: Step, direct: Step, args: argparse.Namespace) -> tuple[float, bool, str]:
-    added = pb._ms(pb._pct(step.latencies_ns, 99) - pb._pct(direct.latencies_ns, 99))
+    added = _ms(_pct(step.latencies_ns, 99) - _pct(direct.latencies_ns, 99))
     late = sum(1 for v in step.latencies_ns if v > args.late_ms * 1e6)
     if step.failed or step.chunks < step.expected:
         return added, False, f"dropped {step.expected - step.chunks} chunks, {step.failed} streams failed"
@@ -235,10 +242,10 @@ def _kvwatch_target(workers: int) -> str:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    pb._use_uvloop(True)
-    up_ports = [pb._free_port() for _ in range(ENGINES)]
-    nginx_ports = [pb._free_port() for _ in range(ENGINES)]
-    kv_ports = [pb._free_port() for _ in range(ENGINES)]
+    _use_uvloop(True)
+    up_ports = [_free_port() for _ in range(ENGINES)]
+    nginx_ports = [_free_port() for _ in range(ENGINES)]
+    kv_ports = [_free_port() for _ in range(ENGINES)]
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-node-rate-"))
     upstreams = _spawn(
         "upstreams",
@@ -252,7 +259,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen | None] = [upstreams]
     rows = []
     try:
-        nginx = pb._spawn_nginx(
+        nginx = _spawn_nginx(
             nginx_ports[0],
             up_ports[0],
             workdir / "nginx",
@@ -273,11 +280,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         time.sleep(0.5)  # nginx forks its workers
         targets = {
             "direct": (up_ports, []),
-            "nginx": (nginx_ports, pb._children(nginx.pid)),
-            _kvwatch_target(args.workers[0]): (kv_ports, pb._children(kvwatch.pid)),
+            "nginx": (nginx_ports, _children(nginx.pid)),
+            _kvwatch_target(args.workers[0]): (kv_ports, _children(kvwatch.pid)),
         }
         for workers in args.workers[1:]:  # the --workers sweep: each count its own agent, same upstreams
-            ports = [pb._free_port() for _ in range(ENGINES)]
+            ports = [_free_port() for _ in range(ENGINES)]
             more = _spawn(
                 "kvwatch",
                 "--ports",
@@ -288,9 +295,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                 str(workers),
             )
             procs.append(more)
-            targets[_kvwatch_target(workers)] = (ports, pb._children(more.pid))
+            targets[_kvwatch_target(workers)] = (ports, _children(more.pid))
         if args.baseline:  # the code before a change, interleaved with it in every step
-            base_ports = [pb._free_port() for _ in range(ENGINES)]
+            base_ports = [_free_port() for _ in range(ENGINES)]
             base = _spawn(
                 "kvwatch",
                 "--ports",
@@ -300,7 +307,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 tree=Path(args.baseline).resolve(),
             )
             procs.append(base)
-            targets["kvwatch-baseline"] = (base_ports, pb._children(base.pid))
+            targets["kvwatch-baseline"] = (base_ports, _children(base.pid))
         for ports, _ in targets.values():  # warm-up: connections, pools, first-call costs
             asyncio.run(_step(ports, 1, 0.1, args.chunks, 0.2))
         alive = True
@@ -328,7 +335,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                     "target": name,
                     "chunks_per_s": step.chunks / step.wall_s,
                     "added_chunk_p99_ms": added if name != "direct" else None,
-                    "chunk_p99_ms": pb._ms(pb._pct(step.latencies_ns, 99)),
+                    "chunk_p99_ms": _ms(_pct(step.latencies_ns, 99)),
                     "cpu_ms_per_1k_chunks": per_k,
                     "cpu_vs_nginx": per_k / nginx_per_k if per_k and nginx_per_k else None,
                     "cores_used": step.cpu_s / step.wall_s if name != "direct" else None,
@@ -352,7 +359,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             streams *= 2
     finally:
         for proc in procs[::-1]:
-            pb._stop(proc)
+            _stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
     print()
     for name in [t for t in targets if t != "direct"]:
@@ -378,7 +385,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument(
         "--tokens-per-s", type=float, default=50.0, help="each stream's pace (an engine's decode rate)"
     )
@@ -406,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         args.workers = [int(w) for w in str(args.workers).split(",")]
     except ValueError:
         p.error(f"--workers: expected counts like 1,2, got {args.workers!r}")
+    if args.quick and not args.role:  # one short step of every target, in process and 2 workers
+        args.start = args.max_streams = 1
+        args.step_seconds, args.chunks, args.tokens_per_s, args.workers = 1.0, 20, 100.0, [1, 2]
     if args.role:
         return _run_role(args)
     return orchestrate(args)

@@ -45,28 +45,9 @@ import sys
 from pathlib import Path
 
 from _harness import parser
-from _harness import percentile as _pct
-from proxybench.clients import _children, _cpu_seconds, one_stream
-from proxybench.common import BASELINE_ENV, ROOT, _free_port, _use_uvloop
-from proxybench.peers import ROLES, _spawn_nginx
-from proxybench.report import _ms
-from proxybench.scenarios import _stop, orchestrate, orchestrate_late_tail
-from proxybench.upstreams import _Upstream
-
-# node_rate.py reads these from here (bench/ is not a package: its scripts run as files)
-__all__ = [
-    "ROOT",
-    "_Upstream",
-    "_children",
-    "_cpu_seconds",
-    "_free_port",
-    "_ms",
-    "_pct",
-    "_spawn_nginx",
-    "_stop",
-    "_use_uvloop",
-    "one_stream",
-]
+from proxybench.common import BASELINE_ENV, _use_uvloop
+from proxybench.peers import ROLES
+from proxybench.scenarios import orchestrate, orchestrate_late_tail
 
 
 def _run_role(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """Every bench's ``--quick`` run still works, so no bench rots unseen (slow: run with ``-m slow``).
 
-A bench runs as its usage line says (``.venv/bin/python -m bench.NAME``), from the repository root,
-with this checkout first on the path. A bench not in QUICK must be in NOT_QUICK_HERE with the reason,
-so a new bench cannot slip past both; and no bench changes ``sys.path`` or imports a test module or
-a private name of the tests' helpers (benches share the tests' public helper modules only).
+A bench runs as its usage line says (``.venv/bin/python -m bench.NAME``, or as a file for the two
+in RUN_AS_FILES), from the repository root, with this checkout first on the path. A bench not in
+QUICK must be in RUN_AS_FILES with its own quick test, so a new bench cannot slip past both; and no
+bench changes ``sys.path`` or imports a test module or a private name of the tests' helpers (benches
+share the tests' public helper modules only).
 """
 
 from __future__ import annotations
@@ -50,14 +51,12 @@ QUICK: dict[str, Quick] = {
     "sim_bench.py": Quick(("--quick",), "max sustained speed factor"),  # ~45 s
     "vllm_plugin_bench.py": Quick(("--quick",), "series per replica", (pytest.mark.real_vllm,)),  # ~25 s
 }
-#: benches not run here, and why: both are being reworked together with the proxy package, and run
-#: as files (``.venv/bin/python bench/NAME.py``) until then
-NOT_QUICK_HERE = {
-    "node_rate.py": "no --quick yet (a ramp of real nginx and proxy runs); imports proxy_bench by sys.path",
-    "proxy_bench.py": "runs as a file (its roles import a --baseline checkout's kvwatch); quick runs below",
+#: benches that run as files (``.venv/bin/python bench/NAME.py``), not with ``-m``: their roles run
+#: the script again with a ``--baseline`` checkout's kvwatch importable; their quick runs are below
+RUN_AS_FILES = {
+    "node_rate.py": "its roles (upstreams, agents) run the script itself; quick run below",
+    "proxy_bench.py": "its roles (upstream, kvwatch, relays) run the script itself; quick runs below",
 }
-#: benches that still change sys.path (each one a gap, to close when it is reworked)
-CHANGES_SYS_PATH = {"node_rate.py"}
 
 
 def _benches() -> set[str]:
@@ -65,8 +64,10 @@ def _benches() -> set[str]:
 
 
 def test_every_bench_is_run_quick_or_says_why_not() -> None:
-    assert _benches() == set(QUICK) | set(NOT_QUICK_HERE), "add the bench to QUICK (or NOT_QUICK_HERE)"
-    assert not set(QUICK) & set(NOT_QUICK_HERE)
+    assert _benches() == set(QUICK) | set(RUN_AS_FILES), (
+        "add the bench to QUICK (or RUN_AS_FILES, with a quick test)"
+    )
+    assert not set(QUICK) & set(RUN_AS_FILES)
 
 
 def _test_helper_imports(tree: ast.Module) -> list[str]:
@@ -97,8 +98,7 @@ def test_benches_import_the_tests_public_helpers_only() -> None:
     for path in sorted(BENCH.glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         assert not _test_helper_imports(tree), f"{path.name}: {_test_helper_imports(tree)}"
-        if path.name not in CHANGES_SYS_PATH:
-            assert not _changes_sys_path(tree), f"{path.name} changes sys.path: run it with -m instead"
+        assert not _changes_sys_path(tree), f"{path.name} changes sys.path: run it with -m instead"
 
 
 def test_the_import_check_catches_what_the_benches_used_to_do() -> None:
@@ -136,11 +136,11 @@ def test_bench_quick_run_works(bench: str) -> None:
     assert quick.ends_with in proc.stdout, f"{bench} --quick stopped early:\n{proc.stdout[-2000:]}"
 
 
-def _proxy_bench_quick(*args: str) -> subprocess.CompletedProcess[str]:
-    """bench/proxy_bench.py --quick, run as a file with this checkout's kvwatch importable."""
+def _quick_as_file(bench: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """bench/NAME --quick, run as a file with this checkout's kvwatch importable."""
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     return subprocess.run(
-        [sys.executable, str(BENCH / "proxy_bench.py"), "--quick", *args],
+        [sys.executable, str(BENCH / bench), "--quick", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
@@ -155,7 +155,7 @@ def _proxy_bench_quick(*args: str) -> subprocess.CompletedProcess[str]:
 def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
     """bench/proxy_bench.py's roles (upstream, kvwatch, relays) run as the script itself, with the
     kvwatch of this checkout or of a ``--baseline`` one: it runs as a file, not with ``-m``."""
-    proc = _proxy_bench_quick("--scenario", scenario)
+    proc = _quick_as_file("proxy_bench.py", "--scenario", scenario)
     assert proc.returncode == 0, f"proxy_bench --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert "| kvwatch-uvloop |" in proc.stdout and "; cores " in proc.stdout, proc.stdout[-2000:]
 
@@ -165,7 +165,20 @@ def test_proxy_bench_nginx_meter_accounts_every_request() -> None:
     """The ``nginxlua`` target (bench/proxybench/nginx_meter.lua in Debian's nginx with
     libnginx-mod-http-lua) sends what the agent's ChannelReceiver accepts, and its totals agree
     with what the clients counted: the bench checks that before it measures, and exits 1 if not."""
-    proc = _proxy_bench_quick("--targets", "nginx,nginxlua")
+    proc = _quick_as_file("proxy_bench.py", "--targets", "nginx,nginxlua")
     assert proc.returncode == 0, f"proxy_bench nginxlua failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert "# nginxlua accounting matches the clients" in proc.stderr, proc.stderr[-2000:]
     assert "| nginxlua |" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_node_rate_quick_runs_as_a_file() -> None:
+    """bench/node_rate.py --quick: one step of direct, nginx, the agent in process and with 2 relay
+    workers, on 8 paced upstreams; every target relays every chunk (the step passes)."""
+    proc = _quick_as_file("node_rate.py")
+    assert proc.returncode == 0, f"node_rate --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    for target in ("nginx", "kvwatch", "kvwatch-2w"):
+        assert f"| 1 | {target} |" in proc.stdout, proc.stdout[-2000:]
+        assert f"{target}: sustainable" in proc.stdout and "below the first step" not in proc.stdout, (
+            proc.stdout[-2000:]
+        )
