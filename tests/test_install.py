@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from report.ledgers import HAND, write
 
 from tests.local import free_port, wait_until
+from tests.report.ledgers import HAND, write
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,6 @@ manifest can never ship a config the agent would refuse.
 
 from __future__ import annotations
 
-import functools
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +17,23 @@ import jsonschema
 import pytest
 import yaml
 
-from kvwatch.config import apply_env_overrides, config_from_mapping, parse_host_port
+from kvwatch.config import parse_host_port
 from kvwatch.discovery.kube_api import POD_VERBS
 from kvwatch.mixin import k8s
-from tests.local import require_tool
+from tests.deploy.manifests import (
+    KUBE,
+    ROOT,
+    WORKLOADS,
+    agent_config,
+    build,
+    container_env,
+    containers,
+    kvwatch_container,
+    kvwatch_pod,
+    one,
+    pod_specs,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("node-agent", "pid-mapping", "sidecar-example", "discovery")
 #: overlays whose namespace admits privileged pods, and the one thing each needs it for
 PRIVILEGED_NAMESPACE = {"pid-mapping": "hostPID", "discovery": "the kubelet's pod-resources socket"}
@@ -36,54 +44,12 @@ CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 CRD_SCHEMA = yaml.safe_load(
     (Path(__file__).parent / "data" / "prometheus-operator-v1-subset.yaml").read_text(encoding="utf-8")
 )
-WORKLOADS = {"DaemonSet", "Deployment"}
 CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "RuntimeClass"}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     return request.param, build(KUBE / "overlays" / request.param)
-
-
-@functools.cache
-def _rendered(directory: Path) -> str:
-    out = subprocess.run(
-        [require_tool("kubectl"), "kustomize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def build(directory: Path) -> list[dict[str, Any]]:
-    """The objects ``kubectl apply -k`` would send: ``kubectl kustomize`` (the kustomize built into
-    kubectl) renders them; each call gets its own copies."""
-    return [doc for doc in yaml.safe_load_all(_rendered(directory)) if doc]
-
-
-def _one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def _pod_specs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [o["spec"]["template"]["spec"] for o in objects if o["kind"] in WORKLOADS]
-
-
-def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*pod.get("initContainers", []), *pod["containers"]]
-
-
-def _kvwatch_container(pod: dict[str, Any]) -> dict[str, Any]:
-    return next(c for c in _containers(pod) if c["name"] == "kvwatch")
-
-
-def _kvwatch_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    return next(p for p in _pod_specs(objects) if any(c["name"] == "kvwatch" for c in _containers(p)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +67,7 @@ def test_every_overlay_renders_the_objects_its_mode_needs(overlay: tuple[str, li
         assert {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor"} <= kinds
         assert "PodMonitor" not in kinds
     namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] not in CLUSTER_SCOPED}
-    assert namespaces == {_one(objects, "Namespace")["metadata"]["name"]}
+    assert namespaces == {one(objects, "Namespace")["metadata"]["name"]}
     assert {o["kind"] for o in objects} & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} == (
         {"ClusterRole", "ClusterRoleBinding"} if name == "discovery" else set()
     )
@@ -142,7 +108,7 @@ def test_prometheus_operator_objects_use_only_crd_fields(overlay: tuple[str, lis
 
 
 def test_crd_schema_subset_rejects_a_misspelt_field() -> None:
-    monitor = _one(build(KUBE / "base"), "ServiceMonitor")
+    monitor = one(build(KUBE / "base"), "ServiceMonitor")
     monitor["spec"]["endpoints"][0]["honorLabel"] = False
     assert any("honorLabel" in e for e in _crd_errors(monitor))
     monitor["spec"]["endpoints"][0].pop("honorLabel")
@@ -165,7 +131,7 @@ def test_rule_groups_have_unique_names_within_each_prometheusrule(overlay) -> No
 def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     name, objects = overlay
     discovery = name == "discovery"  # its exceptions: a token, the pod-resources socket, UID 0
-    for pod in _pod_specs(objects):
+    for pod in pod_specs(objects):
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         assert pod["automountServiceAccountToken"] is discovery
         assert not pod.get("hostNetwork") and not pod.get("hostIPC")
@@ -178,7 +144,7 @@ def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[s
             if discovery
             else []
         )
-        for c in _containers(pod):
+        for c in containers(pod):
             sc = c["securityContext"]
             run_as_non_root = sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot"))
             assert run_as_non_root is not discovery, c["name"]
@@ -196,25 +162,25 @@ def test_every_container_runs_without_privileges(overlay: tuple[str, list[dict[s
 
 def test_host_pid_only_in_the_pid_mapping_overlay(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     name, objects = overlay
-    host_pid = [bool(p.get("hostPID")) for p in _pod_specs(objects)]
+    host_pid = [bool(p.get("hostPID")) for p in pod_specs(objects)]
     assert host_pid == [name == "pid-mapping"] * len(host_pid)
     # hostPID and hostPath are outside Pod Security "baseline": the overlay must say so on its namespace.
-    enforce = _one(objects, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    enforce = one(objects, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
     assert enforce == ("privileged" if name in PRIVILEGED_NAMESPACE else "restricted")
 
 
 def test_discovery_may_read_pods_and_nothing_else() -> None:
     objects = build(KUBE / "overlays" / "discovery")
-    role = _one(objects, "ClusterRole")
+    role = one(objects, "ClusterRole")
     # exactly the verbs the agent sends (no get: it never reads one pod by name)
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": list(POD_VERBS)}]
-    binding = _one(objects, "ClusterRoleBinding")
+    binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "ClusterRole",
         "name": role["metadata"]["name"],
     }
-    daemonset = _one(objects, "DaemonSet")
+    daemonset = one(objects, "DaemonSet")
     assert binding["subjects"] == [
         {
             "kind": "ServiceAccount",
@@ -226,19 +192,19 @@ def test_discovery_may_read_pods_and_nothing_else() -> None:
 
 def test_discovery_needs_no_per_node_configuration() -> None:
     objects = build(KUBE / "overlays" / "discovery")
-    cfg = _agent_config(objects)
+    cfg = agent_config(objects)
     assert cfg.replicas == ()  # found, not listed
     assert cfg.discovery.kubernetes.enabled and cfg.discovery.kubernetes.api_url is None  # in-cluster
     assert cfg.discovery.pod_resources.enabled
     assert cfg.discovery.pod_resources.socket.startswith(POD_RESOURCES + "/")
-    container = _kvwatch_container(_kvwatch_pod(objects))
-    assert "KVWATCH_REPLICAS" not in _container_env(container)
-    assert _container_env(container)["KVWATCH_NODE"] == "gpu-node-1"  # the field selector's node
+    container = kvwatch_container(kvwatch_pod(objects))
+    assert "KVWATCH_REPLICAS" not in container_env(container)
+    assert container_env(container)["KVWATCH_NODE"] == "gpu-node-1"  # the field selector's node
 
 
 def test_node_agent_observes_gpus_without_allocating_any() -> None:
-    pod = _kvwatch_pod(build(KUBE / "base"))
-    container = _kvwatch_container(pod)
+    pod = kvwatch_pod(build(KUBE / "base"))
+    container = kvwatch_container(pod)
     for section in ("requests", "limits"):
         assert "nvidia.com/gpu" not in container["resources"][section]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -253,7 +219,7 @@ def test_pods_running_kvwatch_get_no_service_link_variables(overlay) -> None:
     """The kubelet injects <SERVICE>_PORT=tcp://... for every Service; for a Service named kvwatch
     those would be read as KVWATCH_* config overrides and refused."""
     _, objects = overlay
-    assert _kvwatch_pod(objects)["enableServiceLinks"] is False
+    assert kvwatch_pod(objects)["enableServiceLinks"] is False
 
 
 def test_kvwatch_resources_follow_the_measured_sizing() -> None:
@@ -281,45 +247,17 @@ def test_kvwatch_resources_follow_the_measured_sizing() -> None:
 # the agent inside: config, ports, probes
 # --------------------------------------------------------------------------------------------
 
-FAKE_FIELDS = {"status.hostIP": "10.0.0.7", "spec.nodeName": "gpu-node-1"}
-
-
-def _container_env(container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as the kubelet builds it, $(VAR) references expanded."""
-    env: dict[str, str] = {}
-    for item in container.get("env", []):
-        if "valueFrom" in item:
-            env[item["name"]] = FAKE_FIELDS[item["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            env[item["name"]] = re.sub(
-                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"]
-            )
-    return env
-
-
-def _agent_config(objects: list[dict[str, Any]]):
-    pod = _kvwatch_pod(objects)
-    container = _kvwatch_container(pod)
-    args = container["args"]
-    assert args[:2] == ["run", "--config"]
-    mount = next(m for m in container["volumeMounts"] if args[2].startswith(m["mountPath"] + "/"))
-    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    configmap = _one(objects, "ConfigMap", volume["configMap"]["name"])
-    data = yaml.safe_load(configmap["data"][Path(args[2]).name])
-    env = _container_env(container)
-    return config_from_mapping(apply_env_overrides(data, env), configmap["metadata"]["name"])
-
 
 def test_agent_config_in_each_overlay_is_accepted_by_kvwatch(overlay) -> None:
     name, objects = overlay
-    cfg = _agent_config(objects)
+    cfg = agent_config(objects)
     assert cfg.node == "gpu-node-1"
     assert bool(cfg.replicas) is not cfg.discovery.kubernetes.enabled
     assert cfg.discovery.kubernetes.enabled is (name == "discovery")
 
 
 def test_node_agent_reaches_engines_on_the_node_ip() -> None:
-    cfg = _agent_config(build(KUBE / "base"))
+    cfg = agent_config(build(KUBE / "base"))
     assert [r.metrics_url for r in cfg.replicas] == ["http://10.0.0.7:8000/metrics"]
     assert cfg.nvml.enabled
 
@@ -334,31 +272,29 @@ def test_probes_hit_the_agents_health_routes_on_its_listen_port(overlay) -> None
     from kvwatch.export.server import metrics_app
 
     _, objects = overlay
-    container = _kvwatch_container(_kvwatch_pod(objects))
+    container = kvwatch_container(kvwatch_pod(objects))
     routes = {r.resource.canonical for r in metrics_app(CollectorRegistry(), lambda: True).router.routes()}
     assert container["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
     assert container["readinessProbe"]["httpGet"]["path"] == "/-/ready"
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] in routes
         assert container[probe]["httpGet"]["port"] == "metrics"
-    assert _port(container, "metrics") == _agent_config(objects).listen.port == 9477
+    assert _port(container, "metrics") == agent_config(objects).listen.port == 9477
 
 
 def test_scrape_objects_select_the_agent_and_name_its_port(overlay) -> None:
     name, objects = overlay
     pod_object = next(
-        o
-        for o in objects
-        if o["kind"] in WORKLOADS and o["spec"]["template"]["spec"] is _kvwatch_pod(objects)
+        o for o in objects if o["kind"] in WORKLOADS and o["spec"]["template"]["spec"] is kvwatch_pod(objects)
     )
     pod_labels = pod_object["spec"]["template"]["metadata"]["labels"]
     if name == "sidecar-example":
-        monitor = _one(objects, "PodMonitor")
+        monitor = one(objects, "PodMonitor")
         assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         endpoints = monitor["spec"]["podMetricsEndpoints"]
     else:
-        service = _one(objects, "Service")
-        monitor = _one(objects, "ServiceMonitor")
+        service = one(objects, "Service")
+        monitor = one(objects, "ServiceMonitor")
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["publishNotReadyAddresses"] is True  # a not-ready agent is still scraped
         assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -379,12 +315,12 @@ def test_scrape_objects_select_the_agent_and_name_its_port(overlay) -> None:
 
 def test_sidecar_clients_reach_vllm_only_through_the_proxy() -> None:
     objects = build(KUBE / "overlays" / "sidecar-example")
-    pod = _kvwatch_pod(objects)
-    kvwatch = _kvwatch_container(pod)
+    pod = kvwatch_pod(objects)
+    kvwatch = kvwatch_container(pod)
     vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
-    cfg = _agent_config(objects)
+    cfg = agent_config(objects)
     [replica] = cfg.replicas
-    service = _one(objects, "Service")
+    service = one(objects, "Service")
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["proxy"]
     assert _port(kvwatch, "proxy") == replica.proxy_listen.port
     assert "--host=127.0.0.1" in vllm["args"]
@@ -395,9 +331,9 @@ def test_sidecar_clients_reach_vllm_only_through_the_proxy() -> None:
 
 def test_sidecar_receives_vllm_spans_over_otlp_http_on_loopback() -> None:
     objects = build(KUBE / "overlays" / "sidecar-example")
-    pod = _kvwatch_pod(objects)
+    pod = kvwatch_pod(objects)
     vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
-    cfg = _agent_config(objects)
+    cfg = agent_config(objects)
     endpoint = next(a.split("=", 1)[1] for a in vllm["args"] if a.startswith("--otlp-traces-endpoint="))
     assert endpoint == f"http://{cfg.otlp.listen}/v1/traces"
     assert cfg.otlp.listen == parse_host_port("127.0.0.1:4318")
@@ -428,10 +364,10 @@ def test_every_scrape_path_gives_the_job_label_the_alerts_select(overlay) -> Non
 
     name, objects = overlay
     if name == "sidecar-example":
-        [endpoint] = _one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"]
+        [endpoint] = one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"]
         job = {"targetLabel": "job", "replacement": DEFAULT_JOB, "action": "replace"}
         assert job in endpoint["relabelings"]
     else:
-        monitor = _one(objects, "ServiceMonitor")
+        monitor = one(objects, "ServiceMonitor")
         assert "jobLabel" not in monitor["spec"]  # job = the Service's name
-        assert _one(objects, "Service")["metadata"]["name"] == DEFAULT_JOB
+        assert one(objects, "Service")["metadata"]["name"] == DEFAULT_JOB

@@ -2,59 +2,13 @@
 
 import math
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvwatch.agent.derived import update_derived
 from kvwatch.catalog import CATALOG
-from kvwatch.config import Config, HostPort, ReplicaConfig
-from kvwatch.export.derived import DerivedCollector
 from kvwatch.model import DEFAULT_BANDS, TierTraffic
 from kvwatch.state import NodeState
 
-from .factories import gpu, request, vllm
-
-PROXIED = Config(
-    replicas=(
-        ReplicaConfig(
-            "r0",
-            "http://127.0.0.1:1/metrics",
-            api_url="http://127.0.0.1:1",
-            proxy_listen=HostPort("127.0.0.1", 0),
-        ),
-    )
-)
-
-
-def sample(t: float, **fields):
-    base = {
-        "kv_usage_ratio": 0.5,
-        "requests_running": 2.0,
-        "requests_waiting": 0.0,
-        "preemptions_total": 0.0,
-        "generation_tokens_total": 20.0 * t,
-        "prompt_tokens_total": 0.0,
-        "finished_requests_total": (("stop", 0.0),),
-    }
-    return vllm(scraped_at=t, **{**base, **fields})
-
-
-def scraped(state: NodeState, t: float, config: Config = PROXIED, **fields) -> None:
-    """What the scraper does after a good scrape, then what the agent calls."""
-    target = state.target("r0")
-    target.up, target.backend, target.samples = True, "vllm", (sample(t, **fields),)
-    update_derived(state, config, now=t)
-
-
-def exposition(state: NodeState, config: Config = PROXIED) -> dict[str, list]:
-    class Wrapper:
-        def collect(self):
-            return DerivedCollector(state, config).collect()
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Wrapper())
-    text = generate_latest(registry).decode()
-    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+from .exported import PROXIED, exposition, scraped
+from .factories import gpu, request
 
 
 def test_every_derived_catalog_family_is_rendered_and_nothing_else():

@@ -34,13 +34,7 @@ from kvwatch.config import (
     ScrapeConfig,
 )
 from kvwatch.discovery.plugin_dir import socket_path
-from tests.deploy.test_kubernetes_manifests import (
-    KUBE,
-    _agent_config,
-    _kvwatch_container,
-    _kvwatch_pod,
-    build,
-)
+from tests.deploy.manifests import KUBE, agent_config, build, kvwatch_container, kvwatch_pod
 from tests.discovery.cluster import Cluster, scrape_until
 from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable, until
 
@@ -95,12 +89,12 @@ def engine_socket_on_node(uid: str) -> tuple[str, str]:
 def agent_socket_on_node(uid: str) -> str:
     """Where the discovery overlay's agent binds the socket of the pod with ``uid``, on the node."""
     objects = build(KUBE / "overlays" / "discovery")
-    directory = _agent_config(objects).discovery.kubernetes.vllm_plugin_dir
+    directory = agent_config(objects).discovery.kubernetes.vllm_plugin_dir
     assert directory is not None
     path = socket_path(directory, uid)
     assert path is not None
-    pod = _kvwatch_pod(objects)
-    return _on_node(pod, _kvwatch_container(pod), path, {})
+    pod = kvwatch_pod(objects)
+    return _on_node(pod, kvwatch_container(pod), path, {})
 
 
 UID = "6f1c0e0a-2b4d-4c8e-9a51-3d2f7b9e0c11"
@@ -116,12 +110,12 @@ def test_the_docs_engine_recipe_and_the_discovery_overlay_meet_at_one_socket() -
     objects = build(KUBE / "overlays" / "discovery")
     agent_mount = next(
         m
-        for m in _kvwatch_container(_kvwatch_pod(objects))["volumeMounts"]
+        for m in kvwatch_container(kvwatch_pod(objects))["volumeMounts"]
         if m["mountPath"] == "/run/kvwatch/vllm"
     )
     assert not agent_mount.get("readOnly")  # the agent binds there
     # the agent's group is the one the recipe adds: the sockets are mode 0660
-    agent_group = _kvwatch_pod(objects)["securityContext"]["runAsGroup"]
+    agent_group = kvwatch_pod(objects)["securityContext"]["runAsGroup"]
     assert agent_group in spec["securityContext"]["supplementalGroups"]
 
 

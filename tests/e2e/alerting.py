@@ -36,7 +36,7 @@ import httpx
 import yaml
 from aiohttp import web
 
-from tests.local import require_tool
+from tests.local import require_tool, serve_app
 
 from .stack import ROOT, Prometheus, free_port, stop_group, wait_until
 
@@ -256,11 +256,7 @@ class WebhookReceiver:
     async def _start(self) -> str:
         app = web.Application()
         app.router.add_post("/{receiver}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
+        self._runner, port = await serve_app(app, access_log=None)
         return f"http://127.0.0.1:{port}"
 
     def start(self) -> None:

@@ -18,7 +18,7 @@ from kvwatch.agent import Agent
 from kvwatch.config import config_from_mapping
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
-from tests.local import until
+from tests.local import serve_app, until
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "tests/fixtures/engines/captured/vllm-0.13-0.14-v1-lmcache-dynamo-2026-01-2.prom"
@@ -37,11 +37,8 @@ async def _serve_captures(replicas: int) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.add_routes([web.get(f"/r{i}/metrics", metrics) for i in range(replicas)])
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, port = await serve_app(app, access_log=None)
+    return runner, f"http://127.0.0.1:{port}"
 
 
 def _record(

@@ -21,7 +21,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from status.test_page_chromium import dump_dom
+
+from tests.local import serving
+from tests.status.chromium import dump_dom
 
 pytestmark = [
     pytest.mark.chromium,
@@ -60,15 +62,8 @@ async def _load_once(demo_url: str, profile: Path) -> tuple[str, list[tuple[str,
 
         app = web.Application()
         app.router.add_get("/{tail:.*}", relay)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = runner.addresses[0][1]
-            dom = await dump_dom(f"http://127.0.0.1:{port}/", profile, budget_ms=5000)
-        finally:
-            await runner.cleanup()
+        async with serving(app, access_log=None) as url:
+            dom = await dump_dom(f"{url}/", profile, budget_ms=5000)
     return dom, served
 
 

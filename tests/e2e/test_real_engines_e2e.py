@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engines.real_checks import inspect_json
 
 from kvwatch.model import OUTCOMES, LengthBands
+from tests.engines.real_checks import inspect_json
 from tests.local import until, wait_vllm_idle
 
 from .stack import (

@@ -36,6 +36,7 @@ from kvwatch.catalog import CATALOG, REJECTED_SAMPLE_REASONS
 from kvwatch.export.profile import ENGINE_SIDE_ONLY_FAMILIES, PER_NODE_REQUEST_FAMILIES
 from kvwatch.model import OUTCOMES, LengthBands
 from kvwatch.state import HISTOGRAM_FAMILIES
+from tests.local import serve_app
 
 from .reference_node import reference_node
 from .stack import (
@@ -588,11 +589,7 @@ class RemoteWriteSink:
         async def setup() -> None:
             app = web.Application(client_max_size=64 << 20)
             app.add_routes([web.post("/write", write)])
-            self._runner = web.AppRunner(app, access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
+            self._runner, self.port = await serve_app(app, access_log=None)
 
         self._loop.run_until_complete(setup())
         self._ready.set()

@@ -11,13 +11,13 @@ import contextlib
 import time
 
 import pytest
-from timing import fastest
 
 from kvwatch.engines.base import rank_sort_key
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, parse_text
 from kvwatch.engines.registry import parse_exposition, parse_families
 from kvwatch.safetext import terminal_safe
 from tests.engines import hostile
+from tests.timing import fastest
 
 UNCAPPED = Limits(max_line_length=10**9)
 

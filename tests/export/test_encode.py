@@ -10,17 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from kvwatch.export.encode import HistogramRows, TextEncoder
 from tests.local import require_tool
 
+from .frozen import Frozen
 from .node import full_node_registry
-
-
-class Frozen:
-    """A collector replaying one snapshot, so both encoders see the very same families."""
-
-    def __init__(self, families) -> None:
-        self.families = list(families)
-
-    def collect(self):
-        return iter(self.families)
 
 
 def test_full_node_exposition_is_byte_identical_to_generate_latest():

@@ -20,7 +20,7 @@ from kvwatch.export.protobuf import ProtobufEncoder
 from kvwatch.native_histogram import BUCKET_LIMIT, NativeHistogram, merged
 
 from .node import full_node_registry
-from .test_protobuf import decode
+from .protobuf_decode import decode
 
 Labels = tuple[tuple[str, str], ...]
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from google.protobuf.internal.decoder import _DecodeVarint  # type: ignore[attr-defined]
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.export.encode import TextEncoder
@@ -16,8 +15,9 @@ from kvwatch.export.server import metrics_app
 from kvwatch.native_histogram import NativeHistogram, bucket_index, spans_and_deltas, upper_bound
 from kvwatch.third_party.client_model import metrics_pb2 as pb
 
+from .frozen import Frozen
 from .node import full_node_registry
-from .test_encode import Frozen
+from .protobuf_decode import decode
 
 # Accept headers exactly as Prometheus sends them: 2.42 scrape/scrape.go scrapeAcceptHeader(WithProtobuf);
 # 3.8 acceptHeader() over config.ScrapeProtocolsHeaders with scrape_native_histograms (PrometheusProto first)
@@ -36,17 +36,6 @@ PROM_3_NATIVE = (
     "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
     "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
 )
-
-
-def decode(body: bytes) -> list[pb.MetricFamily]:
-    families, pos = [], 0
-    while pos < len(body):
-        size, pos = _DecodeVarint(body, pos)
-        family = pb.MetricFamily()
-        family.ParseFromString(body[pos : pos + size])
-        families.append(family)
-        pos += size
-    return families
 
 
 # ---- native-histogram arithmetic --------------------------------------------------------------

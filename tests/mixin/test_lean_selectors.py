@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from export.node import full_node_registry  # tests/export/node.py
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.export.encode import TextEncoder
 from kvwatch.mixin.dashboards.check import panel_queries
+from tests.export.node import full_node_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 RULE_FILES = sorted((ROOT / "alerts").glob("kvwatch-*.rules.yaml"))

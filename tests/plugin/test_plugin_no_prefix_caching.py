@@ -25,8 +25,8 @@ from kvwatch.config import (
     ReplicaConfig,
     VllmPluginSocketConfig,
 )
-from plugin.test_plugin_real_engine import engine_counters, total, wait_for_requests
 from tests.local import CACHE, free_port, start_vllm, stop_group
+from tests.plugin.counters import engine_counters, total, wait_for_requests
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow]
 

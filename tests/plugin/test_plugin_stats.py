@@ -12,6 +12,7 @@ from kvwatch.export.plugin import PluginCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
 from kvwatch.state import NodeState, PluginStats
+from tests.derive.exported import PROXIED, exposition, scraped
 
 CONFIG = Config(replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),))
 
@@ -165,8 +166,6 @@ def test_dropped_steps_add_up_per_sender_and_an_older_plugin_reports_none():
 
 
 def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports():
-    from derive.test_export import PROXIED, exposition, scraped
-
     state = NodeState("n", DEFAULT_BANDS)
     scraped(state, 0.0, preemptions_total=0.0)
     scraped(state, 5.0, preemptions_total=3.0)
@@ -186,8 +185,6 @@ def test_exact_recompute_replaces_the_estimate_for_the_rank_the_plugin_reports()
 
 
 def _recompute_series(per_admission, **step_fields) -> dict[str, float]:
-    from derive.test_export import PROXIED, exposition, scraped
-
     state = NodeState("n", DEFAULT_BANDS)
     scraped(state, 0.0, preemptions_total=0.0)
     scraped(state, 5.0, preemptions_total=3.0)

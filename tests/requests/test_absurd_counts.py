@@ -21,14 +21,14 @@ from kvwatch.config import Config, HostPort, LedgerConfig, NvmlConfig, ReplicaCo
 from kvwatch.model import DEFAULT_BANDS
 from kvwatch.requests.accounting import inspect_request
 from kvwatch.requests.ledger import ledger_line
+from kvwatch.requests.otlp import records_from_export
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.values import MAX_COUNT
 from kvwatch.requests.vllm_plugin import decode
 from tests.local import until
 
+from .otlp_spans import TOKENS, model_labels, one_replica, span_export
 from .scripted import Script, ScriptedEngine
-from .test_otlp import TOKENS, _export, _one_replica, records_from_export
-from .test_otlp import _labels as otlp_labels
 
 ABSURD = 10**400  # "1" and 400 zeros
 LISTEN = HostPort("127.0.0.1", 0)
@@ -97,7 +97,7 @@ async def test_an_absurd_usage_count_through_the_proxy_is_recorded_and_counted(
 
 
 def test_absurd_counts_in_an_otlp_span_leave_the_field_unknown() -> None:
-    export = _export(
+    export = span_export(
         {},
         **{
             TOKENS: 2**63 - 1,
@@ -106,7 +106,7 @@ def test_absurd_counts_in_an_otlp_span_leave_the_field_unknown() -> None:
             "gen_ai.latency.time_to_first_token": 1.0,
         },
     )
-    [record], results = records_from_export(export, _one_replica(), otlp_labels())
+    [record], results = records_from_export(export, one_replica(), model_labels())
     assert results["request"] == 1
     assert (record.output_tokens, record.prompt_tokens) == (None, 5)
     assert record.dropped_values == ("output_tokens",)

@@ -23,12 +23,10 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession
 from google.protobuf import json_format
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from kvwatch.agent.heap import freeze_start_up_heap
-from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
+from kvwatch.config import Config, HostPort, OtlpConfig
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.ledger import ledger_line
@@ -48,26 +46,16 @@ from kvwatch.requests.otlp import (
 )
 from kvwatch.workers import WorkerProcess
 
+from .otlp_spans import REPLICAS, TOKENS, model_labels, one_replica, span_export
+
 FIXTURES = Path(__file__).parent / "fixtures"
 STARTUP = (FIXTURES / "vllm-0.32-otlp-startup-spans.bin").read_bytes()
 REQUESTS = (FIXTURES / "vllm-0.32-otlp-llm-request-spans.bin").read_bytes()
-REPLICAS = [
-    ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny"),
-    ReplicaConfig("r1", "http://127.0.0.1:2/metrics", model_name="big"),
-]
-
-
-def _labels() -> dict[str, ModelLabels]:
-    return {r.name: ModelLabels(set(), r.model_name) for r in REPLICAS}
-
-
-def _one_replica() -> ReplicaResolver:
-    return ReplicaResolver(["r0"], None)
 
 
 def test_vllm_llm_request_spans_become_records() -> None:
     export = decode_export(REQUESTS, "application/x-protobuf")
-    records, results = records_from_export(export, _one_replica(), _labels())
+    records, results = records_from_export(export, one_replica(), model_labels())
     assert results == Counter(request=3)
     assert [(r.output_tokens, r.prompt_tokens, r.max_tokens) for r in records] == [
         (20, 18, 20),
@@ -90,33 +78,9 @@ def test_vllm_llm_request_spans_become_records() -> None:
 
 def test_vllm_start_up_spans_are_ignored() -> None:
     records, results = records_from_export(
-        decode_export(STARTUP, "application/x-protobuf"), _one_replica(), _labels()
+        decode_export(STARTUP, "application/x-protobuf"), one_replica(), model_labels()
     )
     assert records == [] and results == Counter(ignored=7)
-
-
-def _export(resource: dict[str, str], **attrs: object) -> ExportTraceServiceRequest:
-    export = ExportTraceServiceRequest()
-    rs = export.resource_spans.add()
-    for key, value in resource.items():
-        rs.resource.attributes.add(key=key, value=AnyValue(string_value=value))
-    span = rs.scope_spans.add().spans.add(name="llm_request", start_time_unix_nano=1_700_000_000_000_000_000)
-    for key, value in attrs.items():
-        if isinstance(value, bool):
-            any_value = AnyValue(bool_value=value)
-        elif isinstance(value, int):
-            any_value = AnyValue(int_value=value)
-        elif isinstance(value, float):
-            any_value = AnyValue(double_value=value)
-        elif isinstance(value, list):
-            any_value = AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=v) for v in value]))
-        else:
-            any_value = AnyValue(string_value=str(value))
-        span.attributes.append(KeyValue(key=key, value=any_value))
-    return export
-
-
-TOKENS = "gen_ai.usage.completion_tokens"
 
 
 @pytest.mark.parametrize(
@@ -130,14 +94,14 @@ TOKENS = "gen_ai.usage.completion_tokens"
 )
 def test_replica_resolution(resource: dict, configured: str | None, replica: str) -> None:
     resolver = ReplicaResolver(["r0", "r1"], configured)
-    [record], _ = records_from_export(_export(resource, **{TOKENS: 3}), resolver, _labels())
+    [record], _ = records_from_export(span_export(resource, **{TOKENS: 3}), resolver, model_labels())
     assert record.replica == replica
     assert record.model_name == {"r0": "tiny", "r1": "big"}[replica]
 
 
 def test_spans_that_map_to_no_replica_are_dropped_and_counted() -> None:
     records, results = records_from_export(
-        _export({"service.name": "x"}, **{TOKENS: 3}), ReplicaResolver(["r0", "r1"], None), _labels()
+        span_export({"service.name": "x"}, **{TOKENS: 3}), ReplicaResolver(["r0", "r1"], None), model_labels()
     )
     assert records == [] and results == Counter(unmapped=1)
 
@@ -152,14 +116,14 @@ def test_spans_that_map_to_no_replica_are_dropped_and_counted() -> None:
     ],
 )
 def test_finish_reasons(attrs: dict, outcome: Outcome, finish: str | None) -> None:
-    [record], _ = records_from_export(_export({}, **{TOKENS: 3}, **attrs), _one_replica(), _labels())
+    [record], _ = records_from_export(span_export({}, **{TOKENS: 3}, **attrs), one_replica(), model_labels())
     assert (record.outcome, record.finish_reason) == (outcome, finish)
 
 
 def test_error_status_is_an_error() -> None:
-    export = _export({}, **{TOKENS: 3})
+    export = span_export({}, **{TOKENS: 3})
     export.resource_spans[0].scope_spans[0].spans[0].status.code = Status.STATUS_CODE_ERROR
-    [record], _ = records_from_export(export, _one_replica(), _labels())
+    [record], _ = records_from_export(export, one_replica(), model_labels())
     assert record.outcome is Outcome.ERROR
 
 
@@ -174,14 +138,14 @@ def test_error_status_is_an_error() -> None:
     ],
 )
 def test_request_spans_with_wrong_types_are_malformed(attrs: dict) -> None:
-    records, results = records_from_export(_export({}, **attrs), _one_replica(), _labels())
+    records, results = records_from_export(span_export({}, **attrs), one_replica(), model_labels())
     assert records == [] and results == Counter(malformed=1)
 
 
 def test_client_model_attribute_folds_into_bounded_labels() -> None:
     labels = {"r0": ModelLabels({"tiny"}, None)}
     records, _ = records_from_export(
-        _export({}, **{TOKENS: 1, "gen_ai.request.model": "gpt-x"}), _one_replica(), labels
+        span_export({}, **{TOKENS: 1, "gen_ai.request.model": "gpt-x"}), one_replica(), labels
     )
     assert records[0].model_name == "other"
 
@@ -401,7 +365,7 @@ async def test_the_worker_process_decodes_exactly_as_a_thread_would_refusals_inc
     worker = WorkerProcess()
 
     def job(encoding: str, max_decompressed: int) -> DecodeJob:
-        return DecodeJob(encoding, "application/x-protobuf", max_decompressed, _one_replica(), _labels())
+        return DecodeJob(encoding, "application/x-protobuf", max_decompressed, one_replica(), model_labels())
 
     try:
         for body, encoding in (
@@ -426,19 +390,19 @@ async def test_the_worker_process_decodes_exactly_as_a_thread_would_refusals_inc
 def test_huge_finish_reason_never_reaches_the_ledger_or_the_log(caplog: pytest.LogCaptureFixture) -> None:
     huge = "x" * (1 << 20)
     [record], _ = records_from_export(
-        _export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": huge}), _one_replica(), _labels()
+        span_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": huge}), one_replica(), model_labels()
     )
     assert record.finish_reason == "other"
     assert len(json.dumps(ledger_line(record, Config().length_bands))) < 2048
     assert (
         records_from_export(
-            _export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": ["stop:eos/1"]}),
-            _one_replica(),
-            _labels(),
+            span_export({}, **{TOKENS: 3, "gen_ai.response.finish_reasons": ["stop:eos/1"]}),
+            one_replica(),
+            model_labels(),
         )[0][0].finish_reason
         == "stop:eos/1"
     )
     with caplog.at_level(logging.DEBUG, logger="kvwatch.requests.otlp"):
-        _, results = records_from_export(_export({}, **{TOKENS: huge}), _one_replica(), _labels())
+        _, results = records_from_export(span_export({}, **{TOKENS: huge}), one_replica(), model_labels())
     assert results == Counter(malformed=1)
     assert caplog.records and max(len(r.getMessage()) for r in caplog.records) < 512

@@ -14,55 +14,17 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import time
 
 from aiohttp import ClientSession
 
 from kvwatch import buckets
 from kvwatch.model import Outcome
 
+from .bodies import CHAT_MAX_64_TOKENS
 from .scripted import ProxyHarness, Script, ScriptedEngine
+from .timed_stream import stream
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 64}
-
-
-def _is_content(event: bytes) -> bool:
-    """The client's own judgement of a content-bearing event, by parsing it."""
-    if not event.startswith(b"data: {"):
-        return False
-    doc = json.loads(event[6:])
-    for choice in doc.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if any(delta.get(k) for k in ("content", "reasoning", "reasoning_content", "tool_calls")):
-            return True
-        if choice.get("text"):
-            return True
-    return False
-
-
-async def stream(session: ClientSession, url: str, body: dict) -> dict:
-    """POST and read the stream; arrival time of every content event on perf_counter."""
-    sent = time.perf_counter()
-    async with session.post(url, json=body) as response:
-        raw = b""
-        arrivals: list[float] = []
-        pending = b""
-        async for data in response.content.iter_any():
-            now = time.perf_counter()
-            raw += data
-            pending += data
-            *events, pending = pending.split(b"\n\n")
-            arrivals += [now for e in events if _is_content(e)]
-        ended = time.perf_counter()
-        return {
-            "sent": sent,
-            "arrivals": arrivals,
-            "ended": ended,
-            "raw": raw,
-            "status": response.status,
-            "headers": response.headers,
-        }
 
 
 def _bins(gaps: list[float]) -> tuple[int, ...]:
@@ -77,7 +39,9 @@ async def test_ttft_gaps_e2e_and_tpot_follow_the_definitions(
 ) -> None:
     gaps = [0.4, 0.6, 0.175, 0.4]
     engine.script = Script(contents=[(0.15, "a"), *((g, "x") for g in gaps)], completion_tokens=9)
-    seen_by_client = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+    seen_by_client = await stream(
+        http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True}
+    )
     [record] = proxy.records
     [seen] = engine.seen
 
@@ -106,7 +70,7 @@ async def test_role_chunk_with_empty_content_does_not_start_ttft(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.3, "late")])
-    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True})
     [record] = proxy.records
     assert record.ttft_seconds >= 0.3  # the role chunk went out at once; the first text after 0.3 s
 
@@ -115,7 +79,7 @@ async def test_reasoning_only_chunks_are_content(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.2, "thinking"), (0.0, "more")], reasoning=True)
-    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True})
     [record] = proxy.records
     assert record.chunks == 2 and 0.2 <= record.ttft_seconds < 5
 
@@ -123,7 +87,7 @@ async def test_reasoning_only_chunks_are_content(
 async def test_client_without_include_usage_gets_the_engines_exact_bytes_chat(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
-    body = {**CHAT, "stream": True}
+    body = {**CHAT_MAX_64_TOKENS, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
     assert b'"usage"' not in direct["raw"]
@@ -149,7 +113,7 @@ async def test_final_chunk_waits_for_a_usage_chunk_written_separately(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(usage_delay=0.2)
-    body = {**CHAT, "stream": True}
+    body = {**CHAT_MAX_64_TOKENS, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
     assert proxied["raw"] == direct["raw"]
@@ -159,7 +123,7 @@ async def test_final_chunk_waits_for_a_usage_chunk_written_separately(
 async def test_client_that_asks_for_usage_gets_the_usage_chunk(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
-    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**CHAT_MAX_64_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
     assert b'"usage":{' in proxied["raw"] and proxied["raw"] == direct["raw"]
@@ -180,7 +144,7 @@ async def test_injection_keeps_every_other_request_byte(
 async def test_response_head_is_preserved(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
-    body = {**CHAT, "stream": True}
+    body = {**CHAT_MAX_64_TOKENS, "stream": True}
     direct = await stream(http, f"{engine.url}/v1/chat/completions", body)
     proxied = await stream(http, f"{proxy.url}/v1/chat/completions", body)
     ignore = {"Date"}
@@ -193,7 +157,7 @@ async def test_without_usage_output_tokens_are_counted_chunks_marked_estimated(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.0, "a"), (0.0, "b"), (0.0, "c")], send_usage=False)
-    proxied = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+    proxied = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True})
     assert proxied["raw"].endswith(b"data: [DONE]\n\n")
     [record] = proxy.records
     assert (record.output_tokens, record.output_tokens_estimated) == (3, True)
@@ -203,7 +167,7 @@ async def test_finish_reason_length_is_truncated(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(finish="length")
-    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+    await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True})
     [record] = proxy.records
     assert record.outcome is Outcome.TRUNCATED and record.finish_reason == "length"
 
@@ -212,9 +176,9 @@ async def test_non_streaming_request_reads_usage_from_the_body(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(completion_tokens=1234, finish="length")
-    async with http.post(f"{engine.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{engine.url}/v1/chat/completions", json=CHAT_MAX_64_TOKENS) as response:
         direct = await response.read()
-    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT_MAX_64_TOKENS) as response:
         proxied = await response.read()
         assert response.headers["Content-Length"] == str(len(direct))
     assert proxied == direct
@@ -228,7 +192,9 @@ async def test_keep_alive_connection_serves_several_requests(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     for _ in range(3):
-        result = await stream(http, f"{proxy.url}/v1/chat/completions", {**CHAT, "stream": True})
+        result = await stream(
+            http, f"{proxy.url}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True}
+        )
         assert result["status"] == 200
     assert len(proxy.records) == 3
     assert proxy.in_flight.current() == []

@@ -5,10 +5,9 @@ own problems never reach the client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -21,46 +20,9 @@ from kvwatch.requests.http1 import frame_chunk
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED
 from tests.local import free_port, until
 
+from .bodies import STREAMING_CHAT
+from .raw_engine import raw_engine, read_request
 from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
-
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def raw_engine(handler: RawHandler) -> AsyncIterator[str]:
-    """An engine that misbehaves at the socket level."""
-
-    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await handler(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # kvwatch hung up: part of the scenario
-        finally:
-            writer.close()  # an unclosed transport warns from __del__, which filterwarnings=error raises
-
-    server = await asyncio.start_server(closing, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 2)
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        (
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        ),
-        0,
-    )
-    return await reader.readexactly(length)
-
 
 # -- upstream failures ---------------------------------------------------------------------------
 
@@ -68,7 +30,7 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 async def test_engine_refusing_connections_gives_502_and_error(http: ClientSession) -> None:
     harness = await launch_proxy(f"http://127.0.0.1:{free_port()}")
     try:
-        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert response.status == 502
             assert "cannot connect to the engine" in (await response.json())["error"]["message"]
         [record] = harness.records
@@ -82,7 +44,7 @@ async def test_engine_5xx_is_relayed_and_recorded_as_error(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(status=503, error_body=b'{"error":"overloaded"}')
-    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
         assert (response.status, await response.read()) == (503, b'{"error":"overloaded"}')
     [record] = proxy.records
     assert (record.outcome, record.status_code) == (Outcome.ERROR, 503)
@@ -92,7 +54,7 @@ async def test_engine_4xx_is_relayed_and_recorded_as_rejected(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(status=400)
-    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
         assert response.status == 400
         assert await response.read() == engine.script.error_body
     [record] = proxy.records
@@ -109,7 +71,7 @@ async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_deci
     not switch usage counting off for a replica), and the refusal is counted for the operator."""
     engine.script = Script(reject_stream_options=True)
     for _ in range(2):
-        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert response.status == 200
             assert (await response.read()).endswith(DONE)
     assert proxy.server.metering.inject_usage
@@ -118,7 +80,7 @@ async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_deci
     assert [r.output_tokens_estimated for r in proxy.records] == [True, True]
     assert [r.outcome for r in proxy.records] == [Outcome.COMPLETED] * 2
     engine.script = Script()
-    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
         assert (await response.read()).endswith(DONE)
     assert not proxy.records[-1].output_tokens_estimated  # usage counted again at once
 
@@ -128,7 +90,7 @@ async def test_inject_usage_off_sends_every_body_as_written(
 ) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
     try:
-        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert (await response.read()).endswith(DONE)
         assert b"stream_options" not in engine.seen[-1].body
         assert harness.records[-1].output_tokens_estimated
@@ -157,7 +119,7 @@ async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSessi
         try:
             received = b""
             with pytest.raises(aiohttp.ClientPayloadError):
-                async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+                async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
                     assert response.status == 200
                     async for data in response.content.iter_any():
                         received += data
@@ -180,7 +142,7 @@ async def test_engine_silent_past_the_read_timeout_gives_504(http: ClientSession
         harness = await launch_proxy(url, config=ProxyConfig(upstream_read_timeout_s=0.3))
         try:
             started = time.monotonic()
-            async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
                 assert response.status == 504
             assert time.monotonic() - started < 5
             [record] = harness.records
@@ -198,7 +160,7 @@ async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
     async with raw_engine(handler) as url:
         harness = await launch_proxy(url)
         try:
-            async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
                 assert response.status == 502
         finally:
             await harness.server.stop()
@@ -211,7 +173,9 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 200)
-    async with http.post(f"{proxy.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3000}) as response:
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions", json={**STREAMING_CHAT, "max_tokens": 3000}
+    ) as response:
         seen = 0
         async for _ in response.content:
             seen += 1
@@ -236,7 +200,7 @@ async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
 ) -> None:
     harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
     try:
-        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+        big = {**STREAMING_CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
         async with http.post(f"{harness.url}/v1/chat/completions", json=big) as response:
             assert response.status == 413
             assert "proxy.max_body_bytes" in (await response.json())["error"]["message"]
@@ -267,7 +231,7 @@ async def test_chunked_request_body_over_the_limit_is_413(
 async def test_chunked_request_body_is_forwarded_with_a_length(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
-    raw = json.dumps({**CHAT, "stream": False}).encode()
+    raw = json.dumps({**STREAMING_CHAT, "stream": False}).encode()
 
     async def body() -> AsyncIterator[bytes]:
         yield raw[:10]
@@ -342,9 +306,9 @@ async def test_accounting_that_raises_never_touches_the_stream(
     harness = await launch_proxy(engine.url, meter_factory=ExplodingMeter)
     try:
         engine.script = Script(contents=[(0.0, "a"), (0.01, "b"), (0.01, "c")])
-        async with http.post(f"{engine.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{engine.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             direct = await response.read()
-        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             proxied = await response.read()
         assert proxied == direct and b'"usage"' not in proxied  # still stripped
         assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
@@ -360,7 +324,7 @@ async def test_a_sink_that_raises_is_counted(engine: ScriptedEngine, http: Clien
 
     harness = await launch_proxy(engine.url, sink=sink)
     try:
-        async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert response.status == 200 and (await response.read()).endswith(DONE)
         assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
     finally:
@@ -374,7 +338,7 @@ async def test_unknown_model_names_fold_into_other(engine: ScriptedEngine, http:
     harness = await launch_proxy(engine.url, known=frozenset({"alias"}))
     try:
         for model in ("tiny", "alias", "gpt-9000-" + "x" * 200, None):
-            body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
+            body = {k: v for k, v in {**STREAMING_CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
                 await response.read()
         assert [r.model_name for r in harness.records] == ["tiny", "alias", "other", "tiny"]
@@ -390,7 +354,7 @@ async def test_served_model_names_are_learned_from_the_engine(
     try:
         await until(lambda: "served-a" in harness.server.metering.labels.known)
         for model in ("served-a", "else", None):
-            body = {k: v for k, v in {**CHAT, "model": model}.items() if v is not None}
+            body = {k: v for k, v in {**STREAMING_CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
                 await response.read()
         assert [r.model_name for r in harness.records] == ["served-a", "other", "served-a"]

@@ -17,8 +17,9 @@ from kvwatch.requests.proxy import ACCEPT_ERRORS, SHED
 from tests.local import until
 
 from .h11_engine import h11_engine
+from .raw_client import CHUNKED_POST, body_of, send_raw, status_of, still_serving
+from .raw_engine import raw_engine, read_request
 from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
-from .test_proxy_faults import raw_engine, read_request
 
 
 @pytest.fixture(autouse=True)
@@ -29,36 +30,7 @@ def wedge_watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
-async def send_raw(url: str, data: bytes, timeout: float = 5.0) -> bytes:
-    """Write ``data`` in one write and read until the proxy closes (the requests ask it to)."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(-1), timeout)
-    finally:
-        writer.close()
-
-
-def status_of(response: bytes) -> int:
-    return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else 0
-
-
-def body_of(response: bytes) -> bytes:
-    return response.split(b"\r\n\r\n", 1)[1]
-
-
-async def still_serving(proxy: ProxyHarness) -> None:
-    """The loop is not wedged: a plain request is answered at once."""
-    started = time.monotonic()
-    response = await send_raw(proxy.url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert status_of(response) == 218 and time.monotonic() - started < 2
-
-
 # -- critical 1: chunk sizes ------------------------------------------------------------------------
-
-CHUNKED_POST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from kvwatch.config import ProxyConfig
 from kvwatch.requests.proxy import ACCEPT_ERRORS, REFUSED, REFUSED_CLIENT_GONE
 from tests.local import until
 
+from .raw_client import CHUNKED_POST, send_raw, status_of, still_serving
 from .scripted import ProxyHarness, ScriptedEngine, launch_proxy
-from .test_proxy_hostile import CHUNKED_POST, send_raw, status_of, still_serving
 
 #: a bare LF inside a header value: refused with 400 while the head is parsed
 BARE_LF_HEAD = b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\nB: c\r\n\r\n"

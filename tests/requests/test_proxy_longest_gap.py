@@ -21,8 +21,9 @@ from kvwatch.requests.proxy import Accounting, ProxyServer, start_proxy
 from kvwatch.state import InFlightTracker
 from tests.local import until
 
+from .bodies import CHAT_MAX_64_TOKENS
 from .scripted import Script, ScriptedEngine
-from .test_proxy_conformance import CHAT, stream
+from .timed_stream import stream
 
 OFFSET = 1_800_000_000.0
 
@@ -57,7 +58,7 @@ async def test_longest_gap_and_start_are_dated_on_the_given_wall_clock(dated, ht
     server, records, engine = dated
     engine.script = Script(contents=[(0.05, "a"), (0.1, "b"), (1.2, "c"), (0.1, "d")])
     seen_by_client = await stream(
-        http, f"http://127.0.0.1:{server.port}/v1/chat/completions", {**CHAT, "stream": True}
+        http, f"http://127.0.0.1:{server.port}/v1/chat/completions", {**CHAT_MAX_64_TOKENS, "stream": True}
     )
     await until(lambda: len(records) == 1)
     [record] = records

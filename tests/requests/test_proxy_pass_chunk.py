@@ -26,8 +26,7 @@ from kvwatch.requests.proxy.exchange import Exchange
 from kvwatch.requests.proxy.pool import EngineConnection
 
 from .scripted import DONE, chat_chunk, text_chunk, usage_chunk
-from .test_proxy_relay_property import ASKING, STREAMING, RecordingTransport
-from .unstarted import unstarted_proxy
+from .unstarted import ASKING, STREAMING, RecordingTransport, unstarted_proxy
 
 RESPONSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"

@@ -10,15 +10,16 @@ from aiohttp import ClientSession
 from kvwatch.model import Outcome
 from tests.local import until
 
+from .bodies import STREAMING_CHAT
+from .raw_engine import raw_engine, read_request
 from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
-from .test_proxy_faults import CHAT, raw_engine, read_request
 
 
 async def test_sequential_requests_reuse_one_engine_connection(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     for _ in range(3):
-        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             await response.read()
     assert len({s.peer for s in engine.seen}) == 1
     assert len(proxy.server.engine.pool.idle) == 1
@@ -30,7 +31,7 @@ async def test_concurrent_requests_use_separate_connections(
     engine.script = Script(contents=[(0.2, "slow")])
 
     async def one() -> None:
-        async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+        async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             await response.read()
 
     await asyncio.gather(one(), one(), one())
@@ -42,7 +43,7 @@ async def test_aborted_exchange_never_returns_its_connection(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 100)
-    async with http.post(f"{proxy.url}/v1/chat/completions", json=CHAT) as response:
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
         await response.content.readline()
         response.close()
     # the exchange is over (its record written) and the engine saw its connection closed
@@ -82,7 +83,7 @@ async def test_a_pooled_connection_the_engine_closed_is_replaced_transparently(h
         harness = await launch_proxy(url)
         try:
             for _ in range(3):
-                body = {**CHAT, "stream": False}
+                body = {**STREAMING_CHAT, "stream": False}
                 async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
                     assert response.status == 200 and b'"ok"' in await response.read()
             assert connections == 3  # the first, then each reuse dropped and retried on a new one

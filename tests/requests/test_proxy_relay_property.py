@@ -9,7 +9,6 @@ written and accounting made to fail at random points.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import Counter
 
@@ -26,23 +25,7 @@ from kvwatch.requests.proxy.exchange import Exchange, Phase
 from kvwatch.requests.proxy.relay import UsageRelay, separator
 
 from .scripted import DONE, chat_chunk, usage_chunk
-from .unstarted import unstarted_proxy
-
-
-class RecordingTransport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-        self.closed = False
-
-    def write(self, data) -> None:  # type: ignore[override]
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
+from .unstarted import ASKING, STREAMING, RecordingTransport, unstarted_proxy
 
 
 class FailingMeter(RequestMeter):
@@ -128,9 +111,6 @@ def expected(stream: bytes, injected: bool) -> bytes:
             return stream
     return stream
 
-
-STREAMING = b'{"model":"tiny","messages":[],"stream":true}'
-ASKING = b'{"model":"tiny","messages":[],"stream":true,"stream_options":{"include_usage":true}}'
 
 #: pieces an event stream is made of, and pieces of what an attacker or a broken engine sends
 FRAGMENTS = [

@@ -21,8 +21,9 @@ from kvwatch.model import Outcome
 from kvwatch.requests.http1 import frame_chunk
 from tests.local import until
 
+from .bodies import STREAMING_CHAT
+from .raw_engine import raw_engine, read_request
 from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
-from .test_proxy_faults import CHAT, raw_engine, read_request
 
 
 def _request(body: dict) -> bytes:
@@ -52,10 +53,10 @@ async def test_a_pipelined_request_is_received_at_its_first_byte(
     engine.script = Script(contents=[(0.1, "a"), (0.1, "b"), (0.1, "c")])  # ~0.3 s per response
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     try:
-        writer.write(_request({**CHAT, "max_tokens": 7}))
+        writer.write(_request({**STREAMING_CHAT, "max_tokens": 7}))
         await asyncio.sleep(0.1)
         second_sent = time.time()
-        writer.write(_request({**CHAT, "max_tokens": 9}))  # pipelined: the first is still streaming
+        writer.write(_request({**STREAMING_CHAT, "max_tokens": 9}))  # pipelined: the first is still streaming
         first, second = await _read_response(reader), await _read_response(reader)
     finally:
         writer.close()
@@ -95,7 +96,7 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             ends = []
             for _ in range(2):  # one keep-alive client connection (aiohttp's pool)
                 sent = time.perf_counter()
-                async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+                async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
                     assert b"[DONE]" in await response.read()
                 ends.append(time.perf_counter() - sent)
             assert max(ends) < tail_s / 2  # the response ended at [DONE], not at the engine's marker
@@ -132,7 +133,7 @@ async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientS
     async with raw_engine(handler) as url:
         harness = await launch_proxy(url)
         try:
-            async with http.post(f"{harness.url}/v1/chat/completions", json=CHAT) as response:
+            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
                 assert b"[DONE]" in await response.read()
             await asyncio.wait_for(closed.wait(), 2)
             spares = harness.server.engine.pool.idle  # opened for a next request while the tail was pending

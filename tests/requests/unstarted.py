@@ -1,7 +1,12 @@
-"""A replica's ProxyServer built but never started: exchanges and client connections driven by hand."""
+"""A replica's ProxyServer built but never started: exchanges and client connections driven by hand.
+
+The property tests of the relay and of the per-chunk fast path drive it the same way: a client
+connection on a transport that records what it was written, carrying one of the two bodies below.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from time import perf_counter
 
 from kvwatch.config import HostPort, ProxyConfig, ReplicaConfig
@@ -10,6 +15,25 @@ from kvwatch.requests.accounting import ModelLabels, RequestMeter
 from kvwatch.requests.proxy import Accounting, Count, MeterFactory, ProxyServer, Sink
 from kvwatch.requests.proxy.seams import Clock
 from kvwatch.state import InFlightTracker
+
+STREAMING = b'{"model":"tiny","messages":[],"stream":true}'
+ASKING = b'{"model":"tiny","messages":[],"stream":true,"stream_options":{"include_usage":true}}'
+
+
+class RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data) -> None:  # type: ignore[override]
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
 
 
 def _ignore(family: str, *labels: str, amount: float = 1) -> None:

@@ -10,49 +10,17 @@ was not simply reloaded.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from tests.local import require_tool
-
+from .chromium import dump_dom
 from .node import populated_state, with_usage
 from .server import serve
 
 pytestmark = [pytest.mark.chromium]
-
-
-async def dump_dom(url: str, profile: Path, budget_ms: int) -> str:
-    chromium = require_tool("chromium")
-    args = [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--no-first-run",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-extensions",
-        f"--user-data-dir={profile}",
-        f"--virtual-time-budget={budget_ms}",
-        "--dump-dom",
-        url,
-    ]
-    proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out.decode()
 
 
 def cell(dom: str, cell_id: str) -> str:

@@ -1,0 +1,57 @@
+"""A proxied vLLM replica scraped into a NodeState, and the derived families as /metrics renders them:
+the derive export tests and the plugin tests (whose exact recompute replaces the estimate) read the
+same series through the same steps as the agent."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.agent.derived import update_derived
+from kvwatch.config import Config, HostPort, ReplicaConfig
+from kvwatch.export.derived import DerivedCollector
+from kvwatch.state import NodeState
+
+from .factories import vllm
+
+PROXIED = Config(
+    replicas=(
+        ReplicaConfig(
+            "r0",
+            "http://127.0.0.1:1/metrics",
+            api_url="http://127.0.0.1:1",
+            proxy_listen=HostPort("127.0.0.1", 0),
+        ),
+    )
+)
+
+
+def sample(t: float, **fields):
+    base = {
+        "kv_usage_ratio": 0.5,
+        "requests_running": 2.0,
+        "requests_waiting": 0.0,
+        "preemptions_total": 0.0,
+        "generation_tokens_total": 20.0 * t,
+        "prompt_tokens_total": 0.0,
+        "finished_requests_total": (("stop", 0.0),),
+    }
+    return vllm(scraped_at=t, **{**base, **fields})
+
+
+def scraped(state: NodeState, t: float, config: Config = PROXIED, **fields) -> None:
+    """What the scraper does after a good scrape, then what the agent calls."""
+    target = state.target("r0")
+    target.up, target.backend, target.samples = True, "vllm", (sample(t, **fields),)
+    update_derived(state, config, now=t)
+
+
+def exposition(state: NodeState, config: Config = PROXIED) -> dict[str, list]:
+    class Wrapper:
+        def collect(self):
+            return DerivedCollector(state, config).collect()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Wrapper())
+    text = generate_latest(registry).decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
