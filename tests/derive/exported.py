@@ -12,7 +12,7 @@ from kvwatch.config import Config, HostPort, ReplicaConfig
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.state import NodeState
 
-from .factories import vllm
+from .factories import decoding
 
 PROXIED = Config(
     replicas=(
@@ -26,23 +26,10 @@ PROXIED = Config(
 )
 
 
-def sample(t: float, **fields):
-    base = {
-        "kv_usage_ratio": 0.5,
-        "requests_running": 2.0,
-        "requests_waiting": 0.0,
-        "preemptions_total": 0.0,
-        "generation_tokens_total": 20.0 * t,
-        "prompt_tokens_total": 0.0,
-        "finished_requests_total": (("stop", 0.0),),
-    }
-    return vllm(scraped_at=t, **{**base, **fields})
-
-
 def scraped(state: NodeState, t: float, config: Config = PROXIED, **fields) -> None:
     """What the scraper does after a good scrape, then what the agent calls."""
     target = state.target("r0")
-    target.up, target.backend, target.samples = True, "vllm", (sample(t, **fields),)
+    target.up, target.backend, target.samples = True, "vllm", (decoding(t, **fields),)
     update_derived(state, config, now=t)
 
 

@@ -22,6 +22,21 @@ def vllm(**fields: Any) -> ReplicaSample:
     return replace(base, **fields)
 
 
+def decoding(t: float, running: float = 2.0, tokens_per_s: float = 20.0, **fields: Any) -> ReplicaSample:
+    """``vllm`` scraped at ``t``: half its KV in use, ``running`` sequences generating ``tokens_per_s``
+    together since the epoch, nothing waiting, preempted or finished yet."""
+    base = {
+        "kv_usage_ratio": 0.5,
+        "requests_running": running,
+        "requests_waiting": 0.0,
+        "preemptions_total": 0.0,
+        "generation_tokens_total": tokens_per_s * t,
+        "prompt_tokens_total": 0.0,
+        "finished_requests_total": (("stop", 0.0),),
+    }
+    return vllm(scraped_at=t, **{**base, **fields})
+
+
 def sglang(**fields: Any) -> ReplicaSample:
     """An SGLang replica with page size 1 and a 100k-token pool."""
     base = ReplicaSample(

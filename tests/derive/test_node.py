@@ -9,7 +9,7 @@ from kvwatch.derive.pcie import link_bytes_per_second
 from kvwatch.derive.recompute import PreemptionWindow
 from kvwatch.model import TierTraffic
 
-from .factories import gpu, request, vllm
+from .factories import decoding, gpu, request
 
 
 def at(t: float) -> float:
@@ -37,16 +37,7 @@ def test_keep_window_is_bounded_in_items():
 
 def scrape(t: float, **fields):
     """A vLLM rank with 8000 free token slots and 10 sequences decoding 10 tokens/s each."""
-    base = {
-        "kv_usage_ratio": 0.5,
-        "requests_running": 10.0,
-        "requests_waiting": 0.0,
-        "preemptions_total": 0.0,
-        "generation_tokens_total": 100.0 * t,
-        "prompt_tokens_total": 0.0,
-        "finished_requests_total": (("stop", 0.0),),
-    }
-    return vllm(scraped_at=t, **{**base, **fields})
+    return decoding(t, running=10.0, tokens_per_s=100.0, **fields)
 
 
 def run(samples_per_call, **inputs):
