@@ -174,11 +174,10 @@ def test_proxy_bench_nginx_meter_accounts_every_request() -> None:
 @pytest.mark.slow
 def test_node_rate_quick_runs_as_a_file() -> None:
     """bench/node_rate.py --quick: one step of direct, nginx, the agent in process and with 2 relay
-    workers, on 8 paced upstreams; every target relays every chunk (the step passes)."""
+    workers, on 8 paced upstreams, and no target drops a chunk or fails a stream (its latency verdicts
+    are not asserted: a quick step's 160 chunks a target make a p99 that means nothing)."""
     proc = _quick_as_file("node_rate.py")
     assert proc.returncode == 0, f"node_rate --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     for target in ("nginx", "kvwatch", "kvwatch-2w"):
-        assert f"| 1 | {target} |" in proc.stdout, proc.stdout[-2000:]
-        assert f"{target}: sustainable" in proc.stdout and "below the first step" not in proc.stdout, (
-            proc.stdout[-2000:]
-        )
+        assert f"| 1 | {target} |" in proc.stdout and f"{target}: sustainable" in proc.stdout, proc.stdout
+    assert "dropped" not in proc.stdout, proc.stdout
