@@ -27,6 +27,8 @@ The sustainable rate is the highest step a target passed.
   .venv/bin/python bench/node_rate.py --baseline /tmp/base   # also kvwatch from another checkout
   .venv/bin/python bench/node_rate.py --workers 1,2          # in process vs 2 relay workers
   .venv/bin/python bench/node_rate.py --quick                # one 1-second step: does it still work
+  sudo .venv/bin/python bench/node_rate.py --workers 1,2 --core-quota 0.1 --max-added-ms 50 \
+      --late-ms 1000 --start 4 --max-streams 41 --step-factor 1.4   # scaling on emulated cores
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from _harness import parser
 from _harness import percentile as _pct
 from proxybench.clients import _children, _cpu_seconds, one_stream
 from proxybench.common import ROOT, _free_port, _use_uvloop
+from proxybench.cores import CoreQuota
 from proxybench.peers import _spawn_nginx
 from proxybench.report import _ms
 from proxybench.scenarios import _stop
@@ -258,6 +261,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     )
     procs: list[subprocess.Popen | None] = [upstreams]
     rows = []
+    cores = CoreQuota(args.core_quota) if args.core_quota else None
     try:
         nginx = _spawn_nginx(
             nginx_ports[0],
@@ -308,6 +312,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
             procs.append(base)
             targets["kvwatch-baseline"] = (base_ports, _children(base.pid))
+        if cores is not None:  # every process of every proxied target on a capped "core" of its own
+            for name, (_, pids) in targets.items():
+                cores.confine(pids if name != "nginx" else pids[1:])  # nginx's master only forks
         for ports, _ in targets.values():  # warm-up: connections, pools, first-call costs
             asyncio.run(_step(ports, 1, 0.1, args.chunks, 0.2))
         alive = True
@@ -356,8 +363,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                     f"{f(row['cores_used'], '{:.2f}')} | {why} |",
                     flush=True,
                 )
-            streams *= 2
+            streams = max(streams + 1, round(streams * args.step_factor))
     finally:
+        if cores is not None:
+            cores.release()
         for proc in procs[::-1]:
             _stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -373,11 +382,14 @@ def orchestrate(args: argparse.Namespace) -> int:
             if best
             else "below the first step"
         )
-        print(f"{name}: sustainable {said}")
+        peak = max((r for r in rows if r["target"] == name), key=lambda r: r["chunks_per_s"], default=None)
+        delivered = f"; most delivered {peak['chunks_per_s']:,.0f} chunks/s" if peak else ""
+        print(f"{name}: sustainable {said}{delivered}")
     print(
         f"{ENGINES} upstreams x streams x {args.tokens_per_s:.0f} tokens/s, {args.chunks} chunks per "
         f"stream, {args.step_seconds:.0f} s per step; "
         f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+        + (f"; every proxy process capped at {args.core_quota:g} CPU" if args.core_quota else "")
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -392,6 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=100, help="content chunks per stream")
     p.add_argument("--start", type=int, default=2, help="streams in flight per upstream at the first step")
     p.add_argument("--max-streams", type=int, default=64, help="the ramp stops after this step")
+    p.add_argument(
+        "--step-factor", type=float, default=2.0, help="streams grow by this factor from one step to the next"
+    )
+    p.add_argument(
+        "--core-quota",
+        type=float,
+        help="emulated cores: run every process of the proxied targets (the agent, each relay worker, "
+        "each nginx worker) in a cgroup of its own capped at this fraction of a CPU, e.g. 0.15, so "
+        "the proxies saturate before the load generator does (root; proxybench/cores.py)",
+    )
     p.add_argument("--step-seconds", type=float, default=4.0, help="how long each target runs per step")
     p.add_argument(
         "--max-added-ms", type=float, default=5.0, help="added per-chunk latency p99 that breaks it"

@@ -181,3 +181,17 @@ def test_node_rate_quick_runs_as_a_file() -> None:
     for target in ("nginx", "kvwatch", "kvwatch-2w"):
         assert f"| 1 | {target} |" in proc.stdout and f"{target}: sustainable" in proc.stdout, proc.stdout
     assert "dropped" not in proc.stdout, proc.stdout
+
+
+def test_core_quota_uses_the_shortest_period_the_kernel_allows() -> None:
+    """node_rate's emulated cores: the quota is never below the kernel's 1 ms minimum, and the
+    period is as short as that allows, so a throttled proxy waits at most period - quota."""
+    from bench.proxybench.cores import period_and_quota
+
+    assert period_and_quota(0.1) == (10_000, 1_000)
+    assert period_and_quota(0.5) == (2_000, 1_000)
+    assert period_and_quota(2.0) == (1_000, 2_000)
+    period, quota = period_and_quota(0.15)
+    assert quota == 1_000 and abs(quota / period - 0.15) < 1e-3
+    with pytest.raises(SystemExit, match="--core-quota"):
+        period_and_quota(0.0)
