@@ -239,6 +239,14 @@ def _verdict(step: Step, direct: Step, args: argparse.Namespace) -> tuple[float,
     return added, True, "ok"
 
 
+def _spawn_agent(ports: list[int], up_ports: list[int], workers: int, tree: Path = ROOT) -> subprocess.Popen:
+    """The kvwatch role: one proxy per upstream, ``workers`` as ``proxy.workers``, kvwatch from ``tree``."""
+    listen, upstreams = (",".join(map(str, p)) for p in (ports, up_ports))
+    return _spawn(
+        "kvwatch", "--ports", listen, "--upstream-ports", upstreams, "--workers", str(workers), tree=tree
+    )
+
+
 def _kvwatch_target(workers: int) -> str:
     """``kvwatch`` in process (proxy.workers 0 or 1), ``kvwatch-2w`` with 2 relay worker processes."""
     return "kvwatch" if workers <= 1 else f"kvwatch-{workers}w"
@@ -271,15 +279,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             more=list(zip(nginx_ports[1:], up_ports[1:], strict=True)),
         )
         procs.append(nginx)
-        kvwatch = _spawn(
-            "kvwatch",
-            "--ports",
-            ",".join(map(str, kv_ports)),
-            "--upstream-ports",
-            ",".join(map(str, up_ports)),
-            "--workers",
-            str(args.workers[0]),
-        )
+        kvwatch = _spawn_agent(kv_ports, up_ports, args.workers[0])
         procs.append(kvwatch)
         time.sleep(0.5)  # nginx forks its workers
         targets = {
@@ -289,27 +289,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         }
         for workers in args.workers[1:]:  # the --workers sweep: each count its own agent, same upstreams
             ports = [_free_port() for _ in range(ENGINES)]
-            more = _spawn(
-                "kvwatch",
-                "--ports",
-                ",".join(map(str, ports)),
-                "--upstream-ports",
-                ",".join(map(str, up_ports)),
-                "--workers",
-                str(workers),
-            )
+            more = _spawn_agent(ports, up_ports, workers)
             procs.append(more)
             targets[_kvwatch_target(workers)] = (ports, _children(more.pid))
         if args.baseline:  # the code before a change, interleaved with it in every step
             base_ports = [_free_port() for _ in range(ENGINES)]
-            base = _spawn(
-                "kvwatch",
-                "--ports",
-                ",".join(map(str, base_ports)),
-                "--upstream-ports",
-                ",".join(map(str, up_ports)),
-                tree=Path(args.baseline).resolve(),
-            )
+            base = _spawn_agent(base_ports, up_ports, 1, tree=Path(args.baseline).resolve())
             procs.append(base)
             targets["kvwatch-baseline"] = (base_ports, _children(base.pid))
         if cores is not None:  # every process of every proxied target on a capped "core" of its own
