@@ -1,10 +1,12 @@
 """``kvwatch inspect`` against a real llama-server agrees with its own /metrics and /slots.
 
 Same bracketing as the vLLM test (engine A, inspect X, engine B): counters A <= X <= B always; the
-``requests_processing`` gauge equal to A's when A == B, but for a dip of exactly one in at most a
+``requests_processing`` gauge equal to A's when A == B, but for a dip below it in at most a
 quarter of those windows: a window spans ``kvwatch inspect``'s start (hundreds of decode steps), in
-which 2-5 requests end and the next begin, and a read between an end and the next start sees one
-slot idle (a clean-clone CI run caught two such dips in one run).
+which 2-5 requests end and the next begin, and a read between an end and the next start sees that
+slot idle; both slots can be between requests at once (a clean-clone CI run caught two dips of one
+in one run, a later one a dip of two, 2 -> 0 -> 2). Never above A: kvwatch reports no slot busy
+that the engine did not show busy.
 The tiny model generates thousands of tokens/s, so four client threads keep both slots busy.
 """
 
@@ -80,7 +82,7 @@ def test_inspect_agrees_with_llamacpp_under_load(real_llamacpp):
             stop.set()
             requests_done = sum(f.result() for f in futures)
     assert requests_done > 10
-    assert all(seen == busy - 1 for busy, seen in disagreeing), disagreeing
+    assert all(0 <= seen < busy for busy, seen in disagreeing), disagreeing
     assert len(disagreeing) <= steady // 4, (steady, disagreeing)
     assert steady >= 3
     assert caught_live >= 1, "never saw a processing slot: /slots not read while busy?"
