@@ -39,7 +39,6 @@ applied, so nothing is skipped and nothing crashes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import random
@@ -54,6 +53,7 @@ from typing import Any
 import httpx
 
 from kvwatch.config import KubernetesDiscoveryConfig
+from kvwatch.jsonsafe import loads
 from kvwatch.selfmetrics import Count, Report
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def split_lines(buffer: bytearray, chunk: bytes, max_line: int) -> list[bytes]:
 def decode_event(line: bytes) -> tuple[str, dict[str, Any]]:
     """(type, object) of one watch line; StreamError(malformed) for anything else."""
     try:
-        event = json.loads(line)
+        event = loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise StreamError("malformed", f"watch event is not JSON: {exc}") from None
     if (
@@ -381,7 +381,7 @@ class PodWatch:
         try:
             # a node's pods are ~10 KiB each; a large list decodes off the event loop (the proxy runs there)
             small = len(body) < OFF_LOOP_BYTES
-            data = json.loads(body) if small else await asyncio.to_thread(json.loads, body)
+            data = loads(body) if small else await asyncio.to_thread(loads, body)
             items = data["items"] if isinstance(data.get("items"), list) else []
             rv = str(data["metadata"]["resourceVersion"])
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -416,7 +416,7 @@ class PodWatch:
         if resp.status_code == 200:
             return
         try:
-            status = json.loads(await _decoded_body(resp, STATUS_BYTES))
+            status = loads(await _decoded_body(resp, STATUS_BYTES))
         except (ApiError, ValueError, UnicodeDecodeError):
             status = None
         raise status_error(status if isinstance(status, dict) else {}, resp.status_code)

@@ -24,7 +24,6 @@ the prompt and generated text: only the numbers above are read, the text is neve
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from kvwatch.engines.base import (
 )
 from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.engines.fetch import ACCEPT_JSON
+from kvwatch.jsonsafe import loads
 from kvwatch.model import ReplicaSample, SlotSample
 
 BACKEND = "llamacpp"
@@ -119,7 +119,7 @@ def _slot(raw: Any, index: int) -> SlotSample:
 def parse_slots(text: str | bytes) -> tuple[SlotSample, ...]:
     """``GET /slots`` body -> SlotSamples (numbers only; prompt/generated text is dropped)."""
     try:
-        data = json.loads(text)
+        data = loads(text)
     except ValueError as exc:
         raise SlotsError(f"not JSON: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("slots"), list):

@@ -7,7 +7,6 @@ manifests in ``deploy/kubernetes/monitoring/`` are derived from them so a cluste
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import yaml
 
 from kvwatch.config import safe_load
+from kvwatch.jsonsafe import loads
 from kvwatch.mixin.rules import LEVELS
 
 RULES_FILE = "prometheusrule.yaml"
@@ -185,8 +185,8 @@ def dashboard_manifests(sources: Iterable[tuple[str, str]]) -> list[Manifest]:
     seen: dict[str, str] = {}
     for source, text in sources:
         try:
-            dashboard = json.loads(text)
-        except json.JSONDecodeError as exc:
+            dashboard = loads(text)
+        except ValueError as exc:
             raise ManifestError(f"{source}: not valid JSON: {exc}") from None
         if not isinstance(dashboard, dict) or "panels" not in dashboard:
             raise ManifestError(f"{source}: not a Grafana dashboard (expected a JSON object with 'panels')")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from kvwatch.jsonsafe import loads
 
 
 def json_lines(
@@ -18,7 +19,7 @@ def json_lines(
             continue
         where = f"{path} line {number}"
         try:
-            value = json.loads(text)
+            value = loads(text)
         except ValueError as exc:
             raise error(f"{where}: not JSON ({exc})") from None
         yield where, value

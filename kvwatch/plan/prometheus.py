@@ -24,6 +24,7 @@ import time
 
 import httpx
 
+from kvwatch.jsonsafe import loads
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
 from kvwatch.plan.sources import SourceError
@@ -63,7 +64,7 @@ def _query_range(
             params={"query": expr, "start": start, "end": end, "step": step},
             timeout=30,
         )
-        body = response.json()
+        body = loads(response.content)
     except (httpx.HTTPError, ValueError) as exc:
         raise SourceError(f"{url}: query_range failed for {expr}: {exc}") from None
     if body.get("status") != "success":
@@ -78,11 +79,12 @@ def _query_range(
 
 def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShape:
     try:
-        body = httpx.get(
+        response = httpx.get(
             f"{url}/api/v1/query",
             params={"query": f"vllm:cache_config_info{{{selector}}}", "time": at},
             timeout=30,
-        ).json()
+        )
+        body = loads(response.content)
     except (httpx.HTTPError, ValueError) as exc:
         raise SourceError(f"{url}: cannot read vllm:cache_config_info: {exc}") from None
     result = body.get("data", {}).get("result", [])

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import statistics
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from kvwatch.jsonsafe import loads
 from kvwatch.model import EngineStep
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
@@ -160,7 +160,7 @@ def is_datagram_file(path: str | Path) -> bool:
     try:
         with Path(path).open(encoding="utf-8") as fh:
             first = next((ln for ln in fh if ln.strip()), "")
-        obj = json.loads(first)
+        obj = loads(first)
     except (OSError, ValueError):
         return False
     return isinstance(obj, dict) and "s" in obj and "v" in obj
@@ -191,7 +191,12 @@ def engine_shape(
     except httpx.HTTPError as exc:
         raise SourceError(f"{base_url}: cannot read /metrics and /v1/models: {exc}") from None
     sample = parse_exposition(page.text, "calibration").samples[0]
-    entry = models.json()["data"][0]
+    try:
+        entry = loads(models.content)["data"][0]
+        if not isinstance(entry, dict):
+            raise TypeError
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise SourceError(f"{base_url}/v1/models: not a list of models as OpenAI's API has it") from None
     return EngineShape(
         model_name=str(entry.get("id")),
         block_size=sample.block_size,
@@ -224,7 +229,12 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            obj = json.loads(line[6:])
+            try:
+                obj = loads(line[6:])
+            except ValueError as exc:
+                raise SourceError(f"{base_url}: a calibration stream event is not JSON ({exc})") from None
+            if not isinstance(obj, dict):
+                raise SourceError(f"{base_url}: a calibration stream event is not a JSON object")
             if obj.get("choices"):  # a token (its text may be empty: a partial UTF-8 sequence)
                 chunks.append(time.perf_counter())
             if obj.get("usage"):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import glob
 import gzip
 import io
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from kvwatch.jsonsafe import loads
 from kvwatch.report.progress import Progress
 
 FORMATS = ("ledger", "azure", "burstgpt", "mooncake")
@@ -139,7 +139,7 @@ def detect_format(item: InputFile) -> str:
         if not line.startswith("{"):
             continue
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict):

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvwatch.jsonsafe import loads
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -159,7 +160,7 @@ class JsonLinesColumns:
     def _keys_of(line: bytes) -> tuple[str, ...] | None:
         """Key order of one line, or None when it is not a JSON object."""
         try:
-            pairs = json.loads(line, object_pairs_hook=list)
+            pairs = loads(line, object_pairs_hook=list)
         except (ValueError, UnicodeDecodeError):
             return None
         if not isinstance(pairs, list) or not all(isinstance(p, tuple) for p in pairs):
@@ -212,7 +213,7 @@ class JsonLinesColumns:
 
     def _parse_line(self, line: bytes) -> dict[str, Any]:
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except (ValueError, UnicodeDecodeError):
             raise _InvalidLineError("not JSON") from None
         if not isinstance(obj, dict):

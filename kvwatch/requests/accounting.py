@@ -28,6 +28,7 @@ from enum import Enum
 from typing import ClassVar, Protocol
 
 from kvwatch import buckets
+from kvwatch.jsonsafe import loads
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests import sse
 from kvwatch.requests.values import MAX_COUNT, bounded_count
@@ -81,8 +82,8 @@ LAX_TRUE_STRINGS = frozenset({"true", "1", "yes", "on", "t", "y"})
 
 def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        doc = loads(body)
+    except ValueError:  # UnicodeDecodeError is one, and jsonsafe.loads raises one for deep nesting
         doc = None
     if not isinstance(doc, dict):
         return RequestInfo(endpoint, False, None, False, None, False, False)
@@ -131,7 +132,7 @@ def body_requesting_usage(body: bytes, info: RequestInfo) -> bytes | None:
     if not info.stream_options_present:
         brace = body.find(b"{")
         return body[: brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1 :]
-    doc = json.loads(body)
+    doc = loads(body)
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return None  # the engine will judge this body as sent

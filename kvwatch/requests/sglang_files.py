@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.config import Config, SglangFilesConfig
+from kvwatch.jsonsafe import loads
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
@@ -88,7 +88,7 @@ def _max_new_tokens(parameters: Any, dropped: list[str]) -> int | None:
     if not isinstance(parameters, str):
         return None
     try:
-        doc = json.loads(parameters)
+        doc = loads(parameters)
     except ValueError:
         return None
     sampling = doc.get("sampling_params") if isinstance(doc, dict) else None
@@ -253,7 +253,7 @@ class SglangFileFollower:
             if not line.strip():
                 continue
             try:
-                out.append(line_record(json.loads(line), self.config.replica, self.model_name, now))
+                out.append(line_record(loads(line), self.config.replica, self.model_name, now))
             except (ValueError, MalformedLineError):
                 self._counted("malformed")
                 continue

@@ -21,6 +21,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from kvwatch.jsonsafe import TooDeepError, loads
+
 #: a generated-text field with a non-empty string value, or a non-empty tool-call list
 CONTENT = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning)"[ \t]*:[ \t]*"[^"]'
@@ -101,8 +103,10 @@ def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, byte
     if USAGE_OBJECT.search(event) is None:
         return None, []
     try:
-        doc = json.loads(event_data(event))
-    except ValueError:  # not JSON (RecursionError, from nesting deeper than the stack, is the caller's)
+        doc = loads(event_data(event))
+    except TooDeepError:
+        raise  # usage no engine writes: the relay counts it as an accounting error
+    except ValueError:  # not JSON
         return None, []
     if not isinstance(doc, dict):
         return None, []
@@ -133,7 +137,7 @@ def _compact_json(value: object) -> bytes | None:
 def usage_from_body(body: bytes) -> tuple[Usage | None, str | None]:
     """Usage and finish reason of a non-streaming JSON response."""
     try:
-        doc = json.loads(body)
+        doc = loads(body)
     except ValueError:
         return None, None
     if not isinstance(doc, dict):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwatch.jsonsafe import loads
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
 from kvwatch.requests.values import VALUES_DROPPED, bounded_count, out_of_range
@@ -228,8 +228,8 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
     if len(data) > MAX_DATAGRAM_BYTES:
         raise DatagramError("oversized", f"datagram of {len(data)} bytes (limit {MAX_DATAGRAM_BYTES})")
     try:
-        body = json.loads(data)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        body = loads(data)
+    except ValueError:  # UnicodeDecodeError is one, and jsonsafe.loads raises one for deep nesting
         raise DatagramError("malformed", "not JSON") from None
     body = _mapping(body, "a datagram")
     version = body.get("v")

@@ -19,7 +19,6 @@ final usage chunk is parsed.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 from collections import Counter, deque
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvwatch.jsonsafe import loads
 from kvwatch.model import DEFAULT_BANDS, LengthBands
 from kvwatch.sim.routing import Router, RouterSpec
 from kvwatch.sim.workload import WorkloadRequest
@@ -224,7 +224,7 @@ class LoadGenerator:
                     elif wr.stream:
                         finish, tokens, ttft = await self._read_stream(resp, limit, t0, total_deadline)
                     else:
-                        data = json.loads(await resp.read())
+                        data = loads(await resp.read())
                         ttft = loop.time() - t0
                         finish = data["choices"][0]["finish_reason"]
                         tokens = data["usage"]["completion_tokens"]

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
+from kvwatch.jsonsafe import loads
 from kvwatch.sim.engine import SimEngine, TokenEvent
 from kvwatch.sim.exposition_writer import render_vllm_metrics
 
@@ -142,8 +143,8 @@ class SimServer:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = loads(await request.read())
+        except ValueError:  # UnicodeDecodeError is one
             return _error("request body is not valid JSON")
         try:
             job = self._parse(body, chat)

@@ -17,13 +17,14 @@ total; the driver (headless or HTTP load generator) disconnects it then, which a
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+
+from kvwatch.jsonsafe import loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,11 +388,9 @@ def _mooncake_rows(path: Path, text: str) -> list[tuple[float, int, int]]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise TraceError(
-                f"{path} line {line}: not JSON ({exc.msg}); expected {TRACE_FORMATS[2]}"
-            ) from None
+            obj = loads(raw)
+        except ValueError as exc:
+            raise TraceError(f"{path} line {line}: not JSON ({exc}); expected {TRACE_FORMATS[2]}") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{path} line {line}: not a JSON object; expected {TRACE_FORMATS[2]}")
         missing = [k for k in ("timestamp", "input_length", "output_length") if k not in obj]

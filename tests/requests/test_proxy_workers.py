@@ -319,6 +319,7 @@ async def test_a_malformed_datagram_is_refused_counted_and_the_channel_goes_on()
     for bad in (
         b"\xff\x00 not json",
         b'{"not": "a list"}',
+        b"[" * 5_000 + b"]" * 5_000,  # nested deeper than json.loads can recurse
         b'[["r", ["r0"]]]',  # a record with fields missing
         b'[["c", "kvwatch_build", ["r0"], 1]]',  # a family a worker may not count
         json.dumps([["r", [*json.loads(json.dumps(_fields(record)))[:-1], ["x" * 300]]]]).encode(),
@@ -333,7 +334,7 @@ async def test_a_malformed_datagram_is_refused_counted_and_the_channel_goes_on()
     worker.finish(handle)
     await _wait_for(lambda: len(records) == 1, timeout=5)
     assert records == [record]  # decoded field for field, tuples and the enum included
-    assert counters[("kvwatch_proxy_worker_datagrams_refused",)] == 7
+    assert counters[("kvwatch_proxy_worker_datagrams_refused",)] == 8
     assert counters[("kvwatch_proxy_requests_shed", "r0", "buffer")] == 1
     assert tracker.current() == []
     theirs.close()

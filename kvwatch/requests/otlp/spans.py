@@ -9,7 +9,6 @@ or ``other``.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+from kvwatch.jsonsafe import loads
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.values import bounded_count, non_negative_int, non_negative_number, safe_token
@@ -56,7 +56,7 @@ def _finish_reasons(value: Any) -> list[str]:
         return []
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads(value)
         except ValueError:
             return [value]
     if isinstance(value, str):

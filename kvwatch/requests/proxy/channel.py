@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
+from kvwatch.jsonsafe import loads
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests.accounting import InFlight
 from kvwatch.requests.proxy.seams import ACCOUNTING_ERRORS, RELAY_COUNTERS, Sink
@@ -393,8 +394,8 @@ class ChannelReceiver:
 
     def _parse(self, data: bytes) -> list[Callable[[], None]]:
         try:
-            messages = json.loads(data)
-        except (ValueError, RecursionError):
+            messages = loads(data)
+        except ValueError:
             raise ChannelError("not JSON") from None
         if not isinstance(messages, list):
             raise ChannelError("not a list of messages")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from kvwatch.config import ProxyConfig, ReplicaConfig
+from kvwatch.jsonsafe import loads
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.requests.proxy.client import ClientConnection, ClientContext
 from kvwatch.requests.proxy.exchange import ExchangeContext
@@ -144,7 +144,7 @@ class ProxyServer:
                     session.get(url) as response,
                 ):
                     if response.status == 200:
-                        doc = json.loads(await response.content.read(1 << 20))
+                        doc = loads(await response.content.read(1 << 20))
                         self.metering.labels.learn(
                             name
                             for m in doc.get("data", [])
