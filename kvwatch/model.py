@@ -19,6 +19,11 @@ from enum import StrEnum
 #: every engine an adapter reads (``engines/registry.ADAPTERS`` has exactly these keys)
 BACKENDS = ("vllm", "sglang", "trtllm", "dynamo", "llamacpp", "tgi")
 
+#: the largest token (or other) count kvwatch takes from outside: 2^31, well above any context window.
+#: A larger one (1 followed by 400 zeros) is no count a request or a slot has, and Python's int would
+#: carry it into float arithmetic that overflows; sources treat it as unknown.
+MAX_COUNT = 2**31
+
 #: KV tiers in plain words. Engines name them differently (KVBM "h2d" means host->disk when
 #: offloading and host->device when onboarding); adapters translate into these.
 TIERS = ("gpu", "host", "disk", "remote", "object")

@@ -39,7 +39,7 @@ from kvwatch.engines.base import (
 from kvwatch.engines.exposition_parser import Exposition
 from kvwatch.engines.fetch import ACCEPT_JSON
 from kvwatch.jsonsafe import loads
-from kvwatch.model import ReplicaSample, SlotSample
+from kvwatch.model import MAX_COUNT, ReplicaSample, SlotSample
 
 BACKEND = "llamacpp"
 PREFIX = "llamacpp:"
@@ -90,7 +90,11 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A slot's count, or None: not an integer, negative, or over MAX_COUNT (no slot is that long,
+    and float() of a 400-digit int overflows the KV arithmetic)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    return None
 
 
 def _slot(raw: Any, index: int) -> SlotSample:

@@ -29,9 +29,9 @@ from typing import ClassVar, Protocol
 
 from kvwatch import buckets
 from kvwatch.jsonsafe import loads
-from kvwatch.model import InFlightRequest, Outcome, RequestRecord
+from kvwatch.model import MAX_COUNT, InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests import sse
-from kvwatch.requests.values import MAX_COUNT, bounded_count
+from kvwatch.requests.values import bounded_count
 from kvwatch.safetext import terminal_safe
 
 OTHER_MODEL = "other"

@@ -19,8 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-#: the largest token (or other) count a request source accepts: 2^31, well above any context window
-MAX_COUNT = 2**31
+from kvwatch.model import MAX_COUNT
+
 #: the counter of values dropped for being out of range (labels replica, source, reason)
 VALUES_DROPPED = "kvwatch_request_values_dropped"
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvwatch.agent import engines
 from kvwatch.agent.engines import backoff_delay, scrape_target
 from kvwatch.config import Config, ReplicaConfig, ScrapeConfig
 from kvwatch.engines.llamacpp import EXTRA_PAGE
@@ -255,6 +257,42 @@ async def test_llamacpp_slots_failure_keeps_the_target_up_and_logs_once(server, 
     assert "HTTP 501" in target.extra_page_error
     lines = [line for line in log_lines(caplog) if "/slots" in line]
     assert len(lines) == 1 and "stays up" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("slots", "capacity"),
+    [
+        # a 400-digit n_ctx: float() of it raised OverflowError, which no except of the scrape caught
+        ('[{"id": 0, "n_ctx": 1%s, "is_processing": true, "n_prompt_tokens": 5}]' % ("0" * 400), None),
+        ('[{"id": 0, "n_ctx": -256, "is_processing": true, "n_prompt_tokens": 5}]', None),
+        ('[{"id": 0, "n_ctx": 256, "is_processing": true, "n_prompt_tokens": 5}]', 256.0),
+    ],
+    ids=["huge", "negative", "sane"],
+)
+async def test_llamacpp_slots_out_of_range_numbers_are_missing_and_the_scrape_completes(
+    server, client, state, clock, slots, capacity
+):
+    server.body = page(LLAMACPP_TINY)
+    server.slots_body = slots
+    await scrape(client, server.url, state, clock)
+    target = state.target("r0")
+    assert target.up and target.last_success_ts == clock() and target.extra_page_error is None
+    (s,) = target.samples
+    assert (s.kv_capacity_tokens, s.live_tokens) == (capacity, 5.0)
+
+
+async def test_an_extra_page_adapter_bug_keeps_the_target_up(server, client, state, clock, monkeypatch):
+    """Whatever the /slots reader raises (an adapter bug, as on the /metrics page) is that page's error."""
+
+    def broken(body: bytes, samples: tuple) -> tuple:
+        raise ZeroDivisionError("adapter bug")
+
+    monkeypatch.setattr(engines, "extra_page", lambda backend: dataclasses.replace(EXTRA_PAGE, apply=broken))
+    server.body = page(LLAMACPP_TINY)
+    server.slots_body = page("llamacpp_slots_2026_two_slots.json")
+    await scrape(client, server.url, state, clock)
+    target = state.target("r0")
+    assert target.up and target.samples and "adapter bug" in target.extra_page_error
 
 
 def test_slots_url_is_derived_from_the_metrics_url():

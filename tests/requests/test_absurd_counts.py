@@ -18,12 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, LedgerConfig, NvmlConfig, ReplicaConfig
-from kvwatch.model import DEFAULT_BANDS
+from kvwatch.model import DEFAULT_BANDS, MAX_COUNT
 from kvwatch.requests.accounting import inspect_request
 from kvwatch.requests.ledger import ledger_line
 from kvwatch.requests.otlp import records_from_export
 from kvwatch.requests.sglang_files import line_record
-from kvwatch.requests.values import MAX_COUNT
 from kvwatch.requests.vllm_plugin import decode
 from tests.local import until
 
