@@ -8,7 +8,8 @@ In: ``loads``, which every reader of JSON that kvwatch did not write goes throug
 watch streams, OTLP attributes, request bodies, ledgers and trace files). ``json.loads`` raises
 ``RecursionError``, not ``ValueError``, on arrays or objects nested deeper than the interpreter's
 recursion limit: about 2 KB of ``[`` would escape every ``except ValueError`` and end a parse, a
-watch or a command with a traceback.
+watch or a command with a traceback. ``finite`` reads a number from outside for the same reason:
+an integer too large for a float raises OverflowError.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def loads(
         return json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise TooDeepError("JSON nested too deeply to decode") from None
+
+
+def finite(value: object) -> float | None:
+    """A number from outside (JSON, YAML) as a finite float; None for anything else: a bool, a string,
+    NaN, ±Infinity (``json.loads`` reads them), or an int too large for a float. ``math.isfinite`` and
+    ``float`` raise OverflowError, not ValueError, on 1 followed by 400 zeros."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def jsonable(value: Any) -> Any:

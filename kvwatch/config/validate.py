@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from kvwatch.jsonsafe import finite
 from kvwatch.model import LengthBands
 
 #: Longest quotation of a given value in an error message, in characters.
@@ -102,14 +103,15 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 5s or 500ms")
     if isinstance(value, int | float):
-        seconds = float(value)
+        number = finite(value)
+        seconds = math.inf if number is None else number  # too large for a float: refused below
     else:
         m = _DURATION.match(str(value))
         if not m:
             raise ValueError(f"expected a duration such as 5s or 500ms, got {quoted(value)}")
         seconds = float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
     if not 0 < seconds < math.inf:
-        raise ValueError(f"duration must be positive, got {quoted(value)}")
+        raise ValueError(f"duration must be positive and finite, got {quoted(value)}")
     return seconds
 
 
@@ -118,14 +120,17 @@ def parse_size(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a size such as 16MiB")
     if isinstance(value, int | float):
-        if not math.isfinite(value):
+        if finite(value) is None:
             raise ValueError(f"expected a size such as 16MiB or 1000000, got {quoted(value)}")
         size = int(value)
     else:
         m = _SIZE.match(str(value))
         if not m:
             raise ValueError(f"expected a size such as 16MiB or 1000000, got {quoted(value)}")
-        size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+        scaled = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()]
+        if not math.isfinite(scaled):  # 400 digits read as a float are infinite
+            raise ValueError(f"expected a size such as 16MiB or 1000000, got {quoted(value)}")
+        size = int(scaled)
     if size <= 0:
         raise ValueError(f"size must be positive, got {quoted(value)}")
     return size
@@ -176,9 +181,10 @@ def _worker_count(value: Any) -> int | None:
 
 
 def _positive_number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+    number = finite(value)
+    if number is None or number <= 0:
         raise ValueError(f"expected a positive number, got {quoted(value)}")
-    return float(value)
+    return number
 
 
 def _bool(value: Any) -> bool:

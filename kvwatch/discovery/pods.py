@@ -44,6 +44,7 @@ guessed around).
 
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import re
 import shlex
@@ -162,8 +163,11 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
         return PodVerdict(problems=((PORT, "no metrics port: set kvwatch.io/port to a number or port name"),))
     if not is_running(pod):
         return PodVerdict()
-    ip = str((pod.get("status") or {}).get("podIP"))
-    host = f"[{ip}]" if ":" in ip else ip
+    try:  # the API server validates it; a watch stream that did not must not choose where kvwatch connects
+        ip = ipaddress.ip_address(str((pod.get("status") or {}).get("podIP")))
+    except ValueError:
+        return PodVerdict(problems=(("(pod)", "status.podIP is not an IP address"),))
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
     namespace, name = pod_key(pod)
     return PodVerdict(
         PodEngine(
@@ -271,8 +275,10 @@ def _port(
 def _named_port(containers: Sequence[Mapping[str, Any]], name: str) -> int | None:
     for c in containers:
         for p in c.get("ports") or []:
-            if isinstance(p, Mapping) and p.get("name") == name and isinstance(p.get("containerPort"), int):
-                return int(p["containerPort"])
+            if isinstance(p, Mapping) and p.get("name") == name:
+                number = _port_number(p.get("containerPort"))
+                if number is not None:
+                    return number
     return None
 
 
@@ -347,6 +353,11 @@ def _port_argument(argv: Sequence[str]) -> int | None:
             if value is not None and value.strip().isdigit() and 1 <= int(value) <= 65535:
                 return int(value)
     return None
+
+
+def _port_number(value: Any) -> int | None:
+    """A TCP port from a pod spec's number: 1..65535, an int but not a bool."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535 else None
 
 
 def _engine_of(container: Mapping[str, Any]) -> str | None:

@@ -42,6 +42,7 @@ from kvwatch.config.validate import (
     caller_reads,
     setting,
 )
+from kvwatch.jsonsafe import finite
 from kvwatch.mixin.thresholds import AlertConfig, alert_config_from_mapping
 from kvwatch.model import OUTCOMES, LengthBands
 
@@ -99,7 +100,8 @@ def _objective(value: Any) -> float:
         except ValueError:
             raise ValueError(f"expected a ratio such as 0.99 or 99%, got {value!r}") from None
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        ratio = float(value)
+        number = finite(value)
+        ratio = math.nan if number is None else number  # too large for a float: out of range below
     else:
         raise ValueError(f"expected a ratio such as 0.99 or 99%, got {value!r}")
     if not 0.0 < ratio < 1.0 or math.isnan(ratio):

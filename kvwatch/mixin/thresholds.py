@@ -13,13 +13,13 @@ The job selector of the kvwatch targets is ``kvwatch rules --job``.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvwatch.config.validate import INTEGER, Kind, quoted, read_value
+from kvwatch.jsonsafe import finite
 
 #: alert -> its default ``for:`` (None: fires at the first evaluation that sees the event)
 DEFAULT_FOR: Mapping[str, str | None] = {
@@ -53,7 +53,8 @@ _PROM_DURATION = re.compile(r"^(?:\d+[smhdwy])+$")
 
 def _non_negative(value: Any) -> float:
     """A number at least 0, kept as written (``300`` stays an int, so rules print it so)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    number = finite(value)
+    if number is None or number < 0:
         raise ValueError(f"expected a non-negative number, got {quoted(value)}")
     return value
 

@@ -15,9 +15,9 @@ lines), a replay refuses a ledger line it cannot replay and names the line and k
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from kvwatch.jsonsafe import finite
 from kvwatch.plan.jsonl import json_lines
 from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
@@ -50,7 +50,7 @@ def _number(obj: dict, key: str, where: str, *, integer: bool) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if finite(value) is None:
         raise PlanInputError(f"{where}: {key!r} is {value!r}, expected a number")
     if integer and value != int(value):
         raise PlanInputError(f"{where}: {key!r} is {value!r}, expected a whole token count")

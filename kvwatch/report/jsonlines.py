@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.jsonsafe import loads
+from kvwatch.jsonsafe import finite, loads
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -272,10 +272,6 @@ class JsonLinesColumns:
         return pd.DataFrame(data)
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def _checked(f: Field, value: Any) -> Any:
     """A JSON value of field ``f`` after the same checks the fast pattern makes."""
     if value is None or (f.kind == STR and value == ""):
@@ -285,7 +281,7 @@ def _checked(f: Field, value: Any) -> Any:
     if f.kind == NUM:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _InvalidLineError(f"{f.name} is not a number")
-        return _finite(float(value))
+        return finite(value)  # NaN, ±Infinity and ints too large for a float: null
     if f.kind == BOOL:
         if not isinstance(value, bool):
             raise _InvalidLineError(f"{f.name} is not true or false")

@@ -148,7 +148,10 @@ def usage_from_body(body: bytes) -> tuple[Usage | None, str | None]:
         if isinstance(usage, dict)
         else None
     )
-    reasons = [c.get("finish_reason") for c in doc.get("choices") or () if isinstance(c, dict)]
+    choices = doc.get("choices")
+    reasons = (
+        [c.get("finish_reason") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    )
     reasons = [r for r in reasons if isinstance(r, str)]
     reason = "length" if "length" in reasons else (reasons[-1] if reasons else None)
     return parsed, reason

@@ -14,11 +14,11 @@ in ``RequestRecord.dropped_values``; the sink counts it in ``kvwatch_request_val
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvwatch.jsonsafe import finite
 from kvwatch.model import MAX_COUNT
 
 #: the counter of values dropped for being out of range (labels replica, source, reason)
@@ -58,9 +58,10 @@ def non_negative_number(fields: Mapping[str, Any], key: str) -> float | None:
     value = fields.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    number = finite(value)
+    if number is None or number < 0:
         raise ValueError(f"{key} must be a non-negative number, got {shown(value)}")
-    return float(value)
+    return number
 
 
 def non_negative_int(fields: Mapping[str, Any], key: str) -> int | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import socket
 import stat
@@ -30,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvwatch.jsonsafe import loads
+from kvwatch.jsonsafe import finite, loads
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import EngineStep, EvictionSample, Outcome, PluginLink, RequestRecord
 from kvwatch.requests.values import VALUES_DROPPED, bounded_count, out_of_range
@@ -82,9 +81,10 @@ class Decoded:
 def _num(value: Any, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    number = finite(value)
+    if number is None or number < 0:
         raise DatagramError("malformed", f"{what} must be a non-negative number or null")
-    return float(value)
+    return number
 
 
 def _int(value: Any, what: str) -> int | None:
@@ -233,7 +233,7 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
         raise DatagramError("malformed", "not JSON") from None
     body = _mapping(body, "a datagram")
     version = body.get("v")
-    if version not in WIRE_VERSIONS or isinstance(version, bool):
+    if not isinstance(version, int) or isinstance(version, bool) or version not in WIRE_VERSIONS:
         raise DatagramError("unknown_version", f"wire version {version!r} (this agent reads 1)")
     engine = _int(body.get("e"), "e")
     if engine is None or engine > MAX_ENGINE_INDEX:

@@ -143,6 +143,37 @@ def test_sizes(text, size):
     assert parse_size(text) == size
 
 
+HUGE = 10**400  # YAML reads it as an int; float() and math.isfinite() of it raise OverflowError
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        ({"scrape": {"timeout": HUGE}}, "scrape.timeout", "positive and finite"),
+        ({"scrape": {"max_response_bytes": HUGE}}, "scrape.max_response_bytes", "size"),
+        ({"scrape": {"max_response_bytes": f"{HUGE}MiB"}}, "scrape.max_response_bytes", "size"),
+        (
+            {"replicas": [{"name": "r", "metrics_url": "http://x/metrics", "kv_bytes_per_token": HUGE}]},
+            "replicas[0].kv_bytes_per_token",
+            "positive number",
+        ),
+        ({"alerts": {"thresholds": {"storm_preemptions_per_finished": HUGE}}}, None, None),
+    ],
+    ids=["duration", "size", "size-string", "positive-number", "threshold"],
+)
+def test_a_number_too_large_for_a_float_is_a_problem_named_by_its_key(data, key, fragment):
+    """Before, each of these ended `kvwatch check-config` and `kvwatch run` with an OverflowError."""
+    if key is None:  # the alerts section is read by `kvwatch rules`, not the agent's config
+        from kvwatch.mixin.thresholds import alert_config_from_mapping
+
+        found: list[tuple[str, str]] = []
+        alert_config_from_mapping(data["alerts"], "alerts", found)
+        [(key, reason)] = found
+        assert key == "alerts.thresholds.storm_preemptions_per_finished" and "non-negative number" in reason
+        return
+    assert fragment in problems(data)[key]
+
+
 def test_check_config_cli_exit_status_and_messages(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(GOOD)

@@ -264,3 +264,19 @@ def test_port_arguments_from_the_containers_env_are_expanded_as_the_kubelet_and_
     unknown = _shell_wrapped("vllm serve m --port $PORT_FROM_IMAGE", env=env)  # not in the pod: default
     engine = judge_pod(_ready(make_pod("d", containers=[unknown]))).engine
     assert engine is not None and engine.metrics_url.endswith(":8000/metrics")
+
+
+@pytest.mark.parametrize("pod_ip", ["evil.example/x?", "10.1.2.3:9999/", "{'a': 1}", ""])
+def test_a_pod_ip_that_is_no_ip_address_gives_no_metrics_url(pod_ip: str) -> None:
+    """The API server validates status.podIP; a watch stream that did not must not choose where kvwatch
+    connects (before, "evil.example/x?" became http://evil.example/x?:8100/metrics)."""
+    pod = _ready(make_pod("qwen-0", containers=[vllm_container(8100)]), ip=pod_ip)
+    verdict = judge_pod(pod)
+    assert verdict.engine is None
+    assert verdict.problems == ((("(pod)", "status.podIP is not an IP address"),) if pod_ip else ())
+
+
+def test_a_named_container_port_out_of_range_is_no_port() -> None:
+    container = {**vllm_container(8100), "ports": [{"name": "metrics", "containerPort": 70_000}]}
+    pod = _ready(make_pod("qwen-0", annotations={"kvwatch.io/port": "metrics"}, containers=[container]))
+    assert judge_pod(pod).problems == (("kvwatch.io/port", "no container port named 'metrics' in the pod"),)

@@ -62,6 +62,11 @@ def test_threshold_off_the_buckets_is_rejected_and_the_boundaries_are_listed() -
     assert "boundaries: " + ", ".join(buckets.le_label(b) for b in buckets.TPOT_SECONDS) in message
 
 
+def test_an_objective_too_large_for_a_float_is_named() -> None:
+    """10**400 raised OverflowError out of the SLO file's reader before."""
+    assert "between 0 and 1" in _problems(_with(objective=10**400))["objectives[0].objective"]
+
+
 def test_latency_objective_without_threshold_is_rejected() -> None:
     data = _with()
     del data["objectives"][0]["threshold"]

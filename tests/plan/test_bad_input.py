@@ -42,6 +42,15 @@ def test_a_ledger_line_without_a_required_field_names_the_line_and_key(tmp_path,
     assert "line 3: missing 'prompt_tokens'" in capsys.readouterr().err
 
 
+def test_a_count_too_large_for_a_float_names_the_line_and_key(tmp_path, capsys):
+    """math.isfinite(10**400) raises OverflowError: `kvwatch plan replay` ended in a traceback."""
+    path = _ledger(tmp_path, [GOOD, {**GOOD, "output_tokens": 10**400}])
+    with pytest.raises(PlanInputError, match=r"line 2: 'output_tokens' is 1000.*, expected a number"):
+        read_workload([str(path)])
+    assert main(["plan", "replay", str(path)]) == 1
+    assert "line 2: 'output_tokens'" in capsys.readouterr().err
+
+
 def test_an_aborted_line_without_its_e2e_cannot_be_replayed(tmp_path):
     aborted = {**GOOD, "outcome": "aborted"}
     del aborted["e2e_seconds"]

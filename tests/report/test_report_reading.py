@@ -22,6 +22,22 @@ from . import ledgers
 GOOD = ledgers.line(ledgers.HAND[0])
 
 
+@pytest.mark.parametrize("path", ["fast", "careful"])
+def test_a_number_too_large_for_a_float_is_unknown_and_the_line_kept(tmp_path: Path, path: str) -> None:
+    """float() of 1 and 400 zeros raises OverflowError: it stopped `kvwatch report` on the careful path
+    (json.loads, taken by a line the fast pattern does not match: here an escaped string)."""
+    huge = GOOD.replace('"prompt_tokens":100', '"prompt_tokens":1' + "0" * 400)
+    assert huge != GOOD
+    if path == "careful":
+        huge = huge.replace('"replica":"r0"', '"replica":"r\\u0030"')
+        assert json.loads(huge)["replica"] == "r0"
+    ledger = ledgers.write(tmp_path / "ledger.jsonl", ledgers.HAND, extra_lines={0: huge})
+    report = build_report([str(ledger)])
+    assert report.requests == len(ledgers.HAND) + 1 and report.malformed == 0
+    frame = read_json_lines(expand([str(ledger)]), LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=1).frame
+    assert frame["prompt_tokens"].isna().sum() == 1 + sum(r.prompt_tokens is None for r in ledgers.HAND)
+
+
 def test_malformed_lines_are_counted_reported_and_skipped(tmp_path: Path) -> None:
     bad = {
         0: "this is not json",

@@ -31,18 +31,21 @@ def span_export(resource: dict[str, str], **attrs: object) -> ExportTraceService
         rs.resource.attributes.add(key=key, value=AnyValue(string_value=value))
     span = rs.scope_spans.add().spans.add(name="llm_request", start_time_unix_nano=1_700_000_000_000_000_000)
     for key, value in attrs.items():
-        if isinstance(value, bool):
-            any_value = AnyValue(bool_value=value)
-        elif isinstance(value, int):
-            any_value = AnyValue(int_value=value)
-        elif isinstance(value, float):
-            any_value = AnyValue(double_value=value)
-        elif isinstance(value, list):
-            any_value = AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=v) for v in value]))
-        else:
-            any_value = AnyValue(string_value=str(value))
-        span.attributes.append(KeyValue(key=key, value=any_value))
+        span.attributes.append(KeyValue(key=key, value=any_value(value)))
     return export
+
+
+def any_value(value: object) -> AnyValue:
+    """An attribute value as an OTLP exporter writes it: bool, int64, double, array, else a string."""
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, list):
+        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
+    return AnyValue(string_value=str(value))
 
 
 TOKENS = "gen_ai.usage.completion_tokens"

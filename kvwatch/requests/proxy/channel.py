@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import socket
 import time
 import types
@@ -43,7 +42,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from kvwatch.jsonsafe import loads
+from kvwatch.jsonsafe import finite, loads
 from kvwatch.model import InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests.accounting import InFlight
 from kvwatch.requests.proxy.seams import ACCOUNTING_ERRORS, RELAY_COUNTERS, Sink
@@ -109,11 +108,7 @@ def _reader(hint: Any, name: str) -> Callable[[Any], Any]:
     if hint is int:
         return lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _refuse(name, "an integer")
     if hint is float:
-        return lambda v: (
-            float(v)
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            else _refuse(name, "a number")
-        )
+        return lambda v: _refuse(name, "a number") if (number := finite(v)) is None else number
     if hint is str:
         return lambda v: v if isinstance(v, str) and len(v) <= 256 else _refuse(name, "a short string")
     raise TypeError(f"{name}: no channel codec for {hint!r}")  # a new field type: teach the codec
