@@ -52,8 +52,8 @@ def _number(obj: dict, key: str, where: str, *, integer: bool) -> float | None:
         return None
     if finite(value) is None:
         raise PlanInputError(f"{where}: {key!r} is {value!r}, expected a number")
-    if integer and value != int(value):
-        raise PlanInputError(f"{where}: {key!r} is {value!r}, expected a whole token count")
+    if integer and (value != int(value) or value < 0):
+        raise PlanInputError(f"{where}: {key!r} is {value!r}, expected a whole token count (0 or more)")
     return int(value) if integer else float(value)
 
 

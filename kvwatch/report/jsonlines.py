@@ -28,6 +28,8 @@ from kvwatch.jsonsafe import finite, loads
 if TYPE_CHECKING:
     import pandas as pd
 
+#: a finite number >= 0 (every number of a ledger or trace line is a count, a time or a duration):
+#: anything else a line holds there (negative, NaN, ±Infinity, too large for a float) is null
 NUM = "num"
 STR = "str"
 BOOL = "bool"
@@ -254,7 +256,7 @@ class JsonLinesColumns:
                 # the C parser may already have read the category values as booleans
                 df[f.name] = df[f.name].map(_BOOL_VALUES).astype(float)
             elif f.kind == NUM:
-                df[f.name] = df[f.name].where(df[f.name].abs() != math.inf)
+                df[f.name] = df[f.name].where((df[f.name] >= 0) & (df[f.name] != math.inf))
         return df[[f.name for f in self.fields]]
 
     def _slow_frame(self) -> pd.DataFrame:
@@ -281,7 +283,8 @@ def _checked(f: Field, value: Any) -> Any:
     if f.kind == NUM:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _InvalidLineError(f"{f.name} is not a number")
-        return finite(value)  # NaN, ±Infinity and ints too large for a float: null
+        number = finite(value)
+        return number if number is not None and number >= 0 else None
     if f.kind == BOOL:
         if not isinstance(value, bool):
             raise _InvalidLineError(f"{f.name} is not true or false")

@@ -176,14 +176,23 @@ def _read_csv(
     return df, malformed
 
 
+def _to_numeric(pd: Any, column: pd.Series) -> pd.Series:
+    """Floats, NaN where a cell is no number."""
+    try:
+        return pd.to_numeric(column, errors="coerce")
+    except OverflowError:  # read_csv kept a 400-digit integer as a Python int; as text it reads as inf
+        return pd.to_numeric(column.astype(str), errors="coerce")
+
+
 def _numeric(
     pd: Any, df: pd.DataFrame, columns: tuple[str, ...], item: InputFile, problems: Problems
 ) -> tuple[pd.DataFrame, int]:
-    for col in columns:
-        df[col] = pd.to_numeric(df[col], errors="coerce")
+    for col in columns:  # token counts: a finite number >= 0 (1e400 reads as inf, -5 as -5)
+        values = _to_numeric(pd, df[col])
+        df[col] = values.where(np.isfinite(values) & (values >= 0))
     bad = df[list(columns)].isna().any(axis=1).to_numpy()
     count = int(bad.sum())
-    problems.add_count(str(item.path), f"missing or unparsable {' or '.join(columns)}", count)
+    problems.add_count(str(item.path), f"missing, unparsable or negative {' or '.join(columns)}", count)
     return df[~bad], count
 
 
@@ -224,14 +233,14 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
         response = df["Response tokens"].to_numpy(dtype=float)
         failed = response == 0
         if BURSTGPT_ELAPSED in df.columns:
-            e2e = pd.to_numeric(df[BURSTGPT_ELAPSED], errors="coerce").to_numpy(dtype=float)
+            e2e = _to_numeric(pd, df[BURSTGPT_ELAPSED]).to_numpy(dtype=float)
         else:
             e2e, has_e2e = np.full(len(df), np.nan), False
         frame = _trace_frame(
             pd,
             _trace_name(item),
             len(df),
-            started_at=pd.to_numeric(df["Timestamp"], errors="coerce").to_numpy(dtype=float),
+            started_at=_to_numeric(pd, df["Timestamp"]).to_numpy(dtype=float),
             prompt=df["Request tokens"].to_numpy(dtype=float),
             output=np.where(failed, np.nan, response),
             e2e=e2e,

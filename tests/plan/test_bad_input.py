@@ -51,6 +51,11 @@ def test_a_count_too_large_for_a_float_names_the_line_and_key(tmp_path, capsys):
     assert "line 2: 'output_tokens'" in capsys.readouterr().err
 
 
+def test_a_negative_count_names_the_line_and_key(tmp_path):
+    with pytest.raises(PlanInputError, match=r"line 2: 'max_tokens' is -5, expected a whole token count"):
+        read_workload([str(_ledger(tmp_path, [GOOD, {**GOOD, "outcome": "truncated", "max_tokens": -5}]))])
+
+
 def test_an_aborted_line_without_its_e2e_cannot_be_replayed(tmp_path):
     aborted = {**GOOD, "outcome": "aborted"}
     del aborted["e2e_seconds"]

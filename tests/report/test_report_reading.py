@@ -22,11 +22,13 @@ from . import ledgers
 GOOD = ledgers.line(ledgers.HAND[0])
 
 
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "-100"], ids=["overflow", "negative"])
 @pytest.mark.parametrize("path", ["fast", "careful"])
-def test_a_number_too_large_for_a_float_is_unknown_and_the_line_kept(tmp_path: Path, path: str) -> None:
+def test_a_count_no_request_has_is_unknown_and_the_line_kept(tmp_path: Path, path: str, value: str) -> None:
     """float() of 1 and 400 zeros raises OverflowError: it stopped `kvwatch report` on the careful path
-    (json.loads, taken by a line the fast pattern does not match: here an escaped string)."""
-    huge = GOOD.replace('"prompt_tokens":100', '"prompt_tokens":1' + "0" * 400)
+    (json.loads, taken by a line the fast pattern does not match: here an escaped string). A negative
+    count was read as it was, into the percentiles."""
+    huge = GOOD.replace('"prompt_tokens":100', f'"prompt_tokens":{value}')
     assert huge != GOOD
     if path == "careful":
         huge = huge.replace('"replica":"r0"', '"replica":"r\\u0030"')

@@ -111,6 +111,24 @@ def test_malformed_trace_rows_are_counted(tmp_path: Path) -> None:
     assert report.malformed_examples == (f"{tmp_path / 'm.jsonl'}:5: input_length is not a number",)
 
 
+@pytest.mark.parametrize("bad", ["-5", "1e400", "inf", "1" + "0" * 400])
+def test_trace_rows_with_counts_no_request_has_are_counted_malformed(tmp_path: Path, bad: str) -> None:
+    """A negative, infinite or overflowing token count was taken as is: "prompt p50 inf", and -5 output
+    tokens inside the percentiles."""
+    text = AZURE + f"2023-11-16 18:17:00,{bad},12\n2023-11-16 18:17:01,12,{bad}\n"
+    report = build_report([write(tmp_path / "t.csv", text)])
+    assert (report.requests, report.malformed) == (4, 2)
+    assert rows(report)[ALL].prompt_tokens_p50 == pytest.approx((396 + 879) / 2)
+
+
+@pytest.mark.parametrize("bad", [-3, 10**400, "1e400"])
+def test_mooncake_counts_no_request_has_are_unknown(tmp_path: Path, bad: object) -> None:
+    line = f'{{"timestamp": 6000, "input_length": 10, "output_length": {bad}, "hash_ids": [1]}}'
+    report = build_report([write(tmp_path / "m.jsonl", "\n".join([*mooncake_lines(), line]) + "\n")])
+    assert report.requests == 5
+    assert rows(report)[ALL].output_tokens_p50 == pytest.approx((52 + 2400) / 2)  # the four good rows
+
+
 def test_forced_format_and_unknown_format(tmp_path: Path) -> None:
     path = write(tmp_path / "t.csv", AZURE)
     assert build_report([path], trace_format="azure").kind == "azure"
