@@ -254,8 +254,8 @@ class SglangFileFollower:
                 continue
             try:
                 out.append(line_record(loads(line), self.config.replica, self.model_name, now))
-            except (ValueError, MalformedLineError):
-                self._counted("malformed")
+            except Exception:  # not what SGLang writes (or a line this reader fails on): that line only,
+                self._counted("malformed")  # the offset has moved past the whole read
                 continue
             self._counted("request")
         return out

@@ -274,6 +274,8 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
             records.append(request_record(fields, replica, model_name, sent_at))
         except DatagramError as exc:
             refused.append(exc.result)
+        except Exception:  # a request this reader fails on: refused as malformed, the others kept
+            refused.append("malformed")
     return Decoded(link, steps, tuple(records), tuple(dropped), tuple(refused))
 
 

@@ -141,6 +141,22 @@ def test_one_bad_request_costs_that_request_and_keeps_the_steps_and_the_others()
     assert got.refused == ("negative_duration", "malformed", "malformed")
 
 
+def test_a_request_the_reader_fails_on_costs_that_request_only(monkeypatch):
+    from kvwatch.requests import vllm_plugin
+
+    real = vllm_plugin.request_record
+
+    def fails_on_seven(fields, *args):
+        if fields.get("output") == 7:
+            raise ArithmeticError("a reader bug")
+        return real(fields, *args)
+
+    monkeypatch.setattr(vllm_plugin, "request_record", fails_on_seven)
+    body = {**header(), "f": [FINISHED, {**FINISHED, "output": 7}, FINISHED]}
+    got = decode(json.dumps(body).encode(), "r0", "m")
+    assert [r.output_tokens for r in got.records] == [64, 64] and got.refused == ("malformed",)
+
+
 def test_the_receiver_counts_refused_requests_by_reason(tmp_path):
     counted: list[tuple] = []
     steps: list = []

@@ -120,6 +120,27 @@ def test_finish_reasons(attrs: dict, outcome: Outcome, finish: str | None) -> No
     assert (record.outcome, record.finish_reason) == (outcome, finish)
 
 
+def test_a_span_the_reader_fails_on_costs_that_span_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwatch.requests.otlp import spans
+
+    def fails_on_seven(span, attrs, *args):
+        if attrs.get(TOKENS) == 7:
+            raise ArithmeticError("a reader bug")
+        return real(span, attrs, *args)
+
+    real = spans._span_record
+    monkeypatch.setattr(spans, "_span_record", fails_on_seven)
+    export = span_export({}, **{TOKENS: 3})
+    scope = export.resource_spans[0].scope_spans[0]
+    for tokens in (7, 9):
+        span = scope.spans.add()
+        span.CopyFrom(scope.spans[0])
+        span.attributes[-1].value.int_value = tokens
+    records, results = records_from_export(export, one_replica(), model_labels())
+    assert [r.output_tokens for r in records] == [3, 9]
+    assert results == Counter(request=2, malformed=1)
+
+
 def test_error_status_is_an_error() -> None:
     export = span_export({}, **{TOKENS: 3})
     export.resource_spans[0].scope_spans[0].spans[0].status.code = Status.STATUS_CODE_ERROR

@@ -188,6 +188,26 @@ def test_truncated_json_lines_are_counted_and_skipped(export_dir: Dir) -> None:
     assert export_dir.counts[(LINES, "s0", "request")] == 2
 
 
+def test_a_line_the_reader_fails_on_costs_that_line_only(
+    export_dir: Dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected error on one line (OverflowError did this before jsonsafe.finite) failed the
+    whole poll after the offset had moved past the read: every line of it was lost."""
+    from kvwatch.requests import sglang_files
+
+    def fails_on_two(doc, *args):
+        if doc.get("completion_tokens") == 2:
+            raise ArithmeticError("a reader bug")
+        return line_record(doc, *args)
+
+    monkeypatch.setattr(sglang_files, "line_record", fails_on_two)
+    follower = export_dir.follower()
+    follower.poll()
+    export_dir.append("20260101_10", "".join(exporter_line(completion=n) for n in (1, 2, 3)))
+    assert [r.output_tokens for r in follower.poll()] == [1, 3]
+    assert export_dir.counts[(LINES, "s0", "malformed")] == 1
+
+
 def test_rewritten_file_is_read_again(export_dir: Dir) -> None:
     follower = export_dir.follower()
     follower.poll()

@@ -93,6 +93,8 @@ def span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str
         return _span_record(span, attrs, replica, model_name)
     except ValueError as exc:
         raise MalformedSpanError(str(exc)) from None
+    except Exception as exc:  # whatever one span holds costs that span, never the export's others
+        raise MalformedSpanError(f"unreadable span ({type(exc).__name__})") from None
 
 
 def _span_record(span: Span, attrs: dict[str, Any], replica: str, model_name: str) -> RequestRecord:
