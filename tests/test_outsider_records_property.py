@@ -11,7 +11,6 @@ the ones nobody thought of.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -31,56 +30,10 @@ from kvwatch.requests.vllm_plugin import DatagramError, decode
 from kvwatch.state import RequestStats
 from tests.discovery.fake_apiserver import make_pod, pod_conditions, vllm_container
 from tests.engines.helpers import LLAMACPP_TINY, only, page
+from tests.hostile import hostile
 from tests.requests.otlp_spans import TOKENS, model_labels, one_replica, span_export
 
-EXTREMES = [10**400, -(10**400), 2**31, 2**31 + 1, 2**63, -1, 0, 1, True, False, None, "", "1", "NaN"]
-
-JSON_LEAVES = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.sampled_from(EXTREMES)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=12)
-)
-JSON_VALUES = st.recursive(
-    JSON_LEAVES,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8,
-)
-
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _paths(value: Any, path: tuple = ()) -> list[tuple]:
-    """Every place in a JSON value: (key or index, ...) from the root."""
-    found = [path]
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += _paths(item, (*path, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += _paths(item, (*path, index))
-    return found
-
-
-@st.composite
-def hostile(draw: st.DrawFn, base: Any, changes: int = 3) -> Any:
-    """``base`` with up to ``changes`` values replaced by any JSON, or dict keys dropped."""
-    doc = copy.deepcopy(base)
-    for _ in range(draw(st.integers(1, changes))):
-        places = [p for p in _paths(doc) if p]
-        if not places:
-            break
-        where = draw(st.sampled_from(places))
-        parent = doc
-        for step in where[:-1]:
-            parent = parent[step]
-        if isinstance(parent, dict) and draw(st.booleans()):
-            del parent[where[-1]]
-        else:
-            parent[where[-1]] = draw(JSON_VALUES)
-    return doc
 
 
 def _stored(record: RequestRecord) -> None:

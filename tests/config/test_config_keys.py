@@ -13,32 +13,9 @@ import pytest
 from kvwatch.config import ConfigError, config_from_mapping, env_variable, load_config
 from kvwatch.config.schema import Config
 from kvwatch.config.validate import schema_fields
+from tests.config.keys import every_key_path, leaf_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def leaf_keys(cls: type = Config, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """Every key a variable may set: the scalars of every section, and each list of entries whole."""
-    out: list[tuple[str, ...]] = []
-    for key, f in schema_fields(cls).items():
-        if "section" in f.metadata:
-            out += leaf_keys(f.metadata["section"], (*path, key))
-        else:
-            out.append((*path, key))
-    return out
-
-
-def every_key_path(cls: type = Config, prefix: str = "") -> set[str]:
-    """``intervals.gpu``, ``replicas[].name``, ``discovery.kubernetes``: every key and section path."""
-    out: set[str] = set()
-    for key, f in schema_fields(cls).items():
-        here = prefix + key
-        out.add(here)
-        if "section" in f.metadata:
-            out |= every_key_path(f.metadata["section"], here + ".")
-        elif "entries" in f.metadata:
-            out |= every_key_path(f.metadata["entries"], here + "[].")
-    return out
 
 
 def _problems(fn, *args) -> dict[str, str]:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvwatch.config import Config, ConfigError, config_from_mapping
 from kvwatch.config.schema import ReplicaConfig
 from kvwatch.config.validate import schema_fields
-from tests.config.test_config_keys import leaf_keys
+from tests.config.keys import leaf_keys
 
 BASE: dict[str, Any] = {
     "listen": "127.0.0.1:9500",

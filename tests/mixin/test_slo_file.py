@@ -6,11 +6,13 @@ import copy
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
 
 from kvwatch import buckets
 from kvwatch.cli import main as cli
 from kvwatch.config import ConfigError
 from kvwatch.mixin.slo import ANY_MODEL, load_slo_file, slo_from_mapping
+from tests.hostile import hostile
 
 from .helpers import ALERTS
 
@@ -232,3 +234,13 @@ def test_every_alert_kvwatch_ships_has_a_for_knob() -> None:
         f for f in rule_files(load_slo_file(ALERTS / "slo.yaml")) if f.filename in (NODE_FILE, FLEET_FILE)
     ]
     assert set(alert_names(files)) == set(DEFAULT_FOR)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile(VALID, changes=3))
+def test_any_value_anywhere_in_the_slo_file_is_read_or_named(data) -> None:
+    """Whatever value replaces whatever field: an SLO, or a ConfigError with its problems, nothing else."""
+    try:
+        slo_from_mapping(data)
+    except ConfigError as exc:
+        assert exc.problems and all(key and reason for key, reason in exc.problems)
