@@ -173,11 +173,9 @@ async def _extra_page(
         )
         completed = page.apply(body, samples)
     except (ScrapeError, ValueError) as exc:
-        return _extra_page_failed(page, replica_cfg, target, f"{url}: {exc}", samples)
+        return _extra_page_failed(page, target, f"{url}: {exc}", samples)
     except Exception as exc:  # an adapter bug must not take the agent down, as on the /metrics page
-        return _extra_page_failed(
-            page, replica_cfg, target, f"{url} could not be read: {brief_error(exc)}", samples
-        )
+        return _extra_page_failed(page, target, f"{url} could not be read: {brief_error(exc)}", samples)
     if target.extra_page_error is not None:
         log.info("replica %s: %s works again", replica_cfg.name, page.path)
     target.extra_page_error = None
@@ -185,16 +183,12 @@ async def _extra_page(
 
 
 def _extra_page_failed(
-    page: ExtraPage,
-    replica_cfg: ReplicaConfig,
-    target: TargetState,
-    error: str,
-    samples: tuple[ReplicaSample, ...],
+    page: ExtraPage, target: TargetState, error: str, samples: tuple[ReplicaSample, ...]
 ) -> tuple[ReplicaSample, ...]:
     """The /metrics samples as they were: the target stays up, the page's error is kept and logged once."""
     if target.extra_page_error is None:
         log.warning(
-            "replica %s: %s failed (%s); %s, target stays up", replica_cfg.name, page.path, error, page.lost
+            "replica %s: %s failed (%s); %s, target stays up", target.name, page.path, error, page.lost
         )
     target.extra_page_error = error
     return samples
