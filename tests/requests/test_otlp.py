@@ -133,9 +133,7 @@ def test_a_span_the_reader_fails_on_costs_that_span_only(monkeypatch: pytest.Mon
     export = span_export({}, **{TOKENS: 3})
     scope = export.resource_spans[0].scope_spans[0]
     for tokens in (7, 9):
-        span = scope.spans.add()
-        span.CopyFrom(scope.spans[0])
-        span.attributes[-1].value.int_value = tokens
+        scope.spans.append(span_export({}, **{TOKENS: tokens}).resource_spans[0].scope_spans[0].spans[0])
     records, results = records_from_export(export, one_replica(), model_labels())
     assert [r.output_tokens for r in records] == [3, 9]
     assert results == Counter(request=2, malformed=1)
