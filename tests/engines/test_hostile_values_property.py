@@ -5,15 +5,17 @@ it. Hypothesis takes a real captured page (vLLM, SGLang, llama.cpp) and rewrites
 of its samples: NaN, ±Inf, negative, 1e308, 400 digits, tiny subnormals, any float. The page is
 scraped twice (the capture, then the rewritten one, 15 s later: the engine's counters may now run
 backwards, gauges may be absurd), through ``scrape_target`` against an httpx transport serving it,
-``update_derived`` and every export area of ``/metrics``. What must hold: the scrape never raises
-(a page it refuses is counted, as any bad page), deriving never raises, and every export area
-renders (``kvwatch_collector_success{collector="export_*"}`` is 1): an odd number from an engine
-costs that number, never a whole area of the node's series.
+``update_derived``, every export area of ``/metrics``, the status page, its strict ``status.json``
+and ``kvwatch top`` reading it back. What must hold: the scrape never raises (a page it refuses is
+counted, as any bad page), deriving never raises, every export area renders
+(``kvwatch_collector_success{collector="export_*"}`` is 1) and so does the status page: an odd
+number from an engine costs that number, never a whole area of the node's series or its page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import httpx
@@ -34,6 +36,9 @@ from kvwatch.export.requests import RequestCollector
 from kvwatch.export.server import make_registry
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
+from kvwatch.status.page import render_page, status_document
+from kvwatch.status.top import render_text
+from kvwatch.status.view import build_view, view_from_dict
 
 from .helpers import LLAMACPP_TINY, SGLANG_DYNAMO, VLLM_DYNAMO_LMCACHE
 
@@ -110,6 +115,10 @@ def test_odd_values_cost_the_value_never_an_area(pages: tuple[str, str]) -> None
         "export_plugin",
     }
     assert all(v == 1 for v in success.values()), success
+    view = build_view(state, CONFIG, T0 + 16)  # the status page, status.json and kvwatch top read it
+    render_page(view)
+    document = json.loads(json.dumps(status_document(view), allow_nan=False))  # the page's strict JSON
+    render_text(view_from_dict(document["view"]), 120)
     for sample in state.target("r0").samples:
         for field in ("kv_usage_ratio", "kv_capacity_tokens", "requests_running"):
             value = getattr(sample, field)
