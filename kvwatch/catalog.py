@@ -350,7 +350,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         "counter",
         ("reason",),
         "Pod list/watch failures by reason (unreachable, http_status, gone, too_large_resource_version, "
-        "malformed, too_large, truncated, error_event).",
+        "malformed, too_large, truncated, error_event, internal).",
         "self",
     ),
     _m(

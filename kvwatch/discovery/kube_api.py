@@ -55,6 +55,7 @@ import httpx
 from kvwatch.config import KubernetesDiscoveryConfig
 from kvwatch.jsonsafe import loads
 from kvwatch.selfmetrics import Count, Report
+from kvwatch.workers import brief_error
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,16 @@ def backoff_delay(failures: int, cap_s: float) -> float:
 
 
 def resource_version(obj: Mapping[str, Any]) -> str | None:
-    rv = (obj.get("metadata") or {}).get("resourceVersion")
-    return str(rv) if rv else None
+    meta = obj.get("metadata")
+    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return rv if isinstance(rv, str) and rv else None
+
+
+def _uid(obj: Any) -> str | None:
+    """``metadata.uid`` of an API object: a non-empty string, as the API server writes it, else None."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None
 
 
 @dataclass(slots=True)
@@ -293,6 +302,11 @@ class PodWatch:
                 except ApiError as exc:
                     rv = self.status.resource_version if self.status.synced else None
                     self._failed(exc)
+                    await self._backoff()
+                except Exception as exc:  # reading what the API sent failed (a bug): never end discovery
+                    log.debug("kubernetes: reading the API's answer failed", exc_info=True)
+                    rv = None  # list again: what was read last cannot be trusted
+                    self._failed(ApiError("internal", f"reading the API's answer failed: {brief_error(exc)}"))
                     await self._backoff()
 
     def _verify(self, base: str) -> ssl.SSLContext | bool:
@@ -387,10 +401,10 @@ class PodWatch:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ApiError("malformed", "pod list is not a PodList with metadata.resourceVersion") from None
         pods: Pods = {}
-        for item in items:
-            uid = (item.get("metadata") or {}).get("uid") if isinstance(item, dict) else None
-            if uid:
-                pods[str(uid)] = item
+        for item in items:  # an item that is no pod object is skipped, as a malformed watch event is
+            uid = _uid(item)
+            if uid is not None:
+                pods[uid] = item
         self.pods = pods
         self.status.synced = True
         self.status.resource_version = rv
@@ -475,8 +489,8 @@ class PodWatch:
         new_rv = resource_version(obj) or rv
         if kind == "BOOKMARK":
             return new_rv
-        uid = str((obj.get("metadata") or {}).get("uid") or "")
-        if not uid:
+        uid = _uid(obj)
+        if uid is None:
             raise StreamError("malformed", f"{kind} event for an object without metadata.uid")
         if kind == "DELETED":
             self.pods.pop(uid, None)

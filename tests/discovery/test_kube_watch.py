@@ -10,6 +10,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from aiohttp import web
 
 from kvwatch.config import KubernetesDiscoveryConfig
 from kvwatch.discovery.kube_api import (
@@ -32,7 +33,7 @@ from tests.discovery.fake_apiserver import (
     vllm_container,
     with_managed_fields,
 )
-from tests.local import free_port, until
+from tests.local import free_port, serving, until
 
 
 class Sinks:
@@ -200,6 +201,61 @@ async def test_a_malformed_or_oversized_event_is_counted_and_the_watch_goes_on(t
             server._injected.clear()
             await server.create(make_pod("after"))
             await until(lambda: names(watch) == {"after"})
+    finally:
+        await server.stop()
+
+
+async def test_list_items_that_are_no_pod_objects_are_skipped_and_the_watch_goes_on(tmp_path):
+    """An item whose metadata is not an object (or whose uid is not a string) raised AttributeError out
+    of the list, which no handler of the watch loop caught: discovery stopped for good (the agent
+    logged "kubernetes discovery stopped" once and showed the collector failed)."""
+    good = make_pod("good", containers=[vllm_container(8100)])
+    good["metadata"]["uid"] = "uid-good"
+    items = [good, {"metadata": [1]}, 5, {"metadata": {"uid": 10**50}}, {"metadata": None}]
+    lists, watches = [], []
+
+    async def pods(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") in ("1", "true"):
+            watches.append(request.query.get("resourceVersion"))
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await asyncio.sleep(1.0)  # a watch with no events, ended by the server
+            return response
+        lists.append(time.monotonic())
+        return web.json_response({"kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": items})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/pods", pods)
+    async with serving(app) as url, watching(FakeApiServer(), tmp_path, url=url) as (watch, sinks):
+        await until(lambda: watch.status.synced)
+        assert names(watch) == {"good"} and sinks.snapshots[-1] == {"good"}
+        await until(lambda: len(watches) >= 2)  # the watch ended and was opened again: the task lives
+        assert len(lists) == 1 and watches[:2] == ["7", "7"]
+
+
+async def test_an_unexpected_error_reading_the_api_is_counted_and_lists_again(tmp_path, monkeypatch):
+    """The last handler of the watch loop: whatever reading an answer raises (a bug) is an ``internal``
+    watch error and a relist, never the end of discovery."""
+    from kvwatch.discovery import kube_api
+
+    real, calls = kube_api._uid, []
+
+    def fails_once(obj):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a reader bug")
+        return real(obj)
+
+    monkeypatch.setattr(kube_api, "_uid", fails_once)
+    server = FakeApiServer()
+    await server.start()
+    try:
+        await server.create(make_pod("p"))
+        async with watching(server, tmp_path) as (watch, sinks):
+            await until(lambda: names(watch) == {"p"})
+            assert sinks.counts[("kvwatch_discovery_watch_errors", "internal")] == 1
+            await server.create(make_pod("q"))  # and the watch after the relist works
+            await until(lambda: names(watch) == {"p", "q"})
     finally:
         await server.stop()
 
