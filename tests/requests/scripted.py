@@ -126,6 +126,9 @@ class ScriptedEngine:
         self.runner: web.AppRunner | None = None
         self.url = ""
         self.models = ["tiny"]
+        #: what the next ``/v1/models`` answers instead of the list of ``models`` (then it is cleared)
+        self.models_answer: object | None = None
+        self.models_asked = 0
 
     async def start(self) -> str:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -143,6 +146,10 @@ class ScriptedEngine:
 
     # -- handlers -----------------------------------------------------------------------------------
     async def list_models(self, request: web.Request) -> web.Response:
+        self.models_asked += 1
+        if self.models_answer is not None:
+            answer, self.models_answer = self.models_answer, None
+            return web.json_response(answer)
         models = [{"id": m, "object": "model"} for m in self.models]
         return web.json_response({"object": "list", "data": models})
 

@@ -362,6 +362,20 @@ async def test_served_model_names_are_learned_from_the_engine(
         await harness.server.stop()
 
 
+@pytest.mark.parametrize("answer", [{"data": 5}, {"data": {"id": "x"}}])
+async def test_a_model_list_that_is_none_is_asked_again(engine: ScriptedEngine, answer: object) -> None:
+    """``{"data": 5}`` raised TypeError in the learner, which it did not catch, and ``{"data": {...}}``
+    ended it with nothing learned: served names were never learned, so every request without a
+    model name counted as ``other``. Now such an answer is asked again, as a failed one is."""
+    engine.models, engine.models_answer = ["served-a"], answer
+    harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
+    try:
+        await until(lambda: "served-a" in harness.server.metering.labels.known)
+        assert engine.models_asked == 2
+    finally:
+        await harness.server.stop()
+
+
 async def test_non_json_body_goes_to_the_engine_as_sent(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:

@@ -144,17 +144,23 @@ class ProxyServer:
                     session.get(url) as response,
                 ):
                     if response.status == 200:
-                        doc = loads(await response.content.read(1 << 20))
-                        self.metering.labels.learn(
-                            name
-                            for m in doc.get("data", [])
-                            if isinstance(m, dict) and isinstance(name := m.get("id"), str)
-                        )
-                        return
-            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-                pass
+                        served = _served_models(loads(await response.content.read(1 << 20)))
+                        if served is not None:
+                            self.metering.labels.learn(served)
+                            return
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # not an answer (or not JSON): asked again
             await asyncio.sleep(delay)
             delay = min(delay * 2, 60.0)
+
+
+def _served_models(doc: object) -> list[str] | None:
+    """The ``id`` of each model in an OpenAI model list (``{"data": [{"id": ...}, ...]}``); None when
+    the document is not one, so that the engine is asked again."""
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return None
+    return [name for m in data if isinstance(m, dict) and isinstance(name := m.get("id"), str)]
 
 
 async def start_proxy(
