@@ -67,14 +67,28 @@ def _query_range(
         body = loads(response.content)
     except (httpx.HTTPError, ValueError) as exc:
         raise SourceError(f"{url}: query_range failed for {expr}: {exc}") from None
-    if body.get("status") != "success":
-        raise SourceError(f"{url}: Prometheus refused {expr}: {body.get('error', body)}")
     out: dict[tuple, dict[float, float]] = {}
-    for series in body["data"]["result"]:
-        metric = series["metric"]
-        key = (metric.get("instance"), metric.get("engine"), metric.get(tp_label) if tp_label else None)
-        out[key] = {float(t): float(v) for t, v in series["values"]}
+    try:
+        for series in _result(body, url, expr):
+            metric = series["metric"]
+            key = (metric.get("instance"), metric.get("engine"), metric.get(tp_label) if tp_label else None)
+            out[key] = {float(t): float(v) for t, v in series["values"]}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise SourceError(f"{url}: the answer to {expr} is not a Prometheus range vector") from None
     return out
+
+
+def _result(body: object, url: str, expr: str) -> list:
+    """``data.result`` of a Prometheus API answer; SourceError for a refusal or anything else."""
+    if not isinstance(body, dict):
+        raise SourceError(f"{url}: the answer to {expr} is not a Prometheus API response")
+    if body.get("status") != "success":
+        raise SourceError(f"{url}: Prometheus refused {expr}: {str(body.get('error', body))[:300]}")
+    data = body.get("data")
+    result = data.get("result") if isinstance(data, dict) else None
+    if not isinstance(result, list):
+        raise SourceError(f"{url}: the answer to {expr} has no data.result list")
+    return result
 
 
 def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShape:
@@ -87,16 +101,16 @@ def _shape(url: str, selector: str, at: float, shape: EngineShape) -> EngineShap
         body = loads(response.content)
     except (httpx.HTTPError, ValueError) as exc:
         raise SourceError(f"{url}: cannot read vllm:cache_config_info: {exc}") from None
-    result = body.get("data", {}).get("result", [])
+    result = _result(body, url, "vllm:cache_config_info")
     if not result:
         raise SourceError(
             f"{url}: no vllm:cache_config_info{{{selector}}} in the range: is Prometheus "
             "scraping a vLLM engine with these labels?"
         )
-    labels = result[0]["metric"]
     try:
+        labels = result[0]["metric"]
         blocks, block = int(labels["num_gpu_blocks"]), int(labels["block_size"])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, TypeError):
         raise SourceError(f"{url}: vllm:cache_config_info has no usable num_gpu_blocks/block_size") from None
     return EngineShape(
         model_name=shape.model_name or labels.get("model_name"),

@@ -147,3 +147,33 @@ def test_step_samples_with_a_missing_field_name_the_line(tmp_path):
 
 def test_bands_of_the_default_set_are_the_ones_an_slo_names():
     assert "1k-5k" in DEFAULT_BANDS.names
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"status": "success", "data": null}',
+        b'{"status": "success", "data": {"result": [{"metric": {}, "values": [["x"]]}]}}',
+        b'{"status": "success", "data": {"result": [5]}}',
+        b"[1, 2]",
+        b'{"status": "error", "errorType": "bad_data", "error": "parse error"}',
+    ],
+)
+def test_a_prometheus_answer_of_another_shape_is_a_source_error(monkeypatch, answer):
+    """A Thanos or Mimir in front of Prometheus, or a proxy, may answer in another shape: a KeyError or
+    TypeError used to end `kvwatch plan calibrate --prometheus` with a traceback."""
+    import httpx
+
+    from kvwatch.plan import prometheus
+    from kvwatch.plan.calibration import EngineShape
+
+    monkeypatch.setattr(prometheus.httpx, "get", lambda url, **kw: httpx.Response(200, content=answer))
+    with pytest.raises(SourceError, match=r"http://prom\.test"):
+        prometheus.observations_from_prometheus(
+            "http://prom.test",
+            since="1h",
+            until=1.7e9,
+            window="1m",
+            selector='job="vllm"',
+            shape=EngineShape(),
+        )
