@@ -7,6 +7,7 @@ never shows 0 for a value nobody measured.
 from __future__ import annotations
 
 import math
+import time
 
 MISSING = "-"
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -83,3 +84,14 @@ def rate_bytes(value: float | None) -> str:
     """``1.2GiB/s``."""
     text = nbytes(value)
     return text if text == MISSING else f"{text}/s"
+
+
+def utc(ts: float | None, fmt: str = "%Y-%m-%d %H:%M:%SZ") -> str:
+    """A unix time as UTC text; ``MISSING`` for one no calendar holds (NaN, 1e300: ``time.gmtime``
+    raises OverflowError, OSError or ValueError on those, and a ledger or a peer can send them)."""
+    if _unknown(ts):
+        return MISSING
+    try:
+        return time.strftime(fmt, time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return MISSING

@@ -138,9 +138,9 @@ def test_async_off_loop_list_decode_raises_value_error() -> None:
 # -- every read of outside JSON goes through jsonsafe.loads ----------------------------------------
 
 RAW_JSON_READS: dict[str, Callable[[ast.Call], bool]] = {
-    "json.loads": lambda call: (
+    "json.loads or json.load": lambda call: (
         isinstance(call.func, ast.Attribute)
-        and call.func.attr == "loads"
+        and call.func.attr in ("loads", "load")
         and isinstance(call.func.value, ast.Name)
         and call.func.value.id == "json"
     ),

@@ -24,6 +24,7 @@ import time
 
 import httpx
 
+from kvwatch.humanize import utc
 from kvwatch.jsonsafe import loads
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
@@ -185,8 +186,5 @@ def observations_from_prometheus(
             f"{url}: no window with engine steps between {start:.0f} and {end:.0f} "
             f"(selector {{{selector}}}): did the engine serve anything then?"
         )
-    desc = (
-        f"Prometheus {url}, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(start))} + {since}, "
-        f"{int(w)} s windows"
-    )
+    desc = f"Prometheus {url}, {utc(start, '%Y-%m-%dT%H:%M:%SZ')} + {since}, {int(w)} s windows"
     return obs, desc, shape

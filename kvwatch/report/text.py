@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from kvwatch import humanize as h
 from kvwatch import texttable
 from kvwatch.report.summary import ALL, BandRow, Report
@@ -20,10 +18,6 @@ KIND_NAMES = {
 _ABSOLUTE_AFTER = 1e9
 
 
-def _stamp(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
-
-
 def header_lines(report: Report) -> list[str]:
     """What was read, over which window, what was skipped, and how to read the numbers."""
     lines = [
@@ -32,7 +26,7 @@ def header_lines(report: Report) -> list[str]:
     ]
     start, end, span = report.window_start, report.window_end, report.window_seconds
     if start is not None and end is not None and start > _ABSOLUTE_AFTER:
-        lines.append(f"window: {_stamp(start)} -> {_stamp(end)} ({h.seconds(span)})")
+        lines.append(f"window: {h.utc(start)} -> {h.utc(end)} ({h.seconds(span)})")
     elif span is not None:
         lines.append(f"window: {h.seconds(span)} of trace time")
     if report.malformed:

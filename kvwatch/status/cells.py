@@ -7,7 +7,6 @@ cell an id (``<row key>/<column>``) the page's script uses to update it in place
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from kvwatch import humanize as h
@@ -230,7 +229,7 @@ def tables(view: StatusView) -> list[Table]:
 
 
 def summary_line(view: StatusView) -> str:
-    stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(view.generated_at))
+    stamp = h.utc(view.generated_at)
     up = sum(1 for r in view.replicas if r.up)
     uptime = h.seconds(view.generated_at - view.agent_started_at)
     return (

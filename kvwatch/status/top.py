@@ -8,6 +8,8 @@ from kvwatch.status.cells import Table, summary_line, tables
 from kvwatch.status.view import StatusView
 
 BAR_WIDTH = 10
+#: the most of a status.json ``kvwatch top`` reads (a node's is tens of KiB)
+MAX_STATUS_BYTES = 16 * 1024 * 1024
 
 
 def kv_bar(allocated: float, live: float, width: int = BAR_WIDTH) -> str:
@@ -65,15 +67,15 @@ def status_url(base: str) -> str:
 
 
 def fetch_view(url: str, timeout_s: float = 5.0) -> StatusView:
-    import json
     import urllib.error
     import urllib.request
 
+    from kvwatch.jsonsafe import loads
     from kvwatch.status.view import view_from_dict
 
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            document = json.load(response)
+            document = loads(response.read(MAX_STATUS_BYTES))
     except urllib.error.HTTPError as exc:
         raise AgentUnreachableError(f"{url}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:

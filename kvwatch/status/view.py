@@ -30,7 +30,7 @@ from kvwatch.derive.band_health import BandOutcomes, chosen_sources
 from kvwatch.derive.fragmentation import Fragmentation
 from kvwatch.derive.node import DerivedView, UnitSignals
 from kvwatch.derive.quantiles import histogram_quantile
-from kvwatch.jsonsafe import NON_FINITE, jsonable
+from kvwatch.jsonsafe import NON_FINITE, finite, jsonable
 from kvwatch.model import OUTCOMES, ReplicaSample
 from kvwatch.state import NodeState
 
@@ -374,11 +374,13 @@ T = TypeVar("T", bound="DataclassInstance")
 
 
 def _build(cls: type[T], data: Mapping[str, Any]) -> T:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a {cls.__name__} must be an object, got {type(data).__name__}")
     kwargs = {}
     for f in fields(cls):
         if f.name not in data:
             continue
-        kwargs[f.name] = _field_value(f.type, data[f.name])
+        kwargs[f.name] = _field_value(f.name, str(f.type), data[f.name])
     return cls(**kwargs)
 
 
@@ -389,18 +391,38 @@ _NESTED = {
     "BandView": BandView,
     "GpuView": GpuView,
 }
+#: the JSON type each other scalar annotation of the view takes (a bool is no int)
+_SCALARS: dict[str, type] = {"int": int, "str": str, "bool": bool}
 
 
-def _field_value(annotation: Any, value: Any) -> Any:
-    text = str(annotation)
-    for name, cls in _NESTED.items():
-        if f"tuple[{name}, ...]" in text:
+def _field_value(name: str, annotation: str, value: Any) -> Any:
+    """A field's JSON value as the view holds it; ValueError naming the field when it is of another
+    type (an agent of another version, or not an agent), so that nothing fails later, mid-render."""
+    for nested, cls in _NESTED.items():
+        if annotation == f"tuple[{nested}, ...]":
+            if not isinstance(value, list):
+                raise ValueError(f"{name} must be a list")
             return tuple(_build(cls, item) for item in value)
-    if isinstance(value, str) and value in NON_FINITE and "float" in text:
+    base, _, optional = annotation.partition(" | ")
+    if value is None and optional == "None":
+        return None
+    if base == "float" and isinstance(value, str) and value in NON_FINITE:
         return NON_FINITE[value]
-    if isinstance(value, list):
+    if base == "float" and (number := finite(value)) is not None:  # not bool, not 1 and 400 zeros
+        return number
+    if base in _SCALARS:
+        if isinstance(value, bool) != (base == "bool") or not isinstance(value, _SCALARS[base]):
+            raise ValueError(f"{name} must be a {base}, got {type(value).__name__}")
+        return value
+    if annotation == "tuple[str, ...]" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    return value
+    if (
+        annotation == "dict[str, int]"
+        and isinstance(value, dict)
+        and all(type(v) is int for v in value.values())
+    ):
+        return value
+    raise ValueError(f"{name} must be a {annotation}, got {type(value).__name__}")
 
 
 def view_from_dict(data: Mapping[str, Any]) -> StatusView:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.model import Outcome
-from kvwatch.report import ReportError, build_report
+from kvwatch.report import ReportError, build_report, render_text
 from kvwatch.report.inputs import expand
 from kvwatch.report.jsonlines import JsonLinesColumns
 from kvwatch.report.load import LEDGER_FIELDS
@@ -38,6 +38,14 @@ def test_a_count_no_request_has_is_unknown_and_the_line_kept(tmp_path: Path, pat
     assert report.requests == len(ledgers.HAND) + 1 and report.malformed == 0
     frame = read_json_lines(expand([str(ledger)]), LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=1).frame
     assert frame["prompt_tokens"].isna().sum() == 1 + sum(r.prompt_tokens is None for r in ledgers.HAND)
+
+
+def test_a_start_no_calendar_holds_is_shown_as_unknown(tmp_path: Path) -> None:
+    """time.gmtime(1e300) raises OverflowError: the report's window line ended `kvwatch report`."""
+    far = GOOD.replace('"started_at":1750000000.0', '"started_at":1e300')
+    assert far != GOOD
+    report = build_report([str(ledgers.write(tmp_path / "ledger.jsonl", ledgers.HAND, extra_lines={0: far}))])
+    assert "window: 2025-06-15 15:06:40Z -> - (" in render_text(report)
 
 
 def test_malformed_lines_are_counted_reported_and_skipped(tmp_path: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvwatch.cli import main
 from kvwatch.status.top import kv_bar, render_text, status_url
-from kvwatch.status.view import build_view
+from kvwatch.status.view import build_view, view_from_dict, view_to_dict
+from tests.hostile import hostile
 from tests.local import free_port
 
 from .node import T0, populated_state
@@ -83,3 +85,22 @@ async def test_top_escapes_control_characters_an_engine_sent(capsys: pytest.Capt
         assert await asyncio.to_thread(main, ["top", "--url", base, "--once"]) == 0
     out = capsys.readouterr().out
     assert r"\x1b[2J" in out and not any(ch in out for ch in "\x1b\x07\r\x9b\u202e\x85")
+
+
+_STATE, _CONFIG = populated_state(step=1)
+VIEW = view_to_dict(build_view(_STATE, _CONFIG, T0 + 11))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile(VIEW, changes=3))
+def test_a_status_document_of_another_shape_is_refused_or_rendered(document) -> None:
+    """An agent of another version (or not an agent) may send any value in any field: ``kvwatch top``
+    refuses the document as fetch_view does (a ValueError, TypeError or KeyError becomes "not a kvwatch
+    status document"), or renders it; before, a string where a ratio goes failed mid-render with a
+    traceback."""
+    try:
+        view = view_from_dict(document)
+    except (KeyError, TypeError, ValueError):
+        return
+    render_text(view, 120)
+    render_text(view, 0)
