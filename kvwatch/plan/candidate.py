@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
-from kvwatch.config import safe_load
+from kvwatch.config import quoted, safe_load
+from kvwatch.jsonsafe import finite
+from kvwatch.model import MAX_COUNT
 from kvwatch.plan.calibration import Calibration
 from kvwatch.plan.fit import StepFit
 from kvwatch.sim.engine import EngineConfig
@@ -28,6 +30,10 @@ from kvwatch.sim.steptime import StepCost
 STEP_MODELS = ("roofline", "calibrated")
 ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
 CALIBRATED = "calibrated"
+
+
+#: the most GPUs one candidate may use: a 1,000-node fleet of 8-GPU nodes is 8,000
+MAX_GPUS = 65_536
 
 
 class CandidateError(ValueError):
@@ -107,11 +113,21 @@ class Candidate:
             ("admission_headroom", 0 <= self.admission_headroom < 1),
             ("long_pool_share", 0 < self.long_pool_share < 1),
         ]
+        checks += [  # no count is larger (model.MAX_COUNT): 1 and 400 zeros would overflow the float maths
+            (f.name, getattr(self, f.name) is None or getattr(self, f.name) <= MAX_COUNT)
+            for f in dataclasses.fields(self)
+            if f.type in ("int", "int | None")
+        ]
         for key, ok in checks:
             if not ok:
                 raise CandidateError(
-                    f"candidate {self.name!r}: {key} = {getattr(self, key)!r} is out of range"
+                    f"candidate {self.name!r}: {key} = {quoted(getattr(self, key))} is out of range"
                 )
+        if self.tp * self.pp * self.dp > MAX_GPUS:
+            raise CandidateError(
+                f"candidate {self.name!r}: tp x pp x dp = {self.tp * self.pp * self.dp} GPUs, more than the "
+                f"{MAX_GPUS:,} a plan simulates"
+            )
         for key, value, allowed in (
             ("admission", self.admission, ADMISSIONS),
             ("router", self.router, POLICIES),
@@ -246,10 +262,13 @@ def candidate_from_mapping(data: object, source: str = "candidate") -> Candidate
     values: dict[str, Any] = {}  # each value checked against its field's type below
     for key, raw in data.items():
         default = _FIELDS[key].default
+        if raw is None and default is None:  # an optional key (its default is null) left unset
+            values[key] = None
+            continue
         kind = type(default) if default is not None else int
-        value = float(raw) if kind is float and isinstance(raw, int) and not isinstance(raw, bool) else raw
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)):
-            raise CandidateError(f"{source}.{key}: expected {kind.__name__}, got {value!r}")
+        value = finite(raw) if kind is float else raw  # an int is a float; NaN, inf and 1e400 are not
+        if value is None or not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+            raise CandidateError(f"{source}.{key}: expected {kind.__name__}, got {quoted(raw)}")
         values[key] = value
     candidate = Candidate(**values)
     candidate.validate()

@@ -1,9 +1,11 @@
 """Every bad input gets an error naming the line or key, and the command exits 1 without a traceback."""
 
+import contextlib
 import json
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
 
 from kvwatch.cli import main
 from kvwatch.config import ConfigError
@@ -13,6 +15,7 @@ from kvwatch.plan.calibration import CalibrationError, load_calibration
 from kvwatch.plan.candidate import Candidate, CandidateError, candidate_from_mapping, engine_config
 from kvwatch.plan.inputs import PlanInputError, read_workload
 from kvwatch.plan.sources import SourceError, read_step_samples
+from tests.hostile import hostile
 
 GOOD = {
     "v": 1,
@@ -177,3 +180,16 @@ def test_a_prometheus_answer_of_another_shape_is_a_source_error(monkeypatch, ans
             selector='job="vllm"',
             shape=EngineShape(),
         )
+
+
+CANDIDATE = {"name": "tp2", "model": "qwen3-32b", "gpu": "h200", "tp": 2, "dp": 4, "max_num_seqs": 256}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile(CANDIDATE, changes=3))
+def test_any_value_in_a_candidate_is_a_candidate_error_or_a_candidate_that_builds(data):
+    """What `kvwatch plan` does with a candidate file's mapping: a CandidateError naming the key, or a
+    candidate the simulator can run (before: `model: null` raised AttributeError, a 400-digit
+    gpu_memory_utilization OverflowError)."""
+    with contextlib.suppress(CandidateError):
+        engine_config(candidate_from_mapping(data))
