@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
-from kvwatch.config import safe_load
+from kvwatch.config import quoted, safe_load
+from kvwatch.jsonsafe import finite
+from kvwatch.model import MAX_COUNT
 from kvwatch.plan.fit import FitQuality, StepFit
 from kvwatch.sim.steptime import StepCost
 
@@ -121,8 +123,48 @@ def _get(data: dict, key: str, where: str, kind: type | tuple[type, ...], requir
     if value is None and not required:
         return None
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise CalibrationError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        raise CalibrationError(
+            f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {quoted(value)}"
+        )
     return value
+
+
+def _optional_number(data: dict, key: str, where: str, required: bool = False) -> float | None:
+    """A finite number (NaN, infinity and 1 followed by 400 zeros are not), or None when absent."""
+    value = _get(data, key, where, (int, float), required)
+    if value is None:
+        return None
+    number = finite(value)
+    if number is None:
+        raise CalibrationError(f"{where}.{key}: expected a finite number, got {quoted(value)}")
+    return number
+
+
+def _number(data: dict, key: str, where: str) -> float:
+    number = _optional_number(data, key, where, required=True)
+    assert number is not None  # a required key is there or raised
+    return number
+
+
+def _optional_count(data: dict, key: str, where: str, required: bool = False) -> int | None:
+    """A whole number 0..MAX_COUNT, or None when absent."""
+    value = _get(data, key, where, int, required)
+    if value is not None and not 0 <= value <= MAX_COUNT:
+        raise CalibrationError(f"{where}.{key}: {quoted(value)} is out of range (0 to 2^31)")
+    return value
+
+
+def _count(data: dict, key: str, where: str) -> int:
+    value = _optional_count(data, key, where, required=True)
+    assert value is not None  # a required key is there or raised
+    return value
+
+
+def _strings(data: dict, key: str, where: str, required: bool = True) -> tuple[str, ...]:
+    value = _get(data, key, where, list, required) or []
+    if not all(isinstance(v, str) for v in value):
+        raise CalibrationError(f"{where}.{key}: expected a list of strings")
+    return tuple(value)
 
 
 def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibration:
@@ -142,10 +184,14 @@ def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibrat
         raise CalibrationError(
             f"{source}.engine: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
         )
-    shape = {}
+    shape: dict[str, Any] = {}
     for key in known & set(engine_data):
-        kind = str if key == "model_name" else int
-        shape[key] = _get(engine_data, key, f"{source}.engine", kind, required=False)
+        where = f"{source}.engine"
+        shape[key] = (
+            _get(engine_data, key, where, str, required=False)
+            if key == "model_name"
+            else _optional_count(engine_data, key, where)
+        )
     engine = EngineShape(**shape)
     tp_fits = []
     seen = {engine.tensor_parallel_size or 1}
@@ -153,21 +199,20 @@ def calibration_from_mapping(data: Any, source: str = "calibration") -> Calibrat
         where = f"{source}.tp_fits[{i}]"
         if not isinstance(entry, dict):
             raise CalibrationError(f"{where}: expected a mapping with tp, step_cost and fit")
-        tp = _get(entry, "tp", where, int)
+        tp = _count(entry, "tp", where)
         if tp < 1 or tp in seen:
             raise CalibrationError(
                 f"{where}.tp: {tp!r} must be >= 1 and appear once (main fit: TP={min(seen)})"
             )
         seen.add(tp)
         tp_fits.append((tp, _fit_from_mapping(entry, where)))
-    notes = _get(data, "notes", source, list, required=False) or []
     return Calibration(
         origin,
         main,
         engine,
-        str(data.get("created_at") or ""),
-        str(data.get("window") or ""),
-        tuple(str(n) for n in notes),
+        _get(data, "created_at", source, str, required=False) or "",
+        _get(data, "window", source, str, required=False) or "",
+        _strings(data, "notes", source, required=False),
         tuple(tp_fits),
     )
 
@@ -176,10 +221,7 @@ def _fit_from_mapping(data: dict, source: str) -> StepFit:
     costs = _get(data, "step_cost", source, dict)
     try:
         cost = StepCost(
-            **{
-                f.name: float(_get(costs, f.name, f"{source}.step_cost", (int, float)))
-                for f in dataclasses.fields(StepCost)
-            }
+            **{f.name: _number(costs, f.name, f"{source}.step_cost") for f in dataclasses.fields(StepCost)}
         )
     except ValueError as exc:
         if isinstance(exc, CalibrationError):
@@ -187,16 +229,15 @@ def _fit_from_mapping(data: dict, source: str) -> StepFit:
         raise CalibrationError(f"{source}.step_cost: {exc}") from None
     fit = _get(data, "fit", source, dict)
     where = f"{source}.fit"
-    r2 = _get(fit, "r2", where, (int, float), required=False)
     quality = FitQuality(
-        observations=int(_get(fit, "observations", where, int)),
-        steps=float(_get(fit, "steps", where, (int, float))),
-        r2=None if r2 is None else float(r2),
-        residual_p50=float(_get(fit, "residual_p50", where, (int, float))),
-        residual_p90=float(_get(fit, "residual_p90", where, (int, float))),
-        rmse_s=float(_get(fit, "rmse_s", where, (int, float))),
-        fitted_terms=tuple(_get(fit, "fitted_terms", where, list)),
-        unfitted_terms=tuple(_get(fit, "unfitted_terms", where, list, required=False) or ()),
+        observations=_count(fit, "observations", where),
+        steps=_number(fit, "steps", where),
+        r2=_optional_number(fit, "r2", where),
+        residual_p50=_number(fit, "residual_p50", where),
+        residual_p90=_number(fit, "residual_p90", where),
+        rmse_s=_number(fit, "rmse_s", where),
+        fitted_terms=_strings(fit, "fitted_terms", where),
+        unfitted_terms=_strings(fit, "unfitted_terms", where, required=False),
     )
     return StepFit(cost, quality)
 

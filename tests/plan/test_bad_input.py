@@ -11,7 +11,7 @@ from kvwatch.cli import main
 from kvwatch.config import ConfigError
 from kvwatch.mixin.slo import load_slo_file
 from kvwatch.model import DEFAULT_BANDS
-from kvwatch.plan.calibration import CalibrationError, load_calibration
+from kvwatch.plan.calibration import CalibrationError, calibration_from_mapping, describe, load_calibration
 from kvwatch.plan.candidate import Candidate, CandidateError, candidate_from_mapping, engine_config
 from kvwatch.plan.inputs import PlanInputError, read_workload
 from kvwatch.plan.sources import SourceError, read_step_samples
@@ -193,3 +193,43 @@ def test_any_value_in_a_candidate_is_a_candidate_error_or_a_candidate_that_build
     gpu_memory_utilization OverflowError)."""
     with contextlib.suppress(CandidateError):
         engine_config(candidate_from_mapping(data))
+
+
+CALIBRATION = {
+    "kvwatch_calibration": 1,
+    "source": "step_samples",
+    "created_at": "2026-12-06T14:42:21Z",
+    "window": "file steps.jsonl",
+    "engine": {"model_name": "tiny", "block_size": 16, "num_gpu_blocks": 2000, "tensor_parallel_size": 1},
+    "step_cost": {
+        "overhead_s": 0.01,
+        "per_prefill_token_s": 2e-06,
+        "per_decode_seq_s": 0.0001,
+        "per_kv_token_s": 0.0,
+    },
+    "fit": {
+        "observations": 400,
+        "steps": 400.0,
+        "r2": 1.0,
+        "residual_p50": 0.0,
+        "residual_p90": 0.0,
+        "rmse_s": 0.0,
+        "fitted_terms": ["overhead_s", "per_prefill_token_s", "per_decode_seq_s"],
+        "unfitted_terms": ["per_kv_token_s"],
+    },
+    "notes": ["step samples carry no KV token counts: per_kv_token_s is not fitted"],
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile(CALIBRATION, changes=3))
+def test_any_value_in_a_calibration_is_a_calibration_error_or_a_calibration_that_runs(data):
+    """What `kvwatch plan --calibration` does with the file: a CalibrationError naming the key, or a
+    calibration a candidate on its model can use (its description printed, its step cost timed)."""
+    try:
+        cal = calibration_from_mapping(data)
+    except CalibrationError:
+        return
+    describe(cal)
+    with contextlib.suppress(CandidateError):
+        engine_config(Candidate(model="calibrated", step_model="calibrated"), cal)
