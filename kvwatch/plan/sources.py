@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 
-from kvwatch.jsonsafe import loads
-from kvwatch.model import EngineStep
+from kvwatch.config import quoted
+from kvwatch.jsonsafe import finite, loads
+from kvwatch.model import MAX_COUNT, EngineStep
 from kvwatch.plan.calibration import EngineShape
 from kvwatch.plan.fit import StepObservation
 from kvwatch.plan.jsonl import json_lines
@@ -89,14 +90,15 @@ def read_step_samples(path: str | Path) -> list[tuple[float, ...]]:
             value = obj.get(key)
             if value is None:
                 raise SourceError(f"{where}: missing {key!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise SourceError(f"{where}: {key!r} is {value!r}, expected a number >= 0")
-            values.append(float(value))
+            number = finite(value)  # NaN, infinity and 1 followed by 400 zeros are no sample
+            if number is None or number < 0:
+                raise SourceError(f"{where}: {key!r} is {quoted(value)}, expected a number >= 0")
+            values.append(number)
         tp = obj.get("tp")
         if tp is not None:
-            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_COUNT:
                 raise SourceError(
-                    f"{where}: 'tp' is {tp!r}, expected the engine's TP degree (an integer >= 1)"
+                    f"{where}: 'tp' is {quoted(tp)}, expected the engine's TP degree (an integer >= 1)"
                 )
             values.append(float(tp))
         rows.append(tuple(values))

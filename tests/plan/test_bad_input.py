@@ -141,6 +141,15 @@ def test_a_calibration_file_with_a_missing_key_names_it(tmp_path):
         load_calibration(path)
 
 
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "1" + "0" * 400, "-1"])
+def test_step_samples_with_a_number_no_step_has_name_the_line(tmp_path, bad):
+    """NaN and infinity passed into the fit; 1 and 400 zeros raised OverflowError in float()."""
+    path = tmp_path / "steps.jsonl"
+    path.write_text(f"[10, 4, 1, 4, 12.5]\n[10, 4, 1, 4, {bad}]\n")
+    with pytest.raises(SourceError, match=r"line 2: 'elapsed_ms' is .*, expected a number >= 0"):
+        read_step_samples(path)
+
+
 def test_step_samples_with_a_missing_field_name_the_line(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_text('[10, 4, 1, 4, 12.5]\n{"context_tokens": 0, "generation_tokens": 4}\n')
