@@ -363,9 +363,12 @@ def parse_prices(text: str | None) -> dict[str, float]:
         if key not in GPUS:
             raise CandidateError(f"--price {part!r}: unknown GPU type {key!r} (known: {', '.join(GPUS)})")
         try:
-            prices[key] = float(value)
+            price = float(value)
         except ValueError:
-            raise CandidateError(f"--price {part!r}: {value!r} is not a number") from None
+            price = math.nan
+        if not 0 <= price < math.inf:  # NaN fails too
+            raise CandidateError(f"--price {part!r}: {value!r} is not a price (a number >= 0)")
+        prices[key] = price
     return prices
 
 

@@ -239,9 +239,15 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
                 raise SourceError(f"{base_url}: a calibration stream event is not a JSON object")
             if obj.get("choices"):  # a token (its text may be empty: a partial UTF-8 sequence)
                 chunks.append(time.perf_counter())
-            if obj.get("usage"):
+            if isinstance(obj.get("usage"), dict):
                 usage = obj["usage"]
     return {"sent": sent, "chunks": chunks, "usage": usage}
+
+
+def _prompt_tokens(result: dict[str, Any], default: float) -> float:
+    """The prompt tokens the engine reported for one calibration request, else ``default``."""
+    reported = finite(result.get("usage", {}).get("prompt_tokens"))
+    return reported if reported is not None and 0 < reported <= MAX_COUNT else default
 
 
 def calibration_load(
@@ -260,14 +266,14 @@ def calibration_load(
     obs: list[StepObservation] = []
     with httpx.Client(timeout=timeout_s) as client:
         probe = _stream(client, base_url, model, _filler(64), 1)
-        per_word = float(probe["usage"].get("prompt_tokens") or 64) / 64
+        per_word = _prompt_tokens(probe, 64) / 64
         words = lambda tokens: max(1, int(tokens / per_word))  # noqa: E731 - the engine's tokenizer
         for size in prompt_sizes:
             for _ in range(repeats):
                 r = _stream(client, base_url, model, _filler(words(size)), 2)
                 if not r["chunks"]:
                     raise SourceError(f"{base_url}: a calibration request streamed no token")
-                prompt = float(r["usage"].get("prompt_tokens") or size)
+                prompt = _prompt_tokens(r, size)
                 obs.append(
                     StepObservation(
                         prefill_tokens=prompt,
@@ -319,7 +325,7 @@ def decode_phase(
     finally:
         for client in clients:
             client.close()
-    prompt = float(results[0].get("usage", {}).get("prompt_tokens") or 0.0)
+    prompt = _prompt_tokens(results[0], 0.0)
     return _steady_gaps(results), prompt
 
 

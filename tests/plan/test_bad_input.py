@@ -242,3 +242,13 @@ def test_any_value_in_a_calibration_is_a_calibration_error_or_a_calibration_that
     describe(cal)
     with contextlib.suppress(CandidateError):
         engine_config(Candidate(model="calibrated", step_model="calibrated"), cal)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "1e400", "inf", "x"])
+def test_a_price_that_is_no_price_is_refused_by_name(value):
+    """NaN, infinity and negative prices were taken: a cost column of nan or -inf per 1k tokens."""
+    from kvwatch.plan.compare import parse_prices
+
+    with pytest.raises(CandidateError, match=rf"--price 'h200={value}': '{value}' is not a price"):
+        parse_prices(f"h200={value}")
+    assert parse_prices("h200=2.5, h100=0") == {"h200": 2.5, "h100": 0.0}
