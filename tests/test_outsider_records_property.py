@@ -17,9 +17,13 @@ from typing import Any
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
+from kvwatch.config import Config
 from kvwatch.discovery.pods import judge_pod
 from kvwatch.engines.llamacpp import SlotsError, apply_slots, parse_slots
+from kvwatch.export.plugin import PluginCollector
 from kvwatch.model import DEFAULT_BANDS, RequestRecord
 from kvwatch.requests.accounting import body_requesting_usage, inspect_request
 from kvwatch.requests.ledger import ledger_line
@@ -27,7 +31,7 @@ from kvwatch.requests.otlp import records_from_export
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.sse import read_usage_event, usage_from_body
 from kvwatch.requests.vllm_plugin import DatagramError, decode
-from kvwatch.state import RequestStats
+from kvwatch.state import NodeState, RequestStats
 from tests.discovery.fake_apiserver import make_pod, pod_conditions, vllm_container
 from tests.engines.helpers import LLAMACPP_TINY, only, page
 from tests.hostile import hostile
@@ -98,6 +102,12 @@ def test_vllm_plugin_datagram(doc: Any) -> None:
         return
     for record in decoded.records:
         _stored(record)
+    state = NodeState("node", DEFAULT_BANDS)  # what the receiver does with the steps, then /metrics
+    for step in decoded.steps or (None,):
+        state.plugin.observe(decoded.link, step)
+    registry = CollectorRegistry()
+    registry.register(PluginCollector(state, Config()))
+    generate_latest(registry)
 
 
 OTLP_ATTRIBUTES = {

@@ -95,6 +95,13 @@ def _int(value: Any, what: str) -> int | None:
     return value
 
 
+def _sender_count(value: Any, what: str) -> int | None:
+    """A sender's cumulative count (datagrams, steps it dropped): exported as a float, so one past
+    2^53 (1 and 400 zeros) is unknown rather than an OverflowError in every later /metrics."""
+    count = _int(value, what)
+    return count if count is None or count <= 2**53 else None
+
+
 def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise DatagramError("malformed", f"{what} must be an object")
@@ -250,8 +257,8 @@ def decode(data: bytes, replica: str, model_name: str) -> Decoded:
         dp_rank,
         _int(body.get("p"), "p"),
         _int(body.get("n"), "n"),
-        _int(body.get("d"), "d"),
-        _int(body.get("ds"), "ds"),
+        _sender_count(body.get("d"), "d"),
+        _sender_count(body.get("ds"), "ds"),
         None if per_admission is None else per_admission == 1,
     )
     dropped: list[str] = []

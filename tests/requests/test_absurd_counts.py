@@ -172,3 +172,22 @@ def test_an_sglang_finish_reason_reaches_the_ledger_only_as_a_short_plain_token(
         line_record({"completion_tokens": 3, "finish_reason": "stop"}, "r0", "tiny", now=1.7e9).finish_reason
         == "stop"
     )
+
+
+def test_an_absurd_dropped_count_in_a_plugin_header_is_unknown_and_metrics_still_render() -> None:
+    """The header's cumulative drop counts went into PluginStats as they were: float() of 1 and 400
+    zeros then failed the plugin export area on every scrape after."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from kvwatch.export.plugin import PluginCollector
+    from kvwatch.state import NodeState
+
+    datagram = json.dumps({"v": 1, "e": 0, "t": 1.7e9, "p": 7, "n": 1, "d": ABSURD, "ds": ABSURD}).encode()
+    decoded = decode(datagram, "r0", "tiny")
+    assert (decoded.link.dropped, decoded.link.dropped_steps) == (None, None)
+    state = NodeState("node", DEFAULT_BANDS)
+    state.plugin.observe(decoded.link, None)
+    registry = CollectorRegistry()
+    registry.register(PluginCollector(state, Config()))
+    assert b"kvwatch_vllm_plugin_dropped_steps_total{" in generate_latest(registry)
