@@ -24,6 +24,7 @@ from kvwatch.config import Config
 from kvwatch.discovery.pods import judge_pod
 from kvwatch.engines.llamacpp import SlotsError, apply_slots, parse_slots
 from kvwatch.export.plugin import PluginCollector
+from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, RequestRecord
 from kvwatch.requests.accounting import body_requesting_usage, inspect_request
 from kvwatch.requests.ledger import ledger_line
@@ -31,7 +32,7 @@ from kvwatch.requests.otlp import records_from_export
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.sse import read_usage_event, usage_from_body
 from kvwatch.requests.vllm_plugin import DatagramError, decode
-from kvwatch.state import NodeState, RequestStats
+from kvwatch.state import NodeState
 from tests.discovery.fake_apiserver import make_pod, pod_conditions, vllm_container
 from tests.engines.helpers import LLAMACPP_TINY, only, page
 from tests.hostile import hostile
@@ -41,9 +42,14 @@ SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[Heal
 
 
 def _stored(record: RequestRecord) -> None:
-    """What every request source's record goes through: the ledger's line, and the request counters."""
+    """What every request source's record goes through: the ledger's line, the request counters and
+    histograms, and their /metrics area."""
     json.dumps(ledger_line(record, DEFAULT_BANDS), allow_nan=False)
-    RequestStats(DEFAULT_BANDS).observe(record)
+    state = NodeState("node", DEFAULT_BANDS)
+    state.requests.observe(record)
+    registry = CollectorRegistry()
+    registry.register(RequestCollector(state, Config()))
+    generate_latest(registry)
 
 
 SGLANG_LINE = {
