@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -24,6 +24,9 @@ from kvwatch.sim.steptime import StepCost
 FORMAT_KEY = "kvwatch_calibration"
 FORMAT_VERSION = 1
 SOURCES = ("step_samples", "prometheus", "load")
+
+
+T = TypeVar("T")
 
 
 class CalibrationError(ValueError):
@@ -141,9 +144,7 @@ def _optional_number(data: dict, key: str, where: str, required: bool = False) -
 
 
 def _number(data: dict, key: str, where: str) -> float:
-    number = _optional_number(data, key, where, required=True)
-    assert number is not None  # a required key is there or raised
-    return number
+    return _present(_optional_number(data, key, where, required=True))
 
 
 def _optional_count(data: dict, key: str, where: str, required: bool = False) -> int | None:
@@ -155,8 +156,12 @@ def _optional_count(data: dict, key: str, where: str, required: bool = False) ->
 
 
 def _count(data: dict, key: str, where: str) -> int:
-    value = _optional_count(data, key, where, required=True)
-    assert value is not None  # a required key is there or raised
+    return _present(_optional_count(data, key, where, required=True))
+
+
+def _present(value: T | None) -> T:
+    """A required key's value: reading it raised if it was missing or null."""
+    assert value is not None
     return value
 
 
