@@ -15,15 +15,18 @@ The first byte picks the reader, the rest is its input:
 - ``6`` a usage chunk and a non-streaming response (``requests/sse``): only ``TooDeepError`` escapes
   the chunk's reader (the relay counts it), nothing the body's.
 
-Every record a reader returns must also reach the ledger (``ledger_line``, strict JSON) and the
-request counters (``RequestStats.observe``): a value a reader lets through must not fail later.
+Every record a reader returns must also reach the ledger (``ledger_line``, strict JSON), the request
+counters and their ``/metrics`` area; a datagram's steps reach ``PluginStats`` and the plugin area:
+a value a reader lets through must not fail later.
 
 Run by hand, with coverage guidance::
 
     .venv/bin/pip install atheris
     .venv/bin/python fuzz/records.py -timeout=2 -max_total_time=600 fuzz/corpus/records
 
-The normal test suite runs the same ``one_input`` under hypothesis (``tests/requests/test_records_fuzz.py``).
+The normal test suite runs the same ``one_input`` under hypothesis (``tests/requests/test_records_fuzz.py``),
+and ``tests/test_outsider_records_property.py`` feeds each reader (``read``) valid records made
+hostile one value at a time.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ from __future__ import annotations
 import contextlib
 import json
 
-from kvwatch.config import ReplicaConfig
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from kvwatch.config import Config
 from kvwatch.engines.llamacpp import SlotsError, apply_slots, parse_slots
+from kvwatch.export.plugin import PluginCollector
+from kvwatch.export.requests import RequestCollector
 from kvwatch.jsonsafe import TooDeepError, loads
-from kvwatch.model import DEFAULT_BANDS, LengthBands, ReplicaSample, RequestRecord
+from kvwatch.model import DEFAULT_BANDS, ReplicaSample, RequestRecord
 from kvwatch.requests.accounting import ModelLabels, body_requesting_usage, inspect_request
 from kvwatch.requests.ledger import ledger_line
 from kvwatch.requests.otlp import ReplicaResolver
@@ -42,9 +50,9 @@ from kvwatch.requests.otlp.decode import DecodeJob, decode_body
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.sse import read_usage_event, usage_from_body
 from kvwatch.requests.vllm_plugin import DatagramError, decode
-from kvwatch.state import RequestStats
+from kvwatch.state import NodeState
 
-REPLICA = ReplicaConfig("r0", "http://127.0.0.1:1/metrics", model_name="tiny")
+CONFIG = Config()
 LABELS = {"r0": ModelLabels(frozenset(), "tiny")}
 JOBS = {
     content_type: DecodeJob("identity", content_type, 1 << 20, ReplicaResolver(["r0"], "r0"), LABELS)
@@ -53,11 +61,20 @@ JOBS = {
 SLOTLESS = ReplicaSample(replica="r0", backend="llamacpp", scraped_at=1.7e9)
 
 
+def _rendered(state: NodeState, area: type[PluginCollector | RequestCollector]) -> None:
+    registry = CollectorRegistry()
+    registry.register(area(state, CONFIG))
+    generate_latest(registry)
+
+
 def _stored(records: list[RequestRecord] | tuple[RequestRecord, ...]) -> None:
-    stats = RequestStats(LengthBands())
+    """What every request source's record goes through: the ledger's line, the request counters and
+    histograms, and their /metrics area."""
+    state = NodeState("node", DEFAULT_BANDS)
     for record in records:
         json.dumps(ledger_line(record, DEFAULT_BANDS), allow_nan=False)
-        stats.observe(record)
+        state.requests.observe(record)
+    _rendered(state, RequestCollector)
 
 
 def _plugin(data: bytes) -> None:
@@ -66,6 +83,10 @@ def _plugin(data: bytes) -> None:
     except DatagramError:
         return
     _stored(decoded.records)
+    state = NodeState("node", DEFAULT_BANDS)  # what the receiver does with the steps, then /metrics
+    for step in decoded.steps or (None,):
+        state.plugin.observe(decoded.link, step)
+    _rendered(state, PluginCollector)
 
 
 def _sglang(data: bytes) -> None:
@@ -112,9 +133,13 @@ def _request_body(data: bytes) -> None:
 
 
 def _usage(data: bytes) -> None:
+    read = [usage_from_body(data)[0]]
     with contextlib.suppress(TooDeepError):
-        read_usage_event(b"data: " + data)
-    usage_from_body(data)
+        read.append(read_usage_event(b"data: " + data)[0])
+    for usage in read:
+        if usage is not None:
+            assert usage.prompt_tokens is None or usage.prompt_tokens >= 0, usage
+            assert usage.completion_tokens is None or usage.completion_tokens >= 0, usage
 
 
 READERS = (
@@ -126,11 +151,18 @@ READERS = (
     _request_body,
     _usage,
 )
+#: the first byte that picks each reader (the property tests feed them structured inputs by name)
+PLUGIN, SGLANG, OTLP_JSON, OTLP_PROTOBUF, SLOTS, REQUEST_BODY, USAGE = range(len(READERS))
+
+
+def read(reader: int, data: bytes) -> None:
+    """One input for one reader, checked as ``one_input`` checks it."""
+    READERS[reader](data)
 
 
 def one_input(data: bytes) -> None:
     if data:
-        READERS[data[0] % len(READERS)](data[1:])
+        read(data[0] % len(READERS), data[1:])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import inspect
 import os
 import shutil
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,3 +335,14 @@ def start_llama_server(port: int, log: Path, *args: str) -> subprocess.Popen[byt
         proc.wait(timeout=10)
         raise
     return proc
+
+
+def fuzz_target(name: str) -> types.ModuleType:
+    """``fuzz/<name>.py`` as a module: the tests run a fuzz target's ``one_input`` under hypothesis.
+    fuzz/ is not a package (atheris runs its files as scripts), so it is loaded by path."""
+    path = Path(__file__).resolve().parents[1] / "fuzz" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"fuzz_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,17 +6,14 @@ hypothesis feeds it pages built from the grammar's pieces, and random bytes.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-TARGET = Path(__file__).resolve().parents[2] / "fuzz" / "exposition.py"
-_spec = importlib.util.spec_from_file_location("fuzz_exposition", TARGET)
-assert _spec is not None and _spec.loader is not None
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from tests.local import fuzz_target
+
+fuzz = fuzz_target("exposition")
 
 PIECES = [
     "vllm:x",

@@ -25,6 +25,7 @@ from kvwatch.requests.otlp import records_from_export
 from kvwatch.requests.sglang_files import line_record
 from kvwatch.requests.vllm_plugin import decode
 from tests.local import until
+from tests.records import PLUGIN_DATAGRAM
 
 from .otlp_spans import TOKENS, model_labels, one_replica, span_export
 from .scripted import Script, ScriptedEngine
@@ -114,27 +115,9 @@ def test_absurd_counts_in_an_otlp_span_leave_the_field_unknown() -> None:
 
 
 def test_absurd_counts_in_a_plugin_datagram_keep_its_requests() -> None:
-    datagram = json.dumps(
-        {
-            "v": 1,
-            "e": 0,
-            "t": 1.7e9,
-            "p": 1,
-            "n": 1,
-            "d": 0,
-            "s": [{"run": ABSURD, "wait": 0, "kv": 0.5, "it": [1, ABSURD, 1, 1, 2.0]}],
-            "f": [
-                {
-                    "reason": "stop",
-                    "prompt": 3,
-                    "output": ABSURD,
-                    "preemptions": ABSURD,
-                    "e2e": 1.0,
-                    "decode": 0.5,
-                }
-            ],
-        }
-    ).encode()
+    finished = {**PLUGIN_DATAGRAM["f"][0], "output": ABSURD, "preemptions": ABSURD}
+    busy = {**PLUGIN_DATAGRAM["s"][0], "run": ABSURD, "it": [1, ABSURD, 1, 1, 2.0]}
+    datagram = json.dumps({**PLUGIN_DATAGRAM, "s": [busy], "f": [finished]}).encode()
     decoded = decode(datagram, "r0", "tiny")
     [record] = decoded.records
     assert (record.output_tokens, record.preemptions, record.prompt_tokens) == (None, None, 3)

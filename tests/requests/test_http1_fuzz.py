@@ -8,18 +8,15 @@ spliced in, a few hundred examples per run.
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-TARGET = Path(__file__).resolve().parents[2] / "fuzz" / "http1.py"
-_spec = importlib.util.spec_from_file_location("fuzz_http1", TARGET)
-assert _spec is not None and _spec.loader is not None
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from tests.local import fuzz_target
+
+fuzz = fuzz_target("http1")
 
 PIECES = [
     b"GET",
@@ -101,5 +98,5 @@ def test_http1_parsers_hold_their_invariants(data: bytes) -> None:
 
 
 def test_seed_corpus_passes() -> None:
-    for seed in (TARGET.parent / "corpus" / "http1").iterdir():
+    for seed in (Path(fuzz.__file__).parent / "corpus" / "http1").iterdir():
         fuzz.one_input(seed.read_bytes())

@@ -7,20 +7,17 @@ random bytes spliced in, and random bytes.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("fuzz_records", ROOT / "fuzz" / "records.py")
-assert _spec is not None and _spec.loader is not None
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from tests.local import fuzz_target
 
-SEEDS = sorted((ROOT / "fuzz" / "corpus" / "records").iterdir())
+fuzz = fuzz_target("records")
+
+SEEDS = sorted((Path(fuzz.__file__).parent / "corpus" / "records").iterdir())
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[p.name for p in SEEDS])
