@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import uvloop
 
 from kvwatch.config import ProxyConfig
 from kvwatch.requests.proxy import ACCEPT_ERRORS, REFUSED, REFUSED_CLIENT_GONE
@@ -64,7 +65,10 @@ async def test_a_refusal_to_a_client_that_already_left_is_counted_and_not_an_err
         assert loop_errors == []
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert harness.count(REFUSED, "r0", "400") == tries
-        assert 0 < harness.count(REFUSED_CLIENT_GONE, "r0", "400") <= tries
+        gone = harness.count(REFUSED_CLIENT_GONE, "r0", "400")
+        # asyncio's loop reads a client's EOF with its bytes, so some answers find the connection
+        # closed; uvloop reads the EOF in a later read, after the answer went to the kernel
+        assert gone <= tries and (gone > 0 or isinstance(asyncio.get_running_loop(), uvloop.Loop))
         await still_serving(harness)
     finally:
         await harness.server.stop()
