@@ -35,10 +35,14 @@ async def http() -> AsyncIterator[ClientSession]:
         yield session
 
 
+#: tests of what listens on the agent's loop for outsiders: the proxy, the OTLP receiver
+BOTH_LOOPS = ("test_proxy_", "test_otlp")
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, LoopFactory]:
-    """The proxy's tests run on both loops it runs on in the agent: asyncio's own and uvloop (the
-    ``fast`` extra). They differ in what runs first after a transport is made, which a test on one
-    loop alone cannot see."""
-    if item.path.name.startswith("test_proxy_"):
+    """These run on both loops the agent runs on: asyncio's own and uvloop (the ``fast`` extra).
+    They differ in what runs first after a transport is made, which a test on one loop alone
+    cannot see."""
+    if item.path.name.startswith(BOTH_LOOPS):
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
