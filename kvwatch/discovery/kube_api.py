@@ -215,17 +215,19 @@ def backoff_delay(failures: int, cap_s: float) -> float:
     return random.uniform(step, 2.0 * step)
 
 
+def _metadata(obj: Any, key: str) -> str | None:
+    """``metadata.<key>`` of an API object: a non-empty string, as the API server writes it, else None."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    value = meta.get(key) if isinstance(meta, Mapping) else None
+    return value if isinstance(value, str) and value else None
+
+
 def resource_version(obj: Mapping[str, Any]) -> str | None:
-    meta = obj.get("metadata")
-    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
-    return rv if isinstance(rv, str) and rv else None
+    return _metadata(obj, "resourceVersion")
 
 
 def _uid(obj: Any) -> str | None:
-    """``metadata.uid`` of an API object: a non-empty string, as the API server writes it, else None."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    uid = meta.get("uid") if isinstance(meta, Mapping) else None
-    return uid if isinstance(uid, str) and uid else None
+    return _metadata(obj, "uid")
 
 
 @dataclass(slots=True)

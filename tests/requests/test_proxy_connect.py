@@ -1,20 +1,17 @@
 """Connecting to the engine on a request's behalf, where the connect is slow: one that completes
 late (its first SYN dropped, the kernel's retransmit a second later accepted) still carries the
 request, and one that never completes ends in a 504 at ``proxy.upstream_connect_timeout``, recorded
-as an error, with nothing left in flight. Both on asyncio's loop and on uvloop (the agent's)."""
+as an error, with nothing left in flight. Both on asyncio's loop and on uvloop, as every
+``test_proxy_*`` module (conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import threading
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import pytest
-import uvloop
 from aiohttp import ClientSession
 
 from kvwatch.config import ProxyConfig
@@ -22,9 +19,6 @@ from kvwatch.model import Outcome
 
 from .bodies import STREAMING_CHAT
 from .scripted import launch_proxy
-
-LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-Run = Callable[[Coroutine[Any, Any, None]], None]
 
 ANSWER = (
     b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -47,17 +41,9 @@ def full_listener() -> Iterator[socket.socket]:
         listener.close()
 
 
-async def fetch(method: str, url: str, **kwargs: Any) -> tuple[int, bytes]:
-    async with ClientSession() as http, http.request(method, url, **kwargs) as response:
-        return response.status, await response.read()
-
-
-@LOOPS
-def test_a_connect_completed_by_the_syn_retransmit_still_carries_the_request(run: Run) -> None:
-    run(_late_connect())
-
-
-async def _late_connect() -> None:
+async def test_a_connect_completed_by_the_syn_retransmit_still_carries_the_request(
+    http: ClientSession,
+) -> None:
     with full_listener() as listener:
         got: list[bytes] = []
 
@@ -77,31 +63,28 @@ async def _late_connect() -> None:
         timer = threading.Timer(0.3, engine)  # once kvwatch's first SYN was dropped
         timer.start()
         try:
-            assert await fetch("GET", f"{harness.url}/health") == (200, b"{}")
+            async with http.get(f"{harness.url}/health") as response:
+                assert (response.status, await response.read()) == (200, b"{}")
         finally:
             await harness.server.stop()
             timer.join(5)
     assert got and got[0].startswith(b"GET /health HTTP/1.1\r\n")
 
 
-@LOOPS
-def test_a_connect_that_never_completes_is_a_504_at_the_connect_timeout(run: Run) -> None:
-    run(_connect_never_completes())
-
-
-async def _connect_never_completes() -> None:
+async def test_a_connect_that_never_completes_is_a_504_at_the_connect_timeout(http: ClientSession) -> None:
     with full_listener() as listener:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         harness = await launch_proxy(url, config=ProxyConfig(upstream_connect_timeout_s=0.4))
         try:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            status, body = await asyncio.wait_for(
-                fetch("POST", f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT), 5
-            )
+            async with (
+                asyncio.timeout(5),
+                http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response,
+            ):
+                assert response.status == 504
+                assert "timed out connecting to the engine" in (await response.json())["error"]["message"]
             waited = loop.time() - started
-            assert status == 504
-            assert "timed out connecting to the engine" in json.loads(body)["error"]["message"]
             assert 0.4 <= waited < 2.0
             [record] = harness.records
             assert (record.outcome, record.status_code) == (Outcome.ERROR, 504)
