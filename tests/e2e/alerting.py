@@ -1,15 +1,19 @@
-"""The alerting stack of the end-to-end tests: two ``kvwatch demo`` nodes, a real Prometheus with the
+"""The alerting stack of the end-to-end tests: ``kvwatch demo`` nodes, a real Prometheus with the
 shipped rule files, a real Alertmanager routed like ``deploy/alertmanager/alertmanager.yml``, and a
 webhook receiver (aiohttp, in a thread) that records what Alertmanager delivers.
 
-* ``pressure``: the demo's default story (8 x Qwen3-32B, skewed router pinning half the long requests
-  on replica-0), target label ``cluster="pressure"``.
-* ``healthy``: the same model, least-loaded routing, a tenth of the traffic, slower clock (see
-  ``HEALTHY_ARGS``), ``cluster="healthy"``.
+Two nodes per metrics profile (``lean`` and ``full``), all four running at once, so the shipped
+rules' minutes of ``for:`` are waited out once, not once per profile:
 
-The per-band SLO rules aggregate ``by (cluster, model_name, length_band)``: requests of the two
-nodes would be summed into one ratio if they shared ``cluster`` and model, so each node gets its own
-``cluster`` target label (a fleet of one node each) and every alert can be attributed to one demo.
+* ``pressure-<profile>``: the demo's default story (8 x Qwen3-32B, skewed router pinning half the
+  long requests on replica-0).
+* ``healthy-<profile>``: the same model, least-loaded routing, a tenth of the traffic, slower clock
+  (see ``HEALTHY_ARGS``).
+
+The per-band SLO rules aggregate ``by (cluster, model_name, length_band)``: requests of two nodes
+would be summed into one ratio if they shared ``cluster`` and model, so each node's target label
+``cluster`` is its name (a fleet of one node each), and every alert can be attributed to one demo
+and one profile.
 
 Prometheus scrapes and evaluates every ``INTERVAL``; the rules are the shipped files, unmodified, so
 alerts keep their ``for:`` durations (2 minutes for pages), which is what the module's wall time is
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -285,16 +289,42 @@ def delivered_alerts(deliveries: list[Delivery]) -> list[tuple[Delivery, dict[st
 # -- the stack -------------------------------------------------------------------------------------
 
 
-@dataclass
-class AlertingStack:
+PROFILES = ("lean", "full")  # the metrics.profile values; each gets its own pair of demo nodes
+
+
+@dataclass(frozen=True, slots=True)
+class NodePair:
+    """One metrics profile's demos: the pressure story and the healthy node."""
+
     pressure: Demo
     healthy: Demo
+
+
+@dataclass
+class AlertingStack:
+    pairs: dict[str, NodePair]  # metrics.profile -> its demos
     prometheus: Prometheus
     alertmanager: Alertmanager
     webhook: WebhookReceiver
     workdir: Path
-    started: float  # monotonic: when the pressure demo started
+    started: float  # monotonic: when the first demo started
+    profile: str = PROFILES[0]  # whose demos ``pressure`` and ``healthy`` are
     stopped: bool = False
+
+    @property
+    def pressure(self) -> Demo:
+        return self.pairs[self.profile].pressure
+
+    @property
+    def healthy(self) -> Demo:
+        return self.pairs[self.profile].healthy
+
+    def demos(self) -> list[Demo]:
+        return [demo for pair in self.pairs.values() for demo in (pair.pressure, pair.healthy)]
+
+    def seen_as(self, profile: str) -> AlertingStack:
+        """The same running stack, its ``pressure`` and ``healthy`` those of ``profile``."""
+        return replace(self, profile=profile)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -351,8 +381,7 @@ class AlertingStack:
         )
         parts.append(f"--- alertmanager log ---\n{_tail(self.alertmanager.log_path, 1500)}")
         parts.append(f"--- prometheus log ---\n{_tail(self.prometheus.log_path, 1500)}")
-        parts.append(self.pressure.tails())
-        parts.append(self.healthy.tails())
+        parts += [demo.tails() for demo in self.demos()]
         return "\n".join(parts)
 
     def stop(self) -> None:
@@ -360,8 +389,7 @@ class AlertingStack:
             return
         self.stopped = True
         for stop in (
-            self.pressure.stop,
-            self.healthy.stop,
+            *(demo.stop for demo in self.demos()),
             self.prometheus.stop,
             self.alertmanager.stop,
             self.webhook.stop,
@@ -383,26 +411,31 @@ def _prometheus(workdir: Path, demos: list[Demo], alertmanager: Alertmanager) ->
     )
 
 
-def start_alerting_stack(workdir: Path, profile: str = "lean") -> AlertingStack:
-    """Start everything (demos first: they take longest); stop what started if a step fails.
-    ``profile``: the demos' metrics.profile."""
-    pressure = Demo("pressure", (*PRESSURE_ARGS, "--metrics-profile", profile), workdir)
-    healthy = Demo("healthy", (*HEALTHY_ARGS, "--metrics-profile", profile), workdir)
+def start_alerting_stack(workdir: Path) -> AlertingStack:
+    """Start everything (demos first: they take longest); stop what started if a step fails."""
+    pairs = {
+        profile: NodePair(
+            Demo(f"pressure-{profile}", (*PRESSURE_ARGS, "--metrics-profile", profile), workdir),
+            Demo(f"healthy-{profile}", (*HEALTHY_ARGS, "--metrics-profile", profile), workdir),
+        )
+        for profile in PROFILES
+    }
+    demos = [demo for pair in pairs.values() for demo in (pair.pressure, pair.healthy)]
     webhook = WebhookReceiver()
     token_file = workdir / "webhook-token"
     token_file.write_text(WEBHOOK_TOKEN)
     started: list[Demo | WebhookReceiver | Alertmanager | Prometheus] = []
     try:
-        for part in (pressure, healthy, webhook):
+        for part in (*demos, webhook):
             started.append(part)
             part.start()
         shipped = yaml.safe_load(SHIPPED_ALERTMANAGER.read_text())
         alertmanager = Alertmanager(workdir, alertmanager_config(shipped, webhook.url, token_file))
         started.append(alertmanager)
         alertmanager.start()
-        pressure.wait_ready()
-        healthy.wait_ready()
-        prometheus = _prometheus(workdir, [pressure, healthy], alertmanager)
+        for demo in demos:
+            demo.wait_ready()
+        prometheus = _prometheus(workdir, demos, alertmanager)
         started.append(prometheus)
         prometheus.start()
     except BaseException:
@@ -410,9 +443,7 @@ def start_alerting_stack(workdir: Path, profile: str = "lean") -> AlertingStack:
             with contextlib.suppress(Exception):
                 part.stop()
         raise
-    return AlertingStack(
-        pressure, healthy, prometheus, alertmanager, webhook, workdir, started=pressure.started
-    )
+    return AlertingStack(pairs, prometheus, alertmanager, webhook, workdir, started=demos[0].started)
 
 
 def dump(obj: Any) -> str:

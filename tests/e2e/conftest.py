@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-# -- alerting stack: two kvwatch demos, Prometheus with the shipped rules, Alertmanager, webhook ----
-# (tests/e2e/alerting.py). Shared by test_alerting_e2e, test_dashboards_e2e and
+# -- alerting stack: kvwatch demos of both metrics profiles, Prometheus with the shipped rules,
+# Alertmanager, webhook (tests/e2e/alerting.py). Shared by test_alerting_e2e, test_dashboards_e2e and
 # test_demo_status_page: the stack needs minutes of wall time before the page alerts fire, so it is
-# started once, and stopped as soon as the next test no longer asks for it (it would otherwise hold
-# CPU through the rest of the session).
+# started once for both profiles, and stopped as soon as the next test no longer asks for it (it
+# would otherwise hold CPU through the rest of the session).
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .alerting import AlertingStack, start_alerting_stack
+from .alerting import PROFILES, AlertingStack, start_alerting_stack
 
 
 class _StackHolder:
@@ -21,18 +21,15 @@ class _StackHolder:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.stack: AlertingStack | None = None
-        self.profile = ""
         self.runs = 0
 
     def get(self, profile: str) -> AlertingStack:
-        if self.stack is None or self.stack.stopped or self.profile != profile:
-            self.stop()
+        if self.stack is None or self.stack.stopped:
             self.runs += 1
-            workdir = self.workdir / f"run-{self.runs}-{profile}"
+            workdir = self.workdir / f"run-{self.runs}"
             workdir.mkdir()
-            self.stack = start_alerting_stack(workdir, profile)
-            self.profile = profile
-        return self.stack
+            self.stack = start_alerting_stack(workdir)
+        return self.stack.seen_as(profile)
 
     def stop(self) -> None:
         if self.stack is not None:
@@ -54,16 +51,16 @@ def _alerting_stack_holder(
         holder.stop()
 
 
-@pytest.fixture(scope="session", params=["lean", "full"])
+@pytest.fixture(scope="session", params=PROFILES)
 def metrics_profile(request: pytest.FixtureRequest) -> str:
-    """The demos' metrics.profile: every test on the stack runs in both (session scope: pytest runs
-    all of one profile's tests, then the other's, so the stack starts once per profile)."""
+    """The demos' metrics.profile: every test on the stack runs for both (the stack runs the demos
+    of both at once; session scope keeps one profile's tests together)."""
     return request.param
 
 
 @pytest.fixture
 def alerting_stack(_alerting_stack_holder: _StackHolder, metrics_profile: str) -> AlertingStack:
-    """The running stack (started by the first test that asks for it)."""
+    """The running stack (started by the first test that asks for it), seen as ``metrics_profile``'s."""
     return _alerting_stack_holder.get(metrics_profile)
 
 

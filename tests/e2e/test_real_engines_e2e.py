@@ -54,7 +54,7 @@ CHAT = [{"role": "user", "content": "Say something long."}]
 VLLM, LLAMA = "vllm-0", "llama-0"
 LOAD_STREAMS = 10  # > max-num-seqs 8: two always wait, the running ones outgrow 20 blocks
 LOAD_MAX_TOKENS = 1500
-LOAD_DEADLINE_S = 150.0
+LOAD_DEADLINE_S = 240.0  # the alert: ~90 s here, 155 s in one CI run (a slower vLLM preempts less)
 ALERT = "KVWatchPreemptionStorm"
 PRESSURE = "KVWatchKVCachePressure"
 
@@ -468,9 +468,11 @@ def test_prometheus_stores_kvwatchs_series_as_exported(preempting_load: LoadRun)
 @pytest.mark.prometheus
 def test_preemption_storm_alert_goes_pending_in_prometheus_with_the_shipped_rules(preempting_load: LoadRun):
     """``KVWatchPreemptionStorm``: preemptions above 0.05/s over 10 minutes and above half the
-    finishing rate, ``for: 10m``. The tiny vLLM preempts ~0.5-1/s under this load, so the 10-minute
+    finishing rate, ``for: 10m``. The tiny vLLM preempts ~0.2-1/s under this load, so the 10-minute
     rate of a series Prometheus has seen for ~1 minute crosses 0.05/s (30 preemptions) within the
-    time box; ``for: 10m`` then holds it in pending (firing would take 10 more minutes)."""
+    time box; ``for: 10m`` then holds it in pending (firing would take 10 more minutes). The load
+    runs until the alert is seen or LOAD_DEADLINE_S is up; the bracket that sees it may end a few
+    seconds past that."""
     run = preempting_load
     print(
         f"{ALERT} pending after {run.seconds_to_alert} s; load ran {run.duration_s:.0f} s, "
@@ -483,7 +485,7 @@ def test_preemption_storm_alert_goes_pending_in_prometheus_with_the_shipped_rule
         f"{ALERT} never pending in {run.duration_s:.0f} s; alerts seen: {run.alert_states}, "
         f"recorded: {sorted(recorded)}"
     )
-    assert run.seconds_to_alert is not None and run.seconds_to_alert < LOAD_DEADLINE_S
+    assert run.seconds_to_alert is not None, f"{ALERT} went pending only after the load stopped"
     storm = [a for a in run.alerts_recorded if a["metric"]["alertname"] == ALERT]
     assert {a["metric"]["replica"] for a in storm} == {VLLM}
     assert all(a["metric"]["job"] == "kvwatch" and a["metric"]["severity"] == "warning" for a in storm)
