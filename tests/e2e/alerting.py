@@ -300,6 +300,10 @@ class NodePair:
     healthy: Demo
 
 
+def _demos_of(pairs: dict[str, NodePair]) -> list[Demo]:
+    return [demo for pair in pairs.values() for demo in (pair.pressure, pair.healthy)]
+
+
 @dataclass
 class AlertingStack:
     pairs: dict[str, NodePair]  # metrics.profile -> its demos
@@ -320,7 +324,7 @@ class AlertingStack:
         return self.pairs[self.profile].healthy
 
     def demos(self) -> list[Demo]:
-        return [demo for pair in self.pairs.values() for demo in (pair.pressure, pair.healthy)]
+        return _demos_of(self.pairs)
 
     def seen_as(self, profile: str) -> AlertingStack:
         """The same running stack, its ``pressure`` and ``healthy`` those of ``profile``."""
@@ -420,7 +424,7 @@ def start_alerting_stack(workdir: Path) -> AlertingStack:
         )
         for profile in PROFILES
     }
-    demos = [demo for pair in pairs.values() for demo in (pair.pressure, pair.healthy)]
+    demos = _demos_of(pairs)
     webhook = WebhookReceiver()
     token_file = workdir / "webhook-token"
     token_file.write_text(WEBHOOK_TOKEN)
