@@ -87,8 +87,8 @@ def drive(
             for _ in stream:
                 chunks += 1
             results[i] = {"chunks": chunks, "end": "complete"}
-        except (openai.APIError, httpx.HTTPError) as exc:
-            results[i] = {"chunks": chunks, "end": type(exc).__name__}
+        except Exception as exc:  # any kind: a thread that dies leaves no result to explain the failure
+            results[i] = {"chunks": chunks, "end": type(exc).__name__, "error": str(exc)[:300]}
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(trace))]
     for t in threads:
@@ -96,7 +96,16 @@ def drive(
     for t in threads:
         t.join(timeout_s)
     client.close()
-    return results
+    return [result or {"end": "still running", "chunks": None} for result in results]
+
+
+def unfinished(trace: list[TraceRequest], results: list[dict[str, Any]]) -> list[str]:
+    """The requests that did not stream to the end, each with what the client saw."""
+    return [
+        f"#{i} {request}: {result}"
+        for i, (request, result) in enumerate(zip(trace, results, strict=True))
+        if result.get("end") != "complete"
+    ]
 
 
 def preemptions(metrics_url: str) -> float:

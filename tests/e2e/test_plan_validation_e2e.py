@@ -29,7 +29,17 @@ from kvwatch.plan.replay import replay
 from kvwatch.report import build_report
 from tests.local import free_port, wait_vllm_idle
 
-from .plan_validation import BANDS, compare, drive, make_trace, peak_kv, preemptions, split_ledger, table
+from .plan_validation import (
+    BANDS,
+    compare,
+    drive,
+    make_trace,
+    peak_kv,
+    preemptions,
+    split_ledger,
+    table,
+    unfinished,
+)
 from .stack import KvwatchRun, Prometheus, wait_until
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.prometheus, pytest.mark.slow]
@@ -47,8 +57,10 @@ SHAPE_FLAGS = [
 def _run_trace(real_vllm, proxy: str, prom: Prometheus, trace, seed: int) -> dict:
     wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle before the trace")
     before, started = preemptions(real_vllm.metrics_url), time.time()
-    results = drive(proxy, trace, seed)
-    assert all(r.get("end") == "complete" for r in results), results
+    failed = unfinished(trace, drive(proxy, trace, seed))
+    assert not failed, "\n".join(
+        [*failed, "vLLM's log ends:", real_vllm.log.read_text(errors="replace")[-3000:]]
+    )
     wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle after the trace")
     ended = time.time()
     # Prometheus holds the trace's last samples: a scrape at or after the end the queries below read at
