@@ -54,12 +54,19 @@ SHAPE_FLAGS = [
 ]  # vllm-cpu.sh and vLLM's CPU default
 
 
-def _run_trace(real_vllm, proxy: str, prom: Prometheus, trace, seed: int) -> dict:
+def _run_trace(real_vllm, agent: KvwatchRun, prom: Prometheus, trace, seed: int) -> dict:
+    proxy = f"http://{agent.config['replicas'][0]['proxy_listen']}/v1"
     wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle before the trace")
     before, started = preemptions(real_vllm.metrics_url), time.time()
     failed = unfinished(trace, drive(proxy, trace, seed))
     assert not failed, "\n".join(
-        [*failed, "vLLM's log ends:", real_vllm.log.read_text(errors="replace")[-3000:]]
+        [
+            *failed,
+            "kvwatch's log ends:",
+            agent.log()[-3000:],
+            "vLLM's log ends:",
+            real_vllm.log.read_text(errors="replace")[-3000:],
+        ]
     )
     wait_vllm_idle(real_vllm.metrics_url, what="vLLM idle after the trace")
     ended = time.time()
@@ -96,7 +103,6 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
             }
         ],
     }
-    proxy = f"http://{config['replicas'][0]['proxy_listen']}/v1"
     agent = KvwatchRun(config, tmp_path).start()
     cal_load, cal_prom = tmp_path / "cal-load.yaml", tmp_path / "cal-prometheus.yaml"
     cal_prom_b = tmp_path / "cal-prometheus-b.yaml"
@@ -105,7 +111,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
         assert (
             main(["plan", "calibrate", "--load", real_vllm.base_url, *SHAPE_FLAGS, "-o", str(cal_load)]) == 0
         )
-        a = _run_trace(real_vllm, proxy, prom, TRACE_A, seed=1)
+        a = _run_trace(real_vllm, agent, prom, TRACE_A, seed=1)
         since = f"{int(a['end'] - a['start']) + 4}s"
         assert (
             main(
@@ -129,7 +135,7 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
             )
             == 0
         )
-        b = _run_trace(real_vllm, proxy, prom, TRACE_B, seed=2)
+        b = _run_trace(real_vllm, agent, prom, TRACE_B, seed=2)
         since = f"{int(b['end'] - b['start']) + 4}s"
         assert (
             main(
