@@ -236,7 +236,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
         source = "prometheus"
         notes.append(
-            "each observation is one rate window's mean step (inter-token latency) against its "
+            "each observation is one rate window's mean step (the lesser of the mean inter-token "
+            "latency and the window over its steps) against its "
             "mean running requests, tokens per iteration and KV usage"
         )
     else:
