@@ -11,18 +11,15 @@ observation of the window's mean step::
     prefill tokens = max(0, tokens/step - decode seqs)
     KV tokens      = avg_over_time(vllm:kv_cache_usage_perc[w]) x num_gpu_blocks x block_size
 
-Both terms of the step's minimum over-state the mean step, each in its own windows, so the smaller
-is the closer. The mean inter-token latency is the mean step while every decoding sequence gets one
-token per step, but a request that sat steps out (preempted, then resumed) has one gap spanning
-them all: in a preempting window of the real CPU vLLM it was 1.5x the window over its steps. The
-window over its steps is the mean step while the engine is busy throughout, and more where it idled
-part of the window. Fitting the inflated figure made the step look proportional to the batch
-(4.1 ms per sequence, no overhead, where the minimum fits 5.3 ms + 1.1 ms per sequence), and the
-twin, replaying at twice the batch the windows had seen, 3.4x slow. Windows without tokens are
-skipped. This is a fit of window means, not of single steps:
-it sees how the mean step moves with the mean batch, so its R² is over windows, and a window
-that mixes a burst of prefills with quiet decode is one point. The engine's shape comes from
-``vllm:cache_config_info``.
+Both terms of the minimum over-state the mean step, each in its own windows, so the smaller is the
+closer. The mean inter-token latency is the mean step while every decoding sequence gets one token
+per step, but a request that sat steps out (preempted, then resumed) has one gap spanning them all
+(1.5x the window over its steps in a preempting window of the real CPU vLLM; fitted, that made the
+step proportional to the batch: docs/planning.md, run 6). The window over its steps is the mean
+step while the engine is busy throughout, and more where it idled. Windows without tokens are
+skipped. This is a fit of window means, not of single steps: it sees how the mean step moves with
+the mean batch, so its R² is over windows, and a window that mixes a burst of prefills with quiet
+decode is one point. The engine's shape comes from ``vllm:cache_config_info``.
 """
 
 from __future__ import annotations
