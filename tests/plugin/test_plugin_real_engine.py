@@ -36,7 +36,7 @@ from kvwatch.config import (
     VllmPluginSocketConfig,
 )
 from kvwatch.model import DEFAULT_BANDS
-from tests.local import wait_vllm_idle
+from tests.local import until, wait_vllm_idle
 
 from .counters import engine_counters, total, wait_for_requests
 
@@ -83,6 +83,31 @@ async def complete(client: httpx.AsyncClient, base: str, max_tokens: int, i: int
     return r.json()["usage"]
 
 
+async def open_connections(client: httpx.AsyncClient, base: str, n: int) -> None:
+    """``n`` keep-alive connections in the client's pool before the load, so that its requests all
+    reach vLLM at once. Opened with the load, a new connection can take seconds: in a clean-clone
+    run the two requests on pooled connections started at once and the four on new ones 2 s and 7 s
+    later (vLLM's iteration log), so the KV cache never filled and nothing was preempted. The delays
+    match SYN retransmits (1, 3, 7 s); that machine's kernel counted 398 listen-queue drops over the
+    suite, which also floods sockets on purpose, so which socket dropped them is not known."""
+    held, all_held = 0, asyncio.Event()
+
+    async def hold() -> None:
+        nonlocal held
+        async with client.stream("GET", f"{base}/v1/models") as response:  # the connection is ours
+            held += 1
+            if held == n:
+                all_held.set()
+            await all_held.wait()  # until every one is: no request finds another's connection free
+            await response.aread()  # read to the end, the connection goes back to the pool
+
+    await asyncio.gather(*(hold() for _ in range(n)))
+
+
+async def preempted_since(client: httpx.AsyncClient, metrics_url: str, before: dict[str, float]) -> bool:
+    return engine_counters((await client.get(metrics_url)).text)["preemptions"] > before["preemptions"]
+
+
 async def scenario(plugin, ledger: Path) -> Observed:
     engine = plugin.engine
     async with httpx.AsyncClient(timeout=180) as client:
@@ -94,10 +119,16 @@ async def scenario(plugin, ledger: Path) -> Observed:
         agent = Agent(agent_config(plugin, ledger))
         await agent.start()
         try:
+            await open_connections(client, engine.base_url, len(MAX_TOKENS))
             before = engine_counters((await client.get(engine.metrics_url)).text)
             offset = engine.log.stat().st_size
             usage = await asyncio.gather(
                 *(complete(client, engine.base_url, m, i) for i, m in enumerate(MAX_TOKENS))
+            )
+            await until(
+                lambda: preempted_since(client, engine.metrics_url, before),
+                10,
+                "vLLM to count a preemption of the load (it needs all six requests running at once)",
             )
             fams = await wait_for_requests(client, agent, len(MAX_TOKENS), recomputed_by="vllm_plugin")
             after = engine_counters((await client.get(engine.metrics_url)).text)
