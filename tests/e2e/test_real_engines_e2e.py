@@ -393,6 +393,13 @@ def preempting_load(real_vllm, real_llamacpp, tmp_path_factory) -> Iterator[Load
             bracket.pages_read = [parse(page) for page in bracket.page_texts]
         wait_vllm_idle(real_vllm.metrics_url)
         idle_at = time.time()
+        # the streams cancelled at the end are recorded as they close: read back from a scrape after
+        # that (a clean-clone run read 9 of the 10 load requests from the scrape before)
+        wait_until(
+            lambda: prom.query(f'timestamp(up{{job="kvwatch"}}) > {idle_at + 1}'),
+            30,
+            "a Prometheus scrape of kvwatch after the load",
+        )
         run.alerts_recorded = prom.query("max_over_time(ALERTS[10m])")
         run.rule_errors = prom.rule_errors()
         for expr in READ_BACK:
