@@ -387,6 +387,7 @@ class SimEngine:
         self._reserved = 0
 
         self._s = 0  # index of the next step
+        self._last_step_s = 0.0  # how long the last step took (``advance_to``)
         self._grown = 0  # 1 once this step's decode growth is allocated
         self._used = 0  # blocks held by live requests (shared prefixes once)
         self._evictable = 0  # cached prefix blocks nobody references (count as free)
@@ -513,8 +514,14 @@ class SimEngine:
     # ------------------------------------------------------------------ clock
 
     def advance_to(self, t: float) -> None:
-        """Run steps until the clock reaches ``t`` (the last step may end after ``t``), then notify
-        subscribers. An idle engine jumps to the next arrival or to ``t``."""
+        """Run steps until the clock reaches ``t`` (the last step may end after ``t``), and tell
+        subscribers what the steps that ended by ``t`` made. An idle engine jumps to the next
+        arrival or to ``t``.
+
+        A step's tokens reach a client after the step ends, as a real engine's do: subscribers
+        hear before the step that would end past ``t`` (guessed from the last step's length: a
+        longer step than guessed holds its predecessors' tokens to the next call, never shows
+        its own early)."""
         while self.now < t:
             if not self._running:
                 head = self._head()
@@ -522,10 +529,12 @@ class SimEngine:
                     self.now = t
                     break
                 self.now = max(self.now, head.arrival)
+            if self._subs and self.now + self._last_step_s > t:
+                self._notify()
             if not self.step():
                 head = self._head()  # nothing schedulable (future arrivals only)
                 self.now = t if head is None else min(t, max(head.arrival, self.now))
-        if self._subs:
+        if self._subs and self.now <= t:
             self._notify()
 
     def run_until_idle(self, max_steps: int = 10_000_000) -> None:
@@ -663,6 +672,7 @@ class SimEngine:
         st = self.stats
         st.steps += 1
         st.busy_seconds += d
+        self._last_step_s = d
         st.generation_tokens += n_dec + len(completing)
         if self._step_histograms:
             st.h_iteration_tokens.observe(prefill_tokens + n_dec)
