@@ -244,7 +244,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         assert shape.model_name is not None
         obs = sources.calibration_load(args.load.rstrip("/"), shape.model_name)
         source, window = "load", f"calibration load against {args.load} at {_now()}"
-        notes.append("prefill observations are a lone request's TTFT (frontend latency included)")
+        notes.append(
+            "prefill observations are a lone request's TTFT (frontend latency included), one step each; "
+            "decode observations are a phase's mean step while all its streams decoded, "
+            "weighed as the steps they span"
+        )
     if args.tp is not None and args.tp < 1:
         raise FitError(f"--tp must be >= 1, got {args.tp}")
     fits = fits_by_tp([o if o.tp is not None else dataclasses.replace(o, tp=args.tp) for o in obs])

@@ -7,8 +7,9 @@ Each observation is one engine step, or the mean of many (a Prometheus window, a
 
 Weighted least squares (numpy ``lstsq``) with every coefficient >= 0: a term whose coefficient
 comes out negative is dropped and the rest refitted (an active-set non-negative fit, enough for
-four terms). A term no observation varies (``kv_tokens`` unknown, no prefill seen) is not fitted
-and reported as such, so the calibration says which parts of the model the data supported.
+four terms). A term no observation varies (``kv_tokens`` unknown, no prefill seen), or that varies
+only as the terms before it do (KV tokens equal to prefill tokens when no decode step was seen), is
+not fitted and reported as such, so the calibration says which parts of the model the data supported.
 
 Quality: R² (weighted, of the step seconds), and the residuals as relative errors per
 observation (median and p90 of ``|predicted - observed| / observed``), over the fitting set.
@@ -86,8 +87,13 @@ def fit_step_cost(observations: Sequence[StepObservation]) -> StepFit:
     if len(obs) < 2:
         raise FitError(f"{len(obs)} usable step observation(s) (need at least 2 with seconds > 0)")
     x, y, w = _design(obs)
-    # a term that never varies is indistinguishable from the overhead
-    active = [0, *(j for j in (1, 2, 3) if np.ptp(x[:, j]) > 0)]
+    # a term that never varies is indistinguishable from the overhead, and one that varies only
+    # in step with the terms before it (KV tokens = prefill tokens where no decode step was
+    # seen) from those: least squares would split one cost between them at random
+    active = [0]
+    for j in (1, 2, 3):
+        if np.ptp(x[:, j]) > 0 and np.linalg.matrix_rank(x[:, [*active, j]]) > len(active):
+            active.append(j)
     sw = np.sqrt(w)
     coef = np.zeros(4)
     while True:

@@ -12,16 +12,20 @@
 3. **A calibration load** the command drives itself against the engine's OpenAI API
    (``calibration_load``): prefill-only requests of several prompt sizes, then decode phases at
    several concurrencies. TTFT of a lone request is one prefill step (plus the frontend's own
-   latency, which the overhead term absorbs); the median gap between a stream's chunks at
-   concurrency ``c`` is one decode step with ``c`` sequences; phases with long prompts (``long_context``,
-   sized to fit a small cache) vary the KV tokens the batch reads, so ``per_kv_token_s`` is fitted.
+   latency, which the overhead term absorbs). While all ``c`` streams of a phase decode, each
+   stream's time over the tokens it gained is the step with ``c`` sequences
+   (``decode_observations``). Spans over tokens, not chunk gaps: the streams ask for
+   ``continuous_usage_stats``, since vLLM folds several tokens into one chunk when its frontend falls
+   behind, and a client that was descheduled reads a burst of chunks microseconds apart, so a median
+   chunk gap measured the burst, not the step. Each decode observation weighs the steps it stands
+   for, each prefill one step, so a few long prefills cannot outweigh hundreds of decode steps and
+   push the per-step overhead to 0. Phases with long prompts (``long_context``, sized to fit a small cache)
+   vary the KV tokens the batch reads, so ``per_kv_token_s`` is fitted.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-import statistics
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -218,10 +222,11 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
         "stream": True,
         "ignore_eos": True,
         "temperature": 0,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     sent = time.perf_counter()
     chunks: list[float] = []
+    generated: list[int | None] = []  # the engine's count of output tokens at each chunk, if it says
     usage: dict[str, Any] = {}
     with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -237,11 +242,18 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
                 raise SourceError(f"{base_url}: a calibration stream event is not JSON ({exc})") from None
             if not isinstance(obj, dict):
                 raise SourceError(f"{base_url}: a calibration stream event is not a JSON object")
+            has_usage = isinstance(obj.get("usage"), dict)
             if obj.get("choices"):  # a token (its text may be empty: a partial UTF-8 sequence)
                 chunks.append(time.perf_counter())
-            if isinstance(obj.get("usage"), dict):
+                generated.append(_count(obj["usage"].get("completion_tokens")) if has_usage else None)
+            if has_usage:
                 usage = obj["usage"]
-    return {"sent": sent, "chunks": chunks, "usage": usage}
+    return {"sent": sent, "chunks": chunks, "generated": generated, "usage": usage}
+
+
+def _count(value: Any) -> int | None:
+    number = finite(value)
+    return int(number) if number is not None and 0 <= number <= MAX_COUNT else None
 
 
 def _prompt_tokens(result: dict[str, Any], default: float) -> float:
@@ -283,18 +295,10 @@ def calibration_load(
                     )
                 )
         for c, context in [(c, decode_prompt) for c in concurrencies] + list(long_context):
-            gaps, prompt = decode_phase(
+            streams = decode_phase(
                 base_url, model, c, filler_prompts(words(context), c), decode_tokens, timeout_s
             )
-            if len(gaps) >= 3:
-                obs.append(
-                    StepObservation(
-                        prefill_tokens=0.0,
-                        decode_seqs=float(c),
-                        kv_tokens=c * (prompt + decode_tokens / 2),
-                        seconds=statistics.median(gaps),
-                    )
-                )
+            obs += decode_observations(streams)
     return obs
 
 
@@ -305,9 +309,9 @@ def filler_prompts(words: int, count: int) -> list[str]:
 
 def decode_phase(
     base_url: str, model: str, c: int, prompts: list[str], tokens: int, timeout_s: float
-) -> tuple[list[float], float]:
-    """``c`` streams started together (clients made first, then a barrier); their chunk gaps while
-    all of them decode, and the prompt tokens the engine counted."""
+) -> list[dict[str, Any]]:
+    """``c`` streams started together (clients made first, then a barrier), as ``_stream`` read
+    them (a stream whose request failed is left empty)."""
     clients = [httpx.Client(timeout=timeout_s) for _ in range(c)]
     results: list[dict[str, Any]] = [{} for _ in range(c)]
     barrier = threading.Barrier(c)
@@ -325,21 +329,64 @@ def decode_phase(
     finally:
         for client in clients:
             client.close()
-    prompt = _prompt_tokens(results[0], 0.0)
-    return _steady_gaps(results), prompt
+    return results
 
 
-def _steady_gaps(results: list[dict[str, Any]]) -> list[float]:
-    """Chunk gaps while every stream was decoding (after the last first chunk, before the first end)."""
-    if not all(r.get("chunks") for r in results):
+def decode_observations(streams: Sequence[dict[str, Any]], min_steps: float = 8.0) -> list[StepObservation]:
+    """The step with all of a phase's streams decoding (module doc), or nothing where they did not
+    decode together for ``min_steps`` steps.
+
+    The window runs from the last stream's first chunk to the first stream's last. In it, each
+    stream gives its time over the tokens it gained, from its first chunk there to its last: only
+    the span counts, so chunks read in a burst (the client descheduled, tokens folded into one
+    chunk) cost nothing, where a median gap between chunks measured the burst. But a burst that
+    swallows the window's start shrinks the span too: a starved frontend sent a lone stream's 96
+    tokens within 1 ms, and a late stream's first chunk can be read in another's burst. So a window
+    that steps at under half of ``_upper_step`` (0.67-0.91 of it in phases that were not bursts) is
+    dropped."""
+    lines = [_token_line(s) for s in streams]
+    if not lines or any(len(line) < 2 for line in lines):
         return []
-    start = max(r["chunks"][0] for r in results)
-    end = min(r["chunks"][-1] for r in results)
-    gaps = []
-    for r in results:
-        times = [t for t in r["chunks"] if start <= t <= end]
-        gaps += [b - a for a, b in itertools.pairwise(times)]
-    return gaps
+    start = max(line[0][0] for line in lines)
+    end = min(line[-1][0] for line in lines)
+    seconds = tokens = kv_token_tokens = 0.0
+    for line, stream in zip(lines, streams, strict=True):
+        window = [point for point in line if start <= point[0] <= end]
+        if len(window) < 2 or window[-1][1] <= window[0][1]:
+            continue
+        (t1, n1), (t2, n2) = window[0], window[-1]
+        seconds += t2 - t1
+        tokens += n2 - n1
+        kv_token_tokens += (n2 - n1) * (_prompt_tokens(stream, 0.0) + (n1 + n2) / 2)
+    c = len(lines)
+    if tokens / c < min_steps or seconds / tokens < _upper_step(streams, lines) / 2:
+        return []
+    return [
+        StepObservation(
+            prefill_tokens=0.0,
+            decode_seqs=float(c),
+            kv_tokens=c * kv_token_tokens / tokens,
+            seconds=seconds / tokens,
+            weight=tokens / c,
+        )
+    ]
+
+
+def _upper_step(streams: Sequence[dict[str, Any]], lines: list[list[tuple[float, int]]]) -> float:
+    """Seconds per token from each request's sending to its last chunk: more than the step (it
+    holds the prefill and any wait), but a burst cannot shrink it."""
+    elapsed = sum(line[-1][0] - stream["sent"] for line, stream in zip(lines, streams, strict=True))
+    return elapsed / max(1, sum(line[-1][1] for line in lines))
+
+
+def _token_line(stream: dict[str, Any]) -> list[tuple[float, int]]:
+    """(time, output tokens so far) at each of a stream's chunks: the engine's count where every
+    chunk carried one, else one token a chunk."""
+    chunks = stream.get("chunks") or []
+    generated = stream.get("generated") or []
+    if len(generated) == len(chunks) and all(n is not None for n in generated):
+        return list(zip(chunks, generated, strict=True))
+    return [(t, n) for n, t in enumerate(chunks, start=1)]
 
 
 _FILLER_RNG = random.Random(16)

@@ -19,9 +19,11 @@ the lead what to push into the fake NVML (replica ``r`` owns GPUs ``r*tp .. r*tp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,6 +390,25 @@ class SimNode:
     def busy_seconds(self, replica: int) -> float:
         """Cumulative simulated seconds ``replica`` spent in steps (utilisation = its rate)."""
         return self.engines[replica].stats.busy_seconds
+
+
+@contextlib.contextmanager
+def serving_in_thread(node: SimNode, timeout_s: float = 30.0) -> Iterator[list[str]]:
+    """``node`` started on an event loop of its own thread, for clients that block (httpx's sync
+    client, a calibration load); its replicas' base URLs."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="sim-node", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(node.start(), loop).result(timeout_s)
+        try:
+            yield node.urls
+        finally:
+            asyncio.run_coroutine_threadsafe(node.stop(), loop).result(timeout_s)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout_s)
+        loop.close()
 
 
 def _report_crash(task: asyncio.Task) -> None:

@@ -3,12 +3,13 @@
 The error table is printed, and written as JSON and markdown to ``$PLAN_VALIDATION_OUT``
 when that is set (docs/planning.md publishes one run). The issue's targets (e2e p50 15 %, p99
 25 %, preemptions 20 %, peak KV 10 %) are recorded per row as met or missed. The assertions:
-e2e p50 within 2x in sample for the Prometheus calibrations (within 3x out of sample, and 10x for
-the calibration load, which are measured at another time), because on this shared 2-core machine the client,
-kvwatch's proxy, Prometheus and other work take CPU from vLLM differently from one run to the next
-(a clean-clone CI run measured +31 % in sample where a quieter one measured +4 %); a twin that is
-structurally wrong (a cost term missing, a unit slipped) is off by factors, which this still
-catches. Peak KV within 10 % everywhere. The accuracy targets are published, not asserted.
+e2e p50 within 2x in sample for the Prometheus calibrations (within 3x out of sample: the other
+trace's Prometheus fit and the calibration load, measured at another time), because on this shared
+2-core machine the client, kvwatch's proxy, Prometheus and other work take CPU from vLLM
+differently from one run to the next (a clean-clone CI run measured +31 % in sample where a quieter
+one measured +4 %); a twin that is structurally wrong (a cost term missing, a unit slipped) is off
+by factors, which this still catches. Peak KV within 10 % everywhere. The accuracy targets are
+published, not asserted.
 """
 
 from __future__ import annotations
@@ -199,16 +200,14 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
             read_workload([str(ledger_a if case.startswith("A") else ledger_b)]).requests
         )
     for row in rows:
-        if row["band"] == "all" and "calibration load" in row["case"]:
-            # the load's fit is the weakest (docs/planning.md): in one clean-clone run of 2026-12-06 it
-            # dropped its per-step overhead (residual p90 39x) and the twin ran 4.6x fast (-78 %); other
-            # runs that day measured -66 % to +112 %. Within 10x still catches a unit slipped (ms for s,
-            # a block for a token)
-            assert 1 / 10 < 1 + row["e2e_p50"]["error"] < 10, row
-        elif row["band"] == "all" and "(in sample)" not in row["case"]:
+        if row["band"] == "all" and "(in sample)" not in row["case"]:
             # calibrated minutes before the trace (the calibration load, or trace A's run), on what else
             # the machine ran then: -41 % on a quiet run, +97 % with two CPU hogs beside it, +70 % for
-            # B on Prometheus(A) in a clean-clone CI run; a structural error is off by more than 3x
+            # B on Prometheus(A) in a clean-clone CI run; a structural error is off by more than 3x.
+            # The calibration load had a bound of 10x while its fit could drop the per-step overhead
+            # (-78 % in a clean-clone run, docs/planning.md); since its decode step is measured over
+            # tokens and weighed as the steps it spans, eight runs (four with a CPU-bound process
+            # beside them) measured -39 % to +10 %
             assert 1 / 3 < 1 + row["e2e_p50"]["error"] < 3, row
         elif row["band"] == "all":
             # the drift of a shared machine between runs is large, and a Prometheus fit has only 7-9

@@ -51,3 +51,14 @@ def test_a_coefficient_that_would_be_negative_is_dropped_not_exported():
 def test_too_few_observations_is_an_error_that_says_so():
     with pytest.raises(FitError, match="1 usable step observation"):
         fit_step_cost([StepObservation(0, 1, 0.01), StepObservation(0, 1, 0.0)])
+
+
+def test_kv_tokens_that_only_repeat_the_prefill_tokens_are_not_fitted():
+    # a calibration load whose decode phases all failed: each prefill's KV tokens are its prompt,
+    # and least squares split the prefill cost between the two terms (0.089 ms each, from 0.18 ms)
+    cost = StepCost(0.004, 180e-6, 0.0)
+    obs = [StepObservation(p, 0, cost.seconds(p, 0, p), kv_tokens=p) for p in (11, 257, 778, 1556)]
+    fit = fit_step_cost(obs)
+    assert fit.quality.unfitted_terms == ("per_decode_seq_s", "per_kv_token_s")
+    assert fit.cost.per_prefill_token_s == pytest.approx(180e-6, rel=1e-6)
+    assert fit.cost.overhead_s == pytest.approx(0.004, rel=1e-6)
