@@ -272,9 +272,13 @@ def calibration_load(
     long_context: Sequence[tuple[int, int]] = ((1, 1024), (2, 1024), (4, 400)),
     decode_tokens: int = 96,
     repeats: int = 2,
+    attempts: int = 3,
     timeout_s: float = 120.0,
 ) -> list[StepObservation]:
-    """Drive the engine (module doc) and return one observation per phase measurement."""
+    """Drive the engine (module doc) and return one observation per phase measurement. A decode
+    phase that gives nothing (its streams did not decode together, or a burst swallowed the
+    window) runs again, up to ``attempts`` times: a frontend starved for a moment spoils one run,
+    and a fit short of decode phases extrapolates the cost per sequence from one or two."""
     obs: list[StepObservation] = []
     with httpx.Client(timeout=timeout_s) as client:
         probe = _stream(client, base_url, model, _filler(64), 1)
@@ -295,10 +299,14 @@ def calibration_load(
                     )
                 )
         for c, context in [(c, decode_prompt) for c in concurrencies] + list(long_context):
-            streams = decode_phase(
-                base_url, model, c, filler_prompts(words(context), c), decode_tokens, timeout_s
-            )
-            obs += decode_observations(streams)
+            for _ in range(attempts):
+                prompts = filler_prompts(words(context), c)
+                seen = decode_observations(
+                    decode_phase(base_url, model, c, prompts, decode_tokens, timeout_s)
+                )
+                obs += seen
+                if seen:
+                    break
     return obs
 
 

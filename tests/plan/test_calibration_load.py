@@ -10,6 +10,7 @@ import statistics
 
 import pytest
 
+from kvwatch.plan import sources
 from kvwatch.plan.fit import fit_step_cost
 from kvwatch.plan.sources import calibration_load, decode_observations
 from kvwatch.sim.engine import EngineConfig
@@ -92,19 +93,23 @@ TRUE = StepCost(overhead_s=0.020, per_prefill_token_s=0.0004, per_decode_seq_s=0
 SPEED, TICK_S = 4.0, 0.02
 
 
+def _known_engine() -> SimNode:
+    """One simulated vLLM replica stepping at ``TRUE``, served as ``tiny``."""
+    engine = EngineConfig(
+        model=model_preset("llama-3.1-8b"), max_model_len=4000, max_num_seqs=16, step_cost=TRUE
+    )
+    return SimNode(
+        NodeConfig(engine=engine, replicas=1, speed=SPEED, tick_s=TICK_S, served_model_name="tiny")
+    )
+
+
 def test_the_load_fit_recovers_a_known_step_cost_through_folded_chunks():
     """The simulated vLLM sends what one 20 ms tick made as one chunk, two to four 6-11 ms decode
     steps, as vLLM folds tokens when its frontend falls behind: a median chunk gap measured the
     tick. The fit must keep the per-step overhead, the cost per sequence and per prefill token (a
     lone prefill's first token reaches the client at the first tick after its step ends, up to a
     tick late, as a frontend's latency would)."""
-    engine = EngineConfig(
-        model=model_preset("llama-3.1-8b"), max_model_len=4000, max_num_seqs=16, step_cost=TRUE
-    )
-    node = SimNode(
-        NodeConfig(engine=engine, replicas=1, speed=SPEED, tick_s=TICK_S, served_model_name="tiny")
-    )
-    with serving_in_thread(node) as urls:
+    with serving_in_thread(_known_engine()) as urls:
         obs = calibration_load(
             urls[0],
             "tiny",
@@ -128,3 +133,27 @@ def test_the_load_fit_recovers_a_known_step_cost_through_folded_chunks():
     assert fit.cost.per_decode_seq_s * SPEED == pytest.approx(TRUE.per_decode_seq_s, rel=0.25)
     assert fit.cost.per_prefill_token_s * SPEED == pytest.approx(TRUE.per_prefill_token_s, rel=0.25)
     assert fit.cost.per_kv_token_s * SPEED < 1e-6
+
+
+def test_a_phase_that_gives_nothing_runs_again(monkeypatch: pytest.MonkeyPatch):
+    """A frontend starved for a moment spoils one run of a phase (a burst); the load runs it again,
+    up to three times, rather than fit the cost per sequence from fewer phases."""
+    runs: list[int] = []
+    real_phase = sources.decode_phase
+
+    def starved_at_first(*args, **kwargs):
+        c = args[2]
+        runs.append(c)
+        if c == 3 and runs.count(3) < 3:  # the 3-stream phase is spoilt twice, then runs clean
+            return [_stream(0.0, 48, stall=(1, 48)) for _ in range(3)]
+        if c == 6:  # the 6-stream phase never runs clean
+            return [_stream(0.0, 48, stall=(1, 48)) for _ in range(6)]
+        return real_phase(*args, **kwargs)
+
+    monkeypatch.setattr(sources, "decode_phase", starved_at_first)
+    with serving_in_thread(_known_engine()) as urls:
+        obs = calibration_load(
+            urls[0], "tiny", prompt_sizes=(), concurrencies=(1, 3, 6), long_context=(), decode_tokens=48
+        )
+    assert runs == [1, 3, 3, 3, 6, 6, 6]
+    assert [o.decode_seqs for o in obs] == [1, 3]
