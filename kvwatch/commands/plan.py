@@ -249,6 +249,11 @@ def _calibrate(args: argparse.Namespace) -> int:
             "decode observations are a phase's mean step while all its streams decoded, "
             "weighed as the steps they span"
         )
+        kept = sum(1 for o in obs if o.decode_seqs)
+        notes.append(
+            f"decode phases kept: {kept} of {sources.DECODE_PHASES} (a phase is dropped, after three tries, "
+            "where its streams did not decode together or a burst of chunks swallowed its window)"
+        )
     if args.tp is not None and args.tp < 1:
         raise FitError(f"--tp must be >= 1, got {args.tp}")
     fits = fits_by_tp([o if o.tp is not None else dataclasses.replace(o, tp=args.tp) for o in obs])

@@ -262,14 +262,20 @@ def _prompt_tokens(result: dict[str, Any], default: float) -> float:
     return reported if reported is not None and 0 < reported <= MAX_COUNT else default
 
 
+#: the calibration load's decode phases: streams at a short prompt, and (streams, prompt tokens)
+CONCURRENCIES = (1, 2, 3, 4, 6, 8)
+LONG_CONTEXT = ((1, 1024), (2, 1024), (4, 400))
+DECODE_PHASES = len(CONCURRENCIES) + len(LONG_CONTEXT)
+
+
 def calibration_load(
     base_url: str,
     model: str,
     *,
     prompt_sizes: Sequence[int] = (16, 256, 768, 1536),
-    concurrencies: Sequence[int] = (1, 2, 3, 4, 6, 8),
+    concurrencies: Sequence[int] = CONCURRENCIES,
     decode_prompt: int = 64,
-    long_context: Sequence[tuple[int, int]] = ((1, 1024), (2, 1024), (4, 400)),
+    long_context: Sequence[tuple[int, int]] = LONG_CONTEXT,
     decode_tokens: int = 96,
     repeats: int = 2,
     attempts: int = 3,

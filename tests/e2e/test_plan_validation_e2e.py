@@ -112,6 +112,8 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
         assert (
             main(["plan", "calibrate", "--load", real_vllm.base_url, *SHAPE_FLAGS, "-o", str(cal_load)]) == 0
         )
+        (kept,) = [n for n in load_calibration(cal_load).notes if n.startswith("decode phases kept: ")]
+        assert int(kept.split()[3]) >= 3, kept  # of 9: a load that kept fewer fits the decode from guesses
         a = _run_trace(real_vllm, agent, prom, TRACE_A, seed=1)
         since = f"{int(a['end'] - a['start']) + 4}s"
         assert (
