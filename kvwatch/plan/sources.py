@@ -12,15 +12,16 @@
 3. **A calibration load** the command drives itself against the engine's OpenAI API
    (``calibration_load``): prefill-only requests of several prompt sizes, then decode phases at
    several concurrencies. TTFT of a lone request is one prefill step (plus the frontend's own
-   latency, which the overhead term absorbs). While all ``c`` streams of a phase decode, each
-   stream's time over the tokens it gained is the step with ``c`` sequences
-   (``decode_observations``). Spans over tokens, not chunk gaps: the streams ask for
-   ``continuous_usage_stats``, since vLLM folds several tokens into one chunk when its frontend falls
-   behind, and a client that was descheduled reads a burst of chunks microseconds apart, so a median
-   chunk gap measured the burst, not the step. Each decode observation weighs the steps it stands
-   for, each prefill one step, so a few long prefills cannot outweigh hundreds of decode steps and
-   push the per-step overhead to 0. Phases with long prompts (``long_context``, sized to fit a small cache)
-   vary the KV tokens the batch reads, so ``per_kv_token_s`` is fitted.
+   latency, left in its residual: the decode phases, which outweigh the prefills, set the
+   overhead). While all ``c`` streams of a phase decode, each stream's time over the tokens it
+   gained is the step with ``c`` sequences (``decode_observations``). Spans over tokens, not chunk
+   gaps: the streams ask for ``continuous_usage_stats``, since vLLM folds several tokens into one
+   chunk when its frontend falls behind, and a client that was descheduled reads a burst of chunks
+   microseconds apart, so a median chunk gap measured the burst, not the step. Each decode
+   observation weighs the steps it stands for, each prefill one step, so a few long prefills
+   cannot outweigh hundreds of decode steps and push the per-step overhead to 0. Phases with long
+   prompts (``long_context``, sized to fit a small cache) vary the KV tokens the batch reads, so
+   ``per_kv_token_s`` is fitted.
 """
 
 from __future__ import annotations
