@@ -29,7 +29,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,23 @@ def engine_shape(
     )
 
 
-def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """One streamed calibration request as the client read it: when it was sent, when each chunk
+    with a token came (``time.perf_counter``), the engine's count of output tokens at each chunk
+    where it said, and the usage it reported at the end."""
+
+    sent: float
+    chunks: tuple[float, ...]
+    generated: tuple[int | None, ...]
+    usage: Mapping[str, Any]
+
+
+#: what ``decode_phase`` leaves for a request that failed
+NOT_READ = StreamRead(0.0, (), (), {})
+
+
+def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int) -> StreamRead:
     """One streamed completion: chunk arrival times and the usage the engine reported."""
     body = {
         "model": model,
@@ -249,7 +266,7 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
                 generated.append(_count(obj["usage"].get("completion_tokens")) if has_usage else None)
             if has_usage:
                 usage = obj["usage"]
-    return {"sent": sent, "chunks": chunks, "generated": generated, "usage": usage}
+    return StreamRead(sent, tuple(chunks), tuple(generated), usage)
 
 
 def _count(value: Any) -> int | None:
@@ -257,9 +274,9 @@ def _count(value: Any) -> int | None:
     return int(number) if number is not None and 0 <= number <= MAX_COUNT else None
 
 
-def _prompt_tokens(result: dict[str, Any], default: float) -> float:
+def _prompt_tokens(result: StreamRead, default: float) -> float:
     """The prompt tokens the engine reported for one calibration request, else ``default``."""
-    reported = finite(result.get("usage", {}).get("prompt_tokens"))
+    reported = finite(result.usage.get("prompt_tokens"))
     return reported if reported is not None and 0 < reported <= MAX_COUNT else default
 
 
@@ -294,7 +311,7 @@ def calibration_load(
         for size in prompt_sizes:
             for _ in range(repeats):
                 r = _stream(client, base_url, model, _filler(words(size)), 2)
-                if not r["chunks"]:
+                if not r.chunks:
                     raise SourceError(f"{base_url}: a calibration request streamed no token")
                 prompt = _prompt_tokens(r, size)
                 obs.append(
@@ -302,7 +319,7 @@ def calibration_load(
                         prefill_tokens=prompt,
                         decode_seqs=0.0,
                         kv_tokens=prompt,
-                        seconds=r["chunks"][0] - r["sent"],
+                        seconds=r.chunks[0] - r.sent,
                     )
                 )
         for c, context in [(c, decode_prompt) for c in concurrencies] + list(long_context):
@@ -324,11 +341,11 @@ def filler_prompts(words: int, count: int) -> list[str]:
 
 def decode_phase(
     base_url: str, model: str, c: int, prompts: list[str], tokens: int, timeout_s: float
-) -> list[dict[str, Any]]:
+) -> list[StreamRead]:
     """``c`` streams started together (clients made first, then a barrier), as ``_stream`` read
-    them (a stream whose request failed is left empty)."""
+    them (``NOT_READ`` for a request that failed)."""
     clients = [httpx.Client(timeout=timeout_s) for _ in range(c)]
-    results: list[dict[str, Any]] = [{} for _ in range(c)]
+    results = [NOT_READ] * c
     barrier = threading.Barrier(c)
 
     def run(k: int) -> None:
@@ -347,7 +364,7 @@ def decode_phase(
     return results
 
 
-def decode_observations(streams: Sequence[dict[str, Any]], min_steps: float = 8.0) -> list[StepObservation]:
+def decode_observations(streams: Sequence[StreamRead], min_steps: float = 8.0) -> list[StepObservation]:
     """The step with all of a phase's streams decoding (module doc), or nothing where they did not
     decode together for ``min_steps`` steps.
 
@@ -387,21 +404,20 @@ def decode_observations(streams: Sequence[dict[str, Any]], min_steps: float = 8.
     ]
 
 
-def _upper_step(streams: Sequence[dict[str, Any]], lines: list[list[tuple[float, int]]]) -> float:
+def _upper_step(streams: Sequence[StreamRead], lines: list[list[tuple[float, int]]]) -> float:
     """Seconds per token from each request's sending to its last chunk: more than the step (it
     holds the prefill and any wait), but a burst cannot shrink it."""
-    elapsed = sum(line[-1][0] - stream["sent"] for line, stream in zip(lines, streams, strict=True))
+    elapsed = sum(line[-1][0] - stream.sent for line, stream in zip(lines, streams, strict=True))
     return elapsed / max(1, sum(line[-1][1] for line in lines))
 
 
-def _token_line(stream: dict[str, Any]) -> list[tuple[float, int]]:
+def _token_line(stream: StreamRead) -> list[tuple[float, int]]:
     """(time, output tokens so far) at each of a stream's chunks: the engine's count where every
     chunk carried one, else one token a chunk."""
-    chunks = stream.get("chunks") or []
-    generated = stream.get("generated") or []
-    if len(generated) == len(chunks) and all(n is not None for n in generated):
-        return list(zip(chunks, generated, strict=True))
-    return [(t, n) for n, t in enumerate(chunks, start=1)]
+    counts = [n for n in stream.generated if n is not None]
+    if len(counts) == len(stream.chunks):
+        return list(zip(stream.chunks, counts, strict=True))
+    return [(t, n) for n, t in enumerate(stream.chunks, start=1)]
 
 
 _FILLER_RNG = random.Random(16)

@@ -6,13 +6,15 @@ tokens of several steps into one chunk.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import statistics
 
 import pytest
 
 from kvwatch.plan import sources
 from kvwatch.plan.fit import fit_step_cost
-from kvwatch.plan.sources import calibration_load, decode_observations
+from kvwatch.plan.sources import NOT_READ, StreamRead, calibration_load, decode_observations
 from kvwatch.sim.engine import EngineConfig
 from kvwatch.sim.models import model_preset
 from kvwatch.sim.node import NodeConfig, SimNode, serving_in_thread
@@ -21,8 +23,8 @@ from kvwatch.sim.steptime import StepCost
 STEP_S = 0.005
 
 
-def _stream(start: float, tokens: int, step_s: float = STEP_S, prompt: int = 100, **reads) -> dict:
-    """A stream as ``_stream`` records it: one chunk a step from ``start``, the engine's count of
+def _stream(start: float, tokens: int, step_s: float = STEP_S, prompt: int = 100, **reads) -> StreamRead:
+    """A stream as ``_stream`` reads it: one chunk a step from ``start``, the engine's count of
     tokens at each. ``stall=(first, last)``: the client read tokens first..last all at once, when
     the last arrived. ``fold=n``: the engine sent n tokens a chunk."""
     fold = reads.get("fold", 1)
@@ -31,19 +33,19 @@ def _stream(start: float, tokens: int, step_s: float = STEP_S, prompt: int = 100
         first, last = reads["stall"]
         until = start + (last - 1) * step_s
         made = [(until if first <= n <= last else t, n) for t, n in made]
-    return {
-        "sent": start - 0.01,
-        "chunks": [t for t, _ in made],
-        "generated": [n for _, n in made],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": tokens},
-    }
+    return StreamRead(
+        sent=start - 0.01,
+        chunks=tuple(t for t, _ in made),
+        generated=tuple(n for _, n in made),
+        usage={"prompt_tokens": prompt, "completion_tokens": tokens},
+    )
 
 
 def test_a_stalled_client_reads_a_burst_but_the_step_holds():
     # the client was descheduled for 40 steps and read them microseconds apart: most chunk gaps
     # are ~0, so their median says nothing of the step; the span over the tokens does
     heavier = [_stream(0.0, 96, stall=(10, 80)) for _ in range(2)]
-    gaps = [b - a for s in heavier for a, b in zip(s["chunks"], s["chunks"][1:], strict=False)]
+    gaps = [b - a for s in heavier for a, b in itertools.pairwise(s.chunks)]
     assert statistics.median(gaps) == 0  # ... but at 70 of 95 the median gap is 0
     (obs,) = decode_observations(heavier)
     assert obs.seconds == pytest.approx(STEP_S)
@@ -55,7 +57,7 @@ def test_tokens_folded_into_chunks_count_as_the_steps_they_took():
     assert obs.seconds == pytest.approx(STEP_S)
     assert obs.decode_seqs == 3
     # without the engine's counts each chunk is one token: four steps a chunk
-    bare = [{**_stream(0.0, 96, fold=4), "generated": []} for _ in range(3)]
+    bare = [dataclasses.replace(_stream(0.0, 96, fold=4), generated=()) for _ in range(3)]
     (guess,) = decode_observations(bare)
     assert guess.seconds == pytest.approx(4 * STEP_S, rel=0.05)
 
@@ -71,7 +73,7 @@ def test_only_the_window_where_every_stream_decodes_counts():
 
 def test_streams_that_never_decode_together_say_nothing():
     assert decode_observations([_stream(0.0, 20), _stream(1.0, 20)]) == []
-    assert decode_observations([_stream(0.0, 96), {}]) == []  # a request that failed
+    assert decode_observations([_stream(0.0, 96), NOT_READ]) == []  # a request that failed
     # seven shared steps are too few
     assert decode_observations([_stream(0.0, 20), _stream(12 * STEP_S, 20)]) == []
 
@@ -84,7 +86,7 @@ def test_a_window_that_is_mostly_a_burst_is_dropped():
     assert decode_observations([stalled, late]) == []
     # a starved frontend sent a lone stream's 96 tokens within a millisecond, at the end
     lone = _stream(0.0, 96, stall=(1, 96))
-    assert lone["chunks"][-1] - lone["chunks"][0] < 1e-3
+    assert lone.chunks[-1] - lone.chunks[0] < 1e-3
     assert decode_observations([lone]) == []
 
 
