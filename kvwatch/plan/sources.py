@@ -270,14 +270,15 @@ def _stream(client: httpx.Client, base_url: str, model: str, prompt: str, max_to
 
 
 def _count(value: Any) -> int | None:
+    """A token count the engine reported: an integer within ``MAX_COUNT``, else None."""
     number = finite(value)
     return int(number) if number is not None and 0 <= number <= MAX_COUNT else None
 
 
 def _prompt_tokens(result: StreamRead, default: float) -> float:
     """The prompt tokens the engine reported for one calibration request, else ``default``."""
-    reported = finite(result.usage.get("prompt_tokens"))
-    return reported if reported is not None and 0 < reported <= MAX_COUNT else default
+    reported = _count(result.usage.get("prompt_tokens"))
+    return float(reported) if reported else default
 
 
 #: the calibration load's decode phases: streams at a short prompt, and (streams, prompt tokens)
