@@ -1,5 +1,6 @@
 """``relay.py UPSTREAM PORT PAGES``: serve GET on 127.0.0.1:PORT by fetching UPSTREAM, and append every
-page served to PAGES (JSON lines: ``arrived``, the wall-clock time the request came in, and ``text``).
+page served to PAGES (JSON lines: ``arrived``, the wall-clock time the request came in, ``took``, the
+seconds the upstream took to serve it, and ``text``).
 
 Run as its own process by ``stack.RecordingRelay`` so that the test's event loop and the relay do not
 share an interpreter lock on a busy two-core machine.
@@ -26,7 +27,8 @@ class Relay(BaseHTTPRequestHandler):
         with urllib.request.urlopen(UPSTREAM, timeout=60) as reply:
             status, content_type, body = reply.status, reply.headers.get("Content-Type"), reply.read()
         with WRITE, PAGES.open("a") as pages:
-            pages.write(json.dumps({"arrived": arrived, "text": body.decode()}) + "\n")
+            took = time.time() - arrived
+            pages.write(json.dumps({"arrived": arrived, "took": took, "text": body.decode()}) + "\n")
         self.send_response(status)
         self.send_header("Content-Type", content_type or "text/plain")
         self.send_header("Content-Length", str(len(body)))

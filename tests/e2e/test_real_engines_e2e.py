@@ -55,6 +55,11 @@ VLLM, LLAMA = "vllm-0", "llama-0"
 LOAD_STREAMS = 10  # > max-num-seqs 8: two always wait, the running ones outgrow 20 blocks
 LOAD_MAX_TOKENS = 1500
 LOAD_DEADLINE_S = 240.0  # the alert: ~90 s here, 155 s in one CI run (a slower vLLM preempts less)
+# a kvwatch scrape of vLLM that started after our own read, at most this long: one scrape may run out
+# its 10 s timeout and back off 2 s before the next takes up to 10 s, and on this VM under the load a
+# sleeping process pinned to either core woke 1-9 s late (every process stalls, kvwatch included);
+# a clean-clone CI run waited 30 s in vain
+BRACKET_WAIT_S = 90.0
 ALERT = "KVWatchPreemptionStorm"
 PRESSURE = "KVWatchKVCachePressure"
 
@@ -257,15 +262,36 @@ def _vllm_scrape_started(mine: list[Sample]) -> float:
     return stamp[0].value if stamp else 0.0
 
 
+def _scrape_diagnosis(mine: list[Sample], agent: KvwatchRun) -> str:
+    """What kvwatch said about its vLLM target when no scrape of it succeeded in time."""
+    target = [
+        f"{s.name}{s.labels} = {s.value:g}"
+        for s in mine
+        if s.name.startswith("kvwatch_target_") and s.labels.get("replica") == VLLM
+        if s.value or s.name == "kvwatch_target_up"  # up, and the counters that moved
+    ]
+    return (
+        "kvwatch's vLLM target: " + "; ".join(target) + "\nkvwatch's log, last lines:\n" + agent.log()[-3000:]
+    )
+
+
 async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: str) -> Bracket:
     before = await _engine_page(http, engine_url)
     after_before = time.time()
 
+    seen: list[list[Sample]] = [[]]
+
     async def scrape_after_a() -> float | None:
-        started = _vllm_scrape_started(parse((await http.get(f"{agent.url}/metrics", timeout=30)).text))
+        seen[0] = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
+        started = _vllm_scrape_started(seen[0])
         return started if started > after_before else None
 
-    started = await until(scrape_after_a, 30, "a kvwatch scrape of vLLM that started after A", 0.1)
+    try:
+        started = await until(
+            scrape_after_a, BRACKET_WAIT_S, "a kvwatch scrape of vLLM that started after A", 0.1
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_scrape_diagnosis(seen[0], agent)}") from None
     # read once more: the render runs in a thread and may have read the samples just before the
     # scrape that set the timestamp; one that starts now sees samples of that scrape or a later one
     # (scrapes run every 0.5 s, and a render on this loaded box can take seconds), so the page it
