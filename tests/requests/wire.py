@@ -13,6 +13,7 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -105,6 +106,30 @@ def _split(stream: bytes, times: list[tuple[int, float]], port: int) -> list[Wir
         offset = end + 4 + length
 
 
+_STATS = re.compile(rb"(\d+) packets? captured, (\d+) packets? received by filter")
+
+
+async def _caught_up(proc: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+    """Wait until tcpdump has written every packet its filter took (its SIGUSR1 statistics), so that
+    stopping it loses none: the kernel hands packets over in blocks that retire after about 1 s,
+    and tcpdump stopped before then drops the open block (a clean-clone run lost a request so).
+    On loopback the filter takes each packet twice, going out and coming in, and tcpdump keeps one."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    stats = b""
+    while True:
+        proc.send_signal(signal.SIGUSR1)
+        line = await asyncio.wait_for(proc.stderr.readline(), timeout_s)  # type: ignore[union-attr]
+        counts = _STATS.search(line)
+        assert counts, f"tcpdump's statistics line not understood: {line!r}"
+        captured, received = int(counts.group(1)), int(counts.group(2))
+        if 2 * captured >= received:
+            return
+        stats = line
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"tcpdump did not write what it captured within {timeout_s:g} s: {stats!r}")
+        await asyncio.sleep(0.1)
+
+
 @contextlib.asynccontextmanager
 async def tcpdump(*args: str) -> AsyncIterator[list[bytes]]:
     """Debian ``tcpdump -i lo -n`` (root) with ``args`` (options, then the filter), running for the
@@ -132,8 +157,8 @@ async def tcpdump(*args: str) -> AsyncIterator[list[bytes]]:
             assert line, "tcpdump did not start"
         yield output
     finally:
-        await asyncio.sleep(0.1)  # the last segments reach the capture
         if proc.returncode is None:
+            await _caught_up(proc)
             proc.terminate()
         out, summary = await asyncio.wait_for(proc.communicate(), 10)
     dropped = re.search(rb"(\d+) packets? dropped by kernel", summary or b"")
