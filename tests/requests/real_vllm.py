@@ -31,6 +31,12 @@ CHAT = [{"role": "user", "content": "Say something long."}]
 LONG = 1900  # tokens the client asks for and leaves early from
 ATTEMPTS = 5
 QUIET_S = 0.3  # no poll of vLLM's /metrics this soon after the client left: its FIN would be first
+# the proxy's FIN or RST must reach vLLM this soon after the client's FIN: 0.1 ms when the proxy's
+# loop runs at once, 110 ms in a clean-clone run where the first chunk had taken 8.8-9.3 s (this VM
+# stalls every process under vLLM's load for seconds); under QUIET_S, so no FIN of the test's own
+# polls can pass for the proxy's, and a proxy that keeps the connection still fails
+CLOSED_WITHIN_S = 0.25
+assert CLOSED_WITHIN_S < QUIET_S
 _CLOSE = re.compile(r"^(\d+\.\d+) IP 127\.0\.0\.1\.(\d+) > 127\.0\.0\.1\.(\d+): Flags ")
 
 
