@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -178,6 +178,24 @@ def stop_group(pid: int, grace_s: float = 20.0) -> None:
             return
 
 
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no file)"
+
+
+def spawn_logged(argv: Iterable[str], log_path: Path, **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` in a session of its own (so ``stop_group`` stops all it started), its stdout and
+    stderr appended to ``log_path``."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **popen,
+        )
+
+
 def wait_healthy(url: str, pid: int, timeout_s: float, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -309,25 +327,8 @@ def start_llama_server(port: int, log: Path, *args: str) -> subprocess.Popen[byt
     """Start the real ``llama-server --metrics --slots`` on the tiny model with ``args`` (context,
     slots, ...); returns once ``/health`` answers. Stop it with ``stop_group(proc.pid)``."""
     binary, model = llama_server_binary(), tiny_gguf()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(binary),
-                "-m",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--metrics",
-                "--slots",
-                *args,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--metrics", "--slots"]
+    proc = spawn_logged([*argv, *args], log)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, 60.0, log)
     except BaseException:

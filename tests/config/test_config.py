@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,17 @@ def problems(data) -> dict[str, str]:
     with pytest.raises(ConfigError) as err:
         config_from_mapping(data)
     return dict(err.value.problems)
+
+
+def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    """``kvwatch check-config PATH`` as a user runs it: a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_a_good_file_loads_with_units_and_defaults(tmp_path):
@@ -178,21 +190,9 @@ def test_check_config_cli_exit_status_and_messages(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(GOOD)
     bad.write_text("replicas:\n  - name: r\n    metrics_url: nope\n")
-    ok = subprocess.run(
-        [sys.executable, "-m", "kvwatch", "check-config", str(good)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    ok = _check_config(good)
     assert ok.returncode == 0 and "OK (1 replica(s): vllm-0" in ok.stdout
-    fail = subprocess.run(
-        [sys.executable, "-m", "kvwatch", "check-config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    fail = _check_config(bad)
     assert fail.returncode == 1
     assert "replicas[0].metrics_url: expected an http(s) URL, got 'nope'" in fail.stderr
 
@@ -296,13 +296,7 @@ def test_check_config_reports_every_bad_key_of_every_replica_at_once(tmp_path):
         "  - {metrics_url: nope, slots_url: nope, pid: -1, scrape_timeout: soon, gpus: 3}\n"
         "  - {name: 'a b', kv_bytes_per_token: 0, model_name: m, pid_file: /p, bogus: 1}\n"
     )
-    fail = subprocess.run(
-        [sys.executable, "-m", "kvwatch", "check-config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    fail = _check_config(bad)
     assert fail.returncode == 1
     for key in (
         "replicas[0].name",

@@ -8,6 +8,16 @@ from pathlib import Path
 
 import httpx
 
+from kvwatch.config import (
+    Config,
+    DiscoveryConfig,
+    HostPort,
+    IntervalsConfig,
+    KubernetesDiscoveryConfig,
+    NvmlConfig,
+    PodResourcesConfig,
+    ScrapeConfig,
+)
 from kvwatch.sim.node import SimNode
 from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
 from tests.local import until
@@ -30,6 +40,44 @@ class Cluster:
         await self.api.run(uid, "127.0.0.1")
         await self.api.set_ready(uid)
         return uid
+
+    def watching_agent(self, vllm_plugin_dir: str | None = None) -> Config:
+        """An agent that follows this cluster's pods (no NVML), quick to scrape and to retry."""
+        discovery = KubernetesDiscoveryConfig(
+            enabled=True,
+            api_url=self.api.url,
+            token_file=str(self.token),
+            ca_file=None,
+            watch_timeout_s=30.0,
+            backoff_max_s=0.3,
+            vllm_plugin_dir=vllm_plugin_dir,
+        )
+        return Config(
+            listen=HostPort("127.0.0.1", 0),
+            node="node-a",
+            intervals=IntervalsConfig(engine_s=0.3),
+            scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5),
+            nvml=NvmlConfig(enabled=False),
+            discovery=DiscoveryConfig(kubernetes=discovery),
+        )
+
+    def attributing_agent(self, kubelet_socket: str) -> Config:
+        """An agent that follows this cluster's pods and asks the kubelet at ``kubelet_socket`` which
+        GPUs each holds; its NVML is the test's (``fake_gpus=0``: the test passes its own)."""
+        discovery = DiscoveryConfig(
+            kubernetes=KubernetesDiscoveryConfig(
+                enabled=True, api_url=self.api.url, token_file=str(self.token), ca_file=None
+            ),
+            pod_resources=PodResourcesConfig(enabled=True, socket=kubelet_socket, interval_s=0.3),
+        )
+        return Config(
+            listen=HostPort("127.0.0.1", 0),
+            node="node-a",
+            nvml=NvmlConfig(fake_gpus=0),
+            intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
+            scrape=ScrapeConfig(timeout_s=1.0),
+            discovery=discovery,
+        )
 
 
 async def scrape_until(

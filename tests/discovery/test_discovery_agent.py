@@ -9,35 +9,10 @@ import pytest
 
 from kvwatch.agent import Agent
 from kvwatch.config import (
-    Config,
     DiscoveryConfig,
-    HostPort,
-    IntervalsConfig,
-    KubernetesDiscoveryConfig,
-    NvmlConfig,
-    ScrapeConfig,
 )
 from tests.discovery.cluster import Cluster, scrape_until
-from tests.discovery.fake_apiserver import FakeApiServer, make_pod, vllm_container
-
-
-def _config(api: FakeApiServer, token_file: str) -> Config:
-    kube = KubernetesDiscoveryConfig(
-        enabled=True,
-        api_url=api.url,
-        token_file=token_file,
-        ca_file=None,
-        watch_timeout_s=30.0,
-        backoff_max_s=0.3,
-    )
-    return Config(
-        listen=HostPort("127.0.0.1", 0),
-        node="node-a",
-        intervals=IntervalsConfig(engine_s=0.3),
-        scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5),
-        nvml=NvmlConfig(enabled=False),
-        discovery=DiscoveryConfig(kubernetes=kube),
-    )
+from tests.discovery.fake_apiserver import make_pod, vllm_container
 
 
 def _url(agent: Agent) -> str:
@@ -67,7 +42,7 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
         make_pod("typo", annotations={"kvwatch.io/port": "80800"}, containers=[vllm_container(ports[1])])
     )
     await api.create(make_pod("not-an-engine", containers=[{"name": "redis", "image": "redis:7"}]))
-    agent = Agent(_config(api, str(cluster.token)))
+    agent = Agent(cluster.watching_agent())
     await agent.start()
     try:
         body = await _until(agent, "kvwatch_discovery_replicas 0.0", "kvwatch_discovery_stale 0.0")
@@ -115,7 +90,7 @@ async def test_engine_pods_become_replicas_while_ready_and_drop_out_when_they_go
 async def test_known_pods_stay_while_the_api_is_unreachable_and_the_agent_says_so(cluster: Cluster):
     api = cluster.api
     await cluster.ready_vllm_pod("qwen-0", cluster.ports[0])
-    agent = Agent(_config(api, str(cluster.token)))
+    agent = Agent(cluster.watching_agent())
     await agent.start()
     try:
         await _until(agent, UP_0, "kvwatch_discovery_stale 0.0")
@@ -139,7 +114,7 @@ async def test_a_replica_failing_its_readiness_probe_stays_with_its_series(clust
     uid = await cluster.ready_vllm_pod("qwen-0", ports[0])
     starting = await api.create(make_pod("qwen-1", containers=[vllm_container(ports[1])]))
     await api.run(starting, "127.0.0.1")  # Running, never Ready: loading its model
-    agent = Agent(_config(api, str(cluster.token)))
+    agent = Agent(cluster.watching_agent())
     await agent.start()
     try:
         await _until(agent, UP_0, KV_0, READY_0.format(1), "kvwatch_discovery_replicas 1.0")
@@ -160,7 +135,7 @@ async def test_a_replica_failing_its_readiness_probe_stays_with_its_series(clust
 
 async def test_a_missing_ca_file_stops_discovery_with_a_line_naming_it(cluster: Cluster, tmp_path, caplog):
     api = cluster.api
-    config = _config(api, str(cluster.token))
+    config = cluster.watching_agent()
     kube = dataclasses.replace(
         config.discovery.kubernetes,
         api_url=f"https://127.0.0.1:{api.port}",

@@ -24,15 +24,6 @@ import pytest
 import yaml
 
 from kvwatch.agent import Agent
-from kvwatch.config import (
-    Config,
-    DiscoveryConfig,
-    HostPort,
-    IntervalsConfig,
-    KubernetesDiscoveryConfig,
-    NvmlConfig,
-    ScrapeConfig,
-)
 from kvwatch.discovery.plugin_dir import socket_path
 from tests.deploy.manifests import KUBE, agent_config, build, kvwatch_container, kvwatch_pod
 from tests.discovery.cluster import Cluster, scrape_until
@@ -159,26 +150,6 @@ def stat_logger(monkeypatch: pytest.MonkeyPatch) -> type:
     return module.KvwatchStatLogger
 
 
-def _config(cluster: Cluster, plugin_dir: str) -> Config:
-    kube = KubernetesDiscoveryConfig(
-        enabled=True,
-        api_url=cluster.api.url,
-        token_file=str(cluster.token),
-        ca_file=None,
-        watch_timeout_s=30.0,
-        backoff_max_s=0.3,
-        vllm_plugin_dir=plugin_dir,
-    )
-    return Config(
-        listen=HostPort("127.0.0.1", 0),
-        node="node-a",
-        intervals=IntervalsConfig(engine_s=0.3),
-        scrape=ScrapeConfig(timeout_s=1.0, backoff_max_s=0.5),
-        nvml=NvmlConfig(enabled=False),
-        discovery=DiscoveryConfig(kubernetes=kube),
-    )
-
-
 def _finished(output: int) -> SimpleNamespace:
     return SimpleNamespace(
         finish_reason="stop",
@@ -264,7 +235,7 @@ async def test_a_discovered_vllm_pod_gets_its_plugin_socket_and_its_datagrams(
     kubelet_dir, sends_to = engine_socket_on_node(with_plugin)
     os.makedirs(f"{node_root}{kubelet_dir}", mode=0o755)
     agent_dir = f"{node_root}{os.path.dirname(os.path.dirname(agent_socket_on_node(with_plugin)))}"
-    agent = Agent(_config(cluster, agent_dir))
+    agent = Agent(cluster.watching_agent(vllm_plugin_dir=agent_dir))
     await agent.start()
     try:
         url = f"http://127.0.0.1:{agent.port}/metrics"

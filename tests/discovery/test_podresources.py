@@ -11,16 +11,6 @@ from pathlib import Path
 import pytest
 
 from kvwatch.agent import Agent
-from kvwatch.config import (
-    Config,
-    DiscoveryConfig,
-    HostPort,
-    IntervalsConfig,
-    KubernetesDiscoveryConfig,
-    NvmlConfig,
-    PodResourcesConfig,
-    ScrapeConfig,
-)
 from kvwatch.derive.gpu_mapping import GpuRef, resolve_device_id
 from kvwatch.discovery.podresources import PodResourcesError, list_grants
 from kvwatch.gpu.fake import FakeNvml, _uuid_for
@@ -122,26 +112,12 @@ async def test_a_missing_socket_is_an_error_that_names_it(tmp_path):
 
 
 async def test_gpu_series_carry_the_pod_and_the_replica_map_needs_no_process_scan(tmp_path, cluster: Cluster):
-    api, token = cluster.api, cluster.token
     await cluster.ready_vllm_pod("qwen-0", cluster.ports[0])
     kubelet = FakeKubelet(
         str(tmp_path / "kubelet.sock"), {("llm", "qwen-0"): {"vllm": [("nvidia.com/gpu", [GPU1])]}}
     )
     await kubelet.start()
-    discovery = DiscoveryConfig(
-        kubernetes=KubernetesDiscoveryConfig(
-            enabled=True, api_url=api.url, token_file=str(token), ca_file=None
-        ),
-        pod_resources=PodResourcesConfig(enabled=True, socket=kubelet.socket_path, interval_s=0.3),
-    )
-    config = Config(
-        listen=HostPort("127.0.0.1", 0),
-        node="node-a",
-        nvml=NvmlConfig(fake_gpus=0),
-        intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
-        scrape=ScrapeConfig(timeout_s=1.0),
-        discovery=discovery,
-    )
+    config = cluster.attributing_agent(kubelet.socket_path)
 
     class NoProcessScan:
         def tree(self, pid):

@@ -6,16 +6,6 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.agent import Agent
-from kvwatch.config import (
-    Config,
-    DiscoveryConfig,
-    HostPort,
-    IntervalsConfig,
-    KubernetesDiscoveryConfig,
-    NvmlConfig,
-    PodResourcesConfig,
-    ScrapeConfig,
-)
 from kvwatch.derive.gpu_mapping import GpuRef, attributable_grants
 from kvwatch.discovery.podresources import list_grants
 from kvwatch.gpu.fake import FakeNvml, _uuid_for
@@ -114,20 +104,7 @@ async def test_mig_dra_and_terminal_pods_on_a_real_watch_and_kubelet(tmp_path, c
         },
     )
     await kubelet.start()
-    discovery = DiscoveryConfig(
-        kubernetes=KubernetesDiscoveryConfig(
-            enabled=True, api_url=api.url, token_file=str(cluster.token), ca_file=None
-        ),
-        pod_resources=PodResourcesConfig(enabled=True, socket=kubelet.socket_path, interval_s=0.3),
-    )
-    config = Config(
-        listen=HostPort("127.0.0.1", 0),
-        node="node-a",
-        nvml=NvmlConfig(fake_gpus=0),
-        intervals=IntervalsConfig(engine_s=0.3, gpu_s=0.3, process_map_s=0.3),
-        scrape=ScrapeConfig(timeout_s=1.0),
-        discovery=discovery,
-    )
+    config = cluster.attributing_agent(kubelet.socket_path)
     agent = Agent(config, nvml=nvml)
     await agent.start()
     url = f"http://127.0.0.1:{agent.port}/metrics"

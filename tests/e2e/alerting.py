@@ -42,7 +42,7 @@ from aiohttp import web
 
 from tests.local import require_tool, serve_app
 
-from .stack import ROOT, Prometheus, free_port, stop_group, wait_until
+from .stack import ROOT, Prometheus, free_port, log_tail, spawn_logged, stop_group, wait_answering, wait_until
 
 SHIPPED_ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 INTERVAL = "5s"  # Prometheus scrape and rule evaluation
@@ -62,10 +62,6 @@ HEALTHY_ARGS = ("--router", "least_loaded", "--rate", "0.1", "--replicas", "4", 
 DEMO_SAFETY_DURATION_S = 1200
 
 _DEMO_URL = re.compile(r"metrics http://(127\.0\.0\.1:\d+)/metrics")
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no file)"
 
 
 class Demo:
@@ -130,8 +126,8 @@ class Demo:
 
     def tails(self) -> str:
         return (
-            f"--- demo {self.name} stdout ---\n{_tail(self.stdout_path, 1500)}\n"
-            f"--- demo {self.name} stderr ---\n{_tail(self.stderr_path)}"
+            f"--- demo {self.name} stdout ---\n{log_tail(self.stdout_path, 1500)}\n"
+            f"--- demo {self.name} stderr ---\n{log_tail(self.stderr_path)}"
         )
 
     def stop(self) -> None:
@@ -191,29 +187,16 @@ class Alertmanager:
 
     def start(self, ready_timeout_s: float = 60.0) -> None:
         alertmanager = require_tool("prometheus-alertmanager", path_env="KVWATCH_ALERTMANAGER")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    alertmanager,
-                    f"--config.file={self.config_path}",
-                    f"--storage.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--cluster.listen-address=",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        proc = self.proc
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"alertmanager exited with {proc.returncode}:\n{_tail(self.log_path)}")
-            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-
-        wait_until(ready, ready_timeout_s, "alertmanager /-/ready")
+        argv = [
+            alertmanager,
+            f"--config.file={self.config_path}",
+            f"--storage.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ]
+        self.proc = spawn_logged(argv, self.log_path)
+        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "alertmanager")
 
     def alerts(self) -> list[dict[str, Any]]:
         response = httpx.get(f"{self.url}/api/v2/alerts", timeout=10)
@@ -383,8 +366,8 @@ class AlertingStack:
             f"webhook deliveries: {len(deliveries)}\n"
             + "\n".join(f"  {d.path} {a['status']} {a['labels']}" for d, a in delivered_alerts(deliveries))
         )
-        parts.append(f"--- alertmanager log ---\n{_tail(self.alertmanager.log_path, 1500)}")
-        parts.append(f"--- prometheus log ---\n{_tail(self.prometheus.log_path, 1500)}")
+        parts.append(f"--- alertmanager log ---\n{log_tail(self.alertmanager.log_path, 1500)}")
+        parts.append(f"--- prometheus log ---\n{log_tail(self.prometheus.log_path, 1500)}")
         parts += [demo.tails() for demo in self.demos()]
         return "\n".join(parts)
 

@@ -30,7 +30,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.catalog import BY_NAME
-from tests.local import free_port, require_tool
+from tests.local import free_port, log_tail, require_tool, spawn_logged
 from tests.local import wait_until as local_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,17 @@ STARTING = (httpx.HTTPError, OSError, ValueError, KeyError)
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
     """``tests.local.wait_until`` with the e2e servers' start-up errors counted as "not yet"."""
     return local_wait_until(probe, timeout_s, what, interval_s, retry_on=STARTING)
+
+
+def wait_answering(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str) -> None:
+    """Poll ``url`` until it answers 200; if ``proc`` exits first, fail at once with its log's tail."""
+
+    def answering() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
+        return httpx.get(url, timeout=2).status_code == 200
+
+    wait_until(answering, timeout_s, f"{what} {url}")
 
 
 # -- the exposition, read independently -----------------------------------------------------------
@@ -166,32 +177,9 @@ class KvwatchRun:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     def start(self, ready_timeout_s: float = 60.0) -> KvwatchRun:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvwatch",
-                    "run",
-                    "--config",
-                    str(self.config_path),
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                ],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        proc = self.proc
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"kvwatch run exited with {proc.returncode}:\n{self.log()[-3000:]}")
-            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-
-        wait_until(ready, ready_timeout_s, "kvwatch /-/ready")
+        argv = [sys.executable, "-m", "kvwatch", "run", "--config", str(self.config_path)]
+        self.proc = spawn_logged([*argv, "--listen", f"127.0.0.1:{self.port}"], self.log_path, cwd=ROOT)
+        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "kvwatch run")
         return self
 
     @property
@@ -258,31 +246,17 @@ class Prometheus:
 
     def start(self, ready_timeout_s: float = 60.0) -> Prometheus:
         prometheus = require_tool("prometheus", path_env="KVWATCH_PROMETHEUS")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    prometheus,
-                    f"--config.file={self.config_path}",
-                    f"--storage.tsdb.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--storage.tsdb.retention.time=1h",
-                    "--log.level=warn",
-                    *self.extra_args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        proc = self.proc
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                text = self.log_path.read_text(errors="replace")[-3000:]
-                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{text}")
-            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
-
-        wait_until(ready, ready_timeout_s, "prometheus /-/ready")
+        argv = [
+            prometheus,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=warn",
+            *self.extra_args,
+        ]
+        self.proc = spawn_logged(argv, self.log_path)
+        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "prometheus")
         return self
 
     def api(self, path: str, **params: Any) -> Any:
@@ -345,34 +319,9 @@ class LlamaServer:
         return cls(words[0], words[words.index("-m") + 1], args, workdir, name)
 
     def start(self, timeout_s: float = 60.0) -> LlamaServer:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    self.binary,
-                    "-m",
-                    self.model,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--metrics",
-                    "--slots",
-                    "-t",
-                    "1",
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        proc = self.proc
-
-        def healthy() -> bool:
-            assert proc.poll() is None, f"llama-server exited with {proc.returncode}; see {self.log_path}"
-            return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-
-        wait_until(healthy, timeout_s, "llama-server /health")
+        argv = [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = spawn_logged([*argv, "--metrics", "--slots", "-t", "1", *self.args], self.log_path)
+        wait_answering(self.proc, f"{self.base_url}/health", self.log_path, timeout_s, "llama-server")
         return self
 
     def kill(self) -> None:

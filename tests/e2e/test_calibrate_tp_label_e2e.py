@@ -20,25 +20,14 @@ from kvwatch.plan.fit import fits_by_tp
 from kvwatch.plan.prometheus import observations_from_prometheus
 from kvwatch.sim.engine import EngineConfig, SimEngine
 from kvwatch.sim.exposition_writer import render_vllm_metrics
-from kvwatch.sim.models import ModelSpec
 from kvwatch.sim.steptime import StepCost
 from tests.local import free_port
+from tests.plan.helpers import TINY
 
 from .stack import Prometheus, wait_until
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
-TINY = ModelSpec(
-    key="tiny",
-    served_name="tiny",
-    layers=1,
-    kv_heads=1,
-    head_dim=1,
-    params=1.0,
-    active_params=1.0,
-    weight_bytes=1.0,
-    max_model_len=2048,
-)
 TP1 = StepCost(overhead_s=0.010, per_prefill_token_s=40e-6, per_decode_seq_s=0.004)
 TP2 = StepCost(overhead_s=0.005, per_prefill_token_s=20e-6, per_decode_seq_s=0.002)
 

@@ -28,7 +28,7 @@ from kvwatch.plan.candidate import CALIBRATED, Candidate
 from kvwatch.plan.inputs import read_workload
 from kvwatch.plan.replay import replay
 from kvwatch.report import build_report
-from tests.local import free_port, wait_vllm_idle
+from tests.local import RealEngine, free_port, wait_vllm_idle
 
 from .plan_validation import (
     BANDS,
@@ -83,6 +83,15 @@ def _run_trace(real_vllm, agent: KvwatchRun, prom: Prometheus, trace, seed: int)
     }
 
 
+def _calibrate_on_prometheus(prom: Prometheus, engine: RealEngine, trace: dict, out: Path) -> None:
+    """``kvwatch plan calibrate --prometheus`` over the windows of ``trace`` (its start and end, Unix
+    seconds), as a user runs it after a load."""
+    since = f"{int(trace['end'] - trace['start']) + 4}s"
+    window = ["--since", since, "--until", str(trace["end"] + 2), "--window", "4s"]
+    argv = ["plan", "calibrate", "--prometheus", prom.url, *window, "--engine-url", engine.base_url]
+    assert main([*argv, *SHAPE_FLAGS, "-o", str(out)]) == 0
+
+
 def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tmp_path: Path, capsys):
     host = real_vllm.base_url.removeprefix("http://")
     prom = Prometheus(tmp_path, [host], job="vllm", interval="1s", rule_files=()).start()
@@ -115,53 +124,9 @@ def test_twin_calibrated_on_the_real_vllm_replays_its_real_ledgers(real_vllm, tm
         (kept,) = [n for n in load_calibration(cal_load).notes if n.startswith("decode phases kept: ")]
         assert int(kept.split()[3]) >= 3, kept  # of 9: a load that kept fewer fits the decode from guesses
         a = _run_trace(real_vllm, agent, prom, TRACE_A, seed=1)
-        since = f"{int(a['end'] - a['start']) + 4}s"
-        assert (
-            main(
-                [
-                    "plan",
-                    "calibrate",
-                    "--prometheus",
-                    prom.url,
-                    "--since",
-                    since,
-                    "--until",
-                    str(a["end"] + 2),
-                    "--window",
-                    "4s",
-                    "--engine-url",
-                    real_vllm.base_url,
-                    *SHAPE_FLAGS,
-                    "-o",
-                    str(cal_prom),
-                ]
-            )
-            == 0
-        )
+        _calibrate_on_prometheus(prom, real_vllm, a, cal_prom)
         b = _run_trace(real_vllm, agent, prom, TRACE_B, seed=2)
-        since = f"{int(b['end'] - b['start']) + 4}s"
-        assert (
-            main(
-                [
-                    "plan",
-                    "calibrate",
-                    "--prometheus",
-                    prom.url,
-                    "--since",
-                    since,
-                    "--until",
-                    str(b["end"] + 2),
-                    "--window",
-                    "4s",
-                    "--engine-url",
-                    real_vllm.base_url,
-                    *SHAPE_FLAGS,
-                    "-o",
-                    str(cal_prom_b),
-                ]
-            )
-            == 0
-        )
+        _calibrate_on_prometheus(prom, real_vllm, b, cal_prom_b)
     finally:
         agent.stop()
         prom.stop()

@@ -162,18 +162,7 @@ RULES: dict[str, Callable[[NodeShape], int]] = {
     # kvwatch itself
     "kvwatch_build": lambda s: 1,
     # the agent process (prometheus_client's process and platform collectors): one series each
-    **{
-        name: (lambda s: 1)
-        for name in (
-            "process_resident_memory_bytes",
-            "process_virtual_memory_bytes",
-            "process_cpu_seconds",
-            "process_open_fds",
-            "process_max_fds",
-            "process_start_time_seconds",
-            "python_info",
-        )
-    },
+    **{spec.name: (lambda s: 1) for spec in CATALOG if spec.name.startswith(("process_", "python_"))},
     "kvwatch_collector_success": lambda s: s.collectors,
     "kvwatch_collector_duration_seconds": lambda s: s.collectors,
     "kvwatch_source_last_success_timestamp_seconds": lambda s: s.sources,

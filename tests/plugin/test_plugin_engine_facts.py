@@ -11,58 +11,22 @@ datagrams go through kvwatch's decoder and state.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from kvwatch.model import Outcome
-from kvwatch.requests.vllm_plugin import bind_socket, decode
-from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable
-
-ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
+from kvwatch.requests.vllm_plugin import decode
+from tests.plugin.in_vllm import run_harness
 
 pytestmark = pytest.mark.real_vllm
 
 
 @pytest.fixture(scope="module")
 def sent(tmp_path_factory):
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        unavailable(f"real vLLM is not installed in {VENV}: run scripts/setup-test-env.sh", SKIP_REAL_ENGINES)
     path = str(tmp_path_factory.mktemp("facts") / "p.sock")
-    sock = bind_socket(path)
-    try:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
-            "VLLM_TARGET_DEVICE": "cpu",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-        }
-        proc = subprocess.run(
-            [str(python), str(Path(__file__).with_name("vllm_harness_engine_facts.py")), path],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=180,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        sock.setblocking(False)
-        datagrams = []
-        while True:
-            try:
-                datagrams.append(json.loads(sock.recv(70_000)))
-            except BlockingIOError:
-                break
-    finally:
-        sock.close()
+    result, datagrams = run_harness("vllm_harness_engine_facts.py", path)
     by_engine: dict[int, list[dict]] = {}
-    for d in datagrams:
+    for d in map(json.loads, datagrams):
         by_engine.setdefault(d["e"], []).append(d)
     return result, by_engine
 

@@ -9,61 +9,19 @@ raise into vLLM.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from kvwatch.model import Outcome
-from kvwatch.requests.vllm_plugin import bind_socket, decode
-from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable
-
-ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("VENV", CACHE / "kvwatch-vllm" / "venv"))
+from kvwatch.requests.vllm_plugin import decode
+from tests.plugin.in_vllm import run_harness
 
 pytestmark = pytest.mark.real_vllm
 
 
 def test_plugin_reads_the_installed_vllm_stats_classes(tmp_path):
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        unavailable(f"real vLLM is not installed in {VENV}: run scripts/setup-test-env.sh", SKIP_REAL_ENGINES)
-    path = str(tmp_path / "p.sock")
-    sock = bind_socket(path)
-    try:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "plugins" / "vllm"),
-            "VLLM_TARGET_DEVICE": "cpu",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-        }
-        proc = subprocess.run(
-            [
-                str(python),
-                str(Path(__file__).with_name("vllm_harness.py")),
-                path,
-                str(tmp_path / "absent.sock"),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=180,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        sock.setblocking(False)
-        datagrams = []
-        while True:
-            try:
-                datagrams.append(sock.recv(70_000))
-            except BlockingIOError:
-                break
-    finally:
-        sock.close()
+    result, datagrams = run_harness(
+        "vllm_harness.py", str(tmp_path / "p.sock"), str(tmp_path / "absent.sock")
+    )
     stalled = {k: result.pop(k) for k in list(result) if k.startswith("stalled_")}
     assert (result.pop("older_sent"), result.pop("older_failures")) == (2, 0)
     assert result == {

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -40,9 +42,9 @@ from kvwatch.model import InFlightRequest, LengthBands, Outcome, RequestRecord
 from kvwatch.requests.proxy import channel, seams
 from kvwatch.requests.proxy.channel import ChannelReceiver, WorkerChannel
 from kvwatch.requests.proxy.cpus import cgroup_cpu_limit, parse_cpu_max, relay_workers, usable_cpus
-from kvwatch.requests.proxy.workers import worker_share
+from kvwatch.requests.proxy.workers import WorkerGroup, worker_share
 from kvwatch.state import InFlightTracker
-from tests.local import serve_app
+from tests.local import serve_app, until
 from tests.requests.scripted import DONE, text_chunk, usage_chunk
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT and SOCK_SEQPACKET: Linux")
@@ -169,22 +171,23 @@ def _socket_inodes(pid: int) -> set[str]:
     return found
 
 
-async def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
+@contextlib.asynccontextmanager
+async def _two_workers(engine: LengthEngine, ledger: Path) -> AsyncIterator[tuple[Agent, WorkerGroup]]:
+    """The agent with two relay workers in front of ``engine``, stopped (with the engine) on the way out."""
+    await engine.start()
+    agent = Agent(_agent_config(engine.url, ledger, workers=2))
+    await agent.start()
+    try:
+        assert agent._proxy_workers is not None and len(agent._proxy_workers.pids) == 2
+        yield agent, agent._proxy_workers
+    finally:
+        await agent.stop()
+        await engine.stop()
 
 
 async def test_two_workers_account_exactly_what_the_clients_counted(tmp_path: Path) -> None:
-    engine = LengthEngine(pause=0.05)
-    await engine.start()
     ledger = tmp_path / "ledger.jsonl"
-    agent = Agent(_agent_config(engine.url, ledger, workers=2))
-    await agent.start()
-    group = agent._proxy_workers
-    try:
-        assert group is not None and len(group.pids) == 2
+    async with _two_workers(LengthEngine(pause=0.05), ledger) as (agent, group):
         port = agent.proxy_ports["r0"]
         lengths = [1 + (i * 7) % 90 for i in range(240)]  # every band, 2..90 tokens
         sent_by_band: collections.Counter[str] = collections.Counter()
@@ -218,7 +221,7 @@ async def test_two_workers_account_exactly_what_the_clients_counted(tmp_path: Pa
             tokens_by_band[BANDS.band_for(n)] += n
         assert all(per_worker), f"client connections per worker: {per_worker}"
 
-        await _wait_for(lambda: sum(1 for _ in ledger.open()) >= len(lengths) if ledger.exists() else False)
+        await until(lambda: sum(1 for _ in ledger.open()) >= len(lengths) if ledger.exists() else False, 30)
         samples = await _scrape(agent)
         for band in BANDS.names:
             labels = {"replica": "r0", "length_band": band, "source": "proxy"}
@@ -236,21 +239,13 @@ async def test_two_workers_account_exactly_what_the_clients_counted(tmp_path: Pa
         assert {line["prompt_tokens"] for line in lines} == {PROMPT_TOKENS}
         for client in clients:
             await client.close()
-    finally:
-        await agent.stop()
-        await engine.stop()
     assert group.pids == []  # stopped with the agent
 
 
 async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted_lost(tmp_path: Path) -> None:
-    engine = LengthEngine(pause=0.5)  # streams stay open while the worker is killed
-    await engine.start()
     ledger = tmp_path / "ledger.jsonl"
-    agent = Agent(_agent_config(engine.url, ledger, workers=2))
-    await agent.start()
-    group = agent._proxy_workers
-    try:
-        assert group is not None
+    engine = LengthEngine(pause=0.5)  # streams stay open while the worker is killed
+    async with _two_workers(engine, ledger) as (agent, group):
         port = agent.proxy_ports["r0"]
         victim, survivor = group.pids
         http = [httpx.AsyncClient(timeout=30) for _ in range(16)]
@@ -270,7 +265,7 @@ async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted
 
         running = asyncio.gather(*(attempt(c) for c in clients for _ in range(2)))
         # every stream read and metered (the agent has it in flight), waiting on the engine's pace
-        await _wait_for(lambda: len(agent.state.in_flight.current()) == 2 * len(clients), timeout=10)
+        await until(lambda: len(agent.state.in_flight.current()) == 2 * len(clients), 10)
         on_victim = len(_socket_inodes(victim) & _established_inodes(port))
         assert on_victim > 0
         os.kill(victim, signal.SIGKILL)
@@ -278,7 +273,7 @@ async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted
         failed = outcomes.count(False)
         assert failed >= on_victim // 2 > 0  # the victim's streams were cut (their clients saw it)
 
-        await _wait_for(lambda: len(group.pids) == 2 and victim not in group.pids)
+        await until(lambda: len(group.pids) == 2 and victim not in group.pids, 30)
         assert survivor in group.pids
         samples = await _scrape(agent)
         assert _value(samples, "kvwatch_proxy_worker_restarts_total") == 1
@@ -293,12 +288,9 @@ async def test_a_killed_worker_is_restarted_counted_and_its_cut_requests_counted
         await asyncio.sleep(1.0)  # the restarted worker listens
         after = await asyncio.gather(*(_stream(c, 5) for c in clients))
         assert after == [5] * len(clients)  # the agent keeps serving
-        await _wait_for(lambda: len(ledger.read_text().splitlines()) == outcomes.count(True) + len(clients))
+        await until(lambda: len(ledger.read_text().splitlines()) == outcomes.count(True) + len(clients), 30)
         for h in http:
             await h.aclose()
-    finally:
-        await agent.stop()
-        await engine.stop()
 
 
 async def test_a_malformed_datagram_is_refused_counted_and_the_channel_goes_on() -> None:
@@ -332,7 +324,7 @@ async def test_a_malformed_datagram_is_refused_counted_and_the_channel_goes_on()
     handle = worker.start(InFlightRequest("r0", "tiny", "0-4", 3, 0, 1.7e9, 4))
     worker.sink(record)
     worker.finish(handle)
-    await _wait_for(lambda: len(records) == 1, timeout=5)
+    await until(lambda: len(records) == 1, 5)
     assert records == [record]  # decoded field for field, tuples and the enum included
     assert counters[("kvwatch_proxy_worker_datagrams_refused",)] == 8
     assert counters[("kvwatch_proxy_requests_shed", "r0", "buffer")] == 1
@@ -476,7 +468,7 @@ async def test_a_backed_up_channel_never_blocks_and_every_record_is_applied_or_c
     tracker = InFlightTracker()
     ChannelReceiver(ours, ["r0"], records.append, count, tracker)
     lost = ("kvwatch_proxy_worker_records_lost", "r0", "backlog")
-    await _wait_for(lambda: not worker.backlog and len(records) + counters[lost] == made, timeout=10)
+    await until(lambda: not worker.backlog and len(records) + counters[lost] == made, 10)
     assert counters[lost] > 0  # the bound was reached: some were dropped, and counted
     assert len({r.output_tokens for r in records}) == len(records)  # none applied twice
     assert tracker.current() == []  # every start that was sent was finished

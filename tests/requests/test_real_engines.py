@@ -124,6 +124,15 @@ async def test_vllm_stream_through_the_proxy_is_what_vllm_sends(
         assert pairs[-1][0] == pairs[-1][1], pairs
 
 
+async def _stream_exactly(client: openai.AsyncOpenAI, max_tokens: int) -> None:
+    """One streamed chat completion of ``max_tokens`` tokens, read to its end by the SDK.
+    ``ignore_eos``: the random-weight model may end early; every request must hit ``max_tokens``."""
+    async for _ in await client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True}
+    ):
+        pass
+
+
 @pytest.mark.real_vllm
 @pytest.mark.slow
 async def test_counts_and_ttft_agree_with_vllms_own_histograms(real_vllm, vllm_proxy: ProxyHarness) -> None:
@@ -131,15 +140,7 @@ async def test_counts_and_ttft_agree_with_vllms_own_histograms(real_vllm, vllm_p
     client = openai.AsyncOpenAI(base_url=f"{vllm_proxy.url}/v1", api_key="unused", max_retries=0)
     try:
         for max_tokens in (5, 10, 20):
-            # ignore_eos: the random-weight model may end early; every request must hit max_tokens
-            async for _ in await client.chat.completions.create(
-                model="tiny",
-                messages=CHAT,
-                max_tokens=max_tokens,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                pass
+            await _stream_exactly(client, max_tokens)
     finally:
         await client.close()
 
@@ -347,15 +348,7 @@ async def test_otlp_spans_from_real_vllm_match_the_proxys_view(traced_vllm: tupl
     client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
     try:
         for max_tokens in (4, 9, 17):
-            # ignore_eos: the random-weight model may end early; every request must hit max_tokens
-            async for _ in await client.chat.completions.create(
-                model="tiny",
-                messages=CHAT,
-                max_tokens=max_tokens,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                pass
+            await _stream_exactly(client, max_tokens)
         await until(lambda: len(spans) == 3, timeout_s=60)  # BatchSpanProcessor exports every ~5 s
     finally:
         await client.close()
