@@ -164,16 +164,17 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 SKIP_REAL_ENGINES = "KVWATCH_SKIP_REAL_ENGINES"
 
 
-def stop_group(pid: int, grace_s: float = 20.0) -> None:
-    """SIGTERM the engine's process group, SIGKILL what is left after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop_group(pid: int, grace_s: float = 20.0, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to ``pid``'s process group, SIGKILL what is left after ``grace_s``; returns once
+    ``pid`` is gone (a zombie counts as gone)."""
+    for each in (sig, signal.SIGKILL):
         try:
-            os.killpg(pid, sig)
+            os.killpg(pid, each)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and alive(pid):
-            time.sleep(0.2)
+            time.sleep(0.05)
         if not alive(pid):
             return
 

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.catalog import BY_NAME
 from tests.local import free_port, log_tail, require_tool, spawn_logged
+from tests.local import stop_group as local_stop_group
 from tests.local import wait_until as local_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,16 +107,10 @@ def family_of(name: str) -> str:
 
 
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
-    """Signal the process group, SIGKILL it after ``grace_s``; the exit code (None if unknown)."""
+    """``tests.local.stop_group`` for a child of this process: its exit code once reaped."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        local_stop_group(proc.pid, grace_s, sig)
+        proc.wait(timeout=10)
     return proc.returncode
 
 
