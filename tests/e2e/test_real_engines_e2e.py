@@ -279,11 +279,12 @@ async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: 
     before = await _engine_page(http, engine_url)
     after_before = time.time()
 
-    seen: list[list[Sample]] = [[]]
+    seen: list[Sample] = []
 
     async def scrape_after_a() -> float | None:
-        seen[0] = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
-        started = _vllm_scrape_started(seen[0])
+        nonlocal seen
+        seen = parse((await http.get(f"{agent.url}/metrics", timeout=30)).text)
+        started = _vllm_scrape_started(seen)
         return started if started > after_before else None
 
     try:
@@ -291,7 +292,7 @@ async def _read_bracket(http: httpx.AsyncClient, agent: KvwatchRun, engine_url: 
             scrape_after_a, BRACKET_WAIT_S, "a kvwatch scrape of vLLM that started after A", 0.1
         )
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_scrape_diagnosis(seen[0], agent)}") from None
+        raise AssertionError(f"{exc}\n{_scrape_diagnosis(seen, agent)}") from None
     # read once more: the render runs in a thread and may have read the samples just before the
     # scrape that set the timestamp; one that starts now sees samples of that scrape or a later one
     # (scrapes run every 0.5 s, and a render on this loaded box can take seconds), so the page it

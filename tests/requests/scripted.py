@@ -9,11 +9,13 @@ same monotonic clock when it received each request and wrote each chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -326,3 +328,13 @@ async def launch_proxy(
         learn_models=learn_models,
     )
     return ProxyHarness(server, records, counters, in_flight, f"http://127.0.0.1:{server.port}")
+
+
+@contextlib.asynccontextmanager
+async def proxied(api_url: str, **options: Any) -> AsyncIterator[ProxyHarness]:
+    """``launch_proxy(api_url, **options)`` for the block, stopped when it ends however it ends."""
+    harness = await launch_proxy(api_url, **options)
+    try:
+        yield harness
+    finally:
+        await harness.server.stop()

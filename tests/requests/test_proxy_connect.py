@@ -18,7 +18,7 @@ from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
 
 from .bodies import STREAMING_CHAT
-from .scripted import launch_proxy
+from .scripted import launch_proxy, proxied
 
 ANSWER = (
     b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -74,8 +74,7 @@ async def test_a_connect_completed_by_the_syn_retransmit_still_carries_the_reque
 async def test_a_connect_that_never_completes_is_a_504_at_the_connect_timeout(http: ClientSession) -> None:
     with full_listener() as listener:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        harness = await launch_proxy(url, config=ProxyConfig(upstream_connect_timeout_s=0.4))
-        try:
+        async with proxied(url, config=ProxyConfig(upstream_connect_timeout_s=0.4)) as harness:
             loop = asyncio.get_running_loop()
             started = loop.time()
             async with (
@@ -89,5 +88,3 @@ async def test_a_connect_that_never_completes_is_a_504_at_the_connect_timeout(ht
             [record] = harness.records
             assert (record.outcome, record.status_code) == (Outcome.ERROR, 504)
             assert harness.in_flight.current() == []
-        finally:
-            await harness.server.stop()

@@ -22,22 +22,19 @@ from tests.local import free_port, until
 
 from .bodies import STREAMING_CHAT
 from .raw_engine import raw_engine, read_request
-from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
+from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy, proxied
 
 # -- upstream failures ---------------------------------------------------------------------------
 
 
 async def test_engine_refusing_connections_gives_502_and_error(http: ClientSession) -> None:
-    harness = await launch_proxy(f"http://127.0.0.1:{free_port()}")
-    try:
+    async with proxied(f"http://127.0.0.1:{free_port()}") as harness:
         async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert response.status == 502
             assert "cannot connect to the engine" in (await response.json())["error"]["message"]
         [record] = harness.records
         assert (record.outcome, record.status_code) == (Outcome.ERROR, 502)
         assert harness.in_flight.current() == []
-    finally:
-        await harness.server.stop()
 
 
 async def test_engine_5xx_is_relayed_and_recorded_as_error(
@@ -88,14 +85,11 @@ async def test_engine_that_refuses_stream_options_gets_the_clients_body_and_deci
 async def test_inject_usage_off_sends_every_body_as_written(
     engine: ScriptedEngine, http: ClientSession
 ) -> None:
-    harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(inject_usage=False)) as harness:
         async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert (await response.read()).endswith(DONE)
         assert b"stream_options" not in engine.seen[-1].body
         assert harness.records[-1].output_tokens_estimated
-    finally:
-        await harness.server.stop()
 
 
 async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSession) -> None:
@@ -114,23 +108,19 @@ async def test_engine_reset_mid_stream_cuts_the_clients_stream(http: ClientSessi
         await asyncio.sleep(0.1)
         writer.transport.abort()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            received = b""
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-                    assert response.status == 200
-                    async for data in response.content.iter_any():
-                        received += data
-            assert received.count(b"data: ") == 3  # everything the engine sent, then a cut
-            await until(lambda: len(harness.records) == 1)
-            [record] = harness.records
-            assert (record.outcome, record.output_tokens) == (Outcome.ERROR, 2)
-            assert record.output_tokens_estimated
-            assert record.ttft_seconds is not None
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        received = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+                assert response.status == 200
+                async for data in response.content.iter_any():
+                    received += data
+        assert received.count(b"data: ") == 3  # everything the engine sent, then a cut
+        await until(lambda: len(harness.records) == 1)
+        [record] = harness.records
+        assert (record.outcome, record.output_tokens) == (Outcome.ERROR, 2)
+        assert record.output_tokens_estimated
+        assert record.ttft_seconds is not None
 
 
 async def test_engine_silent_past_the_read_timeout_gives_504(http: ClientSession) -> None:
@@ -138,17 +128,14 @@ async def test_engine_silent_past_the_read_timeout_gives_504(http: ClientSession
         await read_request(reader)
         await asyncio.sleep(30)
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url, config=ProxyConfig(upstream_read_timeout_s=0.3))
-        try:
-            started = time.monotonic()
-            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-                assert response.status == 504
-            assert time.monotonic() - started < 5
-            [record] = harness.records
-            assert (record.outcome, record.status_code) == (Outcome.ERROR, 504)
-        finally:
-            await harness.server.stop()
+    timeout = ProxyConfig(upstream_read_timeout_s=0.3)
+    async with raw_engine(handler) as url, proxied(url, config=timeout) as harness:
+        started = time.monotonic()
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+            assert response.status == 504
+        assert time.monotonic() - started < 5
+        [record] = harness.records
+        assert (record.outcome, record.status_code) == (Outcome.ERROR, 504)
 
 
 async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
@@ -157,13 +144,12 @@ async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
         writer.write(b"SPDY/9 nonsense\r\n\r\n")
         await writer.drain()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-                assert response.status == 502
-        finally:
-            await harness.server.stop()
+    async with (
+        raw_engine(handler) as url,
+        proxied(url) as harness,
+        http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response,
+    ):
+        assert response.status == 502
 
 
 # -- client behaviour --------------------------------------------------------------------------------
@@ -198,8 +184,7 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
 async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
     engine: ScriptedEngine, http: ClientSession
 ) -> None:
-    harness = await launch_proxy(engine.url, config=ProxyConfig(max_body_bytes=1000))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(max_body_bytes=1000)) as harness:
         big = {**STREAMING_CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
         async with http.post(f"{harness.url}/v1/chat/completions", json=big) as response:
             assert response.status == 413
@@ -207,8 +192,6 @@ async def test_request_body_over_the_limit_is_413_and_never_reaches_the_engine(
         assert engine.seen == []
         [record] = harness.records
         assert (record.outcome, record.status_code, record.model_name) == (Outcome.REJECTED, 413, "tiny")
-    finally:
-        await harness.server.stop()
 
 
 async def test_chunked_request_body_over_the_limit_is_413(
@@ -248,8 +231,7 @@ async def _read_until_closed(reader: asyncio.StreamReader, timeout: float) -> by
 
 
 async def test_slow_client_head_times_out_and_is_counted(engine: ScriptedEngine) -> None:
-    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(client_header_timeout_s=0.3)) as harness:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # ... and never the rest
         answer = await _read_until_closed(reader, 5)
@@ -257,31 +239,23 @@ async def test_slow_client_head_times_out_and_is_counted(engine: ScriptedEngine)
         writer.close()
         assert harness.count(TIMED_OUT, "r0") == 1
         assert engine.seen == []
-    finally:
-        await harness.server.stop()
 
 
 async def test_slow_client_body_times_out(engine: ScriptedEngine) -> None:
-    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(client_header_timeout_s=0.3)) as harness:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
         writer.write(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mo')
         assert (await _read_until_closed(reader, 5)).startswith(b"HTTP/1.1 408 ")
         writer.close()
         assert harness.count(TIMED_OUT, "r0") == 1
-    finally:
-        await harness.server.stop()
 
 
 async def test_silent_connection_is_closed_and_counted(engine: ScriptedEngine) -> None:
-    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=0.3))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(client_header_timeout_s=0.3)) as harness:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
         assert await _read_until_closed(reader, 5) == b""
         writer.close()
         assert harness.count(TIMED_OUT, "r0") == 1
-    finally:
-        await harness.server.stop()
 
 
 async def test_malformed_request_head_gets_400(proxy: ProxyHarness) -> None:
@@ -303,63 +277,51 @@ class ExplodingMeter(RequestMeter):
 async def test_accounting_that_raises_never_touches_the_stream(
     engine: ScriptedEngine, http: ClientSession
 ) -> None:
-    harness = await launch_proxy(engine.url, meter_factory=ExplodingMeter)
-    try:
+    async with proxied(engine.url, meter_factory=ExplodingMeter) as harness:
         engine.script = Script(contents=[(0.0, "a"), (0.01, "b"), (0.01, "c")])
         async with http.post(f"{engine.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             direct = await response.read()
         async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-            proxied = await response.read()
-        assert proxied == direct and b'"usage"' not in proxied  # still stripped
+            relayed = await response.read()
+        assert relayed == direct and b'"usage"' not in relayed  # still stripped
         assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
         assert harness.records == []
         assert harness.in_flight.current() == []
-    finally:
-        await harness.server.stop()
 
 
 async def test_a_sink_that_raises_is_counted(engine: ScriptedEngine, http: ClientSession) -> None:
     def sink(record: object) -> None:
         raise OSError("disk full")
 
-    harness = await launch_proxy(engine.url, sink=sink)
-    try:
+    async with proxied(engine.url, sink=sink) as harness:
         async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
             assert response.status == 200 and (await response.read()).endswith(DONE)
         assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
-    finally:
-        await harness.server.stop()
 
 
 # -- hostile or odd input -------------------------------------------------------------------------------
 
 
 async def test_unknown_model_names_fold_into_other(engine: ScriptedEngine, http: ClientSession) -> None:
-    harness = await launch_proxy(engine.url, known=frozenset({"alias"}))
-    try:
+    async with proxied(engine.url, known=frozenset({"alias"})) as harness:
         for model in ("tiny", "alias", "gpt-9000-" + "x" * 200, None):
             body = {k: v for k, v in {**STREAMING_CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
                 await response.read()
         assert [r.model_name for r in harness.records] == ["tiny", "alias", "other", "tiny"]
-    finally:
-        await harness.server.stop()
 
 
 async def test_served_model_names_are_learned_from_the_engine(
     engine: ScriptedEngine, http: ClientSession
 ) -> None:
     engine.models = ["served-a"]
-    harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
-    try:
+    async with proxied(engine.url, model_name=None, learn_models=True) as harness:
         await until(lambda: "served-a" in harness.server.metering.labels.known)
         for model in ("served-a", "else", None):
             body = {k: v for k, v in {**STREAMING_CHAT, "model": model}.items() if v is not None}
             async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
                 await response.read()
         assert [r.model_name for r in harness.records] == ["served-a", "other", "served-a"]
-    finally:
-        await harness.server.stop()
 
 
 @pytest.mark.parametrize("answer", [{"data": 5}, {"data": {"id": "x"}}])
@@ -368,12 +330,9 @@ async def test_a_model_list_that_is_none_is_asked_again(engine: ScriptedEngine, 
     ended it with nothing learned: served names were never learned, so every request without a
     model name counted as ``other``. Now such an answer is asked again, as a failed one is."""
     engine.models, engine.models_answer = ["served-a"], answer
-    harness = await launch_proxy(engine.url, model_name=None, learn_models=True)
-    try:
+    async with proxied(engine.url, model_name=None, learn_models=True) as harness:
         await until(lambda: "served-a" in harness.server.metering.labels.known)
         assert engine.models_asked == 2
-    finally:
-        await harness.server.stop()
 
 
 async def test_non_json_body_goes_to_the_engine_as_sent(
@@ -425,10 +384,9 @@ async def test_idle_keep_alive_outlives_the_head_timeout_then_closes_quietly(eng
     """A pooled client connection is not closed by the slow-loris timer: a client that reuses it
     after longer than ``client_header_timeout`` is served; only ``client_keepalive_timeout`` closes
     it, silently (an idle connection is not a slow client)."""
-    harness = await launch_proxy(
+    async with proxied(
         engine.url, config=ProxyConfig(client_header_timeout_s=0.2, client_keepalive_timeout_s=0.8)
-    )
-    try:
+    ) as harness:
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.server.port)
         writer.write(_GET_MODELS)
         assert (await _one_response(reader)).startswith(b"HTTP/1.1 200 ")
@@ -440,5 +398,3 @@ async def test_idle_keep_alive_outlives_the_head_timeout_then_closes_quietly(eng
         assert 0.6 < time.monotonic() - started < 3
         writer.close()
         assert harness.count(TIMED_OUT, "r0") == 0
-    finally:
-        await harness.server.stop()

@@ -19,7 +19,7 @@ from tests.local import until
 from .h11_engine import h11_engine
 from .raw_client import CHUNKED_POST, body_of, send_raw, status_of, still_serving
 from .raw_engine import raw_engine, read_request
-from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
+from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy, proxied
 
 
 @pytest.fixture(autouse=True)
@@ -79,14 +79,10 @@ async def test_bad_chunk_sizes_from_the_engine_are_502_and_never_wedge_the_loop(
         await writer.drain()
         await asyncio.sleep(5)
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            started = time.monotonic()
-            response = await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert status_of(response) == 502 and time.monotonic() - started < 2
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        started = time.monotonic()
+        response = await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(response) == 502 and time.monotonic() - started < 2
 
 
 # -- critical 2: request smuggling ------------------------------------------------------------------
@@ -98,23 +94,19 @@ async def test_bare_lf_smuggling_is_refused_and_never_cross_wires_responses() ->
     """The attack that worked: a header value hiding ``\\nTransfer-Encoding: chunked``. h11 reads two
     headers, frames the body as chunked and finds a second request in it; through the pooled
     upstream connection the next clients would get the wrong responses."""
-    async with h11_engine(delay=0.2) as engine:
-        harness = await launch_proxy(engine.url)
-        try:
-            attack = (
-                b"POST /attacker HTTP/1.1\r\nHost: x\r\nX-A: a\nTransfer-Encoding: chunked\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(SMUGGLED), SMUGGLED)
-            )
-            answers = {"attacker": await send_raw(harness.url, attack)}
-            for victim in ("victim1", "victim2"):
-                request = b"GET /%b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % victim.encode()
-                answers[victim] = await send_raw(harness.url, request)
-            for victim in ("victim1", "victim2"):
-                assert body_of(answers[victim]) == b"response to /" + victim.encode()
-            assert status_of(answers["attacker"]) == 400
-            assert engine.targets == [b"/victim1", b"/victim2"]
-        finally:
-            await harness.server.stop()
+    async with h11_engine(delay=0.2) as engine, proxied(engine.url) as harness:
+        attack = (
+            b"POST /attacker HTTP/1.1\r\nHost: x\r\nX-A: a\nTransfer-Encoding: chunked\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(SMUGGLED), SMUGGLED)
+        )
+        answers = {"attacker": await send_raw(harness.url, attack)}
+        for victim in ("victim1", "victim2"):
+            request = b"GET /%b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % victim.encode()
+            answers[victim] = await send_raw(harness.url, request)
+        for victim in ("victim1", "victim2"):
+            assert body_of(answers[victim]) == b"response to /" + victim.encode()
+        assert status_of(answers["attacker"]) == 400
+        assert engine.targets == [b"/victim1", b"/victim2"]
 
 
 @pytest.mark.parametrize(
@@ -168,12 +160,8 @@ async def through_engine_answering(answer: bytes) -> bytes:
         writer.write(answer)
         await writer.drain()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            return await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        return await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
 
 
 # -- low: head size in one read, absolute-form and trailing-slash targets ------------------------------
@@ -284,8 +272,7 @@ async def test_a_usage_chunk_the_engine_forces_is_kept_when_kvwatch_did_not_ask(
     """vLLM --enable-force-include-usage sends a usage chunk unasked; a direct client sees it, so a
     client of kvwatch must too whenever kvwatch did not ask for it."""
     engine.script = Script(force_usage=True)
-    harness = await launch_proxy(engine.url, config=ProxyConfig(inject_usage=False))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(inject_usage=False)) as harness:
         plain = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (len(CHAT_BODY), CHAT_BODY)
@@ -293,8 +280,6 @@ async def test_a_usage_chunk_the_engine_forces_is_kept_when_kvwatch_did_not_ask(
         response = await send_raw(harness.url, plain)
         assert b'"choices":[],"usage"' in response
         assert harness.records[-1].output_tokens == 2 and not harness.records[-1].output_tokens_estimated
-    finally:
-        await harness.server.stop()
 
 
 async def test_include_usage_as_pydantic_reads_it_is_the_clients_own(
@@ -338,8 +323,7 @@ async def test_buffered_request_bytes_have_a_global_budget(engine: ScriptedEngin
 
 async def test_request_body_is_dropped_once_the_response_head_came(engine: ScriptedEngine) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 20)
-    harness = await launch_proxy(engine.url)
-    try:
+    async with proxied(engine.url) as harness:
         body = CHAT_BODY[:-1] + b',"pad":"' + b"p" * 500_000 + b'"}'
         host, port = harness.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -353,8 +337,6 @@ async def test_request_body_is_dropped_once_the_response_head_came(engine: Scrip
         assert harness.server.budget.held == 0
         assert b"[DONE]" in await asyncio.wait_for(reader.read(-1), 10)
         writer.close()
-    finally:
-        await harness.server.stop()
 
 
 async def test_connections_per_proxy_are_capped_with_503(engine: ScriptedEngine) -> None:
@@ -465,11 +447,8 @@ async def test_an_open_files_limit_too_low_for_the_connection_cap_is_said_at_sta
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    harness = await launch_proxy(engine.url, config=ProxyConfig(max_connections=soft))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(max_connections=soft)):
         assert any(
             "open-files limit" in r.getMessage() and "proxy.max_connections" in r.getMessage()
             for r in caplog.records
         )
-    finally:
-        await harness.server.stop()

@@ -19,7 +19,7 @@ from kvwatch.requests.proxy import ACCEPT_ERRORS, REFUSED, REFUSED_CLIENT_GONE
 from tests.local import until
 
 from .raw_client import CHUNKED_POST, send_raw, status_of, still_serving
-from .scripted import ProxyHarness, ScriptedEngine, launch_proxy
+from .scripted import ProxyHarness, ScriptedEngine, launch_proxy, proxied
 
 #: a bare LF inside a header value: refused with 400 while the head is parsed
 BARE_LF_HEAD = b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\nB: c\r\n\r\n"
@@ -85,8 +85,7 @@ async def test_failed_accepts_are_counted_logged_once_and_not_passed_to_asyncio(
 ) -> None:
     """Out of descriptors asyncio reports every failed accept(); before, each became an ERROR plus
     asyncio's own traceback (886 of them in a second)."""
-    harness = await launch_proxy(engine.url)
-    try:
+    async with proxied(engine.url) as harness:
         loop = asyncio.get_running_loop()
         [listener] = harness.server._server.sockets  # type: ignore[union-attr]
         for _ in range(500):
@@ -104,8 +103,6 @@ async def test_failed_accepts_are_counted_logged_once_and_not_passed_to_asyncio(
         other = {"message": "something else entirely", "exception": RuntimeError("x")}
         loop.call_exception_handler(other)
         assert loop_errors == [other]  # what the proxy does not handle still reaches asyncio
-    finally:
-        await harness.server.stop()
 
 
 async def test_an_engine_that_refuses_connections_is_one_warning_not_one_per_request(caplog) -> None:
@@ -113,29 +110,23 @@ async def test_an_engine_that_refuses_connections_is_one_warning_not_one_per_req
     with socket.socket() as placeholder:  # a port nobody listens on
         placeholder.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{placeholder.getsockname()[1]}"
-    harness = await launch_proxy(dead)
-    try:
+    async with proxied(dead) as harness:
         caplog.set_level(logging.WARNING)
         for _ in range(30):
             response = await send_raw(harness.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status_of(response) == 502
         warned = [r for r in caplog.records if "cannot connect to the engine" in r.getMessage()]
         assert len(warned) == 1
-    finally:
-        await harness.server.stop()
 
 
 async def test_a_chunk_size_over_the_body_limit_is_413_at_once(engine: ScriptedEngine) -> None:
     """Before: kvwatch waited for 2**64 - 1 bytes until the body timeout answered 408."""
-    harness = await launch_proxy(engine.url, config=ProxyConfig(client_header_timeout_s=30))
-    try:
+    async with proxied(engine.url, config=ProxyConfig(client_header_timeout_s=30)) as harness:
         started = time.monotonic()
         response = await send_raw(harness.url, CHUNKED_POST + b"FFFFFFFFFFFFFFFF\r\nAB", timeout=10)
         assert status_of(response) == 413 and time.monotonic() - started < 5
         assert engine.seen == []
         assert [r.status_code for r in harness.records] == [413]  # a metered request: counted as rejected
-    finally:
-        await harness.server.stop()
 
 
 async def test_a_chunk_size_with_trailing_whitespace_is_400(

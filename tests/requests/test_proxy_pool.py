@@ -12,7 +12,7 @@ from tests.local import until
 
 from .bodies import STREAMING_CHAT
 from .raw_engine import raw_engine, read_request
-from .scripted import ProxyHarness, Script, ScriptedEngine, launch_proxy
+from .scripted import ProxyHarness, Script, ScriptedEngine, proxied
 
 
 async def test_sequential_requests_reuse_one_engine_connection(
@@ -79,17 +79,13 @@ async def test_a_pooled_connection_the_engine_closed_is_replaced_transparently(h
             return  # kvwatch closed the idle connection itself (at shutdown)
         writer.transport.abort()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            for _ in range(3):
-                body = {**STREAMING_CHAT, "stream": False}
-                async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
-                    assert response.status == 200 and b'"ok"' in await response.read()
-            assert connections == 3  # the first, then each reuse dropped and retried on a new one
-            assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 3
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        for _ in range(3):
+            body = {**STREAMING_CHAT, "stream": False}
+            async with http.post(f"{harness.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200 and b'"ok"' in await response.read()
+        assert connections == 3  # the first, then each reuse dropped and retried on a new one
+        assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 3
 
 
 async def test_engine_saying_connection_close_is_not_pooled(http: ClientSession) -> None:
@@ -99,14 +95,10 @@ async def test_engine_saying_connection_close_is_not_pooled(http: ClientSession)
         await writer.drain()
         writer.close()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            async with http.get(f"{harness.url}/health") as response:
-                assert await response.read() == b"ok"
-            assert harness.server.engine.pool.idle == []
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        async with http.get(f"{harness.url}/health") as response:
+            assert await response.read() == b"ok"
+        assert harness.server.engine.pool.idle == []
 
 
 async def test_the_engine_keeps_warm_connections_in_proportion_to_demand() -> None:

@@ -23,7 +23,7 @@ from tests.local import until
 
 from .bodies import STREAMING_CHAT
 from .raw_engine import raw_engine, read_request
-from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, launch_proxy
+from .scripted import DONE, ProxyHarness, Script, ScriptedEngine, chat_chunk, proxied
 
 
 def _request(body: dict) -> bytes:
@@ -90,29 +90,25 @@ async def test_a_late_stream_end_after_done_costs_the_next_request_nothing(http:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            ends = []
-            for _ in range(2):  # one keep-alive client connection (aiohttp's pool)
-                sent = time.perf_counter()
-                async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-                    assert b"[DONE]" in await response.read()
-                ends.append(time.perf_counter() - sent)
-            assert max(ends) < tail_s / 2  # the response ended at [DONE], not at the engine's marker
-            assert received[1][0] - received[0][0] < tail_s / 2  # the second request went at once ...
-            assert received[1][1] != received[0][1]  # ... on another engine connection
-            assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 2
-            assert all(r.e2e_seconds < tail_s / 2 for r in harness.records)
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        ends = []
+        for _ in range(2):  # one keep-alive client connection (aiohttp's pool)
+            sent = time.perf_counter()
+            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+                assert b"[DONE]" in await response.read()
+            ends.append(time.perf_counter() - sent)
+        assert max(ends) < tail_s / 2  # the response ended at [DONE], not at the engine's marker
+        assert received[1][0] - received[0][0] < tail_s / 2  # the second request went at once ...
+        assert received[1][1] != received[0][1]  # ... on another engine connection
+        assert [r.outcome for r in harness.records] == [Outcome.COMPLETED] * 2
+        assert all(r.e2e_seconds < tail_s / 2 for r in harness.records)
 
-            # the tails are read on their own and both connections go back to the pool (beside any
-            # spare opened while a tail was pending)
-            def pooled() -> set:
-                return {c.transport.get_extra_info("sockname") for c in harness.server.engine.pool.idle}
+        # the tails are read on their own and both connections go back to the pool (beside any
+        # spare opened while a tail was pending)
+        def pooled() -> set:
+            return {c.transport.get_extra_info("sockname") for c in harness.server.engine.pool.idle}
 
-            await until(lambda: {received[0][1], received[1][1]} <= pooled(), timeout_s=3 * tail_s)
-        finally:
-            await harness.server.stop()
+        await until(lambda: {received[0][1], received[1][1]} <= pooled(), timeout_s=3 * tail_s)
 
 
 async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientSession, monkeypatch) -> None:
@@ -130,14 +126,10 @@ async def test_a_tail_that_never_ends_closes_its_engine_connection(http: ClientS
         await reader.read()  # nothing more from us; kvwatch gives up on the tail and closes
         closed.set()
 
-    async with raw_engine(handler) as url:
-        harness = await launch_proxy(url)
-        try:
-            async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
-                assert b"[DONE]" in await response.read()
-            await asyncio.wait_for(closed.wait(), 2)
-            spares = harness.server.engine.pool.idle  # opened for a next request while the tail was pending
-            assert len(spares) == 1 and spares[0].reads == 0 and not spares[0].closed
-            assert [r.outcome for r in harness.records] == [Outcome.COMPLETED]
-        finally:
-            await harness.server.stop()
+    async with raw_engine(handler) as url, proxied(url) as harness:
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+            assert b"[DONE]" in await response.read()
+        await asyncio.wait_for(closed.wait(), 2)
+        spares = harness.server.engine.pool.idle  # opened for a next request while the tail was pending
+        assert len(spares) == 1 and spares[0].reads == 0 and not spares[0].closed
+        assert [r.outcome for r in harness.records] == [Outcome.COMPLETED]

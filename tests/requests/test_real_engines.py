@@ -27,7 +27,7 @@ from kvwatch.requests.otlp import start_otlp_receiver
 from tests.local import free_port, start_llama_server, stop_group, until
 
 from .real_vllm import CHAT, CLOSED_WITHIN_S, LONG, disconnect_attempts, metric, vllm_metrics
-from .scripted import ProxyHarness, launch_proxy
+from .scripted import ProxyHarness, launch_proxy, proxied
 
 
 def normalized(raw: bytes) -> bytes:
@@ -298,8 +298,7 @@ async def _metric_of(base: str, name: str) -> float:
 @pytest.mark.real_llamacpp
 async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: str) -> None:
     base = long_context_llamacpp
-    harness = await launch_proxy(base, model_name=None)
-    try:
+    async with proxied(base, model_name=None) as harness:
         predicted = await _metric_of(base, "llamacpp:tokens_predicted_total")
         body = {"prompt": "hello", "max_tokens": 16000, "stream": True, "ignore_eos": True}
         await asyncio.to_thread(_leave_after_first_event, harness.server.port, body)
@@ -312,8 +311,6 @@ async def test_client_disconnect_frees_the_llamacpp_slot(long_context_llamacpp: 
         assert harness.records[0].outcome is Outcome.ABORTED
         generated = await _metric_of(base, "llamacpp:tokens_predicted_total") - predicted
         assert generated < 8000, f"llama.cpp generated {generated:.0f} tokens for a client that left"
-    finally:
-        await harness.server.stop()
 
 
 # -- OTLP from a real vLLM -----------------------------------------------------------------------------
