@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -51,7 +50,7 @@ from pathlib import Path
 from _harness import parser
 from _harness import percentile as _pct
 from proxybench.clients import _children, _cpu_seconds, one_stream
-from proxybench.common import ROOT, _free_port, _use_uvloop
+from proxybench.common import ROOT, _free_port, _use_uvloop, run_until_sigterm
 from proxybench.cores import CoreQuota
 from proxybench.peers import _spawn_nginx
 from proxybench.report import _ms
@@ -141,16 +140,8 @@ ROLES = {"upstreams": role_upstreams, "kvwatch": role_kvwatch}
 
 
 def _run_role(args: argparse.Namespace) -> int:
-    import signal
-
     _use_uvloop(True)
-
-    def stop(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(ROLES[args.role](args))
+    run_until_sigterm(lambda: ROLES[args.role](args))
     return 0
 
 

@@ -38,22 +38,18 @@ the clients' and exits 1 if they differ.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
 import sys
 from pathlib import Path
 
 from _harness import parser
-from proxybench.common import BASELINE_ENV, _use_uvloop
+from proxybench.common import BASELINE_ENV, _use_uvloop, run_until_sigterm
 from proxybench.peers import ROLES
 from proxybench.scenarios import orchestrate, orchestrate_late_tail
 
 
 def _run_role(args: argparse.Namespace) -> int:
     """A role process runs until SIGTERM; ``KVWATCH_BENCH_PROFILE=FILE`` dumps cProfile stats."""
-    import signal
-
     _use_uvloop(args.uvloop)
     profile_to = os.environ.get("KVWATCH_BENCH_PROFILE") if args.role != "upstream" else None
     profiler = None
@@ -63,12 +59,7 @@ def _run_role(args: argparse.Namespace) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
 
-    def stop(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(ROLES[args.role](args))
+    run_until_sigterm(lambda: ROLES[args.role](args))
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(f"{profile_to}.{os.getpid()}")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +50,21 @@ def _use_uvloop(on: bool) -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_until_sigterm(role: Callable[[], Awaitable[None]]) -> None:
+    """Run a role on a new event loop until SIGTERM. The signal cancels the role's task, so its
+    ``finally`` blocks (stop the proxy, write totals) run on the loop, not inside whichever callback
+    a signal raised into (which printed a traceback at every stop)."""
+
+    async def until_sigterm() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await role()
+
+    asyncio.run(until_sigterm())
 
 
 def _ready(port: int) -> None:
