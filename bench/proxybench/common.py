@@ -67,6 +67,14 @@ def run_until_sigterm(role: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(until_sigterm())
 
 
+def rotated(targets: list[str], round_index: int) -> list[str]:
+    """The targets in round ``round_index``'s order: each round starts one further along, so no
+    target always runs right after the same other one (an A/A run of one checkout in two slots
+    measured a steady gap when the order was fixed)."""
+    k = round_index % len(targets)
+    return targets[k:] + targets[:k]
+
+
 def _ready(port: int) -> None:
     print(f"READY {port}", flush=True)
 

@@ -27,7 +27,7 @@ from proxybench.clients import (
     reused_connections,
     steady,
 )
-from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop
+from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop, rotated
 from proxybench.peers import _spawn_nginx
 from proxybench.report import Result, _median, _ms, _print, _rows
 
@@ -219,7 +219,7 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
     ttfts: dict[str, list[int]] = {name: [] for name in targets}
     try:
         for n in range(args.rounds):
-            for name in targets:
+            for name in rotated(targets, n):
                 port, proc, _pids = _start_target(name, up_port, workdir)
                 try:
                     ttfts[name] += asyncio.run(reused_connections(port, args.clients, args.requests))
@@ -276,8 +276,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         if "nginxlua" in targets and not check_meter(paced_port, workdir, args.streams):
             return 1
         for n in range(args.rounds):  # targets interleaved, so a busy spell on the host hits all
-            results: list[Result] = []
-            for name in targets:
+            by_target: dict[str, Result] = {}
+            for name in rotated(targets, n):
                 port, proc, pids = _start_target(name, paced_port, workdir)
                 try:
                     r = _measure(name, port, pids, args)
@@ -288,9 +288,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                     r.flat_chunks, r.flat_cpu_s, r.flat_wall_s = _measure_flat(port, pids, args.streams, 2)
                 finally:
                     _stop(proc)
-                results.append(r)
+                by_target[name] = r
                 print(f"# round {n + 1}: {name} done", file=sys.stderr, flush=True)
-            rounds.append(results)
+            rounds.append([by_target[name] for name in targets])  # direct first, as _rows reads them
     finally:
         _stop(paced)
         _stop(flat)
