@@ -93,34 +93,48 @@ def test_pressure_demo_fills_replica0_preempts_strands_kv_and_breaches_the_long_
 
 
 def test_kv_alerts_go_pending_for_the_pressure_demos_replica0_and_only_there(alerting_stack):
+    """Read from Prometheus's own ``ALERTS`` series since the stack started, not only the alerts
+    pending now: the full profile's tests run after the lean profile's page test, ~200 s in, and a
+    KV alert that went pending at ~20 s may have reset since (its condition dipped as replica-0
+    preempted), which is not a failure of the rules. Alerts elsewhere are checked as they stand."""
     stack = alerting_stack
     pressure = stack.pressure.instance
     other_profiles = {pair.pressure.name for pair in stack.pairs.values()} - {stack.pressure.name}
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, dict[str, str]] = {}
     elsewhere: list[dict[str, Any]] = []
 
     def pending() -> bool:
+        since = f"{int(stack.elapsed()) + 60}s"
+        for name in set(KV_ALERTS) - set(found):
+            for series in stack.query(
+                f'max_over_time(ALERTS{{alertname="{name}", alertstate=~"pending|firing", '
+                f'cluster="{stack.pressure.name}"}}[{since}])'
+            ):
+                found.setdefault(name, series["metric"])
         for alert in stack.prometheus.alerts():
-            name = alert["labels"]["alertname"]
-            cluster = alert["labels"].get("cluster")
-            if name in KV_ALERTS and alert["state"] in ("pending", "firing"):
-                if cluster == stack.pressure.name:
-                    found.setdefault(name, alert)
-                elif cluster not in other_profiles:  # the same story there: its own profile's run
-                    elsewhere.append(alert)
+            labels = alert["labels"]
+            ours = labels.get("cluster") in {stack.pressure.name, *other_profiles}  # the same story
+            if labels["alertname"] in KV_ALERTS and alert["state"] in ("pending", "firing") and not ours:
+                elsewhere.append(alert)
         return set(found) == set(KV_ALERTS) or bool(elsewhere)
 
     _eventually(stack, pending, PENDING_DEADLINE_S, f"{sorted(KV_ALERTS)} pending")
     assert not elsewhere, f"{dump(elsewhere)}\n\n{stack.diagnostics()}"
-    for name, alert in found.items():
-        labels = alert["labels"]
-        assert labels["severity"] == "warning", dump(alert)
-        assert labels["model_name"] == "Qwen/Qwen3-32B", dump(alert)
+    rules = {
+        rule["name"]: rule
+        for group in stack.prometheus.api("rules")["groups"]
+        for rule in group["rules"]
+        if rule["type"] == "alerting"
+    }
+    for name, labels in found.items():
+        assert labels["severity"] == "warning", dump(labels)
+        assert labels["model_name"] == "Qwen/Qwen3-32B", dump(labels)
         if "instance" in KV_ALERTS[name]:
-            assert labels["instance"] == pressure, dump(alert)
-            assert labels["replica"] == "replica-0", dump(alert)
-        assert alert["annotations"]["summary"], dump(alert)
-        assert alert["annotations"]["runbook_url"] == f"{DEFAULT_RUNBOOK_BASE}{name}.md", dump(alert)
+            assert labels["instance"] == pressure, dump(labels)
+            assert labels["replica"] == "replica-0", dump(labels)
+        annotations = rules[name]["annotations"]
+        assert annotations["summary"], dump(rules[name])
+        assert annotations["runbook_url"] == f"{DEFAULT_RUNBOOK_BASE}{name}.md", dump(rules[name])
 
 
 def _is_the_page(alert: dict[str, Any]) -> bool:
