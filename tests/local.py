@@ -197,20 +197,21 @@ def spawn_logged(argv: Iterable[str], log_path: Path, **popen: Any) -> subproces
         )
 
 
-def wait_healthy(url: str, pid: int, timeout_s: float, log: Path) -> None:
+def wait_healthy(url: str, pid: int, timeout_s: float, log: Path, what: str = "engine") -> None:
+    """Poll ``url`` until it answers 200; if ``pid`` exits first, fail at once with its log's tail
+    (and on timeout stop its group, so nothing is left running)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive(pid):
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            pytest.fail(f"engine exited during start-up; tail of {log}:\n{tail}", pytrace=False)
+            pytest.fail(f"{what} exited during start-up; tail of {log}:\n{log_tail(log)}", pytrace=False)
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     stop_group(pid)
-    pytest.fail(f"engine not healthy at {url} after {timeout_s:.0f}s; see {log}", pytrace=False)
+    pytest.fail(f"{what} not healthy at {url} after {timeout_s:.0f}s; see {log}", pytrace=False)
 
 
 @dataclass(frozen=True)

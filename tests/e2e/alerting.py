@@ -40,9 +40,9 @@ import httpx
 import yaml
 from aiohttp import web
 
-from tests.local import require_tool, serve_app
+from tests.local import log_tail, require_tool, serve_app, spawn_logged, wait_healthy
 
-from .stack import ROOT, Prometheus, free_port, log_tail, spawn_logged, stop_group, wait_answering, wait_until
+from .stack import ROOT, Prometheus, free_port, stop_group, wait_until
 
 SHIPPED_ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 INTERVAL = "5s"  # Prometheus scrape and rule evaluation
@@ -196,7 +196,7 @@ class Alertmanager:
             "--log.level=warn",
         ]
         self.proc = spawn_logged(argv, self.log_path)
-        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "alertmanager")
+        wait_healthy(f"{self.url}/-/ready", self.proc.pid, ready_timeout_s, self.log_path, "alertmanager")
 
     def alerts(self) -> list[dict[str, Any]]:
         response = httpx.get(f"{self.url}/api/v2/alerts", timeout=10)

@@ -30,7 +30,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.catalog import BY_NAME
-from tests.local import free_port, log_tail, require_tool, spawn_logged
+from tests.local import free_port, require_tool, spawn_logged, wait_healthy
 from tests.local import stop_group as local_stop_group
 from tests.local import wait_until as local_wait_until
 
@@ -47,17 +47,6 @@ STARTING = (httpx.HTTPError, OSError, ValueError, KeyError)
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
     """``tests.local.wait_until`` with the e2e servers' start-up errors counted as "not yet"."""
     return local_wait_until(probe, timeout_s, what, interval_s, retry_on=STARTING)
-
-
-def wait_answering(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str) -> None:
-    """Poll ``url`` until it answers 200; if ``proc`` exits first, fail at once with its log's tail."""
-
-    def answering() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
-        return httpx.get(url, timeout=2).status_code == 200
-
-    wait_until(answering, timeout_s, f"{what} {url}")
 
 
 # -- the exposition, read independently -----------------------------------------------------------
@@ -174,7 +163,7 @@ class KvwatchRun:
     def start(self, ready_timeout_s: float = 60.0) -> KvwatchRun:
         argv = [sys.executable, "-m", "kvwatch", "run", "--config", str(self.config_path)]
         self.proc = spawn_logged([*argv, "--listen", f"127.0.0.1:{self.port}"], self.log_path, cwd=ROOT)
-        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "kvwatch run")
+        wait_healthy(f"{self.url}/-/ready", self.proc.pid, ready_timeout_s, self.log_path, "kvwatch run")
         return self
 
     @property
@@ -251,7 +240,7 @@ class Prometheus:
             *self.extra_args,
         ]
         self.proc = spawn_logged(argv, self.log_path)
-        wait_answering(self.proc, f"{self.url}/-/ready", self.log_path, ready_timeout_s, "prometheus")
+        wait_healthy(f"{self.url}/-/ready", self.proc.pid, ready_timeout_s, self.log_path, "prometheus")
         return self
 
     def api(self, path: str, **params: Any) -> Any:
@@ -316,7 +305,7 @@ class LlamaServer:
     def start(self, timeout_s: float = 60.0) -> LlamaServer:
         argv = [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = spawn_logged([*argv, "--metrics", "--slots", "-t", "1", *self.args], self.log_path)
-        wait_answering(self.proc, f"{self.base_url}/health", self.log_path, timeout_s, "llama-server")
+        wait_healthy(f"{self.base_url}/health", self.proc.pid, timeout_s, self.log_path, "llama-server")
         return self
 
     def kill(self) -> None:
