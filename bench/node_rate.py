@@ -50,7 +50,7 @@ from pathlib import Path
 from _harness import parser
 from _harness import percentile as _pct
 from proxybench.clients import _children, _cpu_seconds, one_stream
-from proxybench.common import ROOT, _free_port, _use_uvloop, run_until_sigterm
+from proxybench.common import ROOT, _free_port, _use_uvloop, rotated, run_until_sigterm
 from proxybench.cores import CoreQuota
 from proxybench.peers import _spawn_nginx
 from proxybench.report import _ms
@@ -301,10 +301,16 @@ def orchestrate(args: argparse.Namespace) -> int:
             flush=True,
         )
         print("|---|---|---|---|---|---|---|---|", flush=True)
+        step_index = 0
         while alive and streams <= args.max_streams:
-            steps = {
-                name: measure(name, ports, pids, streams, args) for name, (ports, pids) in targets.items()
+            # each step starts one target further along (no target always right after the same
+            # other one); the rows keep the targets' order
+            measured = {
+                name: measure(name, *targets[name], streams, args)
+                for name in rotated(list(targets), step_index)
             }
+            steps = {name: measured[name] for name in targets}
+            step_index += 1
             alive = False
             direct, nginx_step = steps["direct"], steps.get("nginx")
             for name, step in steps.items():
