@@ -17,13 +17,18 @@ Phases per target:
   flat    64 streams of 200 chunks as fast as the upstream can write: chunks per CPU-second.
 
 Scenario ``late-tail`` (``--scenario late-tail``): the upstream writes ``[DONE]`` and then waits
-0.5-2 s before its last-chunk marker (vLLM's frontend does so under load). 16 clients each send 6
-requests one after the other on one keep-alive connection, the next as soon as the previous response
-is complete: TTFT of the requests on reused connections, against direct and nginx.
+0.5-2 s before its last-chunk marker (vLLM's frontend does so under load); its streams are 10-30
+chunks long (``--stream-chunks``). 16 clients each send 6 requests one after the other on one
+keep-alive connection, the next as soon as the previous response is complete (or, with ``--pace``,
+no sooner than a drawn time after the previous was sent): TTFT of the requests on reused
+connections, against direct and nginx, and how bunched each target's arrivals were. A client
+through kvwatch does not wait for the tail, so it sends faster and, with streams all alike, in step
+with the others: ``--pace`` longer than the longest response gives every target the same arrivals.
 
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail
+  .venv/bin/python bench/proxy_bench.py --scenario late-tail --requests 12 --pace 2.4,2.8
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,nginxlua,kvwatch-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail --baseline /tmp/base \\
       --targets direct,nginx,kvwatch-uvloop,kvwatchbase-uvloop         # this checkout against another
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=200, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--tail", help=argparse.SUPPRESS)
+    p.add_argument("--chunk-range", help=argparse.SUPPRESS)  # role upstream: LOW,HIGH chunks a stream
     p.add_argument(
         "--scenario",
         choices=("streaming", "late-tail"),
@@ -101,6 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--clients", type=int, default=16, help="late-tail: keep-alive clients")
     p.add_argument("--requests", type=int, default=6, help="late-tail: sequential requests per client")
+    p.add_argument(
+        "--pace",
+        metavar="LOW,HIGH",
+        help="late-tail: a client's next request goes no sooner than this many seconds (drawn "
+        "uniformly) after its previous one was sent; longer than the longest response (stream + "
+        "tail), every target sees the same arrivals (default: as soon as the response is complete)",
+    )
+    p.add_argument(
+        "--stream-chunks",
+        default="10,30",
+        metavar="LOW,HIGH",
+        help="late-tail: content chunks per stream, drawn uniformly (default 10,30; 20,20 is every "
+        "stream alike, which keeps clients that do not wait for the tail in step)",
+    )
     args = p.parse_args(argv)
     if args.quick and not args.role:
         args.streams, args.seconds, args.rounds, args.clients, args.requests = 8, 1.0, 1, 4, 2

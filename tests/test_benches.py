@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,10 @@ def test_proxy_bench_quick_runs_as_a_file(scenario: str) -> None:
     proc = _quick_as_file("proxy_bench.py", "--scenario", scenario)
     assert proc.returncode == 0, f"proxy_bench --quick failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert "| kvwatch-uvloop |" in proc.stdout and "; cores " in proc.stdout, proc.stdout[-2000:]
+    if scenario == "late-tail":  # every row says how bunched its arrivals were, and the lengths drawn
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(("| direct |", "| kvwatch"))]
+        assert len(rows) == 2 and all(re.match(r"\| \S+ \| \d+ \| \d+% \|", r) for r in rows), rows
+        assert "upstream: 10-30 chunks" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import time
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ class _Client(asyncio.Protocol):
 @dataclass
 class _Stream:
     ttft_ns: int | None = None  # client TTFT minus the upstream's own (request in -> first chunk out)
+    sent_ns: int = 0  # when the client wrote the request (keep-alive clients)
     upstream_received_ns: int | None = None
     chunks: int = 0
     latencies_ns: list[int] = field(default_factory=list)
@@ -140,12 +142,16 @@ async def burst(port: int, streams: int, rounds: int) -> list[int]:
 
 class _KeepAliveClient(asyncio.Protocol):
     """One connection, one request at a time: the next is sent once the previous response is complete
-    (its last-chunk marker read), as aiohttp, httpx and the ``openai`` SDK do."""
+    (its last-chunk marker read), as aiohttp, httpx and the ``openai`` SDK do; with ``pace`` (low,
+    high seconds), not before a time drawn from it has passed since the previous one was sent."""
 
-    def __init__(self, request: bytes, count: int, done: asyncio.Future) -> None:
+    def __init__(
+        self, request: bytes, count: int, done: asyncio.Future, pace: tuple[float, float] | None = None
+    ) -> None:
         self.request = request
         self.left = count
         self.done = done
+        self.pace = pace
         self.samples: list[_Stream] = []
         self.buf = b""
         self.transport: asyncio.Transport | None = None
@@ -157,8 +163,8 @@ class _KeepAliveClient(asyncio.Protocol):
 
     def _send(self) -> None:
         self.left -= 1
-        self.samples.append(_Stream())
         self.sent_ns = time.perf_counter_ns()
+        self.samples.append(_Stream(sent_ns=self.sent_ns))
         self.transport.write(self.request)  # type: ignore[union-attr]
 
     def data_received(self, data: bytes) -> None:
@@ -175,7 +181,10 @@ class _KeepAliveClient(asyncio.Protocol):
             sample.ttft_ns = now - self.sent_ns - (int(stamp.group(1)) - sample.upstream_received_ns)
         if self.buf.endswith(b"\r\n0\r\n\r\n"):  # the response is complete
             self.buf = b""
-            if self.left:
+            if self.left and self.pace:
+                due_ns = self.sent_ns + int(random.uniform(*self.pace) * 1e9)
+                asyncio.get_running_loop().call_later(max(0.0, (due_ns - now) / 1e9), self._send)
+            elif self.left:
                 self._send()
             elif not self.done.done():
                 self.done.set_result(None)
@@ -185,18 +194,20 @@ class _KeepAliveClient(asyncio.Protocol):
             self.done.set_exception(RuntimeError(f"connection lost: {exc}"))
 
 
-async def reused_connections(port: int, clients: int, requests: int) -> list[int]:
-    """TTFT of every request after each client's first (those go on a reused connection)."""
+async def reused_connections(
+    port: int, clients: int, requests: int, pace: tuple[float, float] | None = None
+) -> list[_Stream]:
+    """Every request after each client's first (those go on a reused connection), with its TTFT."""
     loop = asyncio.get_running_loop()
     request = chat_request(port, close=False)
 
     async def one_client() -> list[_Stream]:
         done = loop.create_future()
         transport, protocol = await loop.create_connection(
-            lambda: _KeepAliveClient(request, requests, done), "127.0.0.1", port
+            lambda: _KeepAliveClient(request, requests, done, pace), "127.0.0.1", port
         )
         try:
-            await asyncio.wait_for(done, 120)
+            await asyncio.wait_for(done, 120 + requests * (pace[1] if pace else 0))
         finally:
             transport.close()
         return protocol.samples
@@ -206,4 +217,19 @@ async def reused_connections(port: int, clients: int, requests: int) -> list[int
         lanes.append(asyncio.create_task(one_client()))
         await asyncio.sleep(0.05)
     samples = await asyncio.gather(*lanes)
-    return [s.ttft_ns for lane in samples for s in lane[1:] if s.ttft_ns is not None]
+    return [s for lane in samples for s in lane[1:] if s.ttft_ns is not None]
+
+
+def crowded_share(sent_ns: list[int], within_ns: int) -> float:
+    """The share of requests sent within ``within_ns`` of another one: how bunched the arrivals are.
+
+    Clients that send their next request as soon as a stream ends stay in step when every stream is
+    as long as the others; through a proxy that ends streams at ``[DONE]`` they then arrive together,
+    while direct clients are spread by the engine's random tails. Same arrivals, same comparison."""
+    times = sorted(sent_ns)
+    near = 0
+    for i, t in enumerate(times):
+        before = t - times[i - 1] if i else within_ns
+        after = times[i + 1] - t if i + 1 < len(times) else within_ns
+        near += min(before, after) < within_ns
+    return near / len(times) if times else 0.0

@@ -23,6 +23,7 @@ from proxybench.clients import (
     _cpu_seconds,
     burst,
     chat_request,
+    crowded_share,
     one_stream,
     reused_connections,
     steady,
@@ -30,6 +31,9 @@ from proxybench.clients import (
 from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop, rotated
 from proxybench.peers import _spawn_nginx
 from proxybench.report import Result, _median, _ms, _print, _rows
+
+#: late-tail: two requests sent closer than this arrive together (the crowding column)
+CROWDED_NS = 1_000_000
 
 
 def _spawn(
@@ -205,6 +209,11 @@ def _stop(proc: subprocess.Popen | None) -> None:
             proc.kill()
 
 
+def _seconds_range(text: str) -> tuple[float, float]:
+    low, high = (float(x) for x in text.split(","))
+    return low, high
+
+
 def orchestrate_late_tail(args: argparse.Namespace) -> int:
     """Scenario late-tail: the upstream ends its streams 0.5-2 s after [DONE]; reused connections."""
     targets = args.targets.split(",")
@@ -213,16 +222,24 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
     _use_uvloop(True)
     up_port = _free_port()
     upstream = _spawn(
-        "upstream", up_port, 0, ["--chunks", "20", "--interval", "0.01", "--tail", "0.5,2.0"], uvloop=True
+        "upstream",
+        up_port,
+        0,
+        ["--chunk-range", args.stream_chunks, "--interval", "0.01", "--tail", "0.5,2.0"],
+        uvloop=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
+    pace = _seconds_range(args.pace) if args.pace else None
     ttfts: dict[str, list[int]] = {name: [] for name in targets}
+    crowded: dict[str, list[float]] = {name: [] for name in targets}
     try:
         for n in range(args.rounds):
             for name in rotated(targets, n):
                 port, proc, _pids = _start_target(name, up_port, workdir)
                 try:
-                    ttfts[name] += asyncio.run(reused_connections(port, args.clients, args.requests))
+                    streams = asyncio.run(reused_connections(port, args.clients, args.requests, pace))
+                    ttfts[name] += [s.ttft_ns for s in streams if s.ttft_ns is not None]
+                    crowded[name].append(crowded_share([s.sent_ns for s in streams], CROWDED_NS))
                 finally:
                     _stop(proc)
                 print(f"# round {n + 1}: {name} done", file=sys.stderr, flush=True)
@@ -231,13 +248,17 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     base = {q: _pct(ttfts["direct"], q) for q in (50, 99)}
     nginx = {q: _pct(ttfts["nginx"], q) for q in (50, 99)} if "nginx" in ttfts else None
-    print("| target | requests | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | p99 vs nginx ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| target | requests | sent within 1 ms of another | TTFT p50 ms | TTFT p99 ms | added p50 ms | "
+        "added p99 ms | p99 vs nginx ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for name, values in ttfts.items():
         row = {
             "target": name,
             "requests": len(values),
+            "crowded_share": _median(crowded[name]),
             "ttft_p50_ms": _ms(_pct(values, 50)),
             "ttft_p99_ms": _ms(_pct(values, 99)),
             "added_ttft_p50_ms": _ms(_pct(values, 50) - base[50]),
@@ -247,15 +268,17 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
         rows.append(row)
         vs_nginx = "-" if row["p99_vs_nginx_ms"] is None else f"{row['p99_vs_nginx_ms']:+.3f}"
         print(
-            f"| {name} | {len(values)} | {row['ttft_p50_ms']:.3f} | {row['ttft_p99_ms']:.3f} | "
+            f"| {name} | {len(values)} | {row['crowded_share']:.0%} | {row['ttft_p50_ms']:.3f} | "
+            f"{row['ttft_p99_ms']:.3f} | "
             f"{row['added_ttft_p50_ms']:+.3f} | {row['added_ttft_p99_ms']:+.3f} | {vs_nginx} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(
         f"\n{args.rounds} round(s) x {args.clients} clients x {args.requests} sequential requests on one "
-        f"keep-alive connection each (TTFT of the {args.requests - 1} on a reused connection); "
-        f"upstream: 20 chunks x 10 ms, [DONE], then 0.5-2 s before "
+        f"keep-alive connection each (TTFT of the {args.requests - 1} on a reused connection"
+        f"{'' if pace is None else f'; one every {pace[0]:g}-{pace[1]:g} s'}); "
+        f"upstream: {args.stream_chunks.replace(',', '-')} chunks x 10 ms, [DONE], then 0.5-2 s before "
         f"the last-chunk marker; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
     )
     return 0

@@ -10,9 +10,17 @@ import time
 
 from proxybench.common import CONTENT_CHUNK, DONE, FINISH_CHUNK, ROLE_CHUNK, USAGE_CHUNK, _frame, _ready
 
+#: ``GET /v1/models``, as vLLM answers it for the bench's model
+MODELS = b'{"object":"list","data":[{"id":"bench","object":"model","owned_by":"vllm"}]}'
+MODELS_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+    len(MODELS),
+    MODELS,
+)
+
 
 class _Upstream(asyncio.Protocol):
     chunks = 200
+    chunk_range: tuple[int, int] | None = None  # each stream's length drawn from it, if set
     interval = 0.01
     tail: tuple[float, float] | None = None  # seconds between [DONE] and the last-chunk marker
 
@@ -42,6 +50,12 @@ class _Upstream(asyncio.Protocol):
         body = self.buf[end + 4 : end + 4 + length]
         self.buf = self.buf[end + 4 + length :]
         close = re.search(r"(?im)^connection:\s*close", head) is not None
+        if head.startswith("GET /v1/models "):  # as an engine answers it (kvwatch learns model names)
+            assert self.transport is not None
+            self.transport.write(MODELS_RESPONSE)
+            if close:
+                self.transport.close()
+            return
         cut = re.match(r"\S+ \S*[?&]break=(\d+)", head)  # the stream breaks after that many chunks
         breaks_after = int(cut.group(1)) if cut else None
         asyncio.get_running_loop().create_task(self.stream(body, time.perf_counter_ns(), close, breaks_after))
@@ -58,7 +72,8 @@ class _Upstream(asyncio.Protocol):
         )
         loop = asyncio.get_running_loop()
         start = loop.time()
-        for i in range(self.chunks):
+        chunks = random.randint(*self.chunk_range) if self.chunk_range else self.chunks
+        for i in range(chunks):
             if self.interval:
                 delay = start + (i + 1) * self.interval - loop.time()
                 if delay > 0:
@@ -73,7 +88,7 @@ class _Upstream(asyncio.Protocol):
             t.write(_frame(CONTENT_CHUNK % time.perf_counter_ns()))
         tail = _frame(FINISH_CHUNK)
         if usage:
-            tail += _frame(USAGE_CHUNK % (self.chunks + 12, self.chunks))
+            tail += _frame(USAGE_CHUNK % (chunks + 12, chunks))
         if self.tail is None:
             t.write(tail + _frame(DONE) + b"0\r\n\r\n")
         else:
@@ -89,6 +104,9 @@ class _Upstream(asyncio.Protocol):
 async def role_upstream(args: argparse.Namespace) -> None:
     _Upstream.chunks = args.chunks
     _Upstream.interval = args.interval
+    if args.chunk_range:
+        low_n, high_n = (int(x) for x in args.chunk_range.split(","))
+        _Upstream.chunk_range = (low_n, high_n)
     if args.tail:
         low, high = (float(x) for x in args.tail.split(","))
         _Upstream.tail = (low, high)
