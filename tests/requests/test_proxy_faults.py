@@ -289,6 +289,28 @@ async def test_accounting_that_raises_never_touches_the_stream(
         assert harness.in_flight.current() == []
 
 
+class UnmadeMeter(RequestMeter):
+    def __init__(self, *args: object) -> None:
+        raise RuntimeError("accounting bug")
+
+
+async def test_a_meter_that_cannot_be_made_leaves_the_request_unmetered_and_the_stream_whole(
+    engine: ScriptedEngine, http: ClientSession
+) -> None:
+    """The meter is made after the request is written to the engine: failing there, the stream
+    still reaches the client as the engine sent it (usage kvwatch asked for is stripped), one error
+    is counted, and nothing is left in flight."""
+    async with proxied(engine.url, meter_factory=UnmadeMeter) as harness:
+        engine.script = Script(contents=[(0.0, "a"), (0.01, "b")])
+        async with http.post(f"{engine.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+            direct = await response.read()
+        async with http.post(f"{harness.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+            relayed = await response.read()
+        assert relayed == direct and b'"usage"' not in relayed
+        assert harness.count(ACCOUNTING_ERRORS, "r0") == 1
+        assert harness.records == [] and harness.in_flight.current() == []
+
+
 async def test_a_sink_that_raises_is_counted(engine: ScriptedEngine, http: ClientSession) -> None:
     def sink(record: object) -> None:
         raise OSError("disk full")

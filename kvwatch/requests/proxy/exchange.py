@@ -145,11 +145,15 @@ class Exchange:
     def start(self) -> None:
         self.context.engine.begin()  # matched by end() in _end, which every started exchange reaches
         endpoint = METERED_PATHS.get(self.head.path) if self.head.method == b"POST" else None
-        injected = self._start_metering(endpoint) if endpoint else None
+        injected = self._read_request(endpoint) if endpoint else None
         self.strip = injected is not None
         self.request = self._upstream_request(injected if injected is not None else self.body)
         self._budget()
         self._send()
+        # after the write: the engine starts on the request while the meter is made (no response can
+        # be read before this returns to the loop, and t0 is when the request's first byte came)
+        if self.info is not None and not self.finished:
+            self._start_meter(self.info)
 
     def _budget(self) -> None:
         """Count the bytes this exchange holds (the request body, what goes upstream, a JSON response
@@ -267,10 +271,21 @@ class Exchange:
             self.up.abort()
         self._end(End.UPSTREAM_FAILED)
 
-    def _start_metering(self, endpoint: str) -> bytes | None:
+    def _read_request(self, endpoint: str) -> bytes | None:
+        """What the meter and the engine need of the body: its ``info``, and the body with usage
+        asked where the proxy asks it. A failure here leaves the request unmetered, as sent."""
+        try:
+            info = inspect_request(self.body, endpoint)
+            injected = body_requesting_usage(self.body, info) if self.metering.asks_usage() else None
+        except Exception as exc:
+            self.metering.accounting_failed("request", exc)
+            return None
+        self.info = info
+        return injected
+
+    def _start_meter(self, info: RequestInfo) -> None:
         metering = self.metering
         try:
-            info = self.info = inspect_request(self.body, endpoint)
             model = metering.labels.label(info.model)
             self.handle = metering.accounting.in_flight.start(
                 InFlightRequest(
@@ -286,12 +301,9 @@ class Exchange:
             self.meter = metering.accounting.meter_factory(
                 metering.replica, model, info, self.wall, self.t0, metering.accounting.in_flight, self.handle
             )
-            if metering.asks_usage():
-                return body_requesting_usage(self.body, info)
         except Exception as exc:
             self.meter = None
             metering.accounting_failed("request", exc)
-        return None
 
     def _finish(self, end: End) -> None:
         """The request's bookkeeping: its record to the sink, its in-flight entry closed."""
