@@ -9,6 +9,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "proxy_bench.py"  # every role runs as this script with --role
@@ -65,6 +66,15 @@ def run_until_sigterm(role: Callable[[], Awaitable[None]]) -> None:
             await role()
 
     asyncio.run(until_sigterm())
+
+
+T = TypeVar("T")
+
+
+def pair(text: str, kind: Callable[[str], T]) -> tuple[T, T]:
+    """A ``LOW,HIGH`` flag's two values."""
+    low, high = (kind(x) for x in text.split(","))
+    return low, high
 
 
 def rotated(targets: list[str], round_index: int) -> list[str]:

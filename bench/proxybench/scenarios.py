@@ -28,7 +28,7 @@ from proxybench.clients import (
     reused_connections,
     steady,
 )
-from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop, rotated
+from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop, pair, rotated
 from proxybench.peers import _spawn_nginx
 from proxybench.report import Result, _median, _ms, _print, _rows
 
@@ -209,11 +209,6 @@ def _stop(proc: subprocess.Popen | None) -> None:
             proc.kill()
 
 
-def _seconds_range(text: str) -> tuple[float, float]:
-    low, high = (float(x) for x in text.split(","))
-    return low, high
-
-
 def orchestrate_late_tail(args: argparse.Namespace) -> int:
     """Scenario late-tail: the upstream ends its streams 0.5-2 s after [DONE]; reused connections."""
     targets = args.targets.split(",")
@@ -229,7 +224,7 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
         uvloop=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
-    pace = _seconds_range(args.pace) if args.pace else None
+    pace = pair(args.pace, float) if args.pace else None
     ttfts: dict[str, list[int]] = {name: [] for name in targets}
     crowded: dict[str, list[float]] = {name: [] for name in targets}
     try:

@@ -8,7 +8,7 @@ import random
 import re
 import time
 
-from proxybench.common import CONTENT_CHUNK, DONE, FINISH_CHUNK, ROLE_CHUNK, USAGE_CHUNK, _frame, _ready
+from proxybench.common import CONTENT_CHUNK, DONE, FINISH_CHUNK, ROLE_CHUNK, USAGE_CHUNK, _frame, _ready, pair
 
 #: ``GET /v1/models``, as vLLM answers it for the bench's model
 MODELS = b'{"object":"list","data":[{"id":"bench","object":"model","owned_by":"vllm"}]}'
@@ -105,11 +105,9 @@ async def role_upstream(args: argparse.Namespace) -> None:
     _Upstream.chunks = args.chunks
     _Upstream.interval = args.interval
     if args.chunk_range:
-        low_n, high_n = (int(x) for x in args.chunk_range.split(","))
-        _Upstream.chunk_range = (low_n, high_n)
+        _Upstream.chunk_range = pair(args.chunk_range, int)
     if args.tail:
-        low, high = (float(x) for x in args.tail.split(","))
-        _Upstream.tail = (low, high)
+        _Upstream.tail = pair(args.tail, float)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Upstream, "127.0.0.1", args.port, backlog=1024)
     _ready(args.port)
