@@ -140,8 +140,12 @@ class DemoNode:
         self._tasks.append(asyncio.create_task(self._gpu_sync_loop(), name="kvwatch-demo-gpus"))
 
     async def run(self, duration_s: float | None, stop: asyncio.Event | None = None) -> LoadReport:
-        """Send the workload until ``duration_s`` wall seconds pass (None: forever) or ``stop`` is set;
-        clients still waiting then disconnect (their KV is freed through the proxy)."""
+        """Send the workload until ``duration_s`` wall seconds pass (None: forever) or ``stop`` is set.
+
+        The clients still waiting stay connected until ``stop()``, so what the run measured can be
+        read first: their disconnects, which the proxy records as aborted, are the demo's teardown,
+        not its workload.
+        """
         assert self.loadgen is not None
         spec = demo_workload(self.settings.seed)
         if self.settings.rate is not None:
@@ -149,8 +153,8 @@ class DemoNode:
         sim_duration = None if duration_s is None else duration_s * self.settings.speed
         horizon = sim_duration if sim_duration is not None else 24 * 3600.0
         requests = generate(spec, duration=horizon)
-        load = asyncio.create_task(self.loadgen.run(requests, duration=sim_duration, drain=False))
-        waiters: list[asyncio.Task[LoadReport] | asyncio.Task[bool]] = [load]
+        load = asyncio.create_task(self.loadgen.schedule(requests, duration=sim_duration))
+        waiters: list[asyncio.Task[None] | asyncio.Task[bool]] = [load]
         if stop is not None:
             waiters.append(asyncio.create_task(stop.wait()))
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -158,7 +162,6 @@ class DemoNode:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await load
-        await self.loadgen.close()
         return self.loadgen.report
 
     async def stop(self) -> None:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported lazily: `kvwatch --help` stays fast
     from kvwatch.config import HostPort
     from kvwatch.demo import DemoNode
-    from kvwatch.sim.loadgen import LoadReport
     from kvwatch.status.view import StatusView
 
 HELP = "run a simulated 8x H200 node (no GPU, no engine needed) watched by the real agent"
@@ -144,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
+    from kvwatch.agent.derived import update_derived
     from kvwatch.demo import DemoNode, DemoSettings
     from kvwatch.status.top import render_text
     from kvwatch.status.view import build_view
@@ -204,17 +204,38 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
 
     watcher = asyncio.create_task(watch())
     try:
-        report = await demo.run(args.duration, stop)
+        await demo.run(args.duration, stop)
     finally:
         watcher.cancel()
         elapsed = time.monotonic() - started
+        # the summary is what the run measured: read before the clients still waiting leave (their
+        # disconnects are the demo's teardown), with the outcomes derived up to this moment
+        update_derived(agent.state, agent.config, agent.clock())
         view = build_view(agent.state, agent.config, agent.clock())
         story.observe(view, elapsed)
         speed = demo.node.achieved_speed
+        clients = _ClientTally.of(demo)
         await demo.stop()
     print()
-    print(_summary(demo, view, story, report, elapsed, speed))
+    print(_summary(demo, view, story, clients, elapsed, speed))
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class _ClientTally:
+    """What the demo's clients had seen when it stopped."""
+
+    sent: int
+    outcomes: dict[str, int]
+    open_requests: int
+
+    @classmethod
+    def of(cls, demo: DemoNode) -> _ClientTally:
+        loadgen = demo.loadgen
+        if loadgen is None:
+            return cls(0, {}, 0)
+        report = loadgen.report
+        return cls(report.sent, dict(report.outcomes), loadgen.open_requests)
 
 
 def _header(demo: DemoNode, elapsed_s: float, url: str) -> str:
@@ -244,17 +265,27 @@ def _fmt_s(value: float | None) -> str:
 
 
 def _summary(
-    demo: DemoNode, view: StatusView, story: StoryTracker, report: LoadReport, elapsed_s: float, speed: float
+    demo: DemoNode,
+    view: StatusView,
+    story: StoryTracker,
+    clients: _ClientTally,
+    elapsed_s: float,
+    speed: float,
 ) -> str:
     from kvwatch import texttable
 
     lines = [
         f"kvwatch demo summary: {elapsed_s:.0f} s wall = {demo.node.sim_time / 60:.1f} simulated minutes"
-        f" ({speed:.1f}x), {report.sent} requests sent"
+        f" ({speed:.1f}x), {clients.sent} requests sent"
     ]
-    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(clients.outcomes.items()))
     if outcomes:
         lines.append(f"  client outcomes: {outcomes}")
+    if clients.open_requests:
+        lines.append(
+            f"  still in flight at the end: {clients.open_requests} (their clients left when the demo"
+            " stopped; not in the table below)"
+        )
     if story.peak_usage:
         usage = ", ".join(f"{name} {peak:.0%}" for name, peak in sorted(story.peak_usage.items()))
         lines.append(f"  peak KV usage: {usage}")

@@ -153,6 +153,18 @@ class LoadGenerator:
     ) -> LoadReport:
         """Send every request at its arrival time (stop scheduling after ``duration`` simulated
         seconds); with ``drain`` wait for the ones in flight, else cancel them (clients leave)."""
+        await self.schedule(requests, duration=duration)
+        if drain:
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        else:
+            await self.close()
+        return self.report
+
+    async def schedule(self, requests: Iterable[WorkloadRequest], *, duration: float | None = None) -> None:
+        """Send every request at its arrival time, then wait out ``duration`` simulated seconds; the
+        requests still in flight are left as they are (``open_requests``), for the caller to wait
+        for or cancel (``close``)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         speed = self.config.speed
@@ -170,12 +182,11 @@ class LoadGenerator:
             rest = start + duration / speed - loop.time()
             if rest > 0:
                 await asyncio.sleep(rest)
-        if drain:
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        else:
-            await self.close()
-        return self.report
+
+    @property
+    def open_requests(self) -> int:
+        """Requests sent whose client has not finished with them yet."""
+        return sum(self.in_flight)
 
     def _body(self, wr: WorkloadRequest, chat: bool, include_usage: bool) -> dict:
         text = _PROMPT_WORD * wr.prompt_tokens
