@@ -348,4 +348,6 @@ def _export(args: argparse.Namespace) -> int:
         f"wrote {count:,} requests to {args.output} (Mooncake JSONL: timestamp ms, input_length, "
         "output_length)"
     )
+    for line in workload.caveats():
+        print(line)
     return 0

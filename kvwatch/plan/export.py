@@ -6,7 +6,9 @@
 (``aiperf profile --input-file trace.jsonl --custom-dataset-type mooncake_trace``) or with
 vLLM's benchmark client (``vllm bench serve --dataset-name custom`` cannot time requests; see
 docs/planning.md for which flag reads what). Truncated requests are exported with their budget as
-output length; aborted ones with the tokens they received.
+output length; aborted ones with the tokens their client received (at least 1: both readers ask the
+engine for ``output_length`` tokens), and with the prompt length the replay gives them where their
+line had no usage (``plan.inputs``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from kvwatch.plan.inputs import Workload
 def mooncake_lines(workload: Workload) -> list[str]:
     lines = []
     for r in workload.requests:
-        output = min(r.output_tokens, r.max_tokens) if r.max_tokens is not None else r.output_tokens
+        received = workload.received_tokens.get(r.request_id)
+        if received is not None:
+            output = max(received, 1)
+        else:
+            output = min(r.output_tokens, r.max_tokens) if r.max_tokens is not None else r.output_tokens
         lines.append(
             json.dumps(
                 {

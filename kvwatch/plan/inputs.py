@@ -8,6 +8,12 @@ with its prompt and output lengths. How it ended decides what the twin is asked 
 * ``aborted``: the client left after ``e2e_seconds``; the twin's client leaves at the same age;
 * ``error`` and ``rejected``: not replayed (the engine never served them), counted.
 
+An aborted request often has no token counts: usage comes in a stream's last chunk, which a client
+that leaves never gets, so the proxy records no prompt length (and no output length when it left
+before the first token). Such a line is still replayed, since the load it put on the queue and the
+KV cache is real: its prompt is the median prompt of its replica's lines that have one (else of the
+whole ledger), its output so far 0 when unknown, and the count of lines filled in so is reported.
+
 Traces (Azure, BurstGPT, Mooncake) have no outcomes: each request stops at its recorded output
 length (``sim.workload.load_trace``). Unlike ``kvwatch report`` (which skips and counts malformed
 lines), a replay refuses a ledger line it cannot replay and names the line and key.
@@ -15,7 +21,8 @@ lines), a replay refuses a ledger line it cannot replay and names the line and k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field, replace
 
 from kvwatch.jsonsafe import finite
 from kvwatch.plan.jsonl import json_lines
@@ -23,8 +30,11 @@ from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand,
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
 
 REQUIRED = ("started_at", "prompt_tokens", "output_tokens", "outcome")
+REQUIRED_ABORTED = ("started_at", "outcome", "e2e_seconds")
 REPLAYED_OUTCOMES = ("completed", "truncated", "aborted")
 SKIPPED_OUTCOMES = ("error", "rejected")
+PROMPT_FROM_MEDIAN = "aborted without usage: prompt length from the ledger's median"
+NO_PROMPT_KNOWN = "aborted without usage, and no line of the ledger gives a prompt length"
 
 
 class PlanInputError(ValueError):
@@ -40,10 +50,23 @@ class Workload:
     requests: tuple[WorkloadRequest, ...]
     skipped: dict[str, int]  # reason -> count
     start_unix: float | None  # the first request's recorded time (ledgers)
+    estimated: dict[str, int] = field(default_factory=dict)  # what was filled in -> count of lines
+    #: request_id -> output tokens its client received, for the aborted requests of a ledger (their
+    #: ``output_tokens`` is what the twin's model would have gone on to, not what was served)
+    received_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def span_seconds(self) -> float:
         return self.requests[-1].arrival if self.requests else 0.0
+
+    def caveats(self) -> list[str]:
+        """What a reader of a replay or an export must know: the lines left out and filled in."""
+        out = []
+        if self.skipped:
+            out.append("not replayed: " + ", ".join(f"{k} {v:,}" for k, v in self.skipped.items()))
+        if self.estimated:
+            out.append("filled in: " + ", ".join(f"{k} {v:,}" for k, v in self.estimated.items()))
+        return out
 
 
 def _number(obj: dict, key: str, where: str, *, integer: bool) -> float | None:
@@ -71,17 +94,40 @@ def _ledger_lines(item: InputFile) -> list[tuple[str, dict]]:
     return rows
 
 
-def _ledger_request(where: str, obj: dict, index: int) -> WorkloadRequest | str:
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    request: WorkloadRequest
+    estimated: str | None = None  # what the line lacked and was filled in, if anything
+    received: int | None = None  # an aborted request's output tokens, as its client got them
+
+
+def _typical_prompts(rows: list[tuple[str, dict]]) -> dict[str | None, int]:
+    """Median prompt length per replica, and of the whole ledger (key None), over the lines that
+    have one: what an aborted line without usage is replayed with."""
+    by_replica: dict[str | None, list[int]] = {}
+    for _where, obj in rows:
+        value = finite(obj.get("prompt_tokens"))
+        if value is None or value < 1 or value != int(value):
+            continue  # the line's own check names it, if it is replayed
+        for key in (None, str(obj.get("replica") or "")):
+            by_replica.setdefault(key, []).append(int(value))
+    return {key: statistics.median_low(values) for key, values in by_replica.items()}
+
+
+def _ledger_request(
+    where: str, obj: dict, index: int, typical_prompts: dict[str | None, int]
+) -> _Replayed | str:
     """The request to replay, or the reason it is not replayed."""
-    missing = [k for k in REQUIRED if obj.get(k) is None]
-    if "outcome" not in missing and obj["outcome"] in SKIPPED_OUTCOMES:
-        return f"outcome {obj['outcome']} (never served)"
+    outcome = obj.get("outcome")
+    if outcome in SKIPPED_OUTCOMES:
+        return f"outcome {outcome} (never served)"
+    required = REQUIRED_ABORTED if outcome == "aborted" else REQUIRED
+    missing = [k for k in required if obj.get(k) is None]
     if missing:
+        needs = "an aborted line needs" if outcome == "aborted" else "a replay needs"
         raise PlanInputError(
-            f"{where}: missing {', '.join(map(repr, missing))} (a replay needs "
-            f"{', '.join(REQUIRED)}; aborted lines also e2e_seconds)"
+            f"{where}: missing {', '.join(map(repr, missing))} ({needs} {', '.join(required)})"
         )
-    outcome = obj["outcome"]
     if outcome not in REPLAYED_OUTCOMES:
         raise PlanInputError(
             f"{where}: 'outcome' is {outcome!r}, expected one of "
@@ -91,9 +137,16 @@ def _ledger_request(where: str, obj: dict, index: int) -> WorkloadRequest | str:
     prompt = _number(obj, "prompt_tokens", where, integer=True)
     output = _number(obj, "output_tokens", where, integer=True)
     max_tokens = _number(obj, "max_tokens", where, integer=True)
-    assert started is not None and prompt is not None and output is not None
+    assert started is not None
+    estimated = None
+    if prompt is None:  # only an aborted line gets here (REQUIRED_ABORTED)
+        prompt = typical_prompts.get(str(obj.get("replica") or ""), typical_prompts.get(None))
+        if prompt is None:
+            return NO_PROMPT_KNOWN
+        estimated = PROMPT_FROM_MEDIAN
     if prompt < 1:
         raise PlanInputError(f"{where}: 'prompt_tokens' is {prompt}, expected >= 1")
+    output = 0 if output is None else output  # an aborted line: no content reached its client
     patience = None
     if outcome == "completed":
         target = max(int(output), 1)
@@ -102,11 +155,10 @@ def _ledger_request(where: str, obj: dict, index: int) -> WorkloadRequest | str:
         target, max_tokens = int(budget) + 1, int(budget)
     else:
         e2e = _number(obj, "e2e_seconds", where, integer=False)
-        if e2e is None:
-            raise PlanInputError(f"{where}: an aborted request needs 'e2e_seconds' (when its client left)")
+        assert e2e is not None  # REQUIRED_ABORTED
         patience = max(e2e, 0.0)
         target = int(max_tokens) if max_tokens is not None else max(int(output), 1) * 4
-    return WorkloadRequest(
+    request = WorkloadRequest(
         request_id=f"ledger-{index}",
         arrival=started,
         prompt_tokens=int(prompt),
@@ -115,31 +167,34 @@ def _ledger_request(where: str, obj: dict, index: int) -> WorkloadRequest | str:
         klass=str(obj.get("replica") or ""),
         total_patience=patience,
     )
+    return _Replayed(request, estimated, int(output) if outcome == "aborted" else None)
 
 
 def read_ledger(files: list[InputFile]) -> Workload:
+    rows = [row for item in files for row in _ledger_lines(item)]
+    typical_prompts = _typical_prompts(rows)
     requests: list[WorkloadRequest] = []
     skipped: dict[str, int] = {}
-    for item in files:
-        for where, obj in _ledger_lines(item):
-            result = _ledger_request(where, obj, len(requests))
-            if isinstance(result, str):
-                skipped[result] = skipped.get(result, 0) + 1
-            else:
-                requests.append(result)
+    estimated: dict[str, int] = {}
+    received: dict[str, int] = {}
+    for where, obj in rows:
+        result = _ledger_request(where, obj, len(requests), typical_prompts)
+        if isinstance(result, str):
+            skipped[result] = skipped.get(result, 0) + 1
+            continue
+        requests.append(result.request)
+        if result.estimated is not None:
+            estimated[result.estimated] = estimated.get(result.estimated, 0) + 1
+        if result.received is not None:
+            received[result.request.request_id] = result.received
     if not requests:
         names = ", ".join(str(f.path) for f in files)
-        raise PlanInputError(f"{names}: no replayable request (empty, or only error/rejected lines)")
+        why = "; ".join(f"{reason}: {n:,}" for reason, n in skipped.items()) or "no lines"
+        raise PlanInputError(f"{names}: no replayable request ({why})")
     requests.sort(key=lambda r: r.arrival)
     t0 = requests[0].arrival
-    rebased = tuple(_at(r, r.arrival - t0) for r in requests)
-    return Workload("ledger", tuple(str(f.path) for f in files), rebased, skipped, t0)
-
-
-def _at(r: WorkloadRequest, arrival: float) -> WorkloadRequest:
-    from dataclasses import replace
-
-    return replace(r, arrival=arrival)
+    rebased = tuple(replace(r, arrival=r.arrival - t0) for r in requests)
+    return Workload("ledger", tuple(str(f.path) for f in files), rebased, skipped, t0, estimated, received)
 
 
 def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
@@ -151,15 +206,7 @@ def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
         raise PlanInputError(str(exc)) from None
     if kinds == {"ledger"}:
         workload = read_ledger(files)
-        if limit is not None:
-            workload = Workload(
-                workload.kind,
-                workload.paths,
-                workload.requests[:limit],
-                workload.skipped,
-                workload.start_unix,
-            )
-        return workload
+        return workload if limit is None else replace(workload, requests=workload.requests[:limit])
     if len(files) != 1 or len(kinds) != 1:
         raise PlanInputError(
             f"replay one ledger (any number of its files) or one trace file, got "

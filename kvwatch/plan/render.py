@@ -48,8 +48,7 @@ def header(result: ReplayResult, workload: Workload, calibration: Calibration | 
     ]
     if calibration is not None:
         lines += describe(calibration)
-    if workload.skipped:
-        lines.append("not replayed: " + ", ".join(f"{k} {v:,}" for k, v in workload.skipped.items()))
+    lines += workload.caveats()
     lines.append(f"simulated {h.seconds(n.sim_seconds)} in {result.wall_seconds:.2f} s wall")
     return lines + [f"note: {x}" for x in result.notes]
 

@@ -62,7 +62,7 @@ def test_a_negative_count_names_the_line_and_key(tmp_path):
 def test_an_aborted_line_without_its_e2e_cannot_be_replayed(tmp_path):
     aborted = {**GOOD, "outcome": "aborted"}
     del aborted["e2e_seconds"]
-    with pytest.raises(PlanInputError, match=r"line 2: an aborted request needs 'e2e_seconds'"):
+    with pytest.raises(PlanInputError, match=r"line 2: missing 'e2e_seconds' \(an aborted line needs"):
         read_workload([str(_ledger(tmp_path, [GOOD, aborted]))])
 
 
