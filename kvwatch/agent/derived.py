@@ -38,7 +38,6 @@ def node_inputs(state: NodeState, config: Config) -> NodeInputs:
         proxied=frozenset(r.name for r in config.replicas if r.proxy_listen is not None),
         kv_bytes_per_token=kv_bytes,
         link_bandwidth=link_bytes_per_second,
-        outcomes={key: float(n) for key, n in state.requests.outcome_counts().items()},
     )
 
 

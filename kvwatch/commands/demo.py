@@ -143,7 +143,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
-    from kvwatch.agent.derived import update_derived
     from kvwatch.demo import DemoNode, DemoSettings
     from kvwatch.status.top import render_text
     from kvwatch.status.view import build_view
@@ -209,8 +208,7 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
         watcher.cancel()
         elapsed = time.monotonic() - started
         # the summary is what the run measured: read before the clients still waiting leave (their
-        # disconnects are the demo's teardown), with the outcomes derived up to this moment
-        update_derived(agent.state, agent.config, agent.clock())
+        # disconnects are the demo's teardown)
         view = build_view(agent.state, agent.config, agent.clock())
         story.observe(view, elapsed)
         speed = demo.node.achieved_speed

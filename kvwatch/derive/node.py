@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvwatch.derive import counters, pool
-from kvwatch.derive.band_health import BandOutcomes, OutcomeKey, band_outcomes
 from kvwatch.derive.fragmentation import Fragmentation, replica_fragmentation
 from kvwatch.derive.headroom import Headroom, headroom
 from kvwatch.derive.overcommit import Overcommit, overcommitted_requests
@@ -71,8 +70,6 @@ class NodeInputs:
     proxied: Collection[str] = ()  # replicas a kvwatch proxy fronts
     kv_bytes_per_token: Mapping[str, float] = field(default_factory=dict)  # per replica, on one GPU
     link_bandwidth: Callable[[int, int], float | None] | None = None  # (PCIe gen, width) -> bytes/s
-    #: finished requests so far (``RequestStats.snapshot()`` outcomes)
-    outcomes: Mapping[OutcomeKey, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +106,6 @@ class DerivedView:
     tier_links: tuple[TierLink, ...] = ()
     #: every polled GPU's PCIe rates over the rate window and link state (needs ``link_bandwidth``)
     gpu_links: tuple[GpuLink, ...] = ()
-    #: (replica, or None for every replica; length band) -> outcomes since the agent started
-    bands: Mapping[tuple[str | None, str], BandOutcomes] = field(default_factory=dict)
     # memory for the next call
     history: Mapping[UnitKey, tuple[ReplicaSample, ...]] = field(default_factory=dict)
     gpu_history: Mapping[str, tuple[GpuSample, ...]] = field(default_factory=dict)
@@ -253,7 +248,6 @@ def derive_node(
         tuple(stranded.values()),
         tuple(links),
         tuple(gpu_links.values()),
-        band_outcomes(inputs.outcomes),
         history,
         gpu_history,
         recompute,

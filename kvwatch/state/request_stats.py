@@ -148,11 +148,6 @@ class RequestStats:
             }
             return hists, dict(self.outcomes), dict(self.estimated)
 
-    def outcome_counts(self) -> dict[tuple[str, str, str, str, str], int]:
-        """A copy of the finished-request counts by (replica, model, band, source, outcome)."""
-        with self._lock:
-            return dict(self.outcomes)
-
     def unused_limit_counts(self) -> dict[tuple[str, str, str, str], int]:
         """A copy of the unused max_tokens per key, for exporters."""
         with self._lock:

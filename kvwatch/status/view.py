@@ -5,11 +5,13 @@
 formatting. The page renders it as HTML and ``/status.json``; ``kvwatch top`` and ``kvwatch demo``
 render it as text. ``view_to_dict`` / ``view_from_dict`` carry it over JSON.
 
-Values are never recomputed here: KV pool sizes, live tokens and fragmentation, headroom,
-preemption rates, stranded capacity, each GPU's PCIe rates and link state, and the finished
-requests of each band by outcome with their ratios are read from the derived view
-(``NodeState.derived``, which the agent computes once after each scrape and /metrics renders too);
-latency quantiles come from the request histograms with Prometheus' rule (``derive.quantiles``).
+KV values are never recomputed here: pool sizes, live tokens and fragmentation, headroom,
+preemption rates, stranded capacity, each GPU's PCIe rates and link state are read from the
+derived view (``NodeState.derived``, which the agent computes once after each scrape and /metrics
+renders too). Each band's finished requests by outcome, their ratios
+(``derive.band_health.band_outcomes``) and latency quantiles (Prometheus' rule,
+``derive.quantiles``) come from one snapshot of the request stats, so a row's counts and quantiles
+describe the same requests.
 Latency and outcomes are cumulative since the agent started. Per replica they come from the proxy
 where one fronts it (client-side latency), else from the engine-side sources (OTLP spans, SGLang
 request files: ``derive.band_health.chosen_sources``); the ``(all)`` rows add the replicas up.
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvwatch.buckets import Histogram
 from kvwatch.config import Config
-from kvwatch.derive.band_health import BandOutcomes, chosen_sources
+from kvwatch.derive.band_health import BandOutcomes, band_outcomes, chosen_sources
 from kvwatch.derive.fragmentation import Fragmentation
 from kvwatch.derive.node import DerivedView, UnitSignals
 from kvwatch.derive.quantiles import histogram_quantile
@@ -165,7 +167,7 @@ def build_view(state: NodeState, config: Config, now: float) -> StatusView:
         bands=state.bands.all_names,
         replicas=replicas,
         stranded=_stranded(derived, replicas),
-        band_rows=_band_rows(state, derived),
+        band_rows=_band_rows(state),
         gpus=_gpus(state, derived),
         requests_observed=state.requests.observed,
         derived_at=derived.computed_at if derived is not None else None,
@@ -257,8 +259,9 @@ def _stranded(derived: DerivedView | None, replicas: tuple[ReplicaView, ...]) ->
     )
 
 
-def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView, ...]:
-    """Outcomes and their ratios from the derived view; latency quantiles from the histograms now."""
+def _band_rows(state: NodeState) -> tuple[BandView, ...]:
+    """Outcomes, their ratios and latency quantiles, all from one snapshot of the request stats: a
+    row's counts and its quantiles describe the same requests, also just after a burst ended."""
     hists, outcomes, _estimated = state.requests.snapshot()
     chosen = chosen_sources((*hists, *outcomes))
     merged: dict[tuple[str, str], dict[str, Histogram]] = {}
@@ -269,7 +272,7 @@ def _band_rows(state: NodeState, derived: DerivedView | None) -> tuple[BandView,
             target = merged.setdefault(group, {})
             for name in (TTFT, TPOT, E2E):
                 _add(target, name, families[name])
-    bands = derived.bands if derived is not None else {}
+    bands = band_outcomes(outcomes)
     replicas = sorted(
         {replica for replica, _band in merged if replica != ALL}
         | {replica for replica, _band in bands if replica is not None}
