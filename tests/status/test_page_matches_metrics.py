@@ -1,5 +1,6 @@
 """The status page and /metrics show the same numbers for the same state: both read the one derived
-view (``NodeState.derived``) and the same samples, so a number cannot differ between the two."""
+view (``NodeState.derived``), the same samples and the same request stats, so a number cannot
+differ between the two."""
 
 from __future__ import annotations
 
