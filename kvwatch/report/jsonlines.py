@@ -297,10 +297,16 @@ def _checked(f: Field, value: Any) -> Any:
 
 
 def concat_frames(parts: list[pd.DataFrame], fields: tuple[Field, ...]) -> pd.DataFrame:
-    """Stack parts; string columns stay categorical (with the union of categories)."""
+    """Stack parts; string columns stay categorical (with the union of categories).
+
+    A part without rows (a piece of the input holding only malformed lines) is left out: its empty
+    categories have another dtype than those of parts with strings, which ``union_categoricals``
+    refuses.
+    """
     import pandas as pd
     from pandas.api.types import union_categoricals
 
+    parts = [p for p in parts if len(p)] or parts[:1]
     if len(parts) == 1:
         return parts[0].reset_index(drop=True)
     out = pd.concat(parts, ignore_index=True)

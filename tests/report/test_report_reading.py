@@ -128,6 +128,20 @@ def test_pieces_read_every_line_once_in_parallel(tmp_path: Path) -> None:
     )
 
 
+def test_a_piece_of_only_malformed_lines_leaves_the_rest_readable(tmp_path: Path) -> None:
+    """A corrupt stretch longer than a piece gave a piece no rows: its empty string columns had
+    another category dtype than the others', and combining the pieces raised TypeError."""
+    good = [ledgers.record("r0", Outcome.COMPLETED, i, 100 + i, 10 * i + 1, 0.1, 1.0 + i) for i in range(20)]
+    corrupt = "\n".join(["{broken " + "x" * 200] * 30)
+    path = ledgers.write(tmp_path / "l.jsonl", good, extra_lines={10: corrupt})
+    files = expand([str(path)])
+    whole = read_json_lines(files, LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=1)
+    split = read_json_lines(files, LEDGER_FIELDS, {"v": 1}, Progress(1, False), jobs=1, piece_bytes=1024)
+    assert len(split.frame) == len(whole.frame) == 20
+    assert list(split.frame["replica"]) == list(whole.frame["replica"]) == ["r0"] * 20
+    assert split.problems.total == whole.problems.total == 30
+
+
 def test_gzip_and_rotated_files_and_globs(tmp_path: Path) -> None:
     ledgers.write(tmp_path / "ledger.jsonl", ledgers.HAND[:3])
     ledgers.write(tmp_path / "ledger.jsonl.1", ledgers.HAND[3:5])
