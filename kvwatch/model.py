@@ -355,6 +355,9 @@ class RequestRecord:
     cached_prompt_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM plugin)
     #: fields whose value the source gave out of range (a count over 2^31): recorded as None
     dropped_values: tuple[str, ...] = ()
+    #: the proxy's estimate of the prompt from the request body's size, where no usage came (a
+    #: stream its client left): never mixed into ``prompt_tokens``, which only the engine's count fills
+    prompt_tokens_estimate: int | None = None
 
     @property
     def tpot_seconds(self) -> float | None:

@@ -461,7 +461,7 @@ function M.log()
     gaps and cfg.gap_bounds_json or "[]", gaps and "[" .. concat(ctx.bins, ",") .. "]" or "[]",
     num(gaps and ctx.gap_sum or 0), gaps and num(ctx.max_gap) or NULL,
     (gaps and gap_end) and num(ctx.started_at + (gap_end - ctx.t0)) or NULL,
-    NULL, NULL, NULL, "[]",
+    NULL, NULL, NULL, "[]", NULL,
   }
   enqueue('["r",[' .. concat(fields, ",") .. "]]", replica)
   if ctx.completion_tokens and ctx.chunks > 0 then

@@ -11,8 +11,10 @@ with its prompt and output lengths. How it ended decides what the twin is asked 
 An aborted request often has no token counts: usage comes in a stream's last chunk, which a client
 that leaves never gets, so the proxy records no prompt length (and no output length when it left
 before the first token). Such a line is still replayed, since the load it put on the queue and the
-KV cache is real: its prompt is the median prompt of its replica's lines that have one (else of the
-whole ledger), its output so far 0 when unknown, and the count of lines filled in so is reported.
+KV cache is real: its prompt is the proxy's estimate from the request's size
+(``prompt_tokens_estimate``) where the line has one, else the median prompt of its replica's lines
+that have one (else of the whole ledger); its output so far is 0 when unknown; the count of lines
+filled in each way is reported.
 
 Traces (Azure, BurstGPT, Mooncake) have no outcomes: each request stops at its recorded output
 length (``sim.workload.load_trace``). Unlike ``kvwatch report`` (which skips and counts malformed
@@ -33,6 +35,7 @@ REQUIRED = ("started_at", "prompt_tokens", "output_tokens", "outcome")
 REQUIRED_ABORTED = ("started_at", "outcome", "e2e_seconds")
 REPLAYED_OUTCOMES = ("completed", "truncated", "aborted")
 SKIPPED_OUTCOMES = ("error", "rejected")
+PROMPT_FROM_SIZE = "aborted without usage: prompt length estimated from the request's size"
 PROMPT_FROM_MEDIAN = "aborted without usage: prompt length from the ledger's median"
 NO_PROMPT_KNOWN = "aborted without usage, and no line of the ledger gives a prompt length"
 
@@ -140,10 +143,13 @@ def _ledger_request(
     assert started is not None
     estimated = None
     if prompt is None:  # only an aborted line gets here (REQUIRED_ABORTED)
-        prompt = typical_prompts.get(str(obj.get("replica") or ""), typical_prompts.get(None))
+        prompt = _number(obj, "prompt_tokens_estimate", where, integer=True)
+        estimated = PROMPT_FROM_SIZE
+        if not prompt:
+            prompt = typical_prompts.get(str(obj.get("replica") or ""), typical_prompts.get(None))
+            estimated = PROMPT_FROM_MEDIAN
         if prompt is None:
             return NO_PROMPT_KNOWN
-        estimated = PROMPT_FROM_MEDIAN
     if prompt < 1:
         raise PlanInputError(f"{where}: 'prompt_tokens' is {prompt}, expected >= 1")
     output = 0 if output is None else output  # an aborted line: no content reached its client

@@ -36,8 +36,9 @@ from kvwatch.safetext import terminal_safe
 
 OTHER_MODEL = "other"
 #: rough bytes of request body per prompt token (BPE on English text is ~4 characters per token;
-#: JSON framing and chat roles add a little, images in base64 far more). Used only for the live
-#: in-flight token estimate until the engine's usage says otherwise.
+#: JSON framing and chat roles add a little, images in base64 far more). Used only for estimates: the
+#: live in-flight tokens until the engine's usage says otherwise, and the record of a request whose
+#: usage never came (``RequestRecord.prompt_tokens_estimate``).
 PROMPT_BYTES_PER_TOKEN = 4
 MAX_LEARNED_MODELS = 16
 
@@ -73,6 +74,7 @@ class RequestInfo:
     choices: int = 1  # n
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     max_tokens_out_of_range: bool = False  # a limit over MAX_COUNT: max_tokens is None, and noted
+    body_bytes: int = 0  # the request body's size, for a prompt estimate where no usage comes
 
 
 #: strings pydantic (lax mode, which vLLM's request models use) reads as ``True`` for a bool field,
@@ -86,7 +88,7 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
     except ValueError:  # UnicodeDecodeError is one, and jsonsafe.loads raises one for deep nesting
         doc = None
     if not isinstance(doc, dict):
-        return RequestInfo(endpoint, False, None, False, None, False, False)
+        return RequestInfo(endpoint, False, None, False, None, False, False, body_bytes=len(body))
     n = doc.get("n")
     model = doc.get("model")
     options = doc.get("stream_options")
@@ -104,6 +106,7 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
         choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
         continuous_usage=isinstance(options, dict) and _lax_true(options.get("continuous_usage_stats")),
         max_tokens_out_of_range=limit is not None and limit > MAX_COUNT,
+        body_bytes=len(body),
     )
 
 
@@ -305,4 +308,5 @@ class RequestMeter:
             max_gap_seconds=self._max_gap if gaps else None,
             max_gap_ended_at=self.started_at + (gap_end - self.t0) if gaps and gap_end is not None else None,
             dropped_values=tuple(dropped),
+            prompt_tokens_estimate=estimate_prompt_tokens(self.info.body_bytes) if prompt is None else None,
         )

@@ -14,7 +14,13 @@ import pytest
 
 from kvwatch.cli import main
 from kvwatch.model import DEFAULT_BANDS, Outcome, RequestRecord
-from kvwatch.plan.inputs import NO_PROMPT_KNOWN, PROMPT_FROM_MEDIAN, PlanInputError, read_workload
+from kvwatch.plan.inputs import (
+    NO_PROMPT_KNOWN,
+    PROMPT_FROM_MEDIAN,
+    PROMPT_FROM_SIZE,
+    PlanInputError,
+    read_workload,
+)
 from kvwatch.requests.ledger import ledger_line
 
 T0 = 1.7e9
@@ -125,3 +131,17 @@ def test_an_export_gives_aborted_requests_the_tokens_their_clients_received(tmp_
         (250, 1),  # left before its first token: at least one, as both readers ask for it
         (200, 800),
     ]
+
+
+def test_the_proxys_estimate_from_the_request_size_comes_before_the_median(tmp_path):
+    lines = [
+        _completed("r0", 0.0, 100),
+        _completed("r0", 1.0, 3000),
+        _record(
+            "r0", 2.0, Outcome.ABORTED, None, 12, max_tokens=800, prompt_tokens_estimate=1700, e2e_seconds=5.0
+        ),
+        _record("r0", 3.0, Outcome.ABORTED, None, None, max_tokens=800, e2e_seconds=5.0),  # an older ledger
+    ]
+    workload = read_workload([str(_write(tmp_path, lines))])
+    assert [r.prompt_tokens for r in workload.requests[2:]] == [1700, 100]
+    assert workload.estimated == {PROMPT_FROM_SIZE: 1, PROMPT_FROM_MEDIAN: 1}

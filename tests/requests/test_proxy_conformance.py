@@ -47,6 +47,7 @@ async def test_ttft_gaps_e2e_and_tpot_follow_the_definitions(
 
     assert record.outcome is Outcome.COMPLETED and record.finish_reason == "stop"
     assert (record.output_tokens, record.output_tokens_estimated, record.prompt_tokens) == (9, False, 11)
+    assert record.prompt_tokens_estimate is None  # the engine counted it: no estimate beside the count
     assert record.chunks == 5 and record.streaming and record.endpoint == "chat"
 
     engine_ttft = seen.writes[0] - seen.received

@@ -15,7 +15,7 @@ from aiohttp import ClientSession
 
 from kvwatch.config import ProxyConfig
 from kvwatch.model import Outcome
-from kvwatch.requests.accounting import RequestMeter
+from kvwatch.requests.accounting import PROMPT_BYTES_PER_TOKEN, RequestMeter
 from kvwatch.requests.http1 import frame_chunk
 from kvwatch.requests.proxy import ACCOUNTING_ERRORS, TIMED_OUT, USAGE_REFUSED
 from tests.local import free_port, until
@@ -159,9 +159,8 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
     engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
 ) -> None:
     engine.script = Script(contents=[(0.05, "tok")] * 200)
-    async with http.post(
-        f"{proxy.url}/v1/chat/completions", json={**STREAMING_CHAT, "max_tokens": 3000}
-    ) as response:
+    body = {**STREAMING_CHAT, "max_tokens": 3000}
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as response:
         seen = 0
         async for _ in response.content:
             seen += 1
@@ -178,6 +177,9 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
     [record] = proxy.records
     assert record.outcome is Outcome.ABORTED and record.output_tokens_estimated
     assert 0 < record.output_tokens < 200
+    # no usage ever came: the prompt is only estimated, from the size of the body the client sent
+    assert record.prompt_tokens is None
+    assert record.prompt_tokens_estimate == len(json.dumps(body).encode()) // PROMPT_BYTES_PER_TOKEN
     assert proxy.in_flight.current() == []
 
 
