@@ -22,7 +22,8 @@ from kvwatch.report.progress import Progress
 if TYPE_CHECKING:
     import pandas as pd
 
-#: the request table every loader produces (float columns are NaN where unknown)
+#: the request table every loader produces (float columns are NaN where unknown); a ledger's also has
+#: ``prompt_tokens_estimate`` (the proxy's, for requests whose usage never came)
 COLUMNS = (
     "replica",
     "model_name",
@@ -42,6 +43,7 @@ LEDGER_FIELDS = (
     Field("outcome", STR, required=True, choices=OUTCOMES),
     Field("started_at", NUM),
     Field("prompt_tokens", NUM),
+    Field("prompt_tokens_estimate", NUM),
     Field("output_tokens", NUM),
     Field("output_tokens_estimated", BOOL),
     Field("ttft_seconds", NUM),

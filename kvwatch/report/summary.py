@@ -106,6 +106,7 @@ class Report:
     has_outcomes: bool
     estimated_output_requests: int
     kv_excluded_requests: int
+    kv_estimated_prompt_requests: int  # KV token-seconds with the prompt estimated from the request size
     replicas: tuple[str, ...]  # replica groups in row order, (all) first
     notes: tuple[str, ...]
 
@@ -193,6 +194,21 @@ def kv_token_seconds(prompt: np.ndarray, output: np.ndarray, ttft: np.ndarray, e
     return prompt * e2e + np.nan_to_num(output, nan=0.0) * decode / 2.0
 
 
+def _prompt_for_kv(df: pd.DataFrame) -> tuple[np.ndarray, int]:
+    """Prompt tokens for KV token-seconds: the engine's count, else the proxy's estimate from the
+    request's size (a ledger's ``prompt_tokens_estimate``) for a stream that got a first token before
+    its client left: its prompt was prefilled, so it held that KV. One that never got a token may
+    have waited in the queue all along, holding none: it stays out. Also: how many took the
+    estimate."""
+    prompt = df["prompt_tokens"].to_numpy(dtype=float)
+    if "prompt_tokens_estimate" not in df:
+        return prompt, 0
+    estimate = df["prompt_tokens_estimate"].to_numpy(dtype=float)
+    started = ~np.isnan(df["ttft_seconds"].to_numpy(dtype=float))
+    use = np.isnan(prompt) & ~np.isnan(estimate) & started
+    return np.where(use, estimate, prompt), int(use.sum())
+
+
 def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str, replicas: Sequence[str] = ()) -> Report:
     """Aggregate the request table into band rows (module doc)."""
     import pandas as pd
@@ -210,8 +226,9 @@ def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str, replicas: S
     out = df["output_tokens"].to_numpy(dtype=float)
     codes = band_codes(out, bands)
     band = pd.Categorical.from_codes(codes, categories=bands.all_names)
+    prompt, prompt_estimated = _prompt_for_kv(df)
     kv = kv_token_seconds(
-        df["prompt_tokens"].to_numpy(dtype=float),
+        prompt,
         out,
         df["ttft_seconds"].to_numpy(dtype=float),
         df["e2e_seconds"].to_numpy(dtype=float),
@@ -254,8 +271,9 @@ def summarize(loaded: Loaded, bands: LengthBands, bands_origin: str, replicas: S
         has_outcomes=loaded.has_outcomes,
         estimated_output_requests=estimated,
         kv_excluded_requests=kv_excluded,
+        kv_estimated_prompt_requests=prompt_estimated,
         replicas=(ALL, *replica_names),
-        notes=tuple(_notes(loaded, bands_origin, estimated, kv_excluded)),
+        notes=tuple(_notes(loaded, bands_origin, estimated, kv_excluded, prompt_estimated)),
     )
 
 
@@ -389,7 +407,9 @@ def _histogram(output_tokens: np.ndarray) -> OutputHistogram:
     return OutputHistogram(tuple(float(x) for x in edges), tuple(int(c) for c in counts))
 
 
-def _notes(loaded: Loaded, bands_origin: str, estimated: int, kv_excluded: int) -> list[str]:
+def _notes(
+    loaded: Loaded, bands_origin: str, estimated: int, kv_excluded: int, prompt_estimated: int
+) -> list[str]:
     notes = [f"length bands: {bands_origin}", f"percentiles: {PERCENTILE_METHOD}"]
     if loaded.has_e2e:
         notes.append(f"KV token-seconds: {KV_FORMULA}; assumes {KV_ASSUMPTION}")
@@ -409,6 +429,11 @@ def _notes(loaded: Loaded, bands_origin: str, estimated: int, kv_excluded: int) 
         )
     if estimated:
         notes.append(f"{estimated:,} request(s) have output tokens counted from chunks (no usage)")
+    if prompt_estimated:
+        notes.append(
+            f"{prompt_estimated:,} request(s) without usage count their prompt in KV token-seconds as the "
+            "proxy estimated it from the request's size (prompt_tokens_estimate)"
+        )
     if kv_excluded:
         notes.append(
             f"{kv_excluded:,} request(s) lack prompt tokens or e2e and are left out of KV token-seconds"

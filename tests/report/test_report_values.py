@@ -162,3 +162,18 @@ def test_estimated_output_tokens_are_noted(tmp_path: Path) -> None:
     report = build_report([str(ledgers.write(tmp_path / "l.jsonl", recs))])
     assert report.estimated_output_requests == 1
     assert any("counted from chunks" in n for n in report.notes)
+
+
+def test_a_stream_left_before_usage_holds_its_estimated_prompt_in_kv_token_seconds(tmp_path: Path) -> None:
+    """The proxy records no prompt count for a stream whose client left; its KV was held all the
+    same, so KV token-seconds take the proxy's estimate from the request size, and say so."""
+    left = ledgers.record("r0", Outcome.ABORTED, 1, None, 5, 1.0, 10.0, prompt_tokens_estimate=400)
+    # left in the queue, never a token: it may never have held KV, so its estimate is not used
+    unknown = ledgers.record("r0", Outcome.ABORTED, 2, None, None, None, 3.0, prompt_tokens_estimate=900)
+    done = ledgers.record("r0", Outcome.COMPLETED, 3, 100, 20, 0.5, 2.5)
+    report = build_report([str(ledgers.write(tmp_path / "l.jsonl", [left, unknown, done]))])
+    assert report.kv_estimated_prompt_requests == 1 and report.kv_excluded_requests == 1
+    [row] = [r for r in report.rows if r.replica == ALL and r.length_band == "0-1k"]
+    assert row.kv_token_seconds == pytest.approx((400 * 10.0 + 5 * 9.0 / 2) + (100 * 2.5 + 20 * 2.0 / 2))
+    assert row.prompt_tokens_p50 == 100  # the prompt percentiles stay the engine's counts
+    assert any("estimated it from the request's size" in n for n in report.notes)
