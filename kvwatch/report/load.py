@@ -286,8 +286,11 @@ def _trace_frame(
 
 
 def _concat(pd: Any, frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The files' frames as one. A file without a valid row is left out: its empty categories have
+    another dtype than the others', which ``union_categoricals`` refuses."""
     from pandas.api.types import union_categoricals
 
+    frames = [f for f in frames if len(f)] or frames[:1]
     if len(frames) == 1:
         return frames[0]
     out = pd.concat(frames, ignore_index=True)

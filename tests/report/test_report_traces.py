@@ -92,6 +92,16 @@ def test_mooncake_trace(tmp_path: Path) -> None:
     assert report.window_seconds == pytest.approx(5.0)  # ms timestamps
 
 
+def test_a_trace_file_without_one_valid_line_leaves_the_others_readable(tmp_path: Path) -> None:
+    """Its frame had no rows, and its empty categories another dtype: joining the files' frames
+    raised TypeError (union_categoricals) and the report ended in a traceback."""
+    good = write(tmp_path / "good.jsonl", "\n".join(mooncake_lines()) + "\n")
+    bad = write(tmp_path / "bad.jsonl", '{"timestamp":"x","input_length":10,"output_length":5}\n')
+    report = build_report([good, bad], trace_format="mooncake")
+    assert rows(report)[ALL].requests == len(mooncake_lines())
+    assert report.malformed == 1 and report.replicas == (ALL, "good")
+
+
 def test_each_trace_file_is_its_own_group(tmp_path: Path) -> None:
     a = write(tmp_path / "conv.csv", AZURE)
     b = write(tmp_path / "code.csv", AZURE.replace(",6000", ",60"))
