@@ -5,6 +5,7 @@ differ between the two."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,10 +17,10 @@ from kvwatch.export.gpus import GpuCollector
 from kvwatch.export.replicas import ReplicaCollector
 from kvwatch.export.requests import RequestCollector
 from kvwatch.export.server import make_registry
-from kvwatch.model import Outcome, RequestRecord
+from kvwatch.model import Outcome
 from kvwatch.status.view import ALL, build_view
 
-from .node import MODEL, T0, populated_state
+from .node import T0, populated_state, records
 
 
 def _metrics(state, cfg) -> dict[str, list[tuple[dict[str, str], float]]]:  # type: ignore[no-untyped-def]
@@ -124,17 +125,14 @@ def test_a_bands_counts_and_quantiles_describe_the_same_requests_between_scrapes
     before = {
         row.band: row.requests for row in build_view(state, cfg, T0 + 11).band_rows if row.replica == ALL
     }
+    streamed = records()[0]  # one of r0's proxied chat streams
     for i in range(30):  # clients leave a stalled stream after 4 tokens: no scrape since
         state.requests.observe(
-            RequestRecord(
-                "r0",
-                MODEL,
-                "proxy",
-                Outcome.ABORTED,
-                T0 + 12 + i,
-                endpoint="chat",
-                streaming=True,
-                status_code=200,
+            replace(
+                streamed,
+                outcome=Outcome.ABORTED,
+                started_at=T0 + 12 + i,
+                prompt_tokens=None,
                 output_tokens=4,
                 output_tokens_estimated=True,
                 ttft_seconds=0.3,
