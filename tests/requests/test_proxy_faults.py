@@ -169,6 +169,7 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
         await until(lambda: len(proxy.in_flight.current()) == 1)
         [live] = proxy.in_flight.current()
         assert (live.admission_band, live.generated_tokens > 0) == ("1k-5k", True)
+        live_prompt_estimate = live.prompt_tokens_estimate
         response.close()
         left_at = time.perf_counter()
     await until(lambda: engine.seen[-1].disconnected_at is not None)
@@ -180,6 +181,7 @@ async def test_client_disconnect_closes_upstream_at_once_and_is_aborted(
     # no usage ever came: the prompt is only estimated, from the size of the body the client sent
     assert record.prompt_tokens is None
     assert record.prompt_tokens_estimate == len(json.dumps(body).encode()) // PROMPT_BYTES_PER_TOKEN
+    assert live_prompt_estimate == record.prompt_tokens_estimate  # the live view estimated the same
     assert proxy.in_flight.current() == []
 
 

@@ -292,7 +292,7 @@ class Exchange:
                     metering.replica,
                     model,
                     metering.accounting.bands.band_for(info.max_tokens),
-                    estimate_prompt_tokens(len(self.body)),
+                    estimate_prompt_tokens(info.body_bytes),
                     0,
                     self.wall,
                     info.max_tokens,
