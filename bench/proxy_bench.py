@@ -11,10 +11,10 @@ TTFT here is the path's share of it: the client's TTFT minus the upstream's own 
 count; "added" subtracts the direct connection's value.
 
 Phases per target:
-  steady  64 streams in flight (200 chunks, 10 ms apart, like an engine); new requests arrive one by
-          one as streams finish: TTFT of those arrivals, latency of every chunk, proxy CPU.
+  steady  64 streams in flight (``--chunks``, 200 by default, 10 ms apart, like an engine); new requests
+          arrive one by one as streams finish: TTFT of those arrivals, latency of every chunk, proxy CPU.
   burst   64 requests at once (3 rounds): TTFT p99.
-  flat    64 streams of 200 chunks as fast as the upstream can write: chunks per CPU-second.
+  flat    64 streams of as many chunks as fast as the upstream can write: chunks per CPU-second.
 
 Scenario ``late-tail`` (``--scenario late-tail``): the upstream writes ``[DONE]`` and then waits
 0.5-2 s before its last-chunk marker (vLLM's frontend does so under load); its streams are 10-30
@@ -27,6 +27,7 @@ with the others: ``--pace`` longer than the longest response gives every target 
 
   .venv/bin/python bench/proxy_bench.py                       # direct, nginx, kvwatch (uvloop)
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,aiohttp,aiohttp-uvloop,raw,raw-uvloop
+  .venv/bin/python bench/proxy_bench.py --targets direct,nginx,raw-uvloop,rawcount-uvloop,kvwatch-uvloop
   .venv/bin/python bench/proxy_bench.py --scenario late-tail
   .venv/bin/python bench/proxy_bench.py --scenario late-tail --requests 12 --pace 2.4,2.8
   .venv/bin/python bench/proxy_bench.py --targets direct,nginx,nginxlua,kvwatch-uvloop
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         "--targets",
         default="direct,nginx,kvwatch-uvloop",
         help="comma list: direct, nginx, kvwatch[-uvloop], kvwatchbase[-uvloop], "
-        "aiohttp[-uvloop], raw[-uvloop], nginxlua (nginx with kvwatch's accounting in Lua)",
+        "aiohttp[-uvloop], raw[-uvloop], rawcount[-uvloop] (the raw relay plus the least per-read "
+        "accounting), nginxlua (nginx with kvwatch's accounting in Lua)",
     )
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--seconds", type=float, default=8.0, help="steady phase length per target")
@@ -88,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)  # role meter: where nginx_meter.lua sends
-    p.add_argument("--chunks", type=int, default=200, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=200,
+        help="streaming: content chunks per stream, steady and flat (default 200); two runs at "
+        "different lengths split CPU into per chunk and per request",
+    )
     p.add_argument("--interval", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--tail", help=argparse.SUPPRESS)
     p.add_argument("--chunk-range", help=argparse.SUPPRESS)  # role upstream: LOW,HIGH chunks a stream

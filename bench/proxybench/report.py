@@ -104,8 +104,9 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         print("| " + " | ".join(cells) + " |")
     direct = rows[0]
     print(
-        f"\nmedians of {args.rounds} interleaved round(s); steady: {args.streams} streams x 200 chunks x "
-        f"10 ms, {args.seconds:.0f} s; burst: 3 x {args.streams}; flat: 2 x {args.streams} streams x 200 "
-        f"chunks unpaced; direct path TTFT p50/p99 {direct['ttft_p50_ms']:.3f}/{direct['ttft_p99_ms']:.3f} "
+        f"\nmedians of {args.rounds} interleaved round(s); steady: {args.streams} streams x "
+        f"{args.chunks} chunks x 10 ms, {args.seconds:.0f} s; burst: 3 x {args.streams}; flat: 2 x "
+        f"{args.streams} streams x {args.chunks} chunks unpaced; direct path TTFT p50/p99 "
+        f"{direct['ttft_p50_ms']:.3f}/{direct['ttft_p99_ms']:.3f} "
         f"ms; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
     )

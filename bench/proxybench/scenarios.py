@@ -286,8 +286,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     if args.uvloop_client:
         _use_uvloop(True)
     paced_port, flat_port = _free_port(), _free_port()
-    paced = _spawn("upstream", paced_port, 0, ["--chunks", "200", "--interval", "0.01"], uvloop=True)
-    flat = _spawn("upstream", flat_port, 0, ["--chunks", "200", "--interval", "0"], uvloop=True)
+    chunks = str(args.chunks)
+    paced = _spawn("upstream", paced_port, 0, ["--chunks", chunks, "--interval", "0.01"], uvloop=True)
+    flat = _spawn("upstream", flat_port, 0, ["--chunks", chunks, "--interval", "0"], uvloop=True)
     rounds: list[list[Result]] = []
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-"))
     try:
