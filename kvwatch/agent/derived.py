@@ -19,7 +19,8 @@ from kvwatch.state import NodeState
 
 
 def node_inputs(state: NodeState, config: Config) -> NodeInputs:
-    """A snapshot of what the derived signals read (samples of targets that are up only).
+    """A snapshot of what the derived signals read (samples of targets that are up only, and the
+    in-flight requests as of each one's page).
 
     KV bytes per token (per GPU, which turns token- and block-counted tier traffic into bytes) are
     the replica's configured ``kv_bytes_per_token`` where set, else what its engine reports.
@@ -34,7 +35,7 @@ def node_inputs(state: NodeState, config: Config) -> NodeInputs:
         samples=samples,
         gpus=state.gpus,
         replica_gpus=dict(state.replica_gpus),
-        in_flight=tuple(state.in_flight.current()),
+        in_flight=tuple(state.in_flight_at_scrape()),
         proxied=frozenset(r.name for r in config.replicas if r.proxy_listen is not None),
         kv_bytes_per_token=kv_bytes,
         link_bandwidth=link_bytes_per_second,

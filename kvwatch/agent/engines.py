@@ -30,7 +30,7 @@ from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySe
 from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
 from kvwatch.engines.page_worker import PageJob, parse_in_worker
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
-from kvwatch.model import ReplicaSample
+from kvwatch.model import InFlightRequest, ReplicaSample
 from kvwatch.state import NodeState, TargetState
 from kvwatch.workers import WorkerFailedError, WorkerProcess, brief_error
 
@@ -210,7 +210,11 @@ def _failed(target: TargetState, err: ScrapeError, started: float, backoff_max_s
 
 
 def _succeeded(
-    target: TargetState, result: ParseResult, samples: tuple[ReplicaSample, ...], started: float
+    target: TargetState,
+    result: ParseResult,
+    samples: tuple[ReplicaSample, ...],
+    started: float,
+    in_flight: tuple[InFlightRequest, ...],
 ) -> None:
     reset = counters_reset(target.previous_samples, samples)
     if reset:
@@ -235,6 +239,7 @@ def _succeeded(
     target.backend = result.backend
     target.rejected_samples.update(dict(result.rejected))
     target.samples = samples
+    target.in_flight = in_flight
     target.previous_samples = samples
     target.up = True
     target.last_success_ts = started
@@ -271,6 +276,8 @@ async def scrape_target(
             timeout_s=replica_cfg.scrape_timeout_s or scrape_cfg.timeout_s,
             max_bytes=scrape_cfg.max_response_bytes,
         )
+        # the requests the page's counts were taken with, before they move on while it is parsed
+        in_flight = tuple(state.in_flight.current(replica_cfg.name))
         result = await _parse(body, content_type, replica_cfg, scrape_cfg, started, worker)
     except ScrapeError as err:
         target.scrape_duration_s = time.perf_counter() - clock
@@ -282,5 +289,5 @@ async def scrape_target(
     if page is not None:
         samples = await _extra_page(client, page, replica_cfg, scrape_cfg, target, samples)
     target.scrape_duration_s = time.perf_counter() - clock
-    _succeeded(target, result, samples, started)
+    _succeeded(target, result, samples, started, in_flight)
     state.report(f"engine:{replica_cfg.name}", True, target.scrape_duration_s, now=started)

@@ -56,10 +56,13 @@ class InFlightTracker:
     def tokens_per_chunk(self, replica: str) -> float:
         return self._tokens_per_chunk.get(replica, 1.0)
 
-    def current(self) -> list[InFlightRequest]:
+    def current(self, replica: str | None = None) -> list[InFlightRequest]:
+        """Every request in flight now, or only ``replica``'s."""
         with self._lock:
             out = []
             for handle, req in self._requests.items():
+                if replica is not None and req.replica != replica:
+                    continue
                 per_chunk = self._tokens_per_chunk.get(req.replica, 1.0)
                 generated = round(self._chunks.get(handle, 0) * per_chunk)
                 out.append(

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvwatch.derive.node import DerivedView
-from kvwatch.model import GpuGrant, GpuSample, LengthBands, ReplicaSample
+from kvwatch.model import GpuGrant, GpuSample, InFlightRequest, LengthBands, ReplicaSample
 from kvwatch.state.in_flight import InFlightTracker
 from kvwatch.state.plugin import PluginStats
 from kvwatch.state.request_stats import RequestStats
@@ -50,6 +50,9 @@ class TargetState:
     backoff_until: float | None = None
     #: last good samples, kept while down only to detect counter resets (engine restarts); never exported
     previous_samples: tuple[ReplicaSample, ...] = ()
+    #: the proxy's requests in flight to this replica when ``samples``' page was read: what the
+    #: samples' KV counts are compared with (live tokens, over-commitment), from the same moment
+    in_flight: tuple[InFlightRequest, ...] = ()
     #: why the last fetch of the adapter's extra page (llama.cpp /slots) failed (the target stays up),
     #: None when it worked
     extra_page_error: str | None = None
@@ -148,6 +151,11 @@ class NodeState:
     def live_samples(self) -> list[ReplicaSample]:
         """Samples of targets that are up: what may be exported as current."""
         return [s for t in list(self.targets.values()) if t.up for s in t.samples]
+
+    def in_flight_at_scrape(self) -> list[InFlightRequest]:
+        """The in-flight requests of targets that are up, each as of its replica's last page: a page
+        is up to a scrape interval old, and requests start, grow and end in between."""
+        return [r for t in list(self.targets.values()) if t.up for r in t.in_flight]
 
     # -- collectors -----------------------------------------------------------------------------
     def report(

@@ -30,6 +30,7 @@ def scraped(state: NodeState, t: float, config: Config = PROXIED, **fields) -> N
     """What the scraper does after a good scrape, then what the agent calls."""
     target = state.target("r0")
     target.up, target.backend, target.samples = True, "vllm", (decoding(t, **fields),)
+    target.in_flight = tuple(state.in_flight.current("r0"))  # as the page is read
     update_derived(state, config, now=t)
 
 

@@ -299,3 +299,36 @@ def test_slots_url_is_derived_from_the_metrics_url():
     assert EXTRA_PAGE.url("http://h:8080/metrics") == "http://h:8080/slots"
     assert EXTRA_PAGE.url("http://h:8080/llama/metrics?x=1") == "http://h:8080/llama/slots"
     assert EXTRA_PAGE.url("http://h/m", "http://h/s") == "http://h/s"
+
+
+async def test_live_tokens_are_compared_with_the_requests_in_flight_when_the_page_was_read(
+    server, client, state, clock
+):
+    """The page says 3 running in 18 of 19 usable 128-token blocks (2,304 tokens allocated); the
+    proxy relayed 3 requests then. They end before the next derive (it also runs after GPU polls and
+    other replicas' scrapes) and a new one starts: the estimate is still that of the page's moment."""
+    from kvwatch.agent.derived import update_derived
+    from kvwatch.config import HostPort
+    from kvwatch.derive.fragmentation import PROXY_ESTIMATE
+    from kvwatch.model import InFlightRequest
+
+    server.body = page("vllm_0_32_cpu_preempting.prom")
+    config = Config(
+        replicas=(replica(server.url, api_url="http://127.0.0.1:1", proxy_listen=HostPort("127.0.0.1", 0)),)
+    )
+
+    def request(started_at: float, generated: int) -> int:
+        handle = state.in_flight.start(InFlightRequest("r0", "tiny", "0-1k", 100, 0, started_at))
+        state.in_flight.progress(handle, generated)
+        return handle
+
+    at_page = [request(1.0, 600), request(2.0, 650), request(3.0, 700)]
+    await scrape_target(client, config.replicas[0], SCRAPE, state, now=clock)
+    for handle in at_page:
+        state.in_flight.finish(handle)
+    request(4.0, 50)  # started after the page was read: the engine's counts do not hold it
+
+    view = update_derived(state, config, clock.t + 2.0)
+    [frag] = view.fragmentation
+    assert (frag.source, frag.live_tokens, frag.allocated_tokens) == (PROXY_ESTIMATE, 2250.0, 2304.0)
+    assert frag.ratio == pytest.approx(1 - 2250 / 2304)

@@ -167,6 +167,7 @@ def populated_state(step: int = 0) -> tuple[NodeState, Config]:
             target = state.target(name)
             target.backend, target.up, target.last_success_ts = "vllm", True, at
             target.samples = (vllm_sample(name, at, *values),)
+            target.in_flight = tuple(state.in_flight.current(name))  # as the scraper reads a page
         failing = state.target("s0")
         failing.backend, failing.up = "sglang", False
         failing.last_error = "connect: connection refused (http://127.0.0.1:30000/metrics)"
