@@ -75,3 +75,26 @@ def test_in_flight_tokens_scale_chunks_by_the_learned_tokens_per_chunk():
     assert tracker.tokens_per_chunk("other") == 1.0
     tracker.finish(handle)
     assert tracker.current() == []
+
+
+def test_in_flight_prompts_scale_the_body_estimate_by_what_finished_requests_taught():
+    tracker = InFlightTracker()
+
+    def request(replica: str, estimate: int) -> int:
+        return tracker.start(InFlightRequest(replica, "m", "0-1k", estimate, 0, 0.0))
+
+    running = request("r0", 1000)
+    assert tracker.current()[0].prompt_tokens_estimate == 1000  # body / 4 until told otherwise
+    tracker.finish(request("r0", 200), prompt_tokens=300)  # its usage: 1.5x the estimate
+    assert tracker.current()[0].prompt_tokens_estimate == 1500
+    tracker.finish(request("r0", 200), prompt_tokens=None)  # no usage (aborted): nothing learned
+    tracker.finish(request("r0", 100), prompt_tokens=50)
+    assert tracker.current()[0].prompt_tokens_estimate == round(1000 * (0.8 * 1.5 + 0.2 * 0.5))
+    # one body padded out of all proportion moves the scale by its clamped ratio's weight only
+    tracker.finish(request("r0", 1_000_000), prompt_tokens=1)
+    assert tracker.current()[0].prompt_tokens_estimate == pytest.approx(1000 * (0.8 * 1.3 + 0.2 / 16), abs=1)
+    other = request("r1", 1000)  # a replica's scale is its own
+    assert {r.replica: r.prompt_tokens_estimate for r in tracker.current()}["r1"] == 1000
+    for handle in (running, other):
+        tracker.finish(handle)
+    assert tracker.current() == []

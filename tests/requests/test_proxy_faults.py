@@ -152,6 +152,29 @@ async def test_malformed_engine_response_gives_502(http: ClientSession) -> None:
         assert response.status == 502
 
 
+async def test_a_finished_requests_exact_prompt_scales_the_live_estimate_of_the_next(
+    engine: ScriptedEngine, proxy: ProxyHarness, http: ClientSession
+) -> None:
+    """The body's size / 4 is all the proxy knows of a running request's prompt; the engine's usage at
+    the end of one request teaches the replica's scale, so an identical request reads as counted."""
+    engine.script = Script(contents=[(0.0, "tok")] * 3, prompt_tokens=170)
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+        await response.read()
+    await until(lambda: len(proxy.records) == 1 and proxy.in_flight.current() == [])
+    assert proxy.records[0].prompt_tokens == 170
+    estimate = len(json.dumps(STREAMING_CHAT).encode()) // PROMPT_BYTES_PER_TOKEN
+    assert estimate != 170  # the body alone says something else
+
+    engine.script = Script(contents=[(0.05, "tok")] * 100, prompt_tokens=170)
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=STREAMING_CHAT) as response:
+        await response.content.readline()
+        await until(lambda: len(proxy.in_flight.current()) == 1)
+        [live] = proxy.in_flight.current()
+        assert live.prompt_tokens_estimate == 170
+        response.close()
+    await until(lambda: proxy.in_flight.current() == [])
+
+
 # -- client behaviour --------------------------------------------------------------------------------
 
 

@@ -318,17 +318,23 @@ async def test_a_malformed_datagram_is_refused_counted_and_the_channel_goes_on()
         json.dumps([["c", "kvwatch_proxy_requests_shed", ["other-replica", "buffer"], 1]]).encode(),
         # a good message with a bad one in the same datagram: nothing of it is applied
         json.dumps([["c", "kvwatch_proxy_requests_shed", ["r0", "buffer"], 1], ["f", -1]]).encode(),
+        b'[["f", 1, "many"]]',  # a finished request's exact prompt that is not a count
+        b'[["f", 1, 2, 3]]',
     ):
         theirs.send(bad)
     worker.count("kvwatch_proxy_requests_shed", "r0", "buffer")
     handle = worker.start(InFlightRequest("r0", "tiny", "0-4", 3, 0, 1.7e9, 4))
     worker.sink(record)
-    worker.finish(handle)
+    worker.finish(handle, prompt_tokens=6)  # its usage said 6 prompt tokens: twice the body's estimate
     await until(lambda: len(records) == 1, 5)
     assert records == [record]  # decoded field for field, tuples and the enum included
-    assert counters[("kvwatch_proxy_worker_datagrams_refused",)] == 8
+    assert counters[("kvwatch_proxy_worker_datagrams_refused",)] == 10
     assert counters[("kvwatch_proxy_requests_shed", "r0", "buffer")] == 1
     assert tracker.current() == []
+    handle = worker.start(InFlightRequest("r0", "tiny", "0-4", 5, 0, 1.7e9, 4))
+    await until(lambda: [r.prompt_tokens_estimate for r in tracker.current()] == [10], 5)
+    worker.finish(handle)
+    await until(lambda: tracker.current() == [], 5)
     theirs.close()
     await asyncio.wait_for(receiver.closed, 5)
 

@@ -221,11 +221,11 @@ class WorkerChannel:
             if self._progress_timer is None:
                 self._progress_timer = self.loop.call_later(PROGRESS_INTERVAL_S, self._send_progress)
 
-    def finish(self, handle: int) -> None:
+    def finish(self, handle: int, prompt_tokens: int | None = None) -> None:
         if handle in self.open:
             self.open.discard(handle)
             self.progress_of.pop(handle, None)
-            self._add([FINISH, handle])
+            self._add([FINISH, handle] if prompt_tokens is None else [FINISH, handle, prompt_tokens])
 
     def calibrate(self, replica: str, output_tokens: int, content_chunks: int) -> None:
         self._add([CALIBRATE, replica, output_tokens, content_chunks])
@@ -415,9 +415,10 @@ class ChannelReceiver:
         if kind == PROGRESS and len(args) == 2:
             handle, chunks = _small_int(args[0], "handle"), _small_int(args[1], "chunks")
             return lambda: self._progress(handle, chunks)
-        if kind == FINISH and len(args) == 1:
+        if kind == FINISH and len(args) in (1, 2):
             handle = _small_int(args[0], "handle")
-            return lambda: self._finish(handle)
+            prompt = _small_int(args[1], "prompt_tokens") if len(args) == 2 else None
+            return lambda: self._finish(handle, prompt)
         if kind == CALIBRATE and len(args) == 3:
             replica = self._replica(args[0])
             tokens, chunks = _small_int(args[1], "output_tokens"), _small_int(args[2], "chunks")
@@ -451,10 +452,10 @@ class ChannelReceiver:
         if entry is not None:
             self.in_flight.progress(entry[0], chunks)
 
-    def _finish(self, handle: int) -> None:
+    def _finish(self, handle: int, prompt_tokens: int | None) -> None:
         entry = self.handles.pop(handle, None)
         if entry is not None:
-            self.in_flight.finish(entry[0])
+            self.in_flight.finish(entry[0], prompt_tokens)
 
     def fail_in_flight(self) -> int:
         """The worker is gone: its unfinished requests leave the tracker and are counted as lost."""

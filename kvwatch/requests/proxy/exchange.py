@@ -308,6 +308,7 @@ class Exchange:
     def _finish(self, end: End) -> None:
         """The request's bookkeeping: its record to the sink, its in-flight entry closed."""
         metering = self.metering
+        prompt_tokens = None  # the engine's count, where usage came: it calibrates prompt estimates
         if self.meter is not None:
             try:
                 record = self.meter.record(self.status, end)
@@ -315,9 +316,10 @@ class Exchange:
                 metering.accounting_failed("record", exc)
             else:
                 metering.emit(record)
+                prompt_tokens = record.prompt_tokens
         if self.handle is not None:
             try:
-                metering.accounting.in_flight.finish(self.handle)
+                metering.accounting.in_flight.finish(self.handle, prompt_tokens)
             except Exception as exc:
                 metering.accounting_failed("in_flight", exc)
 
