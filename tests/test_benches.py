@@ -40,6 +40,7 @@ QUICK: dict[str, Quick] = {
     "fleet_bench.py": Quick(("--nodes", "1", "--interval", "1", "--window", "3", "--phases", "full"), "|"),
     "http1_bench.py": Quick(("--quick",), "| request head |"),  # this checkout's http1.py against itself
     "kv_signals_accuracy.py": Quick(("--quick",), "cost per scrape"),  # ~1 s
+    "live_tokens_demo.py": Quick(("--quick",), "readings by outcome"),  # the demo's node, ~12 s
     "nvml_smoke.py": Quick(("--fake", "2", "--quick"), "GPU 1 "),
     "otlp_loop_lag.py": Quick(("--quick",), "gzip bomb"),  # ~4 s
     # the real CPU vLLM with its OTLP exporter and `vllm bench serve`: ~1.5 min, most of it start-up

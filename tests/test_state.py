@@ -70,7 +70,10 @@ def test_in_flight_tokens_scale_chunks_by_the_learned_tokens_per_chunk():
     tracker.calibrate("r0", output_tokens=400, content_chunks=100)  # 4 tokens a chunk seen
     assert tracker.current()[0].generated_tokens == 200
     tracker.calibrate("r0", output_tokens=100, content_chunks=100)
-    assert tracker.tokens_per_chunk("r0") == pytest.approx(0.8 * 4 + 0.2 * 1)
+    # weighted by size, as the sums of tokens and chunks: (0.8 x 80 + 0.2 x 100) / (0.8 x 20 + 0.2 x 100)
+    assert tracker.tokens_per_chunk("r0") == pytest.approx(84 / 36)
+    tracker.calibrate("r1", output_tokens=50, content_chunks=100)  # more chunks than tokens
+    assert tracker.tokens_per_chunk("r1") == 1.0  # a content chunk carries a token at least
     tracker.calibrate("other", output_tokens=0, content_chunks=0)  # nothing learned from nothing
     assert tracker.tokens_per_chunk("other") == 1.0
     tracker.finish(handle)
@@ -83,18 +86,25 @@ def test_in_flight_prompts_scale_the_body_estimate_by_what_finished_requests_tau
     def request(replica: str, estimate: int) -> int:
         return tracker.start(InFlightRequest(replica, "m", "0-1k", estimate, 0, 0.0))
 
+    def prompt_now(replica: str = "r0") -> int:
+        return {r.replica: r.prompt_tokens_estimate for r in tracker.current()}[replica]
+
     running = request("r0", 1000)
-    assert tracker.current()[0].prompt_tokens_estimate == 1000  # body / 4 until told otherwise
+    assert prompt_now() == 1000  # body / 4 until told otherwise
     tracker.finish(request("r0", 200), prompt_tokens=300)  # its usage: 1.5x the estimate
-    assert tracker.current()[0].prompt_tokens_estimate == 1500
+    assert prompt_now() == 1500
     tracker.finish(request("r0", 200), prompt_tokens=None)  # no usage (aborted): nothing learned
-    tracker.finish(request("r0", 100), prompt_tokens=50)
-    assert tracker.current()[0].prompt_tokens_estimate == round(1000 * (0.8 * 1.5 + 0.2 * 0.5))
-    # one body padded out of all proportion moves the scale by its clamped ratio's weight only
-    tracker.finish(request("r0", 1_000_000), prompt_tokens=1)
-    assert tracker.current()[0].prompt_tokens_estimate == pytest.approx(1000 * (0.8 * 1.3 + 0.2 / 16), abs=1)
+    assert prompt_now() == 1500
+    # token-weighted: a short prompt whose body was mostly overhead moves the scale by its size
+    tracker.finish(request("r0", 20), prompt_tokens=4)
+    exact, estimated = 0.8 * 0.2 * 300 + 0.2 * 4, 0.8 * 0.2 * 200 + 0.2 * 20
+    assert prompt_now() == round(1000 * exact / estimated)  # 1.35x, where a mean of ratios says 1.24x
+    # a body padded out of all proportion counts as if its estimate were 16 x its prompt
+    tracker.finish(request("r0", 1_000_000), prompt_tokens=10)
+    exact, estimated = 0.8 * exact + 0.2 * 10, 0.8 * estimated + 0.2 * 160
+    assert prompt_now() == round(1000 * exact / estimated)
     other = request("r1", 1000)  # a replica's scale is its own
-    assert {r.replica: r.prompt_tokens_estimate for r in tracker.current()}["r1"] == 1000
+    assert prompt_now("r1") == 1000
     for handle in (running, other):
         tracker.finish(handle)
     assert tracker.current() == []
