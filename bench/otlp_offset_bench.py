@@ -30,7 +30,7 @@ from pathlib import Path
 from bench._harness import parser as bench_parser
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import RequestRecord
-from kvwatch.requests.otlp import start_otlp_receiver
+from kvwatch.requests.otlp import OtlpReceiver
 from tests.local import free_port
 from tests.vllm_bench import OFFLINE_ENV, serve_command
 
@@ -91,7 +91,8 @@ async def measure(requests: int) -> dict:
         replicas=(ReplicaConfig("r0", f"{base}/metrics", api_url=base, model_name="tiny"),),
         otlp=OtlpConfig(listen=HostPort("127.0.0.1", otlp_port)),
     )
-    receiver = await start_otlp_receiver(config, spans.append, lambda *a, **k: None)
+    receiver = OtlpReceiver(config, spans.append, lambda *a, **k: None)
+    await receiver.start()
     with tempfile.TemporaryDirectory(prefix="kvwatch-otlp-bench-") as tmp:
         log = Path(tmp) / "vllm.log"
         out = await run(

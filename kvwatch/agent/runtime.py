@@ -493,9 +493,9 @@ class Agent:
         cfg = self.config
         await self._start_proxies([r for r in cfg.replicas if r.proxy_listen is not None])
         if cfg.otlp.listen is not None:
-            from kvwatch.requests.otlp import start_otlp_receiver
+            from kvwatch.requests.otlp import OtlpReceiver
 
-            self._otlp = await start_otlp_receiver(
+            self._otlp = OtlpReceiver(
                 cfg,
                 self._record_admitted,
                 self.state.count,
@@ -503,6 +503,7 @@ class Agent:
                 worker=self._worker,
                 ledger=self._ledger,
             )
+            await self._otlp.start()
         for files in cfg.sglang_request_files:
             from kvwatch.requests.sglang_files import start_follower
 

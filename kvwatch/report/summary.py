@@ -42,6 +42,17 @@ _LATENCIES = ("ttft", "tpot", "e2e")
 _TOKENS = ("output_tokens", "prompt_tokens")
 
 
+def _quantile_column(name: str, quantile: float) -> str:
+    """``ttft`` at 0.99 is ``ttft_p99_seconds``; token counts have no unit suffix."""
+    return f"{name}_p{round(quantile * 100)}{'_seconds' if name in _LATENCIES else ''}"
+
+
+#: the percentile columns of a ``BandRow``, one per value and quantile
+_QUANTILE_COLUMNS = {
+    (name, q): _quantile_column(name, q) for name in (*_LATENCIES, *_TOKENS) for q in QUANTILES
+}
+
+
 @dataclass(frozen=True, slots=True)
 class BandRow:
     """One length band of one replica (``(all)`` aggregates); one CSV row. None = not known."""
@@ -317,7 +328,7 @@ def _group_stats(
         for q in QUANTILES:
             qrow = quantiles.loc[(*key, q)]
             for name in values:
-                entry[f"{name}@{q}"] = qrow[name]
+                entry[_QUANTILE_COLUMNS[name, q]] = qrow[name]
     for (r, b, outcome), count in outcomes.items():
         stats[(str(r), str(b))][f"outcome:{outcome}"] = float(count)
 
@@ -357,9 +368,6 @@ def _row(
         part, whole = known(part), known(whole)
         return None if part is None or not whole else part / whole
 
-    def q(name: str, quantile: float) -> float | None:
-        return known(e.get(f"{name}@{quantile}"))
-
     outcome = {o: (ratio(e.get(f"outcome:{o}", 0.0), count) if has_outcomes else None) for o in OUTCOMES}
     kv = known(e.get("kv"))
     return BandRow(
@@ -372,22 +380,8 @@ def _row(
         aborted_ratio=outcome["aborted"],
         error_ratio=outcome["error"],
         rejected_ratio=outcome["rejected"],
-        ttft_p50_seconds=q("ttft", 0.5),
-        ttft_p90_seconds=q("ttft", 0.9),
-        ttft_p99_seconds=q("ttft", 0.99),
-        tpot_p50_seconds=q("tpot", 0.5),
-        tpot_p90_seconds=q("tpot", 0.9),
-        tpot_p99_seconds=q("tpot", 0.99),
-        e2e_p50_seconds=q("e2e", 0.5),
-        e2e_p90_seconds=q("e2e", 0.9),
-        e2e_p99_seconds=q("e2e", 0.99),
-        output_tokens_p50=q("output_tokens", 0.5),
-        output_tokens_p90=q("output_tokens", 0.9),
-        output_tokens_p99=q("output_tokens", 0.99),
         output_tokens_mean=known(e.get("output_tokens_mean")),
-        prompt_tokens_p50=q("prompt_tokens", 0.5),
-        prompt_tokens_p90=q("prompt_tokens", 0.9),
-        prompt_tokens_p99=q("prompt_tokens", 0.99),
+        **{column: known(e.get(column)) for column in _QUANTILE_COLUMNS.values()},
         kv_token_seconds=kv,
         kv_share=ratio(kv, total.get("kv")),
         kv_mean_tokens=None if kv is None or not window else kv / window,

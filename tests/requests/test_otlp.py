@@ -42,7 +42,6 @@ from kvwatch.requests.otlp import (
     decode_in_worker,
     inflate,
     records_from_export,
-    start_otlp_receiver,
 )
 from kvwatch.workers import WorkerProcess
 
@@ -200,9 +199,10 @@ async def otlp() -> AsyncIterator[Harness]:
             max_decompressed_bytes=1024 * 1024,
         ),
     )
-    harness.receiver = await start_otlp_receiver(
+    harness.receiver = OtlpReceiver(
         config, harness.records.append, harness.count, lambda *args: harness.reports.append(args)
     )
+    await harness.receiver.start()
     yield harness
     await harness.receiver.stop()
 
@@ -288,7 +288,8 @@ async def default_otlp() -> AsyncIterator[Harness]:
     harness = Harness()
     config = Config(replicas=tuple(REPLICAS), otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0), replica="r0"))
     worker = WorkerProcess()  # as the agent wires it: large and compressed exports are decoded there
-    harness.receiver = await start_otlp_receiver(config, harness.records.append, harness.count, worker=worker)
+    harness.receiver = OtlpReceiver(config, harness.records.append, harness.count, worker=worker)
+    await harness.receiver.start()
     yield harness
     await harness.receiver.stop()
     await worker.close()

@@ -23,7 +23,7 @@ from aiohttp import ClientSession
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig
 from kvwatch.model import Outcome, RequestRecord
-from kvwatch.requests.otlp import start_otlp_receiver
+from kvwatch.requests.otlp import OtlpReceiver
 from tests.local import free_port, start_llama_server, stop_group, until
 
 from .real_vllm import CHAT, CLOSED_WITHIN_S, LONG, disconnect_attempts, metric, vllm_metrics
@@ -340,7 +340,8 @@ async def test_otlp_spans_from_real_vllm_match_the_proxys_view(traced_vllm: tupl
         if record.started_at >= ours_since:
             spans.append(record)
 
-    receiver = await start_otlp_receiver(config, keep_ours, lambda *a, **k: None)
+    receiver = OtlpReceiver(config, keep_ours, lambda *a, **k: None)
+    await receiver.start()
     proxy = await launch_proxy(base)
     client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
     try:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import ClientSession
 
 from kvwatch.config import Config, HostPort, OtlpConfig, ReplicaConfig, SglangFilesConfig
-from kvwatch.requests.otlp import REFUSED, start_otlp_receiver
+from kvwatch.requests.otlp import REFUSED, OtlpReceiver
 from kvwatch.requests.sglang_files import SglangFileFollower
 from kvwatch.requests.vllm_plugin import DATAGRAMS, PluginReceiver
 
@@ -39,7 +39,8 @@ async def test_an_otlp_sender_posting_garbage_gets_one_log_line(
         replicas=(ReplicaConfig("r0", "http://127.0.0.1:1/metrics"),),
         otlp=OtlpConfig(listen=HostPort("127.0.0.1", 0)),
     )
-    receiver = await start_otlp_receiver(config, lambda record: None, _counter(counts))
+    receiver = OtlpReceiver(config, lambda record: None, _counter(counts))
+    await receiver.start()
     caplog.set_level(logging.WARNING, logger="kvwatch.requests.otlp")
     try:
         for _ in range(30):

@@ -41,7 +41,7 @@ from kvwatch.requests.otlp.decode import (
     decode_in_worker,
     inflate,
 )
-from kvwatch.requests.otlp.receiver import REFUSED, SPANS, OtlpReceiver, start_otlp_receiver
+from kvwatch.requests.otlp.receiver import REFUSED, SPANS, OtlpReceiver
 from kvwatch.requests.otlp.spans import ReplicaResolver, records_from_export
 
 __all__ = [
@@ -56,5 +56,4 @@ __all__ = [
     "decode_in_worker",
     "inflate",
     "records_from_export",
-    "start_otlp_receiver",
 ]

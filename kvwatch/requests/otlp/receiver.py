@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from kvwatch.config import Config, OtlpConfig, ReplicaConfig
+from kvwatch.config import Config
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import RequestRecord
 from kvwatch.requests.accounting import ModelLabels
@@ -50,26 +50,33 @@ COLLECTOR = "otlp"
 
 
 class OtlpReceiver:
-    """The HTTP endpoint; ``await stop()`` closes it."""
+    """The HTTP endpoint on ``config.otlp.listen``: ``await start()``, then ``await stop()``.
+
+    ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the
+    first. ``report`` (``NodeState.report``) is told of each export received, as collector ``otlp``.
+    ``ledger``: the request ledger ``sink`` writes to, if any; ``sink`` must then write each record
+    as admitted (``RequestLedger.write(record, admitted=True)``), the room having been made for it.
+    """
 
     def __init__(
         self,
-        config: OtlpConfig,
-        replicas: Sequence[ReplicaConfig],
-        known_models: Iterable[str],
+        config: Config,
         sink: Sink,
         count: Count,
         report: Report | None = None,
         worker: WorkerProcess | None = None,
         ledger: RequestLedger | None = None,
     ) -> None:
-        self.config = config
+        if config.otlp.listen is None:
+            raise ValueError("otlp.listen is not set")
+        self.listen = config.otlp.listen
+        self.config = config.otlp
         self.worker = worker
         #: the ledger ``sink`` writes to: it must write each record as admitted (``write(r, True)``)
         self.ledger = ledger
-        known = frozenset(known_models)
-        self.resolver = ReplicaResolver([r.name for r in replicas], config.replica)
-        self.labels = {r.name: ModelLabels(known, r.model_name) for r in replicas}
+        known = frozenset(config.known_models)
+        self.resolver = ReplicaResolver([r.name for r in config.replicas], config.otlp.replica)
+        self.labels = {r.name: ModelLabels(known, r.model_name) for r in config.replicas}
         self.sink = sink
         self.count = count
         self.report = report
@@ -83,15 +90,19 @@ class OtlpReceiver:
         assert self._runner is not None, "start() first"
         return int(self._runner.addresses[0][1])  # (host, port) of the bound socket
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self) -> None:
+        for result in RESULTS:
+            self._count(result, 0)
+        for reason in REFUSALS:
+            self._count_family(REFUSED, reason, 0)
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/traces", self.handle)
         # auto_decompress off: aiohttp would inflate before client_max_size is checked; inflate() caps it
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port)
+        self._site = web.TCPSite(self._runner, self.listen.host, self.listen.port)
         await self._site.start()
-        log.info("OTLP/HTTP trace receiver listening on %s:%d/v1/traces", host, self.port)
+        log.info("OTLP/HTTP trace receiver listening on %s:%d/v1/traces", self.listen.host, self.port)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -216,30 +227,3 @@ class OtlpReceiver:
             self.count(family, label, amount=n)
         except Exception:
             log.exception("otlp: counting failed")
-
-
-async def start_otlp_receiver(
-    config: Config,
-    sink: Sink,
-    count: Count,
-    report: Report | None = None,
-    worker: WorkerProcess | None = None,
-    ledger: RequestLedger | None = None,
-) -> OtlpReceiver:
-    """Start the receiver on ``config.otlp.listen`` (the agent's wiring entry point).
-
-    ``count`` is ``NodeState.count``; every result series starts at zero so ``rate()`` sees the
-    first. ``report`` (``NodeState.report``) is told of each export received, as collector ``otlp``.
-    ``ledger``: the request ledger ``sink`` writes to, if any; ``sink`` must then write each record
-    as admitted (``RequestLedger.write(record, admitted=True)``), the room having been made for it.
-    """
-    otlp = config.otlp
-    if otlp.listen is None:
-        raise ValueError("otlp.listen is not set")
-    receiver = OtlpReceiver(otlp, config.replicas, config.known_models, sink, count, report, worker, ledger)
-    for result in RESULTS:
-        receiver._count(result, 0)
-    for reason in REFUSALS:
-        receiver._count_family(REFUSED, reason, 0)
-    await receiver.start(otlp.listen.host, otlp.listen.port)
-    return receiver
