@@ -10,16 +10,38 @@ import math
 import time
 
 MISSING = "-"
-_SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-_BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+#: (scale, suffix) from the smallest unit up
+_SI = ((1.0, ""), (1e3, "k"), (1e6, "M"), (1e9, "G"), (1e12, "T"))
+_BINARY = ((1.0, "B"), (2.0**10, "KiB"), (2.0**20, "MiB"), (2.0**30, "GiB"), (2.0**40, "TiB"))
+_SUBSECOND = ((1e-6, "us"), (1e-3, "ms"), (1.0, "s"))
 
 
 def _unknown(value: float | None) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _figure(value: float, digits: int) -> str:
+    """``value`` to ``digits`` significant digits, never with an exponent (``150``, not ``1.5e+02``)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(digits - 1 - math.floor(math.log10(abs(value))), 0)
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _scaled(value: float, units: tuple[tuple[float, str], ...], digits: int) -> str:
+    """``value`` in the largest unit it reaches, one unit up where rounding makes the figure 1000
+    (999,600 is ``1M``, not ``1000k``)."""
+    first = max((i for i, (scale, _) in enumerate(units) if abs(value) >= scale), default=0)
+    for scale, suffix in units[first:]:
+        figure = _figure(value / scale, digits)
+        if abs(float(figure)) < 1000:
+            return figure + suffix
+    return figure + suffix  # beyond the largest unit
+
+
 def seconds(value: float | None) -> str:
-    """``850ms``, ``1.25s``, ``12.5s``, ``450s``, ``2.5h``; ``inf`` for +Inf."""
+    """``850ms``, ``1.25s``, ``12.5s``, ``450s``, ``17m``, ``2.5h``; ``inf`` for +Inf."""
     if _unknown(value):
         return MISSING
     assert value is not None
@@ -27,30 +49,22 @@ def seconds(value: float | None) -> str:
         return "inf"
     if value == 0:
         return "0s"
-    if abs(value) < 0.001:
-        return f"{value * 1e6:.0f}us"
-    if abs(value) < 1:
-        return f"{value * 1e3:.3g}ms"
-    if abs(value) < 1000:
-        return f"{value:.3g}s"
-    if abs(value) < 7200:
+    if abs(value) >= 7200:
+        return f"{value / 3600:.1f}h"
+    if abs(float(_figure(value, 3))) >= 1000:
         return f"{value / 60:.0f}m"
-    return f"{value / 3600:.1f}h"
+    return _scaled(value, _SUBSECOND, 3)
 
 
 def si(value: float | None, digits: int = 3) -> str:
-    """``950``, ``12.3k``, ``4.5M``, ``1.34T`` (``digits`` significant digits above 1000)."""
+    """``950``, ``12.3k``, ``4.5M``, ``1.34T`` (``digits`` significant digits, more for a whole
+    part that has more)."""
     if _unknown(value):
         return MISSING
     assert value is not None
     if math.isinf(value):
         return "inf"
-    for scale, suffix in _SI:
-        if abs(value) >= scale:
-            return f"{value / scale:.{digits}g}{suffix}"
-    if value == int(value):
-        return f"{int(value)}"
-    return f"{value:.{digits}g}"
+    return _scaled(value, _SI, digits)
 
 
 def count(value: float | None) -> str:
@@ -70,14 +84,11 @@ def ratio(value: float | None, digits: int = 1) -> str:
 
 
 def nbytes(value: float | None) -> str:
-    """``80.0GiB``, ``512MiB``, ``900B``."""
+    """``80GiB``, ``512MiB``, ``900B``; 1,000 to 1,023 of a unit is shown in the next (``0.98TiB``)."""
     if _unknown(value):
         return MISSING
     assert value is not None
-    for scale, suffix in _BINARY:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.0f}B"
+    return _scaled(value, _BINARY, 3)
 
 
 def rate_bytes(value: float | None) -> str:
