@@ -7,8 +7,9 @@ between arrival and admission) or preempts (its preemption counter rose since th
 A request queued on one rank cannot use another rank's free blocks, so that memory is stranded.
 
 A model served by one unit, or whose units are all idle or all pressured, strands nothing (0).
-Units whose queue length is unknown are neither idle nor pressured; idle units whose free tokens
-are unknown add nothing.
+Units whose queue length is unknown are neither idle nor pressured, nor are units with a queue
+that did not last (its requests are being admitted, so its free blocks are about to be used); idle
+units whose free tokens are unknown add nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def stranded_capacity(
         before = previous.get(sample.key)
         if is_preempting(sample, before) or _queues(sample, before):
             pressured[model] += 1
-        elif sample.requests_waiting is not None:
+        elif sample.requests_waiting is not None and sample.requests_waiting <= 0:
             idle[model].append(pool.free_tokens(sample))
     out = {}
     for model, free in idle.items():

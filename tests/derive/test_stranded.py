@@ -109,3 +109,12 @@ def test_a_queue_must_last_from_the_previous_sample_to_count():
     )
     assert caught_arriving["m"].stranded_tokens == 0.0
     assert lasting["m"].stranded_tokens == 800 * 16
+
+
+def test_a_unit_with_a_new_queue_is_neither_idle_nor_pressured():
+    # its free blocks are about to take the requests it queues: they are not stranded
+    lasting, arriving, idle = unit("0", 1000, waiting=2), unit("1", 100, waiting=3), unit("2", 600)
+    before = {lasting.key: lasting, arriving.key: unit("1", 100), idle.key: idle}
+    result = stranded_capacity([lasting, arriving, idle], before)["m"]
+    assert result.stranded_tokens == 400 * 16
+    assert (result.idle_units, result.pressured_units) == (1, 1)
