@@ -52,12 +52,13 @@ def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
         if unit.kv_usage_ratio is not None
         else (_share(unit.kv_allocated_tokens, unit.kv_capacity_tokens) if unit.kv_capacity_tokens else None)
     )
-    live = h.si(unit.live_tokens)
-    if unit.live_source == "proxy_estimate":
-        live += " est"
-    frag = h.ratio(unit.fragmentation_ratio)
-    if unit.fragmentation_ratio is None and replica.fragmentation_estimate is not None:
-        frag = h.ratio(replica.fragmentation_estimate) + " est"
+    estimated = " est" if unit.live_source == "proxy_estimate" else ""
+    live = h.si(unit.live_tokens) + estimated
+    frag = h.ratio(unit.fragmentation_ratio) + estimated  # computed from the live tokens
+    if unit.fragmentation_ratio is None:
+        frag = h.ratio(replica.fragmentation_estimate)
+        if replica.fragmentation_estimate is not None:
+            frag += " est"
     preempt = h.si(unit.preemptions_per_second, 2)
     if unit.preemptions_per_second is not None:
         preempt += "/s"

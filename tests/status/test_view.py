@@ -9,6 +9,7 @@ import pytest
 
 from kvwatch.buckets import Histogram
 from kvwatch.derive.quantiles import histogram_quantile
+from kvwatch.status.cells import replica_table
 from kvwatch.status.view import ALL, build_view, view_from_dict, view_to_dict
 
 from .node import T0, populated_state
@@ -130,3 +131,11 @@ def test_view_before_any_scrape_says_so() -> None:
 def test_rejects_a_document_that_is_not_a_view() -> None:
     with pytest.raises(ValueError, match="not a kvwatch status view"):
         view_from_dict({"hello": 1})
+
+
+def test_fragmentation_from_the_proxys_estimate_is_marked_as_an_estimate(view) -> None:
+    table = replica_table(view)
+    live, frag = table.headers.index("live tokens"), table.headers.index("fragment.")
+    r0 = next(row for row in table.rows if row.key.startswith("replica:r0:"))
+    assert view.replicas[0].units[0].fragmentation_ratio is not None  # r0's live tokens are the estimate
+    assert r0.cells[live].endswith(" est") and r0.cells[frag].endswith(" est")
