@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 _P = ParamSpec("_P")
 
-RouteFactory = Callable[[NodeState, Config], Iterable[web.RouteDef]]
+#: (state, config, the agent's clock) -> routes beside ``/metrics``
+RouteFactory = Callable[[NodeState, Config, Callable[[], float]], Iterable[web.RouteDef]]
 
 
 def _ends_quietly_on_shutdown(job: Callable[_P, Awaitable[None]]) -> Callable[_P, Awaitable[None]]:
@@ -106,7 +107,7 @@ class Agent:
         self._discovery: PodDiscovery | None = None
         self.clock = clock
         self.proxy_clock = proxy_clock
-        self.state = NodeState(config.node, config.length_bands)
+        self.state = NodeState(config.node, config.length_bands, started_at=clock())
         self._nvml_override = nvml
         self._proc = proc
         self._route_factories = tuple(route_factories)
@@ -576,7 +577,9 @@ class Agent:
         node = NodeCollector(self.state, cfg, areas)
         self._areas = {**areas, "node": node}  # each reads .config: updated on reload and discovery
         registry = make_registry(node)
-        routes = [route for factory in self._route_factories for route in factory(self.state, cfg)]
+        routes = [
+            route for factory in self._route_factories for route in factory(self.state, cfg, self.clock)
+        ]
         app = metrics_app(registry, self.ready, routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()

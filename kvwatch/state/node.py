@@ -100,10 +100,11 @@ class NodeState:
       or error, never see a half-written sample.
     """
 
-    def __init__(self, node: str, bands: LengthBands) -> None:
+    def __init__(self, node: str, bands: LengthBands, started_at: float | None = None) -> None:
         self.node = node
         self.bands = bands
-        self.started_at = time.time()
+        #: on the agent's clock (``kvwatch demo``'s runs ahead of the wall), so uptime reads true
+        self.started_at = time.time() if started_at is None else started_at
         self._lock = threading.Lock()
         self.targets: dict[str, TargetState] = {}
         self.collectors: dict[str, CollectorStatus] = {}

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from aiohttp import web
 
 from kvwatch.agent import Agent
@@ -173,3 +174,30 @@ def test_kvwatch_run_names_a_bad_config_and_exits_1(tmp_path):
         check=False,
     )
     assert result.returncode == 1 and "replicas[0].metrics_url" in result.stderr
+
+
+async def test_the_status_page_reads_the_agents_own_clock():
+    # `kvwatch demo` runs the agent on the simulator's clock, ahead of the wall: the page's time, the
+    # samples' times and the agent's start must all be on it, or uptime and staleness read wrong
+    from kvwatch.status.page import make_status_routes
+
+    node = await _sim(1)
+    ahead = 5_000.0
+    agent = Agent(
+        _config(node),
+        nvml=FakeNvml(1),
+        route_factories=[make_status_routes],
+        clock=lambda: time.time() + ahead,
+    )
+    await agent.start()
+    try:
+        await until(lambda: agent.state.targets["sim-0"].up, 10, "a scrape")
+        async with httpx.AsyncClient() as client:
+            view = (await client.get(f"http://127.0.0.1:{agent.port}/status.json", timeout=5)).json()["view"]
+    finally:
+        await agent.stop()
+        await node.stop()
+    assert view["generated_at"] - time.time() == pytest.approx(ahead, abs=30)
+    assert 0 <= view["generated_at"] - view["agent_started_at"] < 30
+    (replica,) = view["replicas"]
+    assert 0 <= view["generated_at"] - replica["last_success_at"] < 30
