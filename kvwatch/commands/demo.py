@@ -300,11 +300,22 @@ def _summary(
         worst = max(story.peak_waiting.items(), key=lambda kv: kv[1])
         lines.append(f"  longest queue: {worst[0]} with {worst[1]:.0f} waiting")
     lines.append(
-        f"  peak stranded KV: {story.peak_stranded:,.0f} tokens free on idle replicas while another queued"
+        f"  peak stranded KV: {story.peak_stranded:,.0f} tokens free on idle replicas"
+        " while another queued or preempted"
     )
     rows = [r for r in view.band_rows if r.replica == "(all)" and r.requests]
     if rows:
-        headers = ("band", "requests", "completed", "aborted", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+        headers = (
+            "band",
+            "requests",
+            "completed",
+            "truncated",
+            "aborted",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+        )
         table = []
         for r in rows:
             table.append(
@@ -312,6 +323,7 @@ def _summary(
                     r.band,
                     str(r.requests),
                     _pct(r.completed_ratio),
+                    _pct(r.truncated_ratio),
                     _pct(r.aborted_ratio),
                     _fmt_s(r.ttft_p50_seconds),
                     _fmt_s(r.ttft_p99_seconds),

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=f"http://127.0.0.1:{port}",
         help="agent base URL or its /status.json (default: %(default)s)",
     )
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    parser.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default: %(default)s)"
+    )
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument(
         "--width",
@@ -38,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cut lines to this many columns (default: the terminal's; none when piped)",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the agent (default: %(default)s)"
+    )
 
 
 def _width(args: argparse.Namespace, tty: bool) -> int:
@@ -57,9 +61,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = sys.stdout
     tty = out.isatty()
-    if args.interval <= 0:
-        print("kvwatch top: --interval must be positive", file=sys.stderr)
-        return 2
+    for flag, seconds in (("--interval", args.interval), ("--timeout", args.timeout)):
+        if not seconds > 0:  # NaN too
+            print(
+                f"kvwatch top: {flag} must be a positive number of seconds, not {seconds:g}", file=sys.stderr
+            )
+            return 2
     while True:
         try:
             frame = render_text(fetch_view(url, args.timeout), _width(args, tty))

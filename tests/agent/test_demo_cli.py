@@ -72,6 +72,11 @@ def test_demo_runs_tells_the_kv_story_and_prints_a_summary():
     open_at_end = int(still.group(1)) if still else 0
     assert sum(outcomes.values()) + open_at_end == sent, summary
     table = re.findall(r"^\s{4}(\S+)\s+(\d+)\s+\d+%", summary, re.MULTILINE)
+    # a band's outcomes are all in the table: completed, truncated (hit max_tokens) and aborted
+    # (a request refused before any output, if one were, would sit in "unknown" as rejected)
+    shares = re.findall(r"^\s{4}(\S+)\s+\d+\s+(\d+)%\s+(\d+)%\s+(\d+)%", summary, re.MULTILINE)
+    assert len(shares) == len(table), summary
+    assert all(97 <= sum(map(int, row[1:])) <= 103 for row in shares if row[0] != "unknown"), summary
     counted = sum(int(n) for _band, n in table)
     # a request the proxy has recorded can still be open for its client for a loop turn or two
     assert abs(counted - sum(outcomes.values())) <= 3, summary

@@ -69,6 +69,16 @@ def test_top_once_names_an_unreachable_agent(capsys: pytest.CaptureFixture[str])
     assert f"cannot reach kvwatch at {url}/status.json" in err
 
 
+@pytest.mark.parametrize("flag", ["--interval", "--timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_top_refuses_a_wait_that_is_not_positive(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["top", "--url", url, "--once", flag, value]) == 2
+    assert f"{flag} must be a positive number of seconds" in capsys.readouterr().err
+
+
 HOSTILE = "\x1b[2J\x1b[31mALL GPUS DOWN\x07\x0d\x9b0m\u202eevil\x85"
 
 
