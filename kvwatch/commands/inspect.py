@@ -25,7 +25,8 @@ running/waiting requests, preemptions, KV tier traffic, and the fields this engi
 Use it to check a new target before adding it to the config, or to see why a panel is empty.
 
 SOURCE is an http(s) URL (e.g. http://127.0.0.1:8000/metrics), a file holding a saved page, or -
-for stdin. For llama.cpp URLs, /slots is fetched too (the only KV source of recent builds).
+for stdin. For a llama.cpp page, /slots is fetched too (the only KV source of recent builds): beside
+a SOURCE URL, or from --slots-url (which a saved page needs).
 
 Examples:
   kvwatch inspect http://127.0.0.1:8000/metrics
@@ -51,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for a URL (default 10)"
     )
     parser.add_argument(
-        "--slots-url", metavar="URL", help="llama.cpp /slots URL (default: derived from SOURCE)"
+        "--slots-url",
+        metavar="URL",
+        help="llama.cpp /slots URL (default: beside a SOURCE URL; none for a file or stdin)",
     )
 
 
@@ -59,26 +62,46 @@ def _is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-async def _fetch(url: str, timeout_s: float, slots_url: str | None, backend: str) -> tuple[str, Slots]:
+async def _fetch(url: str, timeout_s: float) -> str:
+    import httpx
+
+    from kvwatch.config import ScrapeConfig
+    from kvwatch.engines.fetch import fetch_metrics
+
+    async with httpx.AsyncClient() as client:
+        return await fetch_metrics(
+            client, url, replica="", timeout_s=timeout_s, max_bytes=ScrapeConfig().max_response_bytes
+        )
+
+
+async def _fetch_slots(url: str, timeout_s: float) -> Slots:
+    """llama.cpp's ``/slots``, or why it could not be read (the page is still shown)."""
     import httpx
 
     from kvwatch.config import ScrapeConfig
     from kvwatch.engines import llamacpp
-    from kvwatch.engines.fetch import ACCEPT_JSON, ScrapeError, fetch_body, fetch_metrics
+    from kvwatch.engines.fetch import ACCEPT_JSON, ScrapeError, fetch_body
 
     limit = ScrapeConfig().max_response_bytes
     async with httpx.AsyncClient() as client:
-        text = await fetch_metrics(client, url, replica="", timeout_s=timeout_s, max_bytes=limit)
-        if backend not in ("auto", "llamacpp") or "llamacpp:" not in text:
-            return text, None
-        where = llamacpp.EXTRA_PAGE.url(url, slots_url)
         try:
             body, _ = await fetch_body(
-                client, where, replica="", timeout_s=timeout_s, max_bytes=limit, accept=ACCEPT_JSON
+                client, url, replica="", timeout_s=timeout_s, max_bytes=limit, accept=ACCEPT_JSON
             )
-            return text, llamacpp.parse_slots(body)
+            return llamacpp.parse_slots(body)
         except (ScrapeError, llamacpp.SlotsError) as exc:
-            return text, f"{where}: {exc}"
+            return f"{url}: {exc}"
+
+
+def _slots_url(args: argparse.Namespace, text: str) -> str | None:
+    """Where a llama.cpp page's ``/slots`` is: ``--slots-url``, else beside a SOURCE URL."""
+    from kvwatch.engines import llamacpp
+
+    if args.backend not in ("auto", "llamacpp") or "llamacpp:" not in text:
+        return None
+    if _is_url(args.source):
+        return llamacpp.EXTRA_PAGE.url(args.source, args.slots_url)
+    return args.slots_url
 
 
 def _read(source: str) -> str:
@@ -199,10 +222,10 @@ def main(args: argparse.Namespace) -> int:
 
     slots: Slots = None
     try:
-        if _is_url(args.source):
-            text, slots = asyncio.run(_fetch(args.source, args.timeout, args.slots_url, args.backend))
-        else:
-            text = _read(args.source)
+        text = asyncio.run(_fetch(args.source, args.timeout)) if _is_url(args.source) else _read(args.source)
+        slots_url = _slots_url(args, text)
+        if slots_url is not None:
+            slots = asyncio.run(_fetch_slots(slots_url, args.timeout))
         result = parse_exposition(text, REPLICA, args.backend)
     except (ScrapeError, OSError, UnicodeDecodeError, ExpositionError, NoEngineMetricsError) as exc:
         print(f"kvwatch inspect: {_unreadable(args.source, exc)}", file=sys.stderr)

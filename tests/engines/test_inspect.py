@@ -112,3 +112,20 @@ async def test_url_of_an_html_error_page(server, capsys):
 def test_unreachable_url(capsys, refused_url):
     code, _, err = run(capsys, "--timeout", "5", refused_url)
     assert code == 1 and "fetch failed (connect)" in err
+
+
+async def test_a_saved_llamacpp_page_reads_slots_from_slots_url(server, capsys, tmp_path):
+    saved = tmp_path / "llamacpp.prom"
+    saved.write_text(page(LLAMACPP_TINY))
+    server.slots_body = page("llamacpp_slots_2026_two_slots.json")
+    slots_url = server.url.replace("/metrics", "/slots")
+    code = await asyncio.to_thread(cli.main, ["inspect", "--json", "--slots-url", slots_url, str(saved)])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [s["tokens_in_use"] for s in doc["slots"]] == [42, 217]
+
+
+def test_an_unreachable_slots_url_is_said_and_the_page_still_shown(capsys, refused_url):
+    code, out, _ = run(capsys, "--slots-url", refused_url, str(LLAMACPP_TINY))
+    assert code == 0
+    assert f"slots    unavailable: {refused_url}:" in out and "backend  llamacpp" in out
