@@ -293,9 +293,6 @@ def _objective_entry(
     for key, fallback in (("model", defaults.model), ("min_requests", defaults.min_requests)):
         if m.get(key) is None and fallback is not None:
             values[key] = fallback
-    for key in ("name", "sli", "objective"):
-        if values[key] is None and m.get(key) is None:
-            r.problem(f"{path}.{key}", "required")
     sli = values["sli"]
     band_names = r.get(m, "bands", path, lambda v: _bands(v, bands), required=True)
     threshold = None

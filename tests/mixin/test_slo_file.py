@@ -75,6 +75,16 @@ def test_latency_objective_without_threshold_is_rejected() -> None:
     assert _problems(data)["objectives[0].threshold"] == "required"
 
 
+def test_each_missing_key_is_one_problem() -> None:
+    with pytest.raises(ConfigError) as info:
+        slo_from_mapping({"objectives": [{"bands": ["0-1k"]}]})
+    assert sorted(info.value.problems) == [
+        ("objectives[0].name", "required"),
+        ("objectives[0].objective", "required"),
+        ("objectives[0].sli", "required"),
+    ]
+
+
 def test_completion_objective_takes_no_threshold() -> None:
     data = copy.deepcopy(VALID)
     data["objectives"][1]["threshold"] = "1s"
