@@ -9,14 +9,14 @@ Every problem is reported at once; one that comes from a variable names the vari
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvwatch.config.schema import ENV_PREFIX, Config
-from kvwatch.config.validate import ConfigError, KeyPathReader, brief, join, schema_fields
+from kvwatch.config.validate import ConfigError, HostPort, KeyPathReader, brief, join, schema_fields
 
 #: Most values a YAML document may stand for once its aliases are expanded (a config has hundreds).
 MAX_YAML_NODES = 100_000
@@ -55,10 +55,9 @@ def _cross_checks(r: KeyPathReader, data: Any, cfg: Config) -> None:
             r.problem(
                 f"replicas[{i}].proxy_listen", "needs api_url: the engine's OpenAI base URL to forward to"
             )
-    listens = [rep["proxy_listen"] for _, rep in replicas if rep["proxy_listen"] is not None]
-    ports = [hp.port for hp in listens if hp.port]
-    if len(ports) != len(set(ports)):
-        r.problem("replicas", "two replicas use the same proxy_listen port")
+    listeners = [("listen", cfg.listen), ("otlp.listen", cfg.otlp.listen)]
+    listeners += [(f"replicas[{i}].proxy_listen", rep["proxy_listen"]) for i, rep in replicas]
+    _distinct_listeners(r, listeners)
     proxy, otlp = cfg.proxy, cfg.otlp
     if proxy.max_buffered_bytes < proxy.max_body_bytes:
         r.problem(
@@ -89,6 +88,26 @@ def _cross_checks(r: KeyPathReader, data: Any, cfg: Config) -> None:
             r.problem(join(path, "path"), f"{sock_path!r} is already another replica's socket")
         if rep_name is not None and sock_path is not None:
             owners.setdefault(sock_path, rep_name)
+
+
+_ANY_HOST = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+def _distinct_listeners(r: KeyPathReader, listeners: Sequence[tuple[str, HostPort | None]]) -> None:
+    """Two sockets on one port fail at start unless both name distinct addresses (a wildcard
+    address takes the port on all of them); port 0 is any free port, never a clash."""
+    bound: list[tuple[str, HostPort]] = []
+    for path, listen in listeners:
+        if listen is None or not listen.port:
+            continue
+        for other_path, other in bound:
+            if other.port == listen.port and (
+                listen.host == other.host or {listen.host, other.host} & _ANY_HOST
+            ):
+                r.problem(path, f"port {listen.port} is already {other_path}'s ({other})")
+                break
+        else:
+            bound.append((path, listen))
 
 
 def _partial_entries(data: Any, cls: type, key: str) -> list[tuple[int, dict[str, Any]]]:

@@ -88,7 +88,22 @@ def test_duplicate_names_and_proxy_ports_are_refused():
     rep = {"name": "r", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": ":9000"}
     found = problems({"replicas": [rep, dict(rep)]})
     assert "duplicate replica name" in found["replicas[1].name"]
-    assert "same proxy_listen port" in found["replicas"]
+    assert found["replicas[1].proxy_listen"] == "port 9000 is already replicas[0].proxy_listen's (0.0.0.0:9000)"
+
+
+def test_every_listener_needs_its_own_port():
+    rep = {"name": "r", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": ":9477"}
+    found = problems({"listen": "0.0.0.0:9477", "replicas": [rep], "otlp": {"listen": "127.0.0.1:9477"}})
+    assert found["otlp.listen"] == "port 9477 is already listen's (0.0.0.0:9477)"
+    assert found["replicas[0].proxy_listen"] == "port 9477 is already listen's (0.0.0.0:9477)"
+
+
+def test_one_port_on_two_distinct_addresses_or_port_0_twice_is_fine():
+    reps = [
+        {"name": f"r{i}", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": listen}
+        for i, listen in enumerate(("127.0.0.1:8100", "10.0.0.5:8100", "127.0.0.1:0", "127.0.0.1:0"))
+    ]
+    config_from_mapping({"listen": "127.0.0.1:0", "replicas": reps})
 
 
 def test_references_to_unknown_replicas_are_refused():
