@@ -32,11 +32,16 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.mixin.k8s import ManifestError, generate
 
     out = Path(args.out)
-    if not out.is_dir():
-        print(
-            f"--out {out}: no such directory (run from the repository root, or pass --out)", file=sys.stderr
-        )
-        return 1
+    for flag, where in (("--alerts", args.alerts), ("--dashboards", args.dashboards)):
+        if not Path(where).is_dir():  # a typo would otherwise ship a PrometheusRule with no rules
+            print(
+                f"kvwatch manifests: {flag} {where}: no such directory (run from the repository root, "
+                f"or pass {flag})",
+                file=sys.stderr,
+            )
+            return 1
+    if not args.check:
+        out.mkdir(parents=True, exist_ok=True)
     try:
         files = generate(Path(args.alerts), Path(args.dashboards))
     except (ManifestError, OSError) as exc:

@@ -178,7 +178,17 @@ def test_check_fails_on_stale_files_and_passes_after_writing(sources, tmp_path, 
 def test_bad_sources_make_the_command_fail_with_the_reason(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "alerts").mkdir()
     (tmp_path / "alerts" / "bad.rules.yaml").write_text("groups: []\n")
+    (tmp_path / "dashboards").mkdir()
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)
     assert cli(["manifests", "--out", "out"]) == 1
     assert "alerts/bad.rules.yaml: 'groups' must be a non-empty list" in capsys.readouterr().err
+
+
+def test_a_misspelled_source_directory_is_refused_not_shipped_empty(sources, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["manifests", "--out", "new/out", "--alerts", "alert"]) == 1
+    assert "--alerts alert: no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nothing written
+    assert cli(["manifests", "--out", "new/out"]) == 0  # --out is made, like rules' and dashboards'
+    assert (tmp_path / "new" / "out" / RULES_FILE).exists()
