@@ -210,11 +210,24 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
 def _edges(value: Any) -> LengthBands:
     if not isinstance(value, list | tuple):
         raise ValueError("expected a list of ascending token counts, e.g. [1000, 5000, 10000, 20000]")
-    try:
-        edges = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"edges must be integers, got {quoted(value)}") from None
-    return LengthBands(edges)
+    edges = tuple(_whole_tokens(v) for v in value)
+    if None in edges:
+        raise ValueError(f"edges must be whole token counts, got {quoted(value)}")
+    return LengthBands(tuple(e for e in edges if e is not None))
+
+
+def _whole_tokens(value: Any) -> int | None:
+    """1000, 1000.0 (YAML) or "1000" (an environment variable); None for 1000.9, .inf or true,
+    which ``int()`` would cut, overflow on, or read as 1."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
 
 
 def _socket_path(value: Any) -> str:

@@ -88,7 +88,9 @@ def test_duplicate_names_and_proxy_ports_are_refused():
     rep = {"name": "r", "metrics_url": "http://a/metrics", "api_url": "http://a", "proxy_listen": ":9000"}
     found = problems({"replicas": [rep, dict(rep)]})
     assert "duplicate replica name" in found["replicas[1].name"]
-    assert found["replicas[1].proxy_listen"] == "port 9000 is already replicas[0].proxy_listen's (0.0.0.0:9000)"
+    assert (
+        found["replicas[1].proxy_listen"] == "port 9000 is already replicas[0].proxy_listen's (0.0.0.0:9000)"
+    )
 
 
 def test_every_listener_needs_its_own_port():
@@ -327,3 +329,13 @@ def test_check_config_reports_every_bad_key_of_every_replica_at_once(tmp_path):
     ):
         assert f"  {key}: " in fail.stderr, key
     assert "10 problem(s)" in fail.stderr
+
+
+@pytest.mark.parametrize("edge", [1000.9, float("inf"), True, "1e3", None])
+def test_a_band_edge_is_a_whole_token_count(edge) -> None:
+    # int() cut 1000.9 to 1000 and read true as 1, silently; .inf raised OverflowError out of check-config
+    assert "whole token counts" in problems({"length_bands": [edge, 5000]})["length_bands"]
+
+
+def test_band_edges_written_as_floats_or_strings_read_whole() -> None:
+    assert config_from_mapping({"length_bands": [1000.0, "5000"]}).length_bands.edges == (1000, 5000)
