@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from kvwatch.jsonsafe import finite
 from kvwatch.plan.jsonl import json_lines
-from kvwatch.report.inputs import InputFile, ReportError, detect_format, expand, open_binary
+from kvwatch.report.inputs import InputFile, ReportError, detect_formats, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
 
 REQUIRED = ("started_at", "prompt_tokens", "output_tokens", "outcome")
@@ -207,12 +207,14 @@ def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
     """A ledger (files, globs, rotations, gzip) or one trace file."""
     try:
         files = expand(paths)
-        kinds = {detect_format(f) for f in files}
+        formats = detect_formats(files)  # an empty file (a ledger's newest after rotation) has none
     except ReportError as exc:
         raise PlanInputError(str(exc)) from None
+    kinds = set(formats.values())
     if kinds == {"ledger"}:
         workload = read_ledger(files)
         return workload if limit is None else replace(workload, requests=workload.requests[:limit])
+    files = [f for f in files if f.path in formats]
     if len(files) != 1 or len(kinds) != 1:
         raise PlanInputError(
             f"replay one ledger (any number of its files) or one trace file, got "

@@ -130,11 +130,23 @@ def _head_lines(item: InputFile) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip()][:_SNIFF_LINES]
 
 
-def detect_format(item: InputFile) -> str:
-    """Tell a file's format from its first lines; ReportError says what was expected."""
-    lines = _head_lines(item)
-    if not lines:
-        raise ReportError(f"{item.path}: file is empty")
+def detect_formats(files: list[InputFile]) -> dict[Path, str]:
+    """The format of each file that has lines. An empty file holds no request, so it cannot disagree
+    with the others: rotation leaves one (the new ``ledger.jsonl``). ReportError when all are empty."""
+    formats = {}
+    for item in files:
+        lines = _head_lines(item)
+        if lines:
+            formats[item.path] = _format_of(item, lines)
+    if not formats:
+        names = ", ".join(os.fspath(item.path) for item in files)
+        raise ReportError(f"{names}: file is empty" if len(files) == 1 else f"{names}: every file is empty")
+    return formats
+
+
+def _format_of(item: InputFile, lines: list[str]) -> str:
+    """The format ``lines`` (a file's first non-blank lines) are in; ReportError says what was
+    expected."""
     for line in lines:  # the first JSON object decides (a garbage first line is only skipped)
         if not line.startswith("{"):
             continue
@@ -163,7 +175,7 @@ def detect_common_format(files: list[InputFile], forced: str | None) -> str:
         if forced not in FORMATS:
             raise ReportError(f"unknown --trace-format {forced!r} (one of auto, {', '.join(FORMATS)})")
         return forced
-    formats = {item.path: detect_format(item) for item in files}
+    formats = detect_formats(files)
     kinds = set(formats.values())
     if len(kinds) > 1:
         listing = ", ".join(f"{os.fspath(p)} is {k}" for p, k in formats.items())

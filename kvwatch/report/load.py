@@ -156,6 +156,8 @@ def _read_csv(
 ) -> tuple[pd.DataFrame, int]:
     """CSV with the ``required`` columns; rows whose numbers do not parse are dropped and counted."""
     data = read_all(item, progress)
+    if not data.strip():  # no header either: pandas refuses it, yet it only holds no request
+        return pd.DataFrame({col: pd.Series(dtype=object) for col in required}), 0
     lines = sum(1 for ln in data.splitlines()[1:] if ln.strip())
     try:
         df = pd.read_csv(
@@ -189,12 +191,17 @@ def _to_numeric(pd: Any, column: pd.Series) -> pd.Series:
 def _numeric(
     pd: Any, df: pd.DataFrame, columns: tuple[str, ...], item: InputFile, problems: Problems
 ) -> tuple[pd.DataFrame, int]:
-    for col in columns:  # token counts: a finite number >= 0 (1e400 reads as inf, -5 as -5)
+    """Rows whose ``columns`` all hold a finite number >= 0, and how many were dropped (counted).
+
+    Counts, times and durations alike: 1e400 reads as inf and -5 as -5, neither a value a request has.
+    """
+    for col in columns:
         values = _to_numeric(pd, df[col])
         df[col] = values.where(np.isfinite(values) & (values >= 0))
     bad = df[list(columns)].isna().any(axis=1).to_numpy()
     count = int(bad.sum())
-    problems.add_count(str(item.path), f"missing, unparsable or negative {' or '.join(columns)}", count)
+    named = " or ".join([", ".join(columns[:-1]), columns[-1]] if len(columns) > 2 else columns)
+    problems.add_count(str(item.path), f"missing, unparsable or negative {named}", count)
     return df[~bad], count
 
 
@@ -231,18 +238,18 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
     has_e2e = True
     for item in files:
         df, skipped = _read_csv(pd, item, BURSTGPT_COLUMNS, progress, problems)
-        df, bad = _numeric(pd, df, ("Request tokens", "Response tokens"), item, problems)
+        df, bad = _numeric(pd, df, _burstgpt_numbers(df), item, problems)
         response = df["Response tokens"].to_numpy(dtype=float)
         failed = response == 0
         if BURSTGPT_ELAPSED in df.columns:
-            e2e = _to_numeric(pd, df[BURSTGPT_ELAPSED]).to_numpy(dtype=float)
+            e2e = df[BURSTGPT_ELAPSED].to_numpy(dtype=float)
         else:
             e2e, has_e2e = np.full(len(df), np.nan), False
         frame = _trace_frame(
             pd,
             _trace_name(item),
             len(df),
-            started_at=_to_numeric(pd, df["Timestamp"]).to_numpy(dtype=float),
+            started_at=df["Timestamp"].to_numpy(dtype=float),
             prompt=df["Request tokens"].to_numpy(dtype=float),
             output=np.where(failed, np.nan, response),
             e2e=e2e,
@@ -254,6 +261,13 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
     return Loaded(
         "burstgpt", _concat(pd, frames), stats, problems, has_ttft=False, has_e2e=has_e2e, has_outcomes=True
     )
+
+
+def _burstgpt_numbers(df: pd.DataFrame) -> tuple[str, ...]:
+    """The columns a BurstGPT row needs as numbers >= 0: a negative ``Elapsed time`` would be a
+    negative e2e, and with it negative KV token-seconds."""
+    times = ("Timestamp", BURSTGPT_ELAPSED) if BURSTGPT_ELAPSED in df.columns else ("Timestamp",)
+    return (*times, "Request tokens", "Response tokens")
 
 
 def _trace_frame(

@@ -150,10 +150,10 @@ def parse_band_edges(text: str) -> LengthBands:
 def _tokens(text: str) -> int:
     text = text.strip().lower()
     scale = 1000 if text.endswith("k") else 1
-    number = float(text.removesuffix("k"))
-    if number * scale != int(number * scale):
+    number = float(text.removesuffix("k")) * scale
+    if not math.isfinite(number) or number != int(number):  # int(inf) raises OverflowError
         raise ValueError(f"{text!r} is not a whole token count")
-    return int(number * scale)
+    return int(number)
 
 
 def bands_from_names(names: Sequence[str]) -> LengthBands | None:

@@ -89,6 +89,17 @@ def test_an_empty_trace_is_refused(tmp_path, capsys):
     assert "empty" in capsys.readouterr().err
 
 
+def test_a_rotated_ledger_whose_newest_file_is_empty_is_replayed(tmp_path):
+    """Rotation leaves an empty ledger.jsonl next to ledger.jsonl.1: `plan replay` refused it as empty."""
+    (tmp_path / "ledger.jsonl.1").write_text("".join(json.dumps(x) + "\n" for x in [GOOD, GOOD]))
+    (tmp_path / "ledger.jsonl").write_text("")
+    w = read_workload([str(tmp_path / "ledger.jsonl*")])
+    assert w.kind == "ledger" and len(w.requests) == 2
+    (tmp_path / "ledger.jsonl.1").write_text("")
+    with pytest.raises(PlanInputError, match="every file is empty"):
+        read_workload([str(tmp_path / "ledger.jsonl*")])
+
+
 def test_an_slo_for_a_band_that_does_not_exist_names_the_key(tmp_path, capsys):
     slo = {
         "version": 1,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch.cli import main
 from kvwatch.model import Outcome
 from kvwatch.report import ReportError, build_report, render_text
 from kvwatch.report.inputs import expand
@@ -155,6 +156,32 @@ def test_gzip_and_rotated_files_and_globs(tmp_path: Path) -> None:
     whole = build_report([str(ledgers.write(tmp_path / "all.jsonl", ledgers.HAND))])
     assert report.rows == whole.rows
     assert [f.records for f in report.files] == [1, 2, 3]
+
+
+def test_a_rotated_ledger_whose_newest_file_is_empty_reports_the_full_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rotation (RequestLedger._rotate) leaves a new, empty ledger.jsonl next to ledger.jsonl.1: format
+    detection refused the empty file, and `kvwatch report 'ledger.jsonl*'` printed "file is empty"."""
+    ledgers.write(tmp_path / "ledger.jsonl.1", ledgers.HAND)
+    (tmp_path / "ledger.jsonl").write_bytes(b"")
+    report = build_report([str(tmp_path / "ledger.jsonl*")])
+    whole = build_report([str(tmp_path / "ledger.jsonl.1")])
+    assert report.requests == len(ledgers.HAND) and report.malformed == 0
+    assert report.rows == whole.rows
+    assert [(Path(f.path).name, f.records) for f in report.files] == [
+        ("ledger.jsonl.1", 6),
+        ("ledger.jsonl", 0),
+    ]
+    assert main(["report", str(tmp_path / "ledger.jsonl*")]) == 0
+    assert "file is empty" not in capsys.readouterr().err
+
+
+def test_a_ledger_of_only_empty_files_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "ledger.jsonl.1").write_bytes(gzip.compress(b""))
+    (tmp_path / "ledger.jsonl").write_text("\n")
+    with pytest.raises(ReportError, match=r"ledger\.jsonl\.1, .*ledger\.jsonl: every file is empty"):
+        build_report([str(tmp_path / "ledger.jsonl*")])
 
 
 def test_missing_inputs_are_named(tmp_path: Path) -> None:

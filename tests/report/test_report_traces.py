@@ -131,6 +131,34 @@ def test_trace_rows_with_counts_no_request_has_are_counted_malformed(tmp_path: P
     assert rows(report)[ALL].prompt_tokens_p50 == pytest.approx((396 + 879) / 2)
 
 
+@pytest.mark.parametrize("bad", ["-3", "abc", "inf", "1" + "0" * 400, ""])
+@pytest.mark.parametrize("column", ["Timestamp", "Elapsed time"])
+def test_burstgpt_rows_with_times_no_request_has_are_counted_malformed(
+    tmp_path: Path, column: str, bad: str
+) -> None:
+    """Only the token columns were checked: a row at Elapsed -3 was kept, and the report showed an e2e
+    of -3 s and KV shares of 113.6% and -17.9%."""
+    cells = {"Timestamp": "300", "Elapsed time": "5.0"} | {column: bad}
+    text = BURSTGPT + f"{cells['Timestamp']},s5,{cells['Elapsed time']},GPT-4,100,50,150,API log\n"
+    report = build_report([write(tmp_path / "BurstGPT_1.csv", text)])
+    assert (report.requests, report.malformed) == (4, 1)
+    assert dict(report.malformed_reasons) == {
+        "missing, unparsable or negative Timestamp, Elapsed time, Request tokens or Response tokens": 1
+    }
+    by_band = rows(report)
+    assert by_band["0-1k"].e2e_p50_seconds == pytest.approx(6.25)
+    assert all(0 <= row.kv_share <= 1 for row in by_band.values() if row.kv_share is not None)
+
+
+def test_old_burstgpt_rows_with_a_negative_timestamp_are_counted_malformed(tmp_path: Path) -> None:
+    old = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,ChatGPT,472,18,490,x\n"
+    report = build_report([write(tmp_path / "BurstGPT_old.csv", old + "-1,ChatGPT,10,10,20,x\n")])
+    assert (report.requests, report.malformed) == (1, 1)
+    assert dict(report.malformed_reasons) == {
+        "missing, unparsable or negative Timestamp, Request tokens or Response tokens": 1
+    }
+
+
 @pytest.mark.parametrize("bad", [-3, 10**400, "1e400"])
 def test_mooncake_counts_no_request_has_are_unknown(tmp_path: Path, bad: object) -> None:
     line = f'{{"timestamp": 6000, "input_length": 10, "output_length": {bad}, "hash_ids": [1]}}'
@@ -147,6 +175,24 @@ def test_forced_format_and_unknown_format(tmp_path: Path) -> None:
     odd = write(tmp_path / "odd.csv", "a,b,c\n1,2,3\n")
     with pytest.raises(ReportError, match=r"odd.csv: cannot tell the format.*--trace-format"):
         build_report([odd])
+
+
+@pytest.mark.parametrize("empty", ["", "\n"], ids=["no-bytes", "blank-line"])
+@pytest.mark.parametrize(
+    "name", ["AzureLLMInferenceTrace_conv.csv", "BurstGPT_1.csv", "conversation_trace.jsonl"]
+)
+def test_an_empty_file_next_to_a_trace_adds_no_request(tmp_path: Path, name: str, empty: str) -> None:
+    """Detection refused the empty file; told its format, pandas refused it ("No columns to parse")."""
+    texts = {
+        ".csv": AZURE if name.startswith("Azure") else BURSTGPT,
+        ".jsonl": "\n".join(mooncake_lines()) + "\n",
+    }
+    full = write(tmp_path / name, texts[Path(name).suffix])
+    blank = write(tmp_path / f"zz{Path(name).suffix}", empty)
+    report = build_report([full, blank])
+    assert (report.requests, report.malformed) == (4, 0)
+    assert report.replicas == (ALL, Path(name).stem)
+    assert build_report([blank], trace_format=report.kind).requests == 0
 
 
 def test_formats_are_not_mixed(tmp_path: Path) -> None:

@@ -154,6 +154,16 @@ def test_bad_band_edges_are_a_clear_error() -> None:
         parse_band_edges("1k,lots")
 
 
+@pytest.mark.parametrize("edge", ["inf", "-inf", "1e400", "1e308k", "nan"])
+def test_a_band_edge_no_output_can_reach_is_a_clear_error(edge: str) -> None:
+    """int(inf) raises OverflowError, which parse_band_edges did not catch: `--bands inf` ended
+    `kvwatch report` in a traceback."""
+    from kvwatch.report import ReportError
+
+    with pytest.raises(ReportError, match=rf"--bands '1k,{edge}': '{edge}' is not a whole token count"):
+        parse_band_edges(f"1k,{edge}")
+
+
 def test_estimated_output_tokens_are_noted(tmp_path: Path) -> None:
     recs = [
         *ledgers.HAND,
