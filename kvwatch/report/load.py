@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,12 +102,22 @@ def load(files: list[InputFile], kind: str, progress: Progress, jobs: int | None
         progress.close()
 
 
-def _trace_name(item: InputFile) -> str:
-    """A trace's group name: its file name without compression and format suffixes."""
-    name = item.path.name
+def _trace_names(files: list[InputFile]) -> dict[Path, str]:
+    """Each trace file's group name: its file name without compression and format suffixes, with as
+    many parent folders as keep two files of one name (``a/conv.csv``, ``b/conv.csv``) apart."""
+    names: dict[Path, str] = {}
+    for parents in range(max((len(item.path.parts) for item in files), default=0)):
+        names = {item.path: _trace_name(item.path, parents) for item in files}
+        if len(set(names.values())) == len(names):
+            break
+    return names
+
+
+def _trace_name(path: Path, parents: int) -> str:
+    name = path.name
     for suffix in (".gz", ".csv", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
-    return name or item.path.name
+    return "/".join((*path.parts[:-1][len(path.parts) - 1 - parents :], name or path.name))
 
 
 def _load_ledger(files: list[InputFile], progress: Progress, jobs: int | None) -> Loaded:
@@ -131,6 +142,7 @@ def _load_mooncake(files: list[InputFile], progress: Progress, jobs: int | None)
     import pandas as pd
 
     frames, stats, problems = [], [], Problems()
+    names = _trace_names(files)
     for item in files:
         result = read_json_lines([item], MOONCAKE_FIELDS, {}, progress, jobs)
         problems.merge(result.problems)
@@ -138,7 +150,7 @@ def _load_mooncake(files: list[InputFile], progress: Progress, jobs: int | None)
         frames.append(
             _trace_frame(
                 pd,
-                _trace_name(item),
+                names[item.path],
                 len(cols),
                 started_at=cols["timestamp"].to_numpy(dtype=float) / 1000.0,
                 prompt=cols["input_length"].to_numpy(dtype=float),
@@ -209,15 +221,19 @@ def _load_azure(files: list[InputFile], progress: Progress) -> Loaded:
     import pandas as pd
 
     frames, stats, problems = [], [], Problems()
+    names = _trace_names(files)
     for item in files:
         df, skipped = _read_csv(pd, item, AZURE_COLUMNS, progress, problems)
         df, bad = _numeric(pd, df, ("ContextTokens", "GeneratedTokens"), item, problems)
         stamps = pd.to_datetime(df["TIMESTAMP"], format="ISO8601", errors="coerce", utc=True)
+        timeless = stamps.isna().to_numpy()  # a row with no time is as malformed as one with no count
+        problems.add_count(str(item.path), "missing or unparsable TIMESTAMP", int(timeless.sum()))
+        df, stamps, bad = df[~timeless], stamps[~timeless], bad + int(timeless.sum())
         started = (stamps - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy(dtype=float)
         frames.append(
             _trace_frame(
                 pd,
-                _trace_name(item),
+                names[item.path],
                 len(df),
                 started_at=started,
                 prompt=df["ContextTokens"].to_numpy(dtype=float),
@@ -235,6 +251,7 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
     import pandas as pd
 
     frames, stats, problems = [], [], Problems()
+    names = _trace_names(files)
     has_e2e = True
     for item in files:
         df, skipped = _read_csv(pd, item, BURSTGPT_COLUMNS, progress, problems)
@@ -247,7 +264,7 @@ def _load_burstgpt(files: list[InputFile], progress: Progress) -> Loaded:
             e2e, has_e2e = np.full(len(df), np.nan), False
         frame = _trace_frame(
             pd,
-            _trace_name(item),
+            names[item.path],
             len(df),
             started_at=df["Timestamp"].to_numpy(dtype=float),
             prompt=df["Request tokens"].to_numpy(dtype=float),

@@ -200,3 +200,25 @@ def test_formats_are_not_mixed(tmp_path: Path) -> None:
     moon = write(tmp_path / "m.jsonl", "\n".join(mooncake_lines()) + "\n")
     with pytest.raises(ReportError, match="different formats"):
         build_report([azure, moon])
+
+
+@pytest.mark.parametrize("stamp", ["yesterday", ""])
+def test_azure_rows_without_a_time_are_counted_malformed(tmp_path: Path, stamp: str) -> None:
+    """They were kept with an unknown start, so the window and rate read them as requests at no time."""
+    report = build_report([write(tmp_path / "AzureLLMInferenceTrace_conv.csv", AZURE + f"{stamp},100,50\n")])
+    assert (report.requests, report.malformed) == (4, 1)
+    assert dict(report.malformed_reasons) == {"missing or unparsable TIMESTAMP": 1}
+    assert report.window_seconds == pytest.approx(19.3194100)
+
+
+def test_two_trace_files_of_one_name_stay_two_groups(tmp_path: Path) -> None:
+    """Groups were named by file name alone: a/conv.csv and b/conv.csv merged into one."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write(tmp_path / "a" / "AzureLLMInferenceTrace_conv.csv", AZURE)
+    second = write(tmp_path / "b" / "AzureLLMInferenceTrace_conv.csv", AZURE)
+    report = build_report([first, second])
+    assert report.replicas == (ALL, "a/AzureLLMInferenceTrace_conv", "b/AzureLLMInferenceTrace_conv")
+    assert report.requests == 8
+    alone = build_report([first, write(tmp_path / "other.csv", AZURE)])
+    assert alone.replicas == (ALL, "AzureLLMInferenceTrace_conv", "other")  # no folder where names differ
