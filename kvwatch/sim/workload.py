@@ -345,6 +345,17 @@ def _int(path: Path, line: int, column: str, value: object) -> int:
     raise TraceError(f"{path} line {line}: {column!r} is not a number: {value!r}")
 
 
+def _finite(value: object) -> float | None:
+    """A time as a finite float; None for text, NaN or infinity (an arrival at NaN never comes)."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):  # OverflowError: an int too large for a float
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _csv_rows(path: Path, text: str) -> tuple[str, list[tuple[float, int, int]]]:
     reader = csv.DictReader(text.splitlines())
     header = {(h or "").strip() for h in (reader.fieldnames or [])}
@@ -370,12 +381,9 @@ def _csv_rows(path: Path, text: str) -> tuple[str, list[tuple[float, int, int]]]
                     "like 2023-11-16 18:15:46.6805900"
                 ) from None
         else:
-            try:
-                ts = float(stamp)
-            except ValueError:
-                raise TraceError(
-                    f"{path} line {line}: Timestamp {stamp!r} is not a number of seconds"
-                ) from None
+            ts = _finite(stamp)
+            if ts is None:
+                raise TraceError(f"{path} line {line}: Timestamp {stamp!r} is not a number of seconds")
         rows.append(
             (ts, _int(path, line, in_col, row.get(in_col)), _int(path, line, out_col, row.get(out_col)))
         )
@@ -396,12 +404,10 @@ def _mooncake_rows(path: Path, text: str) -> list[tuple[float, int, int]]:
         missing = [k for k in ("timestamp", "input_length", "output_length") if k not in obj]
         if missing:
             raise TraceError(f"{path} line {line}: missing {missing}; expected {TRACE_FORMATS[2]}")
-        try:
-            ts = float(obj["timestamp"]) / 1000.0
-        except (TypeError, ValueError):
-            raise TraceError(
-                f"{path} line {line}: timestamp {obj['timestamp']!r} is not milliseconds"
-            ) from None
+        ms = _finite(obj["timestamp"])
+        if ms is None:
+            raise TraceError(f"{path} line {line}: timestamp {obj['timestamp']!r} is not milliseconds")
+        ts = ms / 1000.0
         rows.append(
             (
                 ts,

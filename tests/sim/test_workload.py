@@ -170,6 +170,24 @@ def test_infinite_length_is_a_bad_row_not_a_crash(tmp_path):
         load_trace(path)
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("b.csv", "Timestamp,Model,Request tokens,Response tokens\n5,x,9,9\nnan,x,9,9\n", "Timestamp 'nan'"),
+        ("b.csv", "Timestamp,Model,Request tokens,Response tokens\n5,x,9,9\ninf,x,9,9\n", "Timestamp 'inf'"),
+        ("m.jsonl", '{"timestamp": 1e999, "input_length": 5, "output_length": 5}\n', "timestamp inf"),
+        ("m.jsonl", '{"timestamp": NaN, "input_length": 5, "output_length": 5}\n', "timestamp nan"),
+        ("m.jsonl", '{"timestamp": true, "input_length": 5, "output_length": 5}\n', "timestamp True"),
+    ],
+)
+def test_a_time_no_request_can_arrive_at_is_a_bad_row(tmp_path, name, text, message):
+    # float() took nan and inf: a request arriving at NaN or infinity was replayed (never arriving)
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceError, match=message):
+        load_trace(path)
+
+
 def test_bad_jsonl_line_is_reported(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(
