@@ -372,6 +372,7 @@ def _csv_rows(path: Path, text: str) -> tuple[str, list[tuple[float, int, int]]]
     for line, raw in enumerate(reader, start=2):
         row = {(k or "").strip(): v for k, v in raw.items()}
         stamp = (row.get(ts_col) or "").strip()
+        ts: float | None
         if fmt == "azure":
             try:
                 ts = datetime.fromisoformat(stamp).replace(tzinfo=UTC).timestamp()  # naive: no DST jumps
@@ -382,8 +383,8 @@ def _csv_rows(path: Path, text: str) -> tuple[str, list[tuple[float, int, int]]]
                 ) from None
         else:
             ts = _finite(stamp)
-            if ts is None:
-                raise TraceError(f"{path} line {line}: Timestamp {stamp!r} is not a number of seconds")
+        if ts is None:
+            raise TraceError(f"{path} line {line}: Timestamp {stamp!r} is not a number of seconds")
         rows.append(
             (ts, _int(path, line, in_col, row.get(in_col)), _int(path, line, out_col, row.get(out_col)))
         )
