@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the subcommands import lazily: `kvwatch --help` stays fast
     from kvwatch.model import LengthBands
     from kvwatch.plan.replay import ReplayResult
-    from kvwatch.report.summary import Report
 
 HELP = "capacity planning: calibrate the simulator on a node, replay its ledger on candidate configs"
 DESCRIPTION = """\
@@ -132,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=None, metavar="N", help="parallel processes (default: CPUs)"
     )
     cmp_.add_argument("--top", type=int, default=5, metavar="N", help="candidates to print")
-    cmp_.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    cmp_.add_argument("--limit", type=int, metavar="N", help=_LIMIT)
     cmp_.add_argument("--calibration", metavar="FILE", help="calibration for step_model: calibrated")
     cmp_.add_argument(
         "--calibrated-on",
@@ -155,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     exp.set_defaults(_plan=_export)
 
 
+_LIMIT = "replay only the first N requests by arrival (N >= 1), at their recorded arrival rate"
 _NO_TRACE = "ledger files or one trace (none: the demo's default workload, its first simulated hour)"
 
 
@@ -166,7 +166,7 @@ def _twin_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--candidate", metavar="FILE", help="candidate YAML (keys: docs/planning.md)")
     p.add_argument("--bands", metavar="EDGES", help="band edges (default: the ledger's, else 1k,5k,10k,20k)")
-    p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    p.add_argument("--limit", type=int, metavar="N", help=_LIMIT)
     p.add_argument(
         "--sample-every",
         type=float,
@@ -273,18 +273,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bands(args: argparse.Namespace, recorded: Report | None) -> LengthBands | None:
+def _bands(args: argparse.Namespace) -> LengthBands | None:
+    """--bands, parsed before any input is read; None: the recorded side's (a ledger's own) bands."""
     from kvwatch.report.summary import parse_band_edges
 
-    if args.bands:
-        return parse_band_edges(args.bands)
-    return recorded.bands if recorded is not None else None
-
-
-def _recorded(paths: list[str], kind: str) -> Report:
-    from kvwatch.report import build_report
-
-    return build_report(paths, trace_format=kind)
+    return parse_band_edges(args.bands) if args.bands else None
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -292,10 +285,14 @@ def _replay(args: argparse.Namespace) -> int:
     from kvwatch.plan.calibration import load_calibration
     from kvwatch.plan.candidate import CALIBRATED, Candidate, load_candidate
     from kvwatch.plan.inputs import workload_of
+    from kvwatch.plan.recorded import recorded_report
     from kvwatch.plan.render import render_replay_html, render_replay_text
-    from kvwatch.plan.replay import replay
+    from kvwatch.plan.replay import check_sample_every, replay
 
-    workload = workload_of(args.inputs, args.limit)
+    if args.sample_every is not None:
+        check_sample_every(args.sample_every)
+    bands = _bands(args)
+    workload = workload_of(args.inputs, args.limit, keep_lines=True)
     calibration = load_calibration(args.calibration) if args.calibration else None
     if args.candidate:
         candidate = load_candidate(args.candidate)
@@ -309,8 +306,9 @@ def _replay(args: argparse.Namespace) -> int:
         )
     else:
         candidate = Candidate(name="demo default node")
-    recorded = _recorded(args.inputs, workload.kind) if args.inputs else None
-    bands = _bands(args, recorded) or DEFAULT_BANDS
+    # the node's figures for the same requests the twin replays (--limit: the first N), in the same bands
+    recorded = recorded_report(workload, bands) if args.inputs else None
+    bands = bands or (recorded.bands if recorded is not None else DEFAULT_BANDS)
     result = replay(workload, candidate, calibration, bands=bands, sample_every=args.sample_every)
     if not args.candidate and calibration is None:
         result = _with_note(

@@ -145,10 +145,17 @@ class Candidate:
 
 
 def _calibrated_model(cal: Calibration | None) -> ModelSpec:
-    if cal is None or cal.engine.num_gpu_blocks is None or cal.engine.block_size is None:
+    """The engine a calibration was measured on; its KV pool (blocks x block size) is what a twin
+    of it cannot do without, and only the engine's own endpoint tells it."""
+    if cal is None:
         raise CandidateError(
-            "model 'calibrated' needs a calibration that recorded the engine's "
-            "num_gpu_blocks and block_size (pass --calibration)"
+            "model 'calibrated' is the engine a calibration was measured on: pass --calibration FILE"
+        )
+    if cal.engine.num_gpu_blocks is None or cal.engine.block_size is None:
+        raise CandidateError(
+            f"model 'calibrated' needs the engine's KV shape (num_gpu_blocks and block_size), and this "
+            f"calibration ({cal.source}, {cal.window or 'no window'}) did not record it: re-run "
+            "`kvwatch plan calibrate` with --engine-url pointing at the engine it measured"
         )
     # KV geometry is unknown: only block counts matter (num_gpu_blocks overrides the memory plan)
     return ModelSpec(

@@ -116,7 +116,7 @@ def hardware_grid(
     """Stage 1 (module doc). ``calibrated_on``: the GPU type the calibration was measured on; its
     candidates ask for the calibration (``step_model: calibrated``) and get the fit of their layout
     where the calibration observed it, the roofline where not (and the output says which)."""
-    moe = model_preset(model).is_moe if model != CALIBRATED else False
+    moe = is_moe(model)
     out = []
     for gpu in GPU_TYPES:
         for tp, pp, dp in layouts(max_gpus):
@@ -138,6 +138,17 @@ def hardware_grid(
                         )
                     )
     return out
+
+
+def is_moe(model: str) -> bool:
+    """Whether the sweep tries expert parallelism; an unknown model is a CandidateError that lists the
+    presets, not a ValueError traceback."""
+    if model == CALIBRATED:
+        return False
+    try:
+        return model_preset(model).is_moe
+    except ValueError as exc:
+        raise CandidateError(f"--model: {exc}, or {CALIBRATED} (the engine of --calibration)") from None
 
 
 def knob_variants(base: Candidate) -> list[Candidate]:
@@ -288,7 +299,8 @@ def gap_advice(evaluated: Sequence[Evaluated], max_gpus: int, prices: dict[str, 
     if best.preemptions:
         lines.append(
             f"- a lower rate: the closest preempted {best.preemptions:,} times, so the cache is "
-            "oversubscribed at this arrival rate (replay a thinned trace with --limit or a slower one)"
+            "oversubscribed at this arrival rate (replay a trace recorded at a lower rate; --limit keeps "
+            "the first N requests at the recorded rate, it does not thin them)"
         )
     else:
         lines.append("- a lower rate or shorter outputs: the closest did not preempt; its steps are too slow")
@@ -499,6 +511,7 @@ def main_compare(args: argparse.Namespace) -> int:
     slo = load_slo_file(args.slo)
     if args.gpus < 1:
         raise CandidateError(f"--gpus must be >= 1, got {args.gpus}")
+    is_moe(args.model or DEMO_MODEL)  # an unknown --model is refused before the ledger is read
     workload = workload_of(args.inputs, args.limit)
     calibration = load_calibration(args.calibration) if args.calibration else None
     calibrated_on = getattr(args, "calibrated_on", None)

@@ -24,10 +24,11 @@ lines), a replay refuses a ledger line it cannot replay and names the line and k
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from kvwatch.jsonsafe import finite
-from kvwatch.plan.jsonl import json_lines
+from kvwatch.plan.jsonl import json_records
 from kvwatch.report.inputs import InputFile, ReportError, detect_formats, expand, open_binary
 from kvwatch.sim.workload import Trace, TraceError, WorkloadRequest, load_trace
 
@@ -45,6 +46,17 @@ class PlanInputError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerLine:
+    """A ledger line as read: the recorded report of a replay reads the lines it kept again, as
+    ``kvwatch report`` reads them, so the twin and the node are compared over the same requests."""
+
+    path: str
+    where: str  # "<path> line N"
+    text: bytes
+    obj: dict
+
+
+@dataclass(frozen=True, slots=True)
 class Workload:
     """The requests to replay, where they came from, and what was left out."""
 
@@ -57,6 +69,9 @@ class Workload:
     #: request_id -> output tokens its client received, for the aborted requests of a ledger (their
     #: ``output_tokens`` is what the twin's model would have gone on to, not what was served)
     received_tokens: dict[str, int] = field(default_factory=dict)
+    #: a ledger's lines these requests came from and the lines not replayed among them, in file order
+    #: (only when read with ``keep_lines``: the recorded side of a replay)
+    lines: tuple[LedgerLine, ...] = ()
 
     @property
     def span_seconds(self) -> float:
@@ -83,14 +98,14 @@ def _number(obj: dict, key: str, where: str, *, integer: bool) -> float | None:
     return int(value) if integer else float(value)
 
 
-def _ledger_lines(item: InputFile) -> list[tuple[str, dict]]:
+def _ledger_lines(item: InputFile) -> list[LedgerLine]:
     reader, raw = open_binary(item)
     rows = []
     try:
-        for where, obj in json_lines(reader, item.path, PlanInputError):
+        for where, obj, text in json_records(reader, item.path, PlanInputError):
             if not isinstance(obj, dict):
                 raise PlanInputError(f"{where}: not a JSON object")
-            rows.append((where, obj))
+            rows.append(LedgerLine(str(item.path), where, text, obj))
     finally:
         reader.close()
         raw.close()
@@ -104,11 +119,12 @@ class _Replayed:
     received: int | None = None  # an aborted request's output tokens, as its client got them
 
 
-def _typical_prompts(rows: list[tuple[str, dict]]) -> dict[str | None, int]:
+def _typical_prompts(rows: list[LedgerLine]) -> dict[str | None, int]:
     """Median prompt length per replica, and of the whole ledger (key None), over the lines that
     have one: what an aborted line without usage is replayed with."""
     by_replica: dict[str | None, list[int]] = {}
-    for _where, obj in rows:
+    for row in rows:
+        obj = row.obj
         value = finite(obj.get("prompt_tokens"))
         if value is None or value < 1 or value != int(value):
             continue  # the line's own check names it, if it is replayed
@@ -176,35 +192,85 @@ def _ledger_request(
     return _Replayed(request, estimated, int(output) if outcome == "aborted" else None)
 
 
-def read_ledger(files: list[InputFile]) -> Workload:
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise PlanInputError(f"--limit must be at least 1 (replay the first N requests), got {limit}")
+
+
+def _ledger_results(rows: list[LedgerLine], typical_prompts: dict[str | None, int]) -> list[_Replayed | str]:
+    """Each line's request (numbered in file order), or the reason it is not replayed."""
+    results: list[_Replayed | str] = []
+    replayed = 0
+    for row in rows:
+        result = _ledger_request(row.where, row.obj, replayed, typical_prompts)
+        replayed += isinstance(result, _Replayed)
+        results.append(result)
+    return results
+
+
+def _arrived_by(obj: dict, cutoff: float) -> bool:
+    started = finite(obj.get("started_at"))
+    return started is not None and started <= cutoff
+
+
+def _window(rows: list[LedgerLine], results: list[_Replayed | str], limit: int | None) -> list[int]:
+    """The lines a replay of the first ``limit`` requests covers (every line without a limit): those
+    requests, first by arrival as the twin replays them, and the lines not replayed that arrived by
+    the last of them, so the recorded figures and the counts of what was left out cover the same
+    stretch of the ledger as the twin."""
+    replayed = sorted(
+        ((i, r) for i, r in enumerate(results) if isinstance(r, _Replayed)),
+        key=lambda p: p[1].request.arrival,
+    )
+    if limit is None or limit >= len(replayed):
+        return list(range(len(rows)))
+    chosen = {i for i, _ in replayed[:limit]}
+    cutoff = replayed[limit - 1][1].request.arrival
+    return [
+        i
+        for i, r in enumerate(results)
+        if i in chosen or (isinstance(r, str) and _arrived_by(rows[i].obj, cutoff))
+    ]
+
+
+def read_ledger(files: list[InputFile], *, limit: int | None = None, keep_lines: bool = False) -> Workload:
+    """The ledger's first ``limit`` requests by arrival (all without a limit). ``keep_lines``: keep the
+    lines they cover (``Workload.lines``), for the recorded side of a replay."""
+    _check_limit(limit)
     rows = [row for item in files for row in _ledger_lines(item)]
-    typical_prompts = _typical_prompts(rows)
-    requests: list[WorkloadRequest] = []
-    skipped: dict[str, int] = {}
-    estimated: dict[str, int] = {}
-    received: dict[str, int] = {}
-    for where, obj in rows:
-        result = _ledger_request(where, obj, len(requests), typical_prompts)
-        if isinstance(result, str):
-            skipped[result] = skipped.get(result, 0) + 1
-            continue
-        requests.append(result.request)
-        if result.estimated is not None:
-            estimated[result.estimated] = estimated.get(result.estimated, 0) + 1
-        if result.received is not None:
-            received[result.request.request_id] = result.received
-    if not requests:
+    results = _ledger_results(rows, _typical_prompts(rows))
+    if not any(isinstance(r, _Replayed) for r in results):
         names = ", ".join(str(f.path) for f in files)
-        why = "; ".join(f"{reason}: {n:,}" for reason, n in skipped.items()) or "no lines"
+        counts = _counts(r for r in results if isinstance(r, str))
+        why = "; ".join(f"{reason}: {n:,}" for reason, n in counts.items()) or "no lines"
         raise PlanInputError(f"{names}: no replayable request ({why})")
-    requests.sort(key=lambda r: r.arrival)
+    window = _window(rows, results, limit)
+    kept = [results[i] for i in window]
+    replayed = [r for r in kept if isinstance(r, _Replayed)]
+    skipped = _counts(r for r in kept if isinstance(r, str))
+    estimated = _counts(r.estimated for r in replayed if r.estimated is not None)
+    received = {r.request.request_id: r.received for r in replayed if r.received is not None}
+    requests = sorted((r.request for r in replayed), key=lambda q: q.arrival)
     t0 = requests[0].arrival
     rebased = tuple(replace(r, arrival=r.arrival - t0) for r in requests)
-    return Workload("ledger", tuple(str(f.path) for f in files), rebased, skipped, t0, estimated, received)
+    lines = tuple(rows[i] for i in window) if keep_lines else ()
+    return Workload(
+        "ledger", tuple(str(f.path) for f in files), rebased, skipped, t0, estimated, received, lines
+    )
 
 
-def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
-    """A ledger (files, globs, rotations, gzip) or one trace file."""
+def _counts(values: Iterable[str]) -> dict[str, int]:
+    """How often each value comes, in order of first appearance (the order the output lists them)."""
+    out: dict[str, int] = {}
+    for value in values:
+        out[value] = out.get(value, 0) + 1
+    return out
+
+
+def read_workload(paths: list[str], *, limit: int | None = None, keep_lines: bool = False) -> Workload:
+    """A ledger (files, globs, rotations, gzip) or one trace file; ``limit``: its first N requests by
+    arrival. ``keep_lines``: a ledger's ``Workload.lines``, for the recorded side of a replay."""
+    _check_limit(limit)
     try:
         files = expand(paths)
         formats = detect_formats(files)  # an empty file (a ledger's newest after rotation) has none
@@ -212,8 +278,7 @@ def read_workload(paths: list[str], *, limit: int | None = None) -> Workload:
         raise PlanInputError(str(exc)) from None
     kinds = set(formats.values())
     if kinds == {"ledger"}:
-        workload = read_ledger(files)
-        return workload if limit is None else replace(workload, requests=workload.requests[:limit])
+        return read_ledger(files, limit=limit, keep_lines=keep_lines)
     files = [f for f in files if f.path in formats]
     if len(files) != 1 or len(kinds) != 1:
         raise PlanInputError(
@@ -250,6 +315,9 @@ def demo_workload_requests(*, limit: int | None = None, seed: int = 0) -> Worklo
     return Workload("demo", (where,), requests, {}, None)
 
 
-def workload_of(paths: list[str], limit: int | None = None) -> Workload:
+def workload_of(paths: list[str], limit: int | None = None, *, keep_lines: bool = False) -> Workload:
     """The ledger or trace named on the command line; none named: the demo's default workload."""
-    return read_workload(paths, limit=limit) if paths else demo_workload_requests(limit=limit)
+    if not paths:
+        _check_limit(limit)
+        return demo_workload_requests(limit=limit)
+    return read_workload(paths, limit=limit, keep_lines=keep_lines)

@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from kvwatch.jsonsafe import finite
 from kvwatch.model import OUTCOMES, LengthBands, Outcome, RequestRecord
 from kvwatch.plan.calibration import Calibration
 from kvwatch.plan.candidate import Candidate, engine_config, observed_fit, unobserved_layout
-from kvwatch.plan.inputs import Workload
+from kvwatch.plan.inputs import PlanInputError, Workload
 from kvwatch.report.load import Loaded
 from kvwatch.report.summary import Report, summarize
 from kvwatch.sim.engine import RequestView, SimEngine
@@ -147,6 +148,16 @@ def _default_sample_every(span: float) -> float:
     return float(min(60.0, max(0.25, span / 2000.0)))
 
 
+def check_sample_every(seconds: float) -> float:
+    """The KV sampling step, refused unless a finite number > 0: the simulator samples until the
+    replay drains by adding the step, so 0, a negative step or NaN would never get there."""
+    if finite(seconds) is None or seconds <= 0:
+        raise PlanInputError(
+            f"--sample-every must be a finite number of simulated seconds > 0, got {seconds:g}"
+        )
+    return float(seconds)
+
+
 def replay(
     workload: Workload,
     candidate: Candidate,
@@ -156,6 +167,11 @@ def replay(
     sample_every: float | None = None,
 ) -> ReplayResult:
     """Run the workload on the candidate's twin (module doc)."""
+    every = (
+        _default_sample_every(workload.span_seconds)
+        if sample_every is None
+        else check_sample_every(sample_every)
+    )
     budget = (
         output_budget(workload, candidate.admission_quantile)
         if candidate.admission == "quantile_budget"
@@ -175,7 +191,6 @@ def replay(
     else:
         router = Router(RouterSpec(candidate.router), candidate.dp)
 
-    every = sample_every or _default_sample_every(workload.span_seconds)
     cap_blocks = engines[0].capacity_blocks
     block = config.block_size
     usage: list[float] = []

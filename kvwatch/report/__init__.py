@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
-from kvwatch.model import DEFAULT_BANDS, LengthBands
+from kvwatch.model import LengthBands
 from kvwatch.report.csvout import render_csv
 from kvwatch.report.html import render_html
 from kvwatch.report.inputs import FORMATS, ReportError, detect_common_format, expand
 from kvwatch.report.load import load
 from kvwatch.report.progress import Progress
-from kvwatch.report.summary import ROW_COLUMNS, BandRow, Report, bands_from_names, summarize
+from kvwatch.report.summary import ROW_COLUMNS, BandRow, Report, choose_bands, summarize
 from kvwatch.report.text import render_text
 
 __all__ = [
@@ -52,18 +52,5 @@ def build_report(
     kind = detect_common_format(files, trace_format)
     bar = Progress.auto(sum(f.size for f in files), progress, progress_stream)
     loaded = load(files, kind, bar, jobs)
-    if bands is not None:
-        chosen, origin = bands, "from --bands"
-    elif kind == "ledger" and (recorded := bands_from_names(loaded.recorded_bands)) is not None:
-        chosen, origin = recorded, "from the band names recorded in the ledger"
-    elif kind == "ledger" and loaded.recorded_bands:
-        chosen, origin = (
-            DEFAULT_BANDS,
-            (
-                "defaults: the ledger's band names come from more than one "
-                "set of edges; pass --bands to choose"
-            ),
-        )
-    else:
-        chosen, origin = DEFAULT_BANDS, "defaults"
+    chosen, origin = choose_bands(loaded, bands)
     return summarize(loaded, chosen, origin, replicas)

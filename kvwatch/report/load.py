@@ -131,11 +131,15 @@ def _load_ledger(files: list[InputFile], progress: Progress, jobs: int | None) -
         )
         for f in files
     ]
-    frame = result.frame
+    return ledger_loaded(result.frame, stats, result.problems)
+
+
+def ledger_loaded(frame: pd.DataFrame, stats: list[FileStats], problems: Problems) -> Loaded:
+    """A ledger's request table, its band columns taken out as the band names it recorded."""
     recorded = sorted(
         {str(b) for col in ("length_band", "admission_band") for b in frame.pop(col).cat.categories}
     )
-    return Loaded("ledger", frame, stats, result.problems, tuple(recorded))
+    return Loaded("ledger", frame, stats, problems, tuple(recorded))
 
 
 def _load_mooncake(files: list[InputFile], progress: Progress, jobs: int | None) -> Loaded:

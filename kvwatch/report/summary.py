@@ -156,6 +156,23 @@ def _tokens(text: str) -> int:
     return int(number)
 
 
+def choose_bands(loaded: Loaded, bands: LengthBands | None) -> tuple[LengthBands, str]:
+    """The bands a report uses, and why: ``bands`` if given, else a ledger's recorded ones, else the
+    defaults."""
+    if bands is not None:
+        return bands, "from --bands"
+    if loaded.kind != "ledger":
+        return DEFAULT_BANDS, "defaults"
+    recorded = bands_from_names(loaded.recorded_bands)
+    if recorded is not None:
+        return recorded, "from the band names recorded in the ledger"
+    if any(name != UNKNOWN_BAND for name in loaded.recorded_bands):
+        return DEFAULT_BANDS, (
+            "defaults: the ledger's band names come from more than one set of edges; pass --bands to choose"
+        )
+    return DEFAULT_BANDS, "defaults"
+
+
 def bands_from_names(names: Sequence[str]) -> LengthBands | None:
     """The band edges a ledger was written with, from the band names it recorded.
 
