@@ -187,3 +187,20 @@ def test_a_stream_left_before_usage_holds_its_estimated_prompt_in_kv_token_secon
     assert row.kv_token_seconds == pytest.approx((400 * 10.0 + 5 * 9.0 / 2) + (100 * 2.5 + 20 * 2.0 / 2))
     assert row.prompt_tokens_p50 == 100  # the prompt percentiles stay the engine's counts
     assert any("estimated it from the request's size" in n for n in report.notes)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "origin"),
+    [
+        (("1k-5k", "0-1k"), "from the band names recorded in the ledger"),
+        (("0-2k", "0-1k"), "defaults: the ledger's band names come from more than one set of edges"),
+        (("unknown",), "defaults"),  # read as names from several sets of edges before
+        ((), "defaults"),
+    ],
+)
+def test_a_ledgers_bands_come_from_the_names_it_recorded(recorded: tuple[str, ...], origin: str) -> None:
+    from kvwatch.report.load import Loaded
+    from kvwatch.report.summary import choose_bands
+
+    _bands, said = choose_bands(Loaded("ledger", frame=None, recorded_bands=recorded), None)
+    assert said.startswith(origin)
