@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from kvwatch.config import (
     parse_host_port,
 )
 from kvwatch.config.schema import LEAN_PROFILE
-from kvwatch.gpu.fake import FakeNvml
+from kvwatch.gpu.fake import FakeGpu, FakeNvml
 from kvwatch.sim.loadgen import LoadGenConfig, LoadGenerator, LoadReport
 from kvwatch.sim.node import NodeConfig, SimNode, h200_node
 from kvwatch.sim.presets import DEMO_MODEL, demo_router, demo_workload
@@ -38,6 +39,35 @@ from kvwatch.sim.workload import generate
 from kvwatch.status.page import make_status_routes
 
 log = logging.getLogger(__name__)
+
+#: a fake H200 at rest (``FakeGpu``'s defaults, from an idle H200) and decoding (illustrative: the
+#: SM clock at the H200's 1,980 MHz boost, power rising with the KV traffic of the batch)
+_IDLE = FakeGpu(0, "")
+_BUSY_SM_CLOCK_MHZ = 1980
+_BUSY_TEMPERATURE_C = 65  # at the power limit
+_TEMPERATURE_STEP = 0.1  # share of the way to the load's temperature per sync (a heat sink lags)
+
+
+def _follow_load(device: FakeGpu, busy: bool, kv_usage: float) -> None:
+    """Utilization, power, clocks, clock-event reasons and temperature that agree with the engine's
+    batch, so the demo's GPU panels do not show a GPU at 100% that is idle at 345 MHz and 75 W."""
+    if busy:
+        share = 0.4 + 0.5 * min(max(kv_usage, 0.0), 1.0)  # decode power follows memory traffic
+        device.utilization_gpu = 100
+        device.utilization_memory = min(100, int(100 * kv_usage))
+        device.power_mw = int(_IDLE.power_mw + share * (device.power_limit_mw - _IDLE.power_mw))
+        device.sm_clock_mhz = _BUSY_SM_CLOCK_MHZ
+        device.clock_event_reasons = 0  # none: running at the clock it was asked for
+    else:
+        device.utilization_gpu = device.utilization_memory = 0
+        device.power_mw, device.sm_clock_mhz = _IDLE.power_mw, _IDLE.sm_clock_mhz
+        device.clock_event_reasons = _IDLE.clock_event_reasons
+    heat = device.power_mw / device.power_limit_mw
+    gap = _IDLE.temperature_c + heat * (_BUSY_TEMPERATURE_C - _IDLE.temperature_c) - device.temperature_c
+    if abs(gap) >= 1:  # at least a degree a step, so whole degrees still reach the target
+        device.temperature_c += int(math.copysign(max(1.0, abs(gap) * _TEMPERATURE_STEP), gap))
+    device.memory_temperature_c = device.temperature_c - (_IDLE.temperature_c - _IDLE.memory_temperature_c)
+
 
 GPU_SYNC_S = 0.5  # wall seconds between pushes of simulated GPU state into the fake NVML
 
@@ -202,8 +232,6 @@ class DemoNode:
             fake.add_pcie_traffic(gpu, int(max(tx - seen_tx, 0)), int(max(rx - seen_rx, 0)))
             self._pcie_seen[gpu] = (max(tx, seen_tx), max(rx, seen_rx))
             engine = node.engines[replica]
-            busy = bool(engine.running_ids())
-            device.utilization_gpu = 100 if busy else 0
-            device.utilization_memory = min(100, int(100 * engine.kv_usage)) if busy else 0
+            _follow_load(device, bool(engine.running_ids()), engine.kv_usage)
         if wall_elapsed > 0:
             fake.advance(wall_elapsed * node.config.speed)
