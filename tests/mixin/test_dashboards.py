@@ -246,6 +246,18 @@ def test_every_variable_a_query_uses_is_defined(name) -> None:
         assert used <= defined | builtin, (expr, used - defined)
 
 
+@pytest.mark.parametrize("name", FILES)
+def test_a_variables_query_uses_only_variables_defined_before_it(name) -> None:
+    # the fleet board's Model list filtered on $node, which it does not define: always empty
+    defined = {"__rate_interval", "__range", "__interval"}
+    for variable in _json(name)["templating"]["list"]:
+        query = variable.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else ""
+        used = set(re.findall(r"\$([A-Za-z_]\w*)", text))
+        assert used <= defined, (variable["name"], text, used - defined)
+        defined.add(variable["name"])
+
+
 def test_variables_for_cluster_node_model_replica_and_band() -> None:
     names = {b.uid: [v["name"] for v in b.json()["templating"]["list"]] for b in boards()}
     assert names[NODE_UID] == ["datasource", "cluster", "job", "node", "model", "replica"]

@@ -150,19 +150,39 @@ def dcgm_link(opts: Options) -> dict[str, Any]:
     }
 
 
-_REPLICA_INFO = 'kvwatch_replica_info{cluster=~"$cluster", instance=~"$node"'
-
-#: label_values() variables: name -> (label, query)
-_QUERY_VARIABLES: Mapping[str, tuple[str, str]] = {
-    "cluster": ("Cluster", "label_values(kvwatch_build_info, cluster)"),
-    "node": ("Node", 'label_values(kvwatch_build_info{cluster=~"$cluster"}, instance)'),
-    "model": ("Model", f"label_values({_REPLICA_INFO}}}, model_name)"),
-    "replica": ("Replica", f'label_values({_REPLICA_INFO}, model_name=~"$model"}}, replica)'),
+#: label_values() variables: name -> (label, family, the label whose values it offers, and the
+#: (variable, label) filters it takes from the variables before it, where the board has them)
+_QUERY_VARIABLES: Mapping[str, tuple[str, str, str, tuple[tuple[str, str], ...]]] = {
+    "cluster": ("Cluster", "kvwatch_build_info", "cluster", ()),
+    "node": ("Node", "kvwatch_build_info", "instance", (("cluster", "cluster"),)),
+    "model": ("Model", "kvwatch_replica_info", "model_name", (("cluster", "cluster"), ("node", "instance"))),
+    "replica": (
+        "Replica",
+        "kvwatch_replica_info",
+        "replica",
+        (("cluster", "cluster"), ("node", "instance"), ("model", "model_name")),
+    ),
     "band": (
         "Length band",
-        'label_values(kvwatch_requests_total{cluster=~"$cluster", model_name=~"$model"}, length_band)',
+        "kvwatch_requests_total",
+        "length_band",
+        (("cluster", "cluster"), ("model", "model_name")),
     ),
 }
+
+
+def _values_query(name: str, defined: set[str]) -> tuple[str, str]:
+    """(label, query) of a label_values() variable, filtered only by variables the board defines:
+    an undefined ``$node`` stays literal text, and its regex matches nothing."""
+    label, family, offered, filters = _QUERY_VARIABLES[name]
+    matchers = ", ".join(f'{key}=~"${var}"' for var, key in filters if var in defined)
+    return (
+        label,
+        f"label_values({family}{{{matchers}}}, {offered})"
+        if matchers
+        else f"label_values({family}, {offered})",
+    )
+
 
 #: latency targets picked from a histogram's bucket boundaries: name -> (label, family, boundaries)
 _TARGET_VARIABLES: Mapping[str, tuple[str, str, Sequence[float]]] = {
@@ -173,9 +193,10 @@ _TARGET_VARIABLES: Mapping[str, tuple[str, str, Sequence[float]]] = {
 
 def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
     out = [g.datasource_variable()]
+    defined: set[str] = set()
     for name in names:
         if name in _QUERY_VARIABLES:
-            out.append(g.query_variable(name, *_QUERY_VARIABLES[name]))
+            out.append(g.query_variable(name, *_values_query(name, defined)))
         elif name in _TARGET_VARIABLES:
             label, family, bounds = _TARGET_VARIABLES[name]
             values = [buckets.le_label(b) for b in bounds]
@@ -189,6 +210,7 @@ def variables(names: Iterable[str], job: str) -> tuple[dict[str, Any], ...]:
             out.append(var)
         else:
             raise ValueError(f"unknown dashboard variable {name!r}")
+        defined.add(name)
     return tuple(out)
 
 
