@@ -242,3 +242,46 @@ def test_node_level_recordings_keep_instance_and_fleet_level_ones_aggregate_it_a
         or (outcome.get(_with_instance(name, False)) == "data") != (level == "fleet")
     ]
     assert not wrong, wrong
+
+
+def test_burn_rate_panels_evaluate_on_a_global_prometheus_that_federates_clusters(tmp_path) -> None:
+    """Each cluster's Prometheus records the objective as a constant; federated upward, each copy
+    carries its cluster's label, so the budget side of a burn rate holds one series per cluster and
+    a plain ``on (slo)`` join is many-to-many (the panels errored on the docs' global Prometheus)."""
+    exprs = sorted({q.concrete for q in panel_queries() if q.panel.startswith("Burn rate")})
+    assert exprs
+    series = []
+    for cluster in ("east", "west"):
+        series.append(
+            _series("kvwatch:slo_objective:ratio", {"cluster": cluster, "slo": "s"}, f"0.5x{STEPS}")
+        )
+        for window in ("1h", "6h"):
+            labels = {"cluster": cluster, "slo": "s", "model_name": "m", "length_band": "0-1k"}
+            series.append(_series(f"kvwatch:slo_errors:ratio_rate{window}", labels, f"0.25x{STEPS}"))
+    doc = {
+        "evaluation_interval": "30s",
+        "tests": [
+            {
+                "interval": "30s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": e,
+                        "eval_time": EVAL,
+                        "exp_samples": [
+                            {
+                                "labels": f'{{cluster="{c}", length_band="0-1k", model_name="m", slo="s"}}',
+                                "value": 0.5,
+                            }
+                            for c in ("east", "west")
+                        ],
+                    }
+                    for e in exprs
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "federated.test.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, width=10_000))
+    result = run_tool(tool("promtool"), "test", "rules", path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -249,8 +249,11 @@ SLO_LEGEND = "{{slo}} {{model_name}} {{length_band}}"
 
 
 def burn_rate(window: str, s: Scope) -> str:
+    """The error ratio over the budget. Each Prometheus a global one federates adds its own labels
+    (``cluster``) to the objective series: one budget per ``slo`` (they are equal), or the match
+    finds several and the query fails."""
     ratio = s.sel(f"kvwatch:slo_errors:ratio_rate{window}", labels=SLO_LABELS)
-    return f"{ratio}\n/ on (slo) group_left ()\n(1 - {SLO_OBJECTIVE})"
+    return f"{ratio}\n/ on (slo) group_left ()\nmax by (slo) (1 - {SLO_OBJECTIVE})"
 
 
 def burn_rate_panel(
