@@ -35,8 +35,9 @@ from kvwatch.mixin.thresholds import AlertConfig
 
 DEFAULT_JOB = "kvwatch"
 
-#: sources that only report when something arrives: idle is not stale
-PUSH_SOURCES = ("otlp", "proxy")
+#: sources that only report when something arrives (OTLP exports; the vLLM plugin's datagrams, which
+#: an idle engine does not send): idle is not stale
+PUSH_SOURCES = ("otlp", "vllm_plugin")
 
 #: XIDs that mean the GPU's work is lost or its memory cannot be trusted until it is drained and
 #: reset (or replaced); from NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors). Others (13,
