@@ -247,6 +247,18 @@ def test_every_variable_a_query_uses_is_defined(name) -> None:
 
 
 @pytest.mark.parametrize("name", FILES)
+def test_merged_tables_join_queries_without_a_metric_name(name) -> None:
+    # Grafana's merge joins rows only where the fields they share agree: raw selectors of four
+    # families each carry their own __name__, and the PCIe table showed four rows per GPU
+    bare = re.compile(r"^\s*[A-Za-z_:][\w:]*\s*(\{[^}]*\})?\s*$")
+    for panel in _panels(name):
+        merged = any(t.get("id") == "merge" for t in panel.get("transformations", []))
+        if merged and len(panel["targets"]) > 1:
+            raw = [t["expr"] for t in panel["targets"] if bare.match(t["expr"])]
+            assert len(raw) < 2, (panel["title"], raw)  # one alone has no other name to disagree with
+
+
+@pytest.mark.parametrize("name", FILES)
 def test_a_variables_query_uses_only_variables_defined_before_it(name) -> None:
     # the fleet board's Model list filtered on $node, which it does not define: always empty
     defined = {"__rate_interval", "__range", "__interval"}

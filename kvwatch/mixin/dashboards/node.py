@@ -227,10 +227,17 @@ def node_board(opts: Options) -> Board:
         g.table(
             "PCIe links",
             [
-                Query(s.sel("kvwatch_gpu_pcie_link_generation"), instant=True, table=True),
-                Query(s.sel("kvwatch_gpu_pcie_link_generation_max"), instant=True, table=True),
-                Query(s.sel("kvwatch_gpu_pcie_link_width"), instant=True, table=True),
-                Query(s.sel("kvwatch_gpu_pcie_link_width_max"), instant=True, table=True),
+                # aggregated, so no query carries its own __name__: Grafana's merge joins rows only
+                # where the fields they share agree, and four names gave four rows per GPU
+                *(
+                    Query(f"max without () ({s.sel(name)})", instant=True, table=True)
+                    for name in (
+                        "kvwatch_gpu_pcie_link_generation",
+                        "kvwatch_gpu_pcie_link_generation_max",
+                        "kvwatch_gpu_pcie_link_width",
+                        "kvwatch_gpu_pcie_link_width_max",
+                    )
+                ),
                 Query(
                     f"increase({s.sel('kvwatch_gpu_pcie_replays_total')}[$__range])", instant=True, table=True
                 ),
