@@ -90,6 +90,15 @@ def counter_rose(series: str, window: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _per_finished(ratio: float) -> str:
+    """``0.5`` reads "one for every 2 requests it finishes"; a ratio whose inverse is not a whole
+    number (or 0, or above 1) reads as itself."""
+    every = 1 / ratio if ratio > 0 else 0.0
+    if every >= 2 and abs(every - round(every)) < 1e-9:
+        return f"one for every {round(every)} requests it finishes"
+    return f"{ratio:g} for every request it finishes"
+
+
 def kv_alerts(cfg: AlertConfig, form: HistogramForm = CLASSIC) -> tuple[Alert, ...]:
     preempt_10m = "rate(kvwatch_preemptions_total[10m])"
     finished_10m = "sum without (finished_reason) (rate(kvwatch_engine_finished_requests_total[10m]))"
@@ -111,9 +120,8 @@ def kv_alerts(cfg: AlertConfig, form: HistogramForm = CLASSIC) -> tuple[Alert, .
             f"and\n{preempt_10m} > {cfg.storm_min_preemptions_per_s}",
             WARNING,
             "A replica preempts requests faster than it finishes them.",
-            f'The engine of {_REPLICA} preempts {{{{ printf "%.2f" $value }}}} requests/s, more than one '
-            f"for every {round(1 / cfg.storm_preemptions_per_finished)} requests it finishes "
-            f"(10 minute rate): "
+            f'The engine of {_REPLICA} preempts {{{{ printf "%.2f" $value }}}} requests/s, more than '
+            f"{_per_finished(cfg.storm_preemptions_per_finished)} (10 minute rate): "
             f"the KV cache is thrashing.",
             for_=cfg.for_of("KVWatchPreemptionStorm"),
         ),

@@ -361,3 +361,23 @@ def test_alert_names_are_listed_once_in_file_order() -> None:
     assert names[0] == "KVWatchKVCachePressure"  # node file first, SLO file last
     assert names[-2:] == ["KVWatchLatencyBudgetBurn", "KVWatchCompletionBudgetBurn"]
     assert len(names) == len(set(names)) == 25
+
+
+@pytest.mark.parametrize(
+    ("ratio", "said"),
+    [
+        (0.5, "more than one for every 2 requests it finishes"),
+        (0.3, "more than 0.3 for every request it finishes"),
+        (2.0, "more than 2 for every request it finishes"),  # read "one for every 0 requests"
+        (0.0, "more than 0 for every request it finishes"),  # raised ZeroDivisionError
+    ],
+)
+def test_the_preemption_storm_says_its_threshold_for_any_allowed_value(ratio: float, said: str) -> None:
+    from kvwatch.mixin.thresholds import AlertConfig
+
+    (storm,) = [
+        a
+        for a in alerts_mod.kv_alerts(AlertConfig(storm_preemptions_per_finished=ratio))
+        if a.alert == "KVWatchPreemptionStorm"
+    ]
+    assert said in storm.description
