@@ -19,6 +19,8 @@ from prometheus_client.utils import floatToGoString
 
 from kvwatch.catalog import MetricSpec
 
+#: what the encoder writes; prometheus_client >= 0.22's CONTENT_TYPE_LATEST names text format 1.0.0
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _MAX_CACHED_LABEL_SETS = 200_000
 _OM_SUFFIXES = ("_created", "_gsum", "_gcount")
 _TYPE_MAP = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}

@@ -11,10 +11,10 @@ import gzip
 from collections.abc import Callable, Iterable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwatch.export.encode import TextEncoder
+from kvwatch.export.encode import TEXT_CONTENT_TYPE, TextEncoder
 from kvwatch.export.protobuf import PROTOBUF_CONTENT_TYPE, ProtobufEncoder, wants_protobuf
 
 _MAX_ACCEPT_ENCODING_BYTES = 8192  # aiohttp's own header limit
@@ -31,19 +31,24 @@ def make_registry(collector: Collector) -> CollectorRegistry:
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
-    """Whether an ``Accept-Encoding`` header takes gzip: named (or ``*``) with a q-value above 0."""
+    """Whether an ``Accept-Encoding`` header takes gzip: named with a q-value above 0, or not named
+    and ``*`` is (RFC 9110: a coding named outranks ``*``, so ``*, gzip;q=0`` refuses gzip)."""
+    weights: dict[str, float] = {}
     for item in accept_encoding[:_MAX_ACCEPT_ENCODING_BYTES].split(","):
         coding, _, params = item.partition(";")
-        if coding.strip().lower() not in ("gzip", "*"):
-            continue
-        name, _, value = params.partition("=")
-        if name.strip().lower() != "q":
-            return True
-        try:
-            return float(value) > 0
-        except ValueError:
-            return False
-    return False
+        weights.setdefault(coding.strip().lower(), _q_value(params))
+    return weights.get("gzip", weights.get("*", 0.0)) > 0
+
+
+def _q_value(params: str) -> float:
+    """An entry's ``q`` (1 when absent); a q that does not parse is 0, the safe side."""
+    name, _, value = params.partition("=")
+    if name.strip().lower() != "q":
+        return 1.0
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 def metrics_app(
@@ -60,7 +65,7 @@ def metrics_app(
             headers = {"Content-Type": PROTOBUF_CONTENT_TYPE}
         else:
             body = await asyncio.to_thread(encoder.encode, registry)
-            headers = {"Content-Type": CONTENT_TYPE_LATEST}
+            headers = {"Content-Type": TEXT_CONTENT_TYPE}
         if accepts_gzip(request.headers.get("Accept-Encoding", "")):
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"

@@ -26,6 +26,10 @@ from .node import full_node_registry
         ("gzip;q=0", False),
         ("gzip; q=0.000", False),
         ("x-gzip-not", False),
+        ("*;q=0.5, gzip;q=0", False),  # a coding named outranks "*"
+        ("gzip;q=0, *", False),
+        ("*;q=0, gzip", True),
+        ("gzip;q=lots", False),
     ],
 )
 def test_which_accept_encodings_get_gzip(header: str, gzipped: bool):

@@ -208,7 +208,8 @@ async def test_metrics_endpoint_negotiates_and_keeps_text_the_default():
     await client.start_server()
     try:
         plain = await client.get("/metrics")
-        assert plain.headers["Content-Type"].startswith("text/plain")
+        # the format the encoder writes (prometheus_client 0.26's CONTENT_TYPE_LATEST says 1.0.0)
+        assert plain.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text_body = await plain.read()
         assert text_body.startswith(b"# HELP")
         proto = await client.get("/metrics", headers={"Accept": PROM_242_NATIVE})
