@@ -147,7 +147,7 @@ def _gpu_readings(
             out.add(GPU_NVLINK_ACTIVE, labels, link.active)
             out.add(GPU_NVLINK_TX_BYTES, labels, link.tx_bytes_total)
             out.add(GPU_NVLINK_RX_BYTES, labels, link.rx_bytes_total)
-    elif gpu.nvlinks:  # metrics.profile lean: one series per GPU, summed over its links
+    elif gpu.nvlinks:  # metrics.profile lean: one series per GPU, summed over all its links
         labels = [*ident, FOLDED]
         out.add(GPU_NVLINK_ACTIVE, labels, _link_sum(gpu, "active"))
         out.add(GPU_NVLINK_TX_BYTES, labels, _link_sum(gpu, "tx_bytes_total"))
@@ -163,6 +163,14 @@ def _gpu_readings(
 
 
 def _link_sum(gpu: GpuSample, attr: str) -> float | None:
-    """A reading summed over the GPU's links; None (left out) when no link reports it."""
-    values = [float(v) for v in (getattr(link, attr) for link in gpu.nvlinks) if v is not None]
-    return sum(values) if values else None
+    """A reading summed over all the GPU's links; None (left out this poll) unless every link gave it.
+
+    A sum over only the links that answered would drop when one link's read fails once, which
+    Prometheus takes for a counter reset (``increase()`` then counts the whole total again); a poll
+    without the series is a gap instead. ``gpu.nvlinks`` holds every link NVML counts, answered or
+    not, so a link whose counter never answers leaves the folded series out: ``full`` has the rest.
+    """
+    values = [getattr(link, attr) for link in gpu.nvlinks]
+    if not values or any(v is None for v in values):
+        return None
+    return float(sum(values))

@@ -5,20 +5,23 @@ source``; the band is the request's final output-token count (docs/requests.md).
 ``kvwatch.buckets`` and contain the usual SLO thresholds as exact boundaries.
 
 ``kvwatch_requests_total`` is pre-created at zero for every outcome x band of each
-(replica, model_name, source) that is configured or has been seen: a counter that appears at 1
-loses its first increment to ``rate()``/``increase()``, and an error-ratio query over a band that
-had no errors yet should say 0, not "no data". Histograms are not pre-created (27 buckets x 6
+(replica, model_name, source) that is configured or has been seen (finished or in flight): a counter
+that appears at 1 loses its first increment to ``rate()``/``increase()``, and an error-ratio query over
+a band that had no errors yet should say 0, not "no data". A proxied replica is configured with its
+``model_name`` only: without one, the proxy labels requests with the model the engine serves, known
+only once a request carries it (``configured_sources``). Histograms are not pre-created (27 buckets x 6
 families x 6 bands per key is too many series for what it buys: an SLO ratio over a band with no
 traffic has no meaningful value anyway), and a histogram with no observation yet is left out (a
 proxy never observes engine queue time, so that family stays empty for proxied replicas).
 
 ``kvwatch_request_preemption_stalls_total`` (proxy only, the one source that measures each request's
 longest gap) counts finished requests whose longest gap was a preemption stall; it starts at zero
-for every band of each configured proxy replica, like the outcome counter.
+for every band of each proxied replica, like the in-flight gauges below.
 
 In-flight gauges (proxy only) are labelled by the *admission* band, from the request's
-``max_tokens``, since a running request's final length is not known yet; every configured proxy
-replica has a zero series per band.
+``max_tokens``, since a running request's final length is not known yet; every proxied replica has
+a zero series per band, under its configured ``model_name`` or, without one, each model its requests
+were seen with.
 
 kvwatch's own request-path counters (accounting errors, timed-out connections, OTLP spans, SGLang
 file lines, ledger errors) are rendered by ``export/self_metrics.py``.
@@ -34,7 +37,7 @@ from prometheus_client.core import Metric
 from kvwatch import buckets
 from kvwatch.buckets import Histogram
 from kvwatch.catalog import MetricSpec, specs
-from kvwatch.config import Config
+from kvwatch.config import Config, ReplicaConfig
 from kvwatch.export.families import (
     IN_FLIGHT_TOKENS,
     REQUEST_OUTPUT_TOKENS_ESTIMATED,
@@ -51,7 +54,7 @@ from kvwatch.export.profile import (
     is_lean,
 )
 from kvwatch.export.protobuf import NativeHistogramRows
-from kvwatch.model import OUTCOMES
+from kvwatch.model import OUTCOMES, InFlightRequest
 from kvwatch.native_histogram import merged
 from kvwatch.state import NodeState
 from kvwatch.state.request_stats import DualHistogram
@@ -84,13 +87,17 @@ class RequestCollector:
         self.engine_side_only = ENGINE_SIDE_ONLY_FAMILIES if lean else frozenset()
 
     def configured_sources(self) -> set[tuple[str, str, str]]:
-        """(replica, model_name, source) that will report requests, known before the first one."""
+        """(replica, model_name, source) that will report requests, known before the first one.
+
+        A proxied replica without ``model_name`` is not among them: its proxy labels requests with
+        the model the engine serves (learned from ``/v1/models``, in the proxy's process), which
+        neither config nor state holds, so zeros under ``other`` would stay 0 beside the real series.
+        Its series start with its first request (``_sources``)."""
         cfg = self.config
         out: set[tuple[str, str, str]] = set()
         for replica in cfg.replicas:
-            model = replica.model_name or OTHER_MODEL
-            if replica.proxy_listen is not None and replica.api_url is not None:
-                out.add((replica.name, model, "proxy"))
+            if _proxied(replica) and replica.model_name:
+                out.add((replica.name, replica.model_name, PROXY_SOURCE))
         for files in cfg.sglang_request_files:
             known = cfg.replica(files.replica)
             out.add((files.replica, (known.model_name if known else None) or OTHER_MODEL, "sglang_file"))
@@ -104,8 +111,29 @@ class RequestCollector:
                 out.add((known.name, known.model_name or OTHER_MODEL, "otlp"))
         return out
 
+    def _sources(
+        self, outcomes: Mapping[tuple[str, str, str, str, str], int], running: list[InFlightRequest]
+    ) -> set[tuple[str, str, str]]:
+        """(replica, model_name, source) to pre-create series for: the configured ones, and those of
+        every request seen, finished or still running (a running one has the label its record will
+        carry), so a replica whose model the proxy learned has zero series from its first request."""
+        finished = {(r, m, s) for r, m, _band, s, _o in outcomes}
+        return (
+            self.configured_sources() | finished | {(r.replica, r.model_name, PROXY_SOURCE) for r in running}
+        )
+
+    def _proxy_sources(self, sources: set[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
+        """Where the proxy-only families start at zero: each proxied replica under its configured
+        ``model_name`` or, without one, under each label its requests were seen with (``_sources``)."""
+        learned = {r.name for r in self.config.replicas if _proxied(r) and not r.model_name}
+        configured = self.configured_sources()
+        return {key for key in sources if key[2] == PROXY_SOURCE and (key[0] in learned or key in configured)}
+
     def collect(self) -> Iterator[Metric]:
         hists, outcomes, estimated = self.state.requests.snapshot()
+        running = self.state.in_flight.current()
+        sources = self._sources(outcomes, running)
+        proxy_sources = self._proxy_sources(sources)
         for catalog in HISTOGRAMS:
             name = catalog.name
             family = NativeHistogramRows.of(catalog)
@@ -121,8 +149,8 @@ class RequestCollector:
                 if isinstance(h, DualHistogram):
                     family.add_native(key, h.native)
             yield family
-        yield self._outcomes(outcomes)
-        yield self._per_proxy_band(REQUEST_OUTPUT_TOKENS_ESTIMATED, estimated)
+        yield self._outcomes(outcomes, sources)
+        yield self._per_proxy_band(REQUEST_OUTPUT_TOKENS_ESTIMATED, estimated, proxy_sources)
         unused = REQUEST_UNUSED_MAX_TOKENS.counter()
         unused_counts = self.state.requests.unused_limit_counts()
         if unused.name in self.per_node:
@@ -130,11 +158,14 @@ class RequestCollector:
         for key, n in sorted(unused_counts.items()):
             unused.add_metric(list(key), float(n))
         yield unused
-        yield self._stalls()
-        yield from self._in_flight()
+        yield self._per_proxy_band(
+            REQUEST_PREEMPTION_STALLS, self.state.requests.stall_counts(), proxy_sources
+        )
+        yield from self._in_flight(proxy_sources, running)
 
-    def _outcomes(self, outcomes: dict[tuple[str, str, str, str, str], int]) -> Metric:
-        sources = self.configured_sources() | {(r, m, s) for r, m, _band, s, _o in outcomes}
+    def _outcomes(
+        self, outcomes: dict[tuple[str, str, str, str, str], int], sources: set[tuple[str, str, str]]
+    ) -> Metric:
         values: dict[tuple[str, str, str, str, str], float] = {
             (replica, model, band, source, outcome): 0.0
             for replica, model, source in sources
@@ -148,17 +179,18 @@ class RequestCollector:
             family.add_metric(list(key), values[key])
         return family
 
-    def _stalls(self) -> Metric:
-        return self._per_proxy_band(REQUEST_PREEMPTION_STALLS, self.state.requests.stall_counts())
-
-    def _per_proxy_band(self, catalog: MetricSpec, counts: Mapping[tuple[str, str, str, str], int]) -> Metric:
-        """A counter only the proxy observes, from zero for every band of each configured proxy
-        replica: a rate() over it is 0, not "no data", before the first such request."""
+    def _per_proxy_band(
+        self,
+        catalog: MetricSpec,
+        counts: Mapping[tuple[str, str, str, str], int],
+        sources: set[tuple[str, str, str]],
+    ) -> Metric:
+        """A counter only the proxy observes, from zero for every band of each of ``sources``
+        (``_proxy_sources``): a rate() over it is 0, not "no data", before the first such request."""
         folded = catalog.name in self.per_node
         values = {
             (FOLDED if folded else replica, model, band, source): 0.0
-            for replica, model, source in self.configured_sources()
-            if source == "proxy"
+            for replica, model, source in sources
             for band in self.state.bands.all_names
         }
         for key, n in (_per_node_counts(counts) if folded else counts).items():
@@ -168,15 +200,16 @@ class RequestCollector:
             family.add_metric(list(key), values[key])
         return family
 
-    def _in_flight(self) -> Iterator[Metric]:
+    def _in_flight(
+        self, sources: set[tuple[str, str, str]], running: list[InFlightRequest]
+    ) -> Iterator[Metric]:
         requests: Counter[tuple[str, str, str]] = Counter()
         tokens: Counter[tuple[str, str, str]] = Counter()
-        for replica, model, source in self.configured_sources():
-            if source == "proxy":
-                for band in self.state.bands.all_names:
-                    requests[(replica, model, band)] += 0
-                    tokens[(replica, model, band)] += 0
-        for r in self.state.in_flight.current():
+        for replica, model, _source in sources:
+            for band in self.state.bands.all_names:
+                requests[(replica, model, band)] += 0
+                tokens[(replica, model, band)] += 0
+        for r in running:
             key = (r.replica, r.model_name, r.admission_band)
             requests[key] += 1
             tokens[key] += r.prompt_tokens_estimate + r.generated_tokens
@@ -190,6 +223,10 @@ class RequestCollector:
             for key in sorted(values):
                 gauge.add_metric(list(key), float(values[key]))
             yield gauge
+
+
+def _proxied(replica: ReplicaConfig) -> bool:
+    return replica.proxy_listen is not None and replica.api_url is not None
 
 
 def _node_key(key: RequestKey) -> RequestKey:
