@@ -8,22 +8,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent.derived import update_derived
-from kvwatch.config import Config, HostPort, ReplicaConfig
+from kvwatch.config import Config
 from kvwatch.export.derived import DerivedCollector
 from kvwatch.state import NodeState
+from tests.configs import proxied_replica
 
 from .factories import decoding
 
-PROXIED = Config(
-    replicas=(
-        ReplicaConfig(
-            "r0",
-            "http://127.0.0.1:1/metrics",
-            api_url="http://127.0.0.1:1",
-            proxy_listen=HostPort("127.0.0.1", 0),
-        ),
-    )
-)
+PROXIED = Config(replicas=(proxied_replica("r0", 1),))
 
 
 def scraped(state: NodeState, t: float, config: Config = PROXIED, **fields) -> None:

@@ -7,29 +7,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.config import Config, HostPort, MetricsConfig, ReplicaConfig
+from kvwatch.config import Config, MetricsConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, OUTCOMES, InFlightRequest, Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
 from kvwatch.state import NodeState
+from tests.configs import proxied_replica
 
 SERVED = "Qwen/Qwen3-8B"
 #: r0 proxied without model_name (the default), r1 proxied with one
 CONFIG = Config(
     replicas=(
-        ReplicaConfig(
-            "r0",
-            "http://127.0.0.1:1/metrics",
-            api_url="http://127.0.0.1:1",
-            proxy_listen=HostPort("127.0.0.1", 0),
-        ),
-        ReplicaConfig(
-            "r1",
-            "http://127.0.0.1:2/metrics",
-            api_url="http://127.0.0.1:2",
-            proxy_listen=HostPort("127.0.0.1", 0),
-            model_name="tiny",
-        ),
+        proxied_replica("r0", 1),
+        proxied_replica("r1", 2, model_name="tiny"),
     ),
     metrics=MetricsConfig("full"),
 )

@@ -10,23 +10,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch import buckets
-from kvwatch.config import Config, HostPort, MetricsConfig, ReplicaConfig
+from kvwatch.config import Config, MetricsConfig, ReplicaConfig
 from kvwatch.export.requests import RequestCollector
 from kvwatch.model import DEFAULT_BANDS, OUTCOMES, InFlightRequest, Outcome, RequestRecord
 from kvwatch.state import NodeState
+from tests.configs import proxied_replica
 from tests.local import require_tool
 
 #: the full profile: every request series per replica (the lean default folds some per node:
 #: tests/export/test_profiles.py)
 CONFIG = Config(
     replicas=(
-        ReplicaConfig(
-            "r0",
-            "http://127.0.0.1:1/metrics",
-            api_url="http://127.0.0.1:1",
-            proxy_listen=HostPort("127.0.0.1", 0),
-            model_name="tiny",
-        ),
+        proxied_replica("r0", 1, model_name="tiny"),
         ReplicaConfig("r1", "http://127.0.0.1:2/metrics"),
     ),
     metrics=MetricsConfig("full"),
