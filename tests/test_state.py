@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch import buckets
 from kvwatch.buckets import Histogram, le_labels
-from kvwatch.model import InFlightRequest, LengthBands, Outcome, RequestRecord
-from kvwatch.state import InFlightTracker, RequestStats
+from kvwatch.config import Config, MetricsConfig, ReplicaConfig
+from kvwatch.export.encode import TextEncoder
+from kvwatch.model import (
+    EngineStep,
+    InFlightRequest,
+    LengthBands,
+    Outcome,
+    PluginLink,
+    RequestRecord,
+)
+from kvwatch.state import InFlightTracker, NodeState, RequestStats
+from tests.export.node import registry_for
 
 
 def record(**overrides) -> RequestRecord:
@@ -108,3 +122,110 @@ def test_in_flight_prompts_scale_the_body_estimate_by_what_finished_requests_tau
     for handle in (running, other):
         tracker.finish(handle)
     assert tracker.current() == []
+
+
+def _feed(state: NodeState, replica: str) -> None:
+    """What a vLLM plugin datagram and a proxied request leave in ``state``, through the calls the
+    sources make (records into the sink, the datagram count, the step, the in-flight scale)."""
+    state.count("kvwatch_vllm_plugin_datagrams", replica, "accepted")
+    state.count("kvwatch_request_values_dropped", replica, "vllm_plugin", "out_of_range")
+    state.plugin.observe(
+        PluginLink(replica, "0", 7, 1, 0, 0),
+        EngineStep(replica, "0", 1.0, ctx_tokens=900, gen_tokens=64, elapsed_ms=5.0, preempted=1),
+    )
+    engine_side = {"queue_seconds": 0.1, "prefill_seconds": 0.2, "decode_seconds": 60.0, "preemptions": 1}
+    prompt = {"prompt_tokens": 1000, "cached_prompt_tokens": 500, "max_tokens": 8000}
+    state.requests.observe(record(replica=replica, source="vllm_plugin", **engine_side, **prompt))
+    state.requests.observe(
+        record(replica=replica, output_tokens_estimated=True, max_tokens=8000), stalled=True
+    )
+    state.in_flight.calibrate(replica, output_tokens=400, content_chunks=100)
+
+
+def _series(state: NodeState, config: Config) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = TextEncoder().encode(registry_for(state, config)).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _of(series: dict[tuple[str, tuple[tuple[str, str], ...]], float], replica: str) -> dict:
+    return {key: v for key, v in series.items() if dict(key[1]).get("replica") == replica}
+
+
+@pytest.mark.parametrize("profile", ["lean", "full"])
+def test_a_dropped_replica_leaves_the_exposition_and_the_kept_one_keeps_its_counts(profile: str):
+    kept, gone = (ReplicaConfig(name, f"http://127.0.0.1:9/{name}", model_name="m") for name in "ab")
+    before = Config(replicas=(kept, gone), node="node-a", metrics=MetricsConfig(profile))
+    state = NodeState("node-a", before.length_bands)
+    for replica in ("a", "b"):
+        _feed(state, replica)
+    state.count("kvwatch_otlp_spans", "b")  # a family without a replica label, a value that reads "b"
+    shown = _series(state, before)
+    names = {name for name, _ in _of(shown, "b")}
+    assert {"kvwatch_requests_total", "kvwatch_vllm_plugin_datagrams_total"} <= names, names
+
+    state.drop_target("b")
+    after = _series(state, dataclasses.replace(before, replicas=(kept,)))
+    assert _of(after, "b") == {}
+    assert _of(after, "a") == _of(shown, "a")
+    assert state.counters_for("kvwatch_otlp_spans") == [(("b",), 1)]
+    assert state.in_flight.tokens_per_chunk("b") == 1.0 and state.in_flight.tokens_per_chunk("a") == 4.0
+
+
+def test_a_forgotten_replica_s_counts_stay_in_the_node_s_sum():
+    stats = RequestStats(LengthBands())
+
+    def node_sums(*parts: RequestStats) -> Counter[tuple[str, ...]]:
+        out: Counter[tuple[str, ...]] = Counter()
+        for part in parts:
+            hists, outcomes, estimated = part.snapshot()
+            for key, families in hists.items():
+                for name, h in families.items():
+                    out[(name, *key[1:])] += h.count
+            for counts in (outcomes, estimated, part.stall_counts(), part.unused_limit_counts()):
+                for key, n in counts.items():
+                    out[key[1:]] += n
+        return out
+
+    for replica in ("a", "b", "c"):
+        stats.observe(record(replica=replica, max_tokens=8000), stalled=False)
+        stats.observe(record(replica=replica, output_tokens=40, output_tokens_estimated=True))
+    node = node_sums(stats)
+    stats.forget("b")
+    stats.forget("c")
+    stats.forget("nobody")
+    assert {key[0] for key in stats.snapshot()[0]} == {"a"}
+    assert {key[0] for key in stats.forgotten().snapshot()[0]} == {""}
+    assert node_sums(stats, stats.forgotten()) == node  # a sum over the node does not go down
+    hists = stats.forgotten().snapshot()[0][("", "m", "5k-10k", "proxy")]
+    assert hists["kvwatch_request_ttft_seconds"].count == 2
+    assert stats.forgotten().stall_counts() == {("", "m", "5k-10k", "proxy"): 0}  # at 0: present
+
+
+def test_a_replica_dropped_and_added_again_counts_from_zero():
+    state = NodeState("node-a", LengthBands())
+    _feed(state, "a")
+    state.drop_target("a")
+    state.requests.observe(record(replica="a"))
+    state.count("kvwatch_vllm_plugin_datagrams", "a", "accepted")
+    assert state.requests.snapshot()[1] == {("a", "m", "5k-10k", "proxy", "completed"): 1}
+    assert state.counters_for("kvwatch_vllm_plugin_datagrams") == [(("a", "accepted"), 1)]
+    assert state.plugin.snapshot() == {}
+
+
+def test_lean_sums_over_the_node_do_not_go_down_when_a_replica_leaves():
+    # each lean per-node series is a counter summed over the replicas: a replica's rows leaving the
+    # sum would read as a counter reset, and rate() would count the node's whole total again
+    kept, gone = (ReplicaConfig(name, f"http://127.0.0.1:9/{name}", model_name="m") for name in "ab")
+    before = Config(replicas=(kept, gone), node="node-a", metrics=MetricsConfig("lean"))
+    state = NodeState("node-a", before.length_bands)
+    for replica in ("a", "b"):
+        _feed(state, replica)
+    node_wide = {key: v for key, v in _series(state, before).items() if dict(key[1]).get("replica") == ""}
+    assert any(name.startswith("kvwatch_request_ttft_seconds") for name, _ in node_wide), node_wide
+    state.drop_target("b")
+    after = _series(state, dataclasses.replace(before, replicas=(kept,)))
+    assert {key: after.get(key) for key in node_wide} == node_wide

@@ -543,6 +543,10 @@ class Agent:
                     await receiver.stop()
                     del self._plugin_receivers[path]
                     log.info("vLLM plugin socket %s closed (%s)", path, receiver.replica)
+                    if receiver.replica not in {r.name for r in self.config.replicas}:
+                        # the replica was dropped before its socket closed: a datagram in between
+                        # made rows under its name again
+                        self.state.drop_target(receiver.replica)
             for path, (replica, model) in wanted.items():
                 if path in self._plugin_receivers:
                     continue

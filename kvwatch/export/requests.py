@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 from prometheus_client.core import Metric
 
@@ -60,6 +61,7 @@ from kvwatch.state import NodeState
 from kvwatch.state.request_stats import DualHistogram
 
 RequestKey = tuple[str, str, str, str]  # replica, model_name, length_band, source
+_Row = TypeVar("_Row")
 
 HISTOGRAMS: tuple[MetricSpec, ...] = specs(
     "kvwatch_request_ttft_seconds",
@@ -130,7 +132,10 @@ class RequestCollector:
         return {key for key in sources if key[2] == PROXY_SOURCE and (key[0] in learned or key in configured)}
 
     def collect(self) -> Iterator[Metric]:
-        hists, outcomes, estimated = self.state.requests.snapshot()
+        stats = self.state.requests
+        hists, outcomes, estimated = stats.snapshot()
+        gone = stats.forgotten()  # rows of replicas that went away, for lean's sums over the node
+        gone_hists, _, gone_estimated = gone.snapshot()
         running = self.state.in_flight.current()
         sources = self._sources(outcomes, running)
         proxy_sources = self._proxy_sources(sources)
@@ -139,7 +144,7 @@ class RequestCollector:
             family = NativeHistogramRows.of(catalog)
             of_family = {
                 key: fams[name]
-                for key, fams in hists.items()
+                for key, fams in self._node_rows(name, hists, gone_hists).items()
                 if fams[name].count and not (name in self.engine_side_only and key[3] == PROXY_SOURCE)
             }
             if name in self.per_node:
@@ -150,18 +155,32 @@ class RequestCollector:
                     family.add_native(key, h.native)
             yield family
         yield self._outcomes(outcomes, sources)
-        yield self._per_proxy_band(REQUEST_OUTPUT_TOKENS_ESTIMATED, estimated, proxy_sources)
+        yield self._per_proxy_band(
+            REQUEST_OUTPUT_TOKENS_ESTIMATED,
+            self._node_rows(REQUEST_OUTPUT_TOKENS_ESTIMATED.name, estimated, gone_estimated),
+            proxy_sources,
+        )
         unused = REQUEST_UNUSED_MAX_TOKENS.counter()
-        unused_counts = self.state.requests.unused_limit_counts()
+        unused_counts = self._node_rows(unused.name, stats.unused_limit_counts(), gone.unused_limit_counts())
         if unused.name in self.per_node:
             unused_counts = _per_node_counts(unused_counts)
         for key, n in sorted(unused_counts.items()):
             unused.add_metric(list(key), float(n))
         yield unused
         yield self._per_proxy_band(
-            REQUEST_PREEMPTION_STALLS, self.state.requests.stall_counts(), proxy_sources
+            REQUEST_PREEMPTION_STALLS,
+            self._node_rows(REQUEST_PREEMPTION_STALLS.name, stats.stall_counts(), gone.stall_counts()),
+            proxy_sources,
         )
         yield from self._in_flight(proxy_sources, running)
+
+    def _node_rows(
+        self, family: str, rows: Mapping[RequestKey, _Row], gone: Mapping[RequestKey, _Row]
+    ) -> dict[RequestKey, _Row]:
+        """A family's rows, with those of replicas that went away where the family is one sum over the
+        node (lean): without them the sum would drop when a replica leaves, which Prometheus takes
+        for a counter reset. Per replica, a replica that left just has no series."""
+        return {**rows, **gone} if family in self.per_node else dict(rows)
 
     def _outcomes(
         self, outcomes: dict[tuple[str, str, str, str, str], int], sources: set[tuple[str, str, str]]

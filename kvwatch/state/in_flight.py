@@ -92,6 +92,13 @@ class InFlightTracker:
         """At least one: a chunk that carries content carries a token."""
         return max(1.0, self._ratio(self._output_per_chunks, replica))
 
+    def forget(self, replica: str) -> None:
+        """Drop the scales a replica that went away taught. Its requests still in flight stay: its
+        proxy outlives a reload (a listener needs a restart), and each leaves with its exchange."""
+        with self._lock:
+            self._output_per_chunks.pop(replica, None)
+            self._prompt_per_estimate.pop(replica, None)
+
     def current(self, replica: str | None = None) -> list[InFlightRequest]:
         """Every request in flight now, or only ``replica``'s."""
         with self._lock:

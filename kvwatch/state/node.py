@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvwatch.catalog import BY_NAME
 from kvwatch.derive.node import DerivedView
 from kvwatch.model import GpuGrant, GpuSample, InFlightRequest, LengthBands, ReplicaSample
 from kvwatch.state.in_flight import InFlightTracker
@@ -142,12 +143,20 @@ class NodeState:
             return state
 
     def drop_target(self, name: str) -> None:
-        """Forget a replica that went away (its series go with it)."""
+        """Forget a replica that went away: its series go with it, its request stats and the self
+        counters kept for it included (the agent calls this only for a replica no longer configured
+        or discovered, never for one a reload keeps, whose counters must not reset)."""
         with self._lock:
             self.targets.pop(name, None)
+            for key in [k for k in self.counters if _row_of_replica(k, name)]:
+                del self.counters[key]
         self.collectors.pop(f"engine:{name}", None)
         self.collectors.pop(f"vllm_plugin:{name}", None)
+        self.replica_gpus = {r: gpus for r, gpus in self.replica_gpus.items() if r != name}
+        self.pid_replica = {pid: r for pid, r in self.pid_replica.items() if r != name}
         self.plugin.forget(name)
+        self.requests.forget(name)
+        self.in_flight.forget(name)
 
     def live_samples(self) -> list[ReplicaSample]:
         """Samples of targets that are up: what may be exported as current."""
@@ -185,3 +194,13 @@ class NodeState:
     def counters_for(self, family: str) -> list[tuple[tuple[str, ...], float]]:
         with self._lock:
             return [(key[1:], value) for key, value in self.counters.items() if key[0] == family]
+
+
+def _row_of_replica(key: tuple[str, ...], replica: str) -> bool:
+    """Whether a ``counters`` key (family, *label values) is a row of ``replica``: its family has a
+    ``replica`` label (in the catalog) and the key names it there."""
+    spec = BY_NAME.get(key[0])
+    if spec is None or "replica" not in spec.labels:
+        return False
+    at = 1 + spec.labels.index("replica")
+    return len(key) > at and key[at] == replica

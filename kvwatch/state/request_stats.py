@@ -1,19 +1,21 @@
 """Cumulative request stats: per (replica, model, band, source) histograms and outcome counts.
 
 Fed once per finished request by every request source (proxy, OTLP, SGLang files, vLLM plugin);
-read as copies by the exporters, the derived signals and the status page.
+read as copies by the exporters, the derived signals and the status page. A replica that goes away
+is forgotten: its rows leave, summed into ``forgotten()`` per (model, band, source).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Self
+from collections.abc import MutableMapping
+from typing import Self, TypeVar, cast
 
 from kvwatch import buckets
 from kvwatch.buckets import Histogram
 from kvwatch.model import LengthBands, Outcome, RequestRecord
-from kvwatch.native_histogram import NativeHistogram
+from kvwatch.native_histogram import NativeHistogram, merged
 
 HISTOGRAM_FAMILIES = {
     "kvwatch_request_ttft_seconds": buckets.TTFT_SECONDS,
@@ -41,6 +43,11 @@ _OBSERVED_AS_IS = (
 )
 #: families fed pre-binned (a request's inter-chunk gaps arrive as classic bins): no native form
 PREBINNED_FAMILIES = frozenset({"kvwatch_request_inter_chunk_seconds"})
+#: the replica of ``RequestStats.forgotten()``'s rows: the forgotten replicas, summed
+FORGOTTEN = ""
+
+_Key = TypeVar("_Key", bound=tuple[str, ...])
+_Value = TypeVar("_Value")
 
 
 class DualHistogram(Histogram):
@@ -84,6 +91,8 @@ class RequestStats:
         #: (replica, model, band, source) -> max_tokens - output tokens of requests that stopped early
         self.unused_limit_tokens: Counter[tuple[str, str, str, str]] = Counter()
         self.observed = 0
+        #: what ``forget`` took from replicas that went away (made at the first one)
+        self._forgotten: RequestStats | None = None
 
     def _hists(self, key: tuple[str, str, str, str]) -> dict[str, Histogram]:
         hists = self.histograms.get(key)
@@ -157,3 +166,50 @@ class RequestStats:
         """A copy of the preemption-stall counts, for exporters."""
         with self._lock:
             return dict(self.stalls)
+
+    def forget(self, replica: str) -> None:
+        """Drop a replica that went away, so its series leave the exposition. What it counted moves
+        into ``forgotten()``: a sum over the node (lean's per-node series) that adds those rows does
+        not go down when a replica leaves, which Prometheus would read as a counter reset."""
+        with self._lock:
+            if self._forgotten is None:
+                self._forgotten = RequestStats(self.bands)
+            into = self._forgotten
+            with into._lock:
+                for key, hists in _pop_rows(self.histograms, replica):
+                    into._add_histograms(_forgotten_key(key), hists)
+                _add_counts(_pop_rows(self.outcomes, replica), into.outcomes)
+                _add_counts(_pop_rows(self.estimated, replica), into.estimated)
+                _add_counts(_pop_rows(self.stalls, replica), into.stalls)
+                _add_counts(_pop_rows(self.unused_limit_tokens, replica), into.unused_limit_tokens)
+
+    def forgotten(self) -> RequestStats:
+        """The forgotten replicas' rows summed per (model, band, source), under replica ``FORGOTTEN``
+        (read with ``snapshot()`` and the count methods, as the live ones)."""
+        with self._lock:
+            return RequestStats(self.bands) if self._forgotten is None else self._forgotten
+
+    def _add_histograms(self, key: tuple[str, str, str, str], hists: dict[str, Histogram]) -> None:
+        """Sum a forgotten row's histograms into this one's ``key`` (the caller holds ``_lock``)."""
+        mine = self._hists(key)
+        for name, h in hists.items():
+            into = mine[name]
+            into.merge_bins(h.bounds, h.bins, h.sum)
+            if isinstance(into, DualHistogram) and isinstance(h, DualHistogram):
+                into.native = merged((into.native, h.native))
+
+
+def _pop_rows(rows: MutableMapping[_Key, _Value], replica: str) -> list[tuple[_Key, _Value]]:
+    """Remove and return the rows whose key starts with ``replica``."""
+    return [(key, rows.pop(key)) for key in [k for k in rows if k[0] == replica]]
+
+
+def _forgotten_key(key: _Key) -> _Key:
+    """``key`` with its replica replaced by ``FORGOTTEN``."""
+    return cast(_Key, (FORGOTTEN, *key[1:]))
+
+
+def _add_counts(rows: list[tuple[_Key, int]], into: Counter[_Key]) -> None:
+    """Sum forgotten rows into ``into``'s ``FORGOTTEN`` keys (a row at 0 stays: a present key)."""
+    for key, n in rows:
+        into[_forgotten_key(key)] += n

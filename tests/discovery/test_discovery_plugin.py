@@ -6,6 +6,7 @@ vLLM's own stats classes) reach the discovered replica ``namespace/pod`` through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 import re
@@ -22,9 +23,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.agent import Agent
+from kvwatch.config import ReplicaConfig, config_from_mapping
 from kvwatch.discovery.plugin_dir import socket_path
+from kvwatch.requests.vllm_plugin import PluginReceiver
 from tests.deploy.manifests import KUBE, agent_config, build, kvwatch_container, kvwatch_pod
 from tests.discovery.cluster import Cluster, scrape_until
 from tests.local import CACHE, SKIP_REAL_ENGINES, unavailable, until
@@ -308,3 +312,72 @@ def test_a_plugin_dir_that_cannot_hold_a_socket_is_refused(value: str, problem: 
     assert cfg.discovery.kubernetes.vllm_plugin_dir == longest
     path = socket_path(longest, UID)
     assert path is not None and len(path.encode()) == 107
+
+
+def _datagram(output: int) -> bytes:
+    """One plugin datagram: a step and a finished request (the plugin's own encoder)."""
+    header = {"v": wire.WIRE_VERSION, "e": 0, "p": 7, "n": 1, "t": 1000.0, "d": 0, "ds": 0}
+    finished = {"reason": "stop", "e2e": 1.0, "queue": 0.1, "prompt": 10, "output": output, "preemptions": 1}
+    [body] = wire.encode(header, [{"run": 1, "t": 1000.0, "preempted": 1}], [finished], [], 0)
+    return wire.dumps(body)
+
+
+def _receive(agent: Agent, replica: str, output: int = 700) -> None:
+    """A datagram for ``replica`` handed on as its socket's receiver does (the agent's sinks)."""
+    state = agent.state
+    receiver = PluginReceiver(
+        replica, "/nonexistent", "m", agent.record, state.plugin.observe, state.count, state.report
+    )
+    receiver.handle(_datagram(output))
+
+
+def _replica_series(body: str, replica: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The request and plugin series of ``replica`` (what the agent counts, not what a scrape moves)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.labels.get("replica") == replica and s.name.startswith(("kvwatch_request", "kvwatch_vllm"))
+    }
+
+
+async def test_a_pod_that_goes_takes_its_request_series_and_a_reload_resets_no_kept_replica() -> None:
+    config = config_from_mapping(
+        {
+            "listen": "127.0.0.1:0",
+            "node": "node-a",
+            "nvml": {"enabled": False},
+            "replicas": [{"name": "static", "metrics_url": "http://127.0.0.1:9/metrics", "model_name": "m"}],
+        }
+    )
+    pods = [ReplicaConfig(f"llm/{p}", "http://127.0.0.1:9/metrics", model_name="m") for p in "ab"]
+    agent = Agent(config)
+    await agent.start()
+    try:
+        url = f"http://127.0.0.1:{agent.port}/metrics"
+        agent.set_discovered_replicas(tuple(pods))
+        for replica in ("static", "llm/a", "llm/b"):
+            _receive(agent, replica)
+        body = await scrape_until(url, 'replica="llm/b",result="accepted"')
+        kept = {replica: _replica_series(body, replica) for replica in ("static", "llm/a")}
+        assert all(kept.values())
+
+        # pod b is deleted; pod a keeps its name with another address; then the file reloads with a new
+        # engine interval: every scrape job is replaced, and only b's series go
+        agent.set_discovered_replicas(
+            (dataclasses.replace(pods[0], metrics_url="http://127.0.0.2:9/metrics"),)
+        )
+        intervals = dataclasses.replace(config.intervals, engine_s=config.intervals.engine_s + 1)
+        agent.apply_config(dataclasses.replace(agent.file_config, intervals=intervals))
+        body = await scrape_until(url, absent=('replica="llm/b"',))
+        assert {replica: _replica_series(body, replica) for replica in kept} == kept
+        assert ("llm/b", "0") not in agent.state.plugin.snapshot()
+
+        agent.set_discovered_replicas(tuple(pods))  # a pod of the same name again: counted from zero
+        _receive(agent, "llm/b", output=5000)
+        body = await scrape_until(url, 'replica="llm/b",result="accepted"} 1.0')
+        completed = 'model_name="m",outcome="completed",replica="llm/b",source="vllm_plugin"}'
+        assert f'kvwatch_requests_total{{length_band="5k-10k",{completed} 1.0' in body
+        assert f'kvwatch_requests_total{{length_band="0-1k",{completed} 0.0' in body
+    finally:
+        await agent.stop()
