@@ -95,7 +95,13 @@ def _m(name: str, kind: Kind, labels: tuple[str, ...], help_: str, area: Area) -
 
 CATALOG: tuple[MetricSpec, ...] = (
     # ---- kvwatch itself ---------------------------------------------------------------------
-    _m("kvwatch_build", "info", (), "kvwatch version and runtime.", "self"),
+    _m(
+        "kvwatch_build",
+        "info",
+        ("version", "python", "nvidia_ml_py", "node"),
+        "kvwatch version and runtime.",
+        "self",
+    ),
     _m(
         "kvwatch_collector_success",
         "gauge",

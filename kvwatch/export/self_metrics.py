@@ -84,13 +84,7 @@ class SelfCollector:
     def collect(self) -> Iterator[Metric]:
         info = BUILD.info()
         info.add_metric(
-            [],
-            {
-                "version": __version__,
-                "python": platform.python_version(),
-                "nvidia_ml_py": _nvml_bindings_version(),
-                "node": self.state.node,
-            },
+            [__version__, platform.python_version(), _nvml_bindings_version(), self.state.node], {}
         )
         yield info
 
