@@ -99,7 +99,7 @@ def parse_usage(event: bytes) -> Usage | None:
 
 
 def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, bytes]]]:
-    """Usage and the ``MOVED_FIELDS`` of a usage event, from one JSON parse."""
+    """Usage and the fields to move (all but ``CHUNK_FIELDS``) of a usage event, from one JSON parse."""
     if USAGE_OBJECT.search(event) is None:
         return None, []
     try:
@@ -118,8 +118,8 @@ def read_usage_event(event: bytes) -> tuple[Usage | None, list[tuple[bytes, byte
     )
     moved = [
         (key.encode(), value)
-        for key in MOVED_FIELDS
-        if key in doc and (value := _compact_json(doc[key])) is not None
+        for key in doc
+        if key not in CHUNK_FIELDS and (value := _compact_json(doc[key])) is not None
     ]
     return parsed, moved
 
@@ -174,13 +174,15 @@ def find_usage(events: bytes, separator: bytes) -> Usage | None:
     return None
 
 
-#: top-level fields vLLM (seen on 0.32) puts on the usage chunk when usage is requested, and on each
-#: choice's final chunk when it is not; moved back there when kvwatch removes the usage chunk
-MOVED_FIELDS = ("system_fingerprint",)
+#: the top-level fields every chunk of a stream carries. An engine puts its other fields on the last
+#: chunk it writes: the usage chunk when usage is requested, the final choice chunk when it is not
+#: (vLLM 0.32's ``system_fingerprint``, llama.cpp's ``timings``); they are moved back there when
+#: kvwatch removes the usage chunk it asked for
+CHUNK_FIELDS = frozenset({"id", "object", "created", "model", "choices", "usage"})
 
 
 def moved_fields(usage_event: bytes) -> list[tuple[bytes, bytes]]:
-    """``MOVED_FIELDS`` of a usage-only event as (key, compact JSON value)."""
+    """The fields to move (all but ``CHUNK_FIELDS``) of a usage-only event as (key, compact JSON value)."""
     return read_usage_event(usage_event)[1]
 
 

@@ -20,6 +20,11 @@ STOP = chat_chunk({"content": ""}, "stop")
 USAGE = usage_chunk(7, 2)
 FINGERPRINTED_USAGE = usage_chunk(7, 2, extra={"system_fingerprint": "fp_1"})
 FINGERPRINTED_STOP = chat_chunk({"content": ""}, "stop", extra={"system_fingerprint": "fp_1"})
+#: llama.cpp puts its timings on the last chunk it writes (an object of numbers)
+TIMINGS = {"timings": {"prompt_n": 71, "prompt_ms": 0.96, "predicted_per_token_ms": 0.17300000000000001}}
+TIMED_USAGE = usage_chunk(7, 2, extra=TIMINGS)
+TIMED_STOP = chat_chunk({"content": ""}, "length", extra=TIMINGS)
+LENGTH = chat_chunk({"content": ""}, "length")
 EXACT = sse.Usage(7, 2)
 STREAM = ROLE + HI + STOP + USAGE + DONE
 DEEP_USAGE = (
@@ -93,6 +98,12 @@ ROWS = [
         at(ROLE + STOP + FINGERPRINTED_USAGE + DONE, STOP),
         strip=True,
         client=[ROLE, FINGERPRINTED_STOP + DONE, b""],
+    ),
+    Row(
+        "llama.cpp's timings go back onto the final chunk, numbers as it wrote them",
+        at(ROLE + LENGTH + TIMED_USAGE + DONE, LENGTH),
+        strip=True,
+        client=[ROLE, TIMED_STOP + DONE, b""],
     ),
     Row(
         "CRLF separators",

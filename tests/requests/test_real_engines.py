@@ -249,6 +249,34 @@ async def test_openai_client_streams_through_the_proxy_to_llamacpp(
         assert rec.ttft_seconds is not None and rec.model_name == real_llamacpp.model
 
 
+def _timeless(raw: bytes) -> bytes:
+    """A llama.cpp stream less what differs between two identical requests: ids, times, speeds, and
+    how much of the prompt the second found cached (``cache_n``, ``prompt_n``)."""
+    return re.sub(rb'"([a-z_]+_(?:ms|per_second|n))":[-0-9.e+]+', rb'"\1":0', normalized(raw))
+
+
+@pytest.mark.real_llamacpp
+async def test_llamacpp_chat_stream_through_the_proxy_is_what_llamacpp_sends(
+    real_llamacpp, llama_proxy: ProxyHarness, http: ClientSession
+) -> None:
+    # llama.cpp writes "timings" on the last chunk: the usage chunk kvwatch asks for and removes,
+    # which took "timings" with it (the client's tokens-per-second readout)
+    body = {
+        "model": real_llamacpp.model,
+        "messages": CHAT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with http.post(f"{real_llamacpp.base_url}/v1/chat/completions", json=body) as response:
+        direct = await response.read()
+    async with http.post(f"{llama_proxy.url}/v1/chat/completions", json=body) as response:
+        proxied = await response.read()
+    assert b'"timings"' in direct and b'"usage"' not in direct
+    assert _timeless(proxied) == _timeless(direct)
+
+
 def _leave_after_first_event(port: int, body: dict) -> None:
     """A client on its own socket and thread (not on the proxy's loop): first event, then gone."""
     payload = json.dumps(body).encode()

@@ -9,8 +9,9 @@ frames, writes, times and counts.
 Only complete events leave (the usage chunk may need removing, and it can arrive split anywhere);
 the incomplete rest is ``carry``. When kvwatch itself asked for usage (``strip``), the first
 usage-only chunk is removed, and the final chunk (the one with a finish reason) and what follows are
-held until it arrives: vLLM moves fields such as ``system_fingerprint`` from that chunk to the
-usage chunk when usage is requested, and they are put back (``sse.MOVED_FIELDS``). Only
+held until it arrives: an engine writes its own fields on the last chunk, so they move to the usage
+chunk when usage is requested (vLLM's ``system_fingerprint``, llama.cpp's ``timings``), and they are
+put back (every field but ``sse.CHUNK_FIELDS``). Only
 single-choice streams get here, and the hold lasts as long as the engine takes to write its next
 chunk (the usage chunk follows the final chunk in the same step).
 
