@@ -150,7 +150,7 @@ def _judge(pod: Mapping[str, Any], recognise: bool) -> PodVerdict:
         return PodVerdict(problems=tuple(problems))
     found = _recognise(labels, containers) if recognise or scrape else None
     if scrape is None and found is None:
-        return PodVerdict()
+        return PodVerdict(problems=tuple(problems))  # a bad annotation is said even on a pod left alone
     kind, container = found if found is not None else ("annotation", containers[0] if containers else None)
     engine = _engine_of(container) if container is not None else None
     backend = _backend(annotations, problems, engine or kind)
@@ -325,20 +325,32 @@ def _shell_script(argv: Sequence[str]) -> str | None:
 
 
 def _script_command(script: str) -> list[str]:
-    """The words of the script's command that runs an engine, else all its words."""
-    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
+    """The words of the script's command that runs an engine, else all its words. A newline ends a
+    command as ``;`` does (a YAML block script runs a command a line), a backslash-newline does not."""
+    joined = script.replace("\\\n", " ")
     try:
-        words = list(lexer)
-    except ValueError:  # an unbalanced quote: the shell would refuse it too; read it as plain words
-        words = script.split()
+        commands = [command for line in joined.splitlines() for command in _commands(line)]
+    except ValueError:  # a quote open across lines, or never closed: read the script as one
+        try:
+            commands = _commands(joined)
+        except ValueError:  # the shell would refuse it too; read it as plain words
+            commands = [joined.split()]
+    words = [word for command in commands for word in command]
+    return next((c for c in commands if _ENGINE_LINE.search(" ".join(c))), words)
+
+
+def _commands(text: str) -> list[list[str]]:
+    """``text``'s commands as words, split at ``;``, ``&``, ``|`` and parentheses (ValueError on an
+    unbalanced quote)."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
     commands: list[list[str]] = [[]]
-    for word in words:
+    for word in lexer:
         if set(word) <= _CONTROL:
             commands.append([])
         else:
             commands[-1].append(word)
-    return next((c for c in commands if _ENGINE_LINE.search(" ".join(c))), words)
+    return commands
 
 
 def _port_argument(argv: Sequence[str]) -> int | None:

@@ -114,6 +114,15 @@ def test_a_malformed_annotation_is_named_with_the_reason(annotations, key, fragm
     assert fragment in verdict.problems[0][1]
 
 
+def test_a_malformed_scrape_annotation_is_named_on_a_pod_kvwatch_does_not_recognise():
+    # "maybe" is neither a yes nor a no: the pod is left alone, and the reason was dropped with it
+    llama = {"name": "llama", "image": "ghcr.io/ggml-org/llama.cpp:server"}
+    pod = make_pod("odd", annotations={"kvwatch.io/scrape": "maybe"}, containers=[llama])
+    verdict = judge_pod(_ready(pod))
+    assert verdict.engine is None
+    assert [k for k, _ in verdict.problems] == ["kvwatch.io/scrape"]
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -189,6 +198,9 @@ def _shell_wrapped(script: str, shell: list[str] | None = None, **extra) -> dict
             8200,
         ),
         (None, "vllm serve mistralai/Mistral-7B-v0.3 --trust-remote-code", 8000),  # vLLM's default
+        # a YAML block script: a command a line (one command read --port 6379, ray's)
+        (["bash", "-c"], "ray start --head --port=6379\nvllm serve m --port 8080\n", 8080),
+        (None, "ray start --port=6379  # the head\nvllm serve m \\\n  --port 8090", 8090),
     ],
 )
 def test_a_shell_wrapped_command_line_is_read_as_the_shell_splits_it(shell, script, port):
