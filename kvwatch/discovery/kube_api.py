@@ -331,7 +331,8 @@ class PodWatch:
 
     def _headers(self) -> dict[str, str]:
         """A fresh read of the token each request: projected service account tokens rotate."""
-        headers = {"Accept": "application/json", "User-Agent": "kvwatch"}
+        # the one encoding _decoded_body inflates (httpx offers deflate and br too)
+        headers = {"Accept": "application/json", "Accept-Encoding": "gzip", "User-Agent": "kvwatch"}
         path = self.config.token_file
         if path:
             try:

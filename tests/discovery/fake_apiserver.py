@@ -167,6 +167,7 @@ class FakeApiServer:
         self.requests: list[dict[str, str]] = []
         self.list_bytes: list[int] = []  # each list answer, before compression
         self.list_encodings: list[str] = []  # and the Content-Encoding it went out with
+        self.offered_encodings: list[str] = []  # each list request's Accept-Encoding
         self._changed = asyncio.Condition()
         self._break_next = False
         self._injected: list[bytes] = []
@@ -411,6 +412,7 @@ class FakeApiServer:
         """As kube-apiserver's responsewriters/writers.go answers a list: gzip at level 1 once the body
         passes 128 KiB and the client offers exactly the token ``gzip`` (APIResponseCompression, on by
         default since 1.16), with ``Vary: Accept-Encoding``. Watches are never compressed."""
+        self.offered_encodings.append(request.headers.get("Accept-Encoding", ""))
         offered = [token.strip() for token in request.headers.get("Accept-Encoding", "").split(",")]
         headers = {"Content-Type": "application/json"}
         self.list_bytes.append(len(body))

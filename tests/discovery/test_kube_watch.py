@@ -322,6 +322,8 @@ async def test_a_list_over_128_kib_comes_gzipped_and_syncs(tmp_path):
             await until(lambda: watch.status.synced)
             assert server.list_bytes[-1] > GZIP_THRESHOLD_BYTES  # the case under test
             assert server.list_encodings[-1] == "gzip"
+            # only what it inflates: a proxy in front of the API could answer deflate or br otherwise
+            assert set(server.offered_encodings) == {"gzip"}
             assert len(names(watch)) == 30
             assert sinks.counts[("kvwatch_discovery_relists",)] == 0
     finally:
