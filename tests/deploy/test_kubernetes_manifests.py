@@ -329,6 +329,37 @@ def test_sidecar_clients_reach_vllm_only_through_the_proxy() -> None:
     assert "nvidia.com/gpu" not in kvwatch["resources"]["limits"] and not cfg.nvml.enabled
 
 
+def test_the_node_agents_discovery_leaves_the_sidecar_pod_alone() -> None:
+    # discovery recognised its vLLM, scraped the pod IP where vLLM does not listen (loopback only)
+    # and counted the engine beside the sidecar: KVWatchEngineTargetDown for every sidecar pod
+    from kvwatch.discovery.pods import judge_pod
+
+    deployment = one(build(KUBE / "overlays" / "sidecar-example"), "Deployment")
+    pod = {
+        "metadata": {
+            **deployment["spec"]["template"]["metadata"],
+            "name": "qwen3-8b-0",
+            "namespace": "llm-serving",
+        },
+        "spec": deployment["spec"]["template"]["spec"],
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    assert judge_pod(pod).engine is None
+    without = {**pod, "metadata": {**pod["metadata"], "annotations": {}}}
+    assert judge_pod(without).engine is not None  # what the annotation keeps out
+
+
+def test_the_sidecar_example_leaves_rules_and_dashboards_where_grafana_looks() -> None:
+    kinds = {o["kind"] for o in build(KUBE / "overlays" / "sidecar-example")}
+    assert "PrometheusRule" not in kinds  # moved into llm-serving, away from the kvwatch namespace
+    monitoring = build(KUBE / "monitoring")
+    assert {o["metadata"]["namespace"] for o in monitoring} == {"kvwatch"}
+
+
 def test_sidecar_receives_vllm_spans_over_otlp_http_on_loopback() -> None:
     objects = build(KUBE / "overlays" / "sidecar-example")
     pod = kvwatch_pod(objects)
