@@ -10,6 +10,7 @@ import time
 from kvwatch.config import DEFAULT_LISTEN
 
 HELP = "live KV-cache and length-band view of a running agent in the terminal"
+MAX_WAIT_S = 3600.0  # --interval and --timeout: an hour is already longer than anyone watches
 DESCRIPTION = f"""\
 Show what the agent's status page shows (per replica KV occupancy, fragmentation, headroom,
 running / waiting / preemptions, stranded capacity, per-band latency and outcomes, GPU memory and
@@ -62,9 +63,11 @@ def main(args: argparse.Namespace) -> int:
     out = sys.stdout
     tty = out.isatty()
     for flag, seconds in (("--interval", args.interval), ("--timeout", args.timeout)):
-        if not seconds > 0:  # NaN too
+        if not 0 < seconds <= MAX_WAIT_S:  # NaN too; inf overflows the socket timeout and sleep
             print(
-                f"kvwatch top: {flag} must be a positive number of seconds, not {seconds:g}", file=sys.stderr
+                f"kvwatch top: {flag} must be a positive number of seconds, at most {MAX_WAIT_S:g}, "
+                f"not {seconds:g}",
+                file=sys.stderr,
             )
             return 2
     while True:

@@ -67,6 +67,7 @@ def status_url(base: str) -> str:
 
 
 def fetch_view(url: str, timeout_s: float = 5.0) -> StatusView:
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -75,12 +76,18 @@ def fetch_view(url: str, timeout_s: float = 5.0) -> StatusView:
 
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            document = loads(response.read(MAX_STATUS_BYTES))
+            body = response.read(MAX_STATUS_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        raise AgentUnreachableError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        raise AgentUnreachableError(f"cannot reach kvwatch at {url}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        # HTTPException: something that is not an HTTP server answered (BadStatusLine); ValueError:
+        # a URL urllib cannot use
+        reason = getattr(exc, "reason", None) or exc.__class__.__name__ + (f": {exc}" if str(exc) else "")
         raise AgentUnreachableError(f"cannot reach kvwatch at {url}: {reason}") from None
+    if len(body) > MAX_STATUS_BYTES:
+        raise AgentUnreachableError(f"{url}: over {MAX_STATUS_BYTES} bytes, not a kvwatch status document")
+    try:
+        document = loads(body)
     except ValueError as exc:
         raise AgentUnreachableError(f"{url}: not JSON: {exc}") from None
     try:

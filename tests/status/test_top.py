@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -69,8 +71,42 @@ def test_top_once_names_an_unreachable_agent(capsys: pytest.CaptureFixture[str])
     assert f"cannot reach kvwatch at {url}/status.json" in err
 
 
+def _answering(reply: bytes) -> tuple[str, threading.Thread]:
+    """A loopback server that answers one connection with ``reply`` and closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", thread
+
+
+def test_top_once_names_a_server_that_is_not_http(capsys: pytest.CaptureFixture[str]) -> None:
+    url, thread = _answering(b"SSH-2.0-OpenSSH_9.6\r\n")  # BadStatusLine was a traceback
+    assert main(["top", "--url", url, "--once", "--timeout", "5"]) == 1
+    thread.join(5)
+    assert f"cannot reach kvwatch at {url}/status.json: BadStatusLine" in capsys.readouterr().err
+
+
+def test_top_once_refuses_a_status_document_over_its_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvwatch.status.top import MAX_STATUS_BYTES
+
+    body = b'{"view": "' + b"x" * MAX_STATUS_BYTES + b'"}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    url, thread = _answering(head + body)  # it was cut at the budget and read as "not JSON"
+    assert main(["top", "--url", url, "--once", "--timeout", "5"]) == 1
+    thread.join(5)
+    assert f"over {MAX_STATUS_BYTES} bytes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--interval", "--timeout"])
-@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e300"])
 def test_top_refuses_a_wait_that_is_not_positive(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
