@@ -45,6 +45,15 @@ def _headroom(unit: UnitView) -> str:
     return f"{text} ({unit.headroom_note})" if unit.headroom_note else text
 
 
+def _unit_key(replica: ReplicaView, unit: UnitView) -> str:
+    """A row's id on the page: replica and rank, and the model where the replica has several units of
+    one rank (a Dynamo frontend serves one per model), or the page's updates would cross rows."""
+    key = f"replica:{replica.name}:{unit.dp_rank or '-'}"
+    if sum(1 for other in replica.units if other.dp_rank == unit.dp_rank) > 1:
+        key += f":{unit.model_name or '-'}"
+    return key
+
+
 def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
     name = replica.name if unit.dp_rank is None else f"{replica.name}/{unit.dp_rank}"
     used = (
@@ -55,10 +64,11 @@ def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
     estimated = " est" if unit.live_source == "proxy_estimate" else ""
     live = h.si(unit.live_tokens) + estimated
     frag = h.ratio(unit.fragmentation_ratio) + estimated  # computed from the live tokens
-    if unit.fragmentation_ratio is None:
-        frag = h.ratio(replica.fragmentation_estimate)
-        if replica.fragmentation_estimate is not None:
-            frag += " est"
+    # several DP ranks behind one proxy: its estimate is the replica's, shown on each rank's row
+    if unit.live_tokens is None and replica.live_tokens_estimate is not None:
+        live = h.si(replica.live_tokens_estimate) + " est"
+    if unit.fragmentation_ratio is None and replica.fragmentation_estimate is not None:
+        frag = h.ratio(replica.fragmentation_estimate) + " est"
     preempt = h.si(unit.preemptions_per_second, 2)
     if unit.preemptions_per_second is not None:
         preempt += "/s"
@@ -85,7 +95,7 @@ def _unit_row(replica: ReplicaView, unit: UnitView) -> Row:
         _share(unit.live_tokens, unit.kv_capacity_tokens),
     )
     full = unit.headroom_seconds == 0 or (used is not None and used >= 0.99)
-    return Row(f"replica:{replica.name}:{unit.dp_rank or '-'}", cells, bar, alert=full)
+    return Row(_unit_key(replica, unit), cells, bar, alert=full)
 
 
 def replica_table(view: StatusView) -> Table:
@@ -254,9 +264,10 @@ def display(view: StatusView) -> Display:
     cells: dict[str, str] = {"summary": summary_line(view)}
     bars: dict[str, tuple[float, float]] = {}
     alerts = []
-    layout = []
-    for table in tables(view):
-        layout.append(table.key + ":" + ",".join(r.key for r in table.rows))
+    built = tables(view)
+    layout = [table.key + ":" + ",".join(r.key for r in table.rows) for table in built]
+    layout.append("notes:" + "\n".join(view.notes))  # not cells: a note that comes or goes reloads
+    for table in built:
         for row in table.rows:
             for i, text in enumerate(row.cells):
                 cells[f"{row.key}/{i}"] = text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -139,3 +140,43 @@ def test_fragmentation_from_the_proxys_estimate_is_marked_as_an_estimate(view) -
     r0 = next(row for row in table.rows if row.key.startswith("replica:r0:"))
     assert view.replicas[0].units[0].fragmentation_ratio is not None  # r0's live tokens are the estimate
     assert r0.cells[live].endswith(" est") and r0.cells[frag].endswith(" est")
+
+
+def test_rows_of_one_replica_serving_several_models_have_their_own_ids(view) -> None:
+    # a Dynamo frontend reports a unit per model, no rank: the page's updates crossed the rows
+    from kvwatch.status.cells import display
+
+    r0 = view.replicas[0]
+    (unit,) = r0.units
+    models = (
+        dataclasses.replace(unit, model_name="llama-8b"),
+        dataclasses.replace(unit, model_name="qwen-32b"),
+    )
+    two = dataclasses.replace(view, replicas=(dataclasses.replace(r0, units=models), *view.replicas[1:]))
+    keys = [row.key for row in replica_table(two).rows]
+    assert len(keys) == len(set(keys))
+    cells = display(two).cells
+    model = replica_table(two).headers.index("model")
+    assert {cells[f"{k}/{model}"] for k in keys if k.startswith("replica:r0:")} == {"llama-8b", "qwen-32b"}
+    assert replica_table(view).rows[0].key == "replica:r0:-"  # one unit a rank: the id stays short
+
+
+def test_ranks_behind_one_proxy_show_the_replicas_live_estimate(view) -> None:
+    r0 = view.replicas[0]
+    (unit,) = r0.units
+    ranks = tuple(
+        dataclasses.replace(unit, dp_rank=r, live_tokens=None, fragmentation_ratio=None) for r in "01"
+    )
+    dp = dataclasses.replace(r0, units=ranks, live_tokens_estimate=5_000.0, fragmentation_estimate=0.1)
+    table = replica_table(dataclasses.replace(view, replicas=(dp, *view.replicas[1:])))
+    live, frag = table.headers.index("live tokens"), table.headers.index("fragment.")
+    rows = [row for row in table.rows if row.key.startswith("replica:r0:")]
+    assert [(row.cells[live], row.cells[frag]) for row in rows] == [("5k est", "10.0% est")] * 2
+
+
+def test_a_note_that_comes_or_goes_changes_the_layout(view) -> None:
+    # notes are not cells: a page opened before the first derive kept "not computed yet" for good
+    from kvwatch.status.cells import display
+
+    noted = dataclasses.replace(view, notes=("derived KV signals not computed yet",))
+    assert display(noted).layout != display(view).layout
