@@ -42,7 +42,7 @@ def render_text(view: StatusView, width: int) -> str:
         *(_table_text(t) for t in tables(view)),
     ]
     text = "\n\n".join(parts)  # the only control characters left are these line breaks
-    return "\n".join(line[:width] if width > 0 else line for line in text.split("\n")) + "\n"
+    return "\n".join(texttable.cut(line, width) if width > 0 else line for line in text.split("\n")) + "\n"
 
 
 # --------------------------------------------------------------------------------------------
