@@ -69,18 +69,16 @@ connector_only = KvwatchStatLogger(config(caching=False, connector=True), engine
 connector_only.record(*resumed_step(caching=False, connector=True))
 connector_only.flush()
 
-# requests that finish without a token (FINISHED_ERROR) or before they were ever scheduled: vLLM's
-# IterationStats.update_from_finished_request subtracts the timestamps that stayed 0.0
+# requests that finish without a token (FINISHED_ERROR) or before they were ever scheduled. The first
+# as vLLM's OutputProcessor leaves it: update_from_output runs on the finishing output (no token)
+# before update_from_finished_request, and stamps the first and last token there while prefilling
+# (vllm/v1/metrics/stats.py); the second was never scheduled, its scheduled stamp stayed 0.0
 errors = KvwatchStatLogger(config(caching=True), engine_index=3)
 it = IterationStats()
 now = time.monotonic()
-it.update_from_finished_request(
-    FinishReason.ERROR,
-    "SECRET-E1",
-    40,
-    64,
-    RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9, scheduled_ts=now - 0.5),
-)
+failed = RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9, scheduled_ts=now - 0.5)
+failed.first_token_ts = failed.last_token_ts = now  # update_from_output's stamps, token or not
+it.update_from_finished_request(FinishReason.ERROR, "SECRET-E1", 40, 64, failed)
 it.update_from_finished_request(
     FinishReason.ABORT,
     "SECRET-E2",

@@ -201,22 +201,25 @@ def step_fields(scheduler_stats: Any, iteration_stats: Any, facts: EngineFacts) 
 
 
 def durations(finished: Any) -> dict[str, int | float | None]:
-    """The request's durations, null where vLLM had no timestamp to subtract.
+    """The request's durations, null where vLLM had no event to time.
 
-    vLLM computes them from per-request timestamps that stay 0.0 when the event never came
-    (``IterationStats.update_from_finished_request``, ``vllm/v1/metrics/stats.py``): queue =
-    scheduled - queued, prefill = first token - scheduled, decode = last - first token, inference =
-    last - scheduled. A request that was never scheduled (queue < 0) has none of the last three; one
-    that finished without a token (FINISHED_ERROR: prefill < 0) has no prefill, decode or inference,
-    though its decode reads 0.0 (0.0 - 0.0). Any other negative value is null too.
+    vLLM computes them from per-request timestamps (``IterationStats.update_from_finished_request``,
+    ``vllm/v1/metrics/stats.py``): queue = scheduled - queued, prefill = first token - scheduled,
+    decode = last - first token, inference = last - scheduled. A request never scheduled (queue < 0:
+    its scheduled stamp stayed 0.0) has none of the last three. One that finished without a token
+    (FINISHED_ERROR, an engine-side abort) has no prefill, decode or inference either, though vLLM
+    reports them: ``update_from_output`` runs on the finishing output first and stamps the first
+    and last token there, token or not, so prefill reads scheduled -> failure and decode 0.0. Any
+    other negative value is null too.
     """
     out = {key: _get(finished, attr) for attr, key in DURATION_FIELDS}
-    queue, prefill = out["queue"], out["prefill"]
+    queue = out["queue"]
+    tokens = _get(finished, "num_generation_tokens")
     unset = (
         ("queue", "prefill", "decode", "inference")
         if queue is not None and queue < 0
         else ("prefill", "decode", "inference")
-        if prefill is not None and prefill < 0
+        if tokens == 0 or (out["prefill"] is not None and out["prefill"] < 0)
         else ()
     )
     return {

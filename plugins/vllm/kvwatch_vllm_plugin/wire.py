@@ -46,7 +46,8 @@ SOCKET_ENV = "KVWATCH_VLLM_SOCKET"
 DEFAULT_SOCKET = "/run/kvwatch/vllm.sock"
 #: the agent refuses datagrams over 64 KiB; finished requests are split well below that
 FINISHED_PER_DATAGRAM = 32
-#: eviction samples kept per step (vLLM samples 1% of blocks by default); the rest are counted
+#: eviction samples kept per datagram, which may carry several steps (vLLM samples 1% of blocks by
+#: default); the rest are counted
 MAX_EVICTIONS = 64
 #: steps that finish no request are batched for at most this long / this many
 FLUSH_INTERVAL_S = 0.05
