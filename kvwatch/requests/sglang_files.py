@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.config import Config, SglangFilesConfig
-from kvwatch.jsonsafe import loads
+from kvwatch.jsonsafe import finite, loads
 from kvwatch.logthrottle import LogThrottle
 from kvwatch.model import Outcome, RequestRecord
 from kvwatch.requests.accounting import ModelLabels
@@ -83,21 +83,38 @@ def outcome_of(kind: str | None, status: int | None) -> Outcome:
     return Outcome.COMPLETED
 
 
-def _max_new_tokens(parameters: Any, dropped: list[str]) -> int | None:
-    """``sampling_params.max_new_tokens`` from the request parameters; nothing else is kept."""
+def _request_parameters(parameters: Any) -> dict[str, Any]:
+    """The request's parameters (a JSON string in the line); empty where they do not parse."""
     if not isinstance(parameters, str):
-        return None
+        return {}
     try:
         doc = loads(parameters)
     except ValueError:
-        return None
-    sampling = doc.get("sampling_params") if isinstance(doc, dict) else None
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _max_new_tokens(parameters: dict[str, Any], dropped: list[str]) -> int | None:
+    """``sampling_params.max_new_tokens`` from the request parameters; nothing else is kept."""
+    sampling = parameters.get("sampling_params")
     if isinstance(sampling, list):  # a batch request: one sampling dict per prompt
         sampling = sampling[0] if sampling else None
     value = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         return None
     return bounded_count(value, "max_tokens", dropped)
+
+
+def _queue_seconds(meta: dict[str, Any], dropped: list[str]) -> float | None:
+    """SGLang's queue time. A retracted request's reads negative (its re-queue overwrote the queue
+    entry time, its first forward's stayed: ``SchedulerReqTimeStats``): unknown, and the request
+    is kept, not refused as malformed (those are the long requests preempted under KV pressure)."""
+    value = meta.get("queue_time")
+    number = finite(value) if value is not None else None
+    if number is not None and number < 0:
+        dropped.append("queue_seconds")
+        return None
+    return non_negative_number(meta, "queue_time")
 
 
 def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestRecord:
@@ -110,12 +127,18 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
     dropped: list[str] = []
     output = bounded_count(non_negative_int(meta, "completion_tokens"), "output_tokens", dropped)
     prompt = bounded_count(non_negative_int(meta, "prompt_tokens"), "prompt_tokens", dropped)
-    limit = _max_new_tokens(doc.get("request_parameters"), dropped)
+    parameters = _request_parameters(doc.get("request_parameters"))
+    limit = _max_new_tokens(parameters, dropped)
+    stream = parameters.get("stream")
+    streaming = stream if isinstance(stream, bool) else None
     e2e = non_negative_number(meta, "e2e_latency")
+    queue = _queue_seconds(meta, dropped)
     kind, status = finish_of(meta.get("finish_reason"))
     decode = ttft = None
     throughput = non_negative_number(meta, "decode_throughput")  # (completion_tokens - 1) / decode time
-    if throughput and output is not None and output > 1:
+    # not streamed, SGLang's "first token" is its first output batch (every 50 tokens, or the end):
+    # no TTFT or decode time to read from it, as the proxy takes none from a response in one piece
+    if throughput and output is not None and output > 1 and streaming is not False:
         decode = (output - 1) / throughput
         if e2e is not None:
             ttft = max(e2e - decode, 0.0)
@@ -138,8 +161,9 @@ def line_record(doc: Any, replica: str, model_name: str, now: float) -> RequestR
         max_tokens=limit,
         ttft_seconds=ttft,
         e2e_seconds=e2e,
-        queue_seconds=non_negative_number(meta, "queue_time"),
+        queue_seconds=queue,
         decode_seconds=decode,
+        streaming=streaming,
         dropped_values=tuple(dropped),
     )
 
@@ -149,6 +173,8 @@ class _Followed:
     offset: int
     size: int = -1
     skipping: bool = False  # inside a line longer than MAX_READ_BYTES
+    identity: tuple[int, int] | None = None  # (device, inode): a file deleted and made anew differs
+    tail: bytes = b""  # the last bytes read: a file made anew at the same inode differs there
 
 
 @dataclass(eq=False)
@@ -197,8 +223,10 @@ class SglangFileFollower:
             if name not in self.files:
                 path = os.path.join(self.config.directory, name)
                 start_at_end = not self._started and not self.from_start
-                size = _size(path)
-                self.files[name] = _Followed(offset=size if start_at_end and size >= 0 else 0)
+                size, identity = _stat(path)
+                self.files[name] = _Followed(
+                    offset=size if start_at_end and size >= 0 else 0, identity=identity
+                )
         self._started = True
         for gone in set(self.files) - set(names):
             del self.files[gone]
@@ -211,16 +239,19 @@ class SglangFileFollower:
 
     def _read(self, name: str, state: _Followed) -> list[RequestRecord]:
         path = os.path.join(self.config.directory, name)
-        size = _size(path)
+        size, identity = _stat(path)
         if size < 0:
             return []
-        if size < state.offset:  # rewritten
-            state.offset = 0
+        if size < state.offset or identity != state.identity:  # rewritten: shorter, or another file
+            state.offset, state.skipping, state.identity, state.tail = 0, False, identity, b""
         state.size = size
         if size == state.offset:
             return []
         try:
             with open(path, "rb") as f:
+                f.seek(state.offset - len(state.tail))
+                if f.read(len(state.tail)) != state.tail:  # made anew, its inode reused
+                    state.offset, state.skipping, state.tail = 0, False, b""
                 f.seek(state.offset)
                 data = f.read(min(size - state.offset, MAX_READ_BYTES))
         except OSError as exc:
@@ -238,11 +269,13 @@ class SglangFileFollower:
         if end < 0:
             if len(data) == MAX_READ_BYTES:  # no newline in 16 MiB: skip this line
                 state.offset += len(data)
+                state.tail = (state.tail + data)[-TAIL_BYTES:]
                 if not state.skipping:
                     state.skipping = True
                     self._counted("malformed")
             return []  # else a partial last line: wait for its newline
         state.offset += end + 1
+        state.tail = (state.tail + data[: end + 1])[-TAIL_BYTES:]
         lines = data[:end].split(b"\n")
         if state.skipping:
             state.skipping = False
@@ -324,8 +357,15 @@ async def start_follower(
     return follower
 
 
-def _size(path: str) -> int:
+#: bytes before the offset remembered to tell a file from a new one at the same inode (the end of
+#: the last line read holds its request's own timestamps: another file does not repeat them there)
+TAIL_BYTES = 64
+
+
+def _stat(path: str) -> tuple[int, tuple[int, int] | None]:
+    """(size, (device, inode)); (-1, None) for a file that cannot be read."""
     try:
-        return os.stat(path).st_size
+        st = os.stat(path)
     except OSError:
-        return -1
+        return -1, None
+    return st.st_size, (st.st_dev, st.st_ino)

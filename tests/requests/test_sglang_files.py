@@ -67,6 +67,31 @@ def test_a_line_becomes_a_record() -> None:
     assert PROMPT not in repr(record)
 
 
+def _with_parameters(line: str, **parameters: object) -> dict:
+    doc = json.loads(line)
+    doc["request_parameters"] = json.dumps(json.loads(doc["request_parameters"]) | parameters)
+    return doc
+
+
+def test_a_request_not_streamed_has_no_ttft_or_decode_time() -> None:
+    # SGLang's first token of a response in one piece is its first output batch (every 50 tokens,
+    # or the end): decode_throughput then made TTFT ~ e2e and TPOT ~ 0
+    record = line_record(_with_parameters(exporter_line(completion=20), stream=False), "s0", "qwen", 0.0)
+    assert (record.ttft_seconds, record.decode_seconds, record.tpot_seconds) == (None, None, None)
+    assert (record.streaming, record.e2e_seconds, record.output_tokens) == (False, 2.5, 20)
+    assert line_record(json.loads(exporter_line()), "s0", "qwen", 0.0).streaming is True
+
+
+def test_a_retracted_request_is_kept_with_its_queue_time_unknown() -> None:
+    # a re-queue overwrites SGLang's queue entry time, its first forward's stays: queue_time < 0;
+    # the line was refused as malformed, and the preempted long request vanished
+    record = line_record(json.loads(exporter_line(queue_time=-3.25)), "s0", "qwen", 0.0)
+    assert (record.queue_seconds, record.dropped_values) == (None, ("queue_seconds",))
+    assert record.output_tokens == 120 and record.outcome is Outcome.COMPLETED
+    with pytest.raises(ValueError):
+        line_record(json.loads(exporter_line(queue_time="late")), "s0", "qwen", 0.0)
+
+
 def test_without_enable_metrics_only_counts_and_e2e_are_known() -> None:
     record = line_record(json.loads(exporter_line(metrics=False)), "s0", "qwen", now=1000.0)
     assert (record.output_tokens, record.e2e_seconds, record.ttft_seconds, record.tpot_seconds) == (
@@ -215,6 +240,20 @@ def test_rewritten_file_is_read_again(export_dir: Dir) -> None:
     assert len(follower.poll()) == 2
     (export_dir.path / "sglang-request-metrics-20260101_10.log").write_text(exporter_line(completion=9))
     assert [r.output_tokens for r in follower.poll()] == [9]
+
+
+def test_a_file_deleted_and_made_anew_is_read_from_its_start(export_dir: Dir) -> None:
+    # only shrinking told a rewrite before: a new file that grew past the old offset between two
+    # polls was read from the middle, its first lines lost and a partial one counted malformed
+    follower = export_dir.follower()
+    follower.poll()
+    export_dir.append("20260101_10", exporter_line(completion=1))
+    assert len(follower.poll()) == 1
+    path = export_dir.path / "sglang-request-metrics-20260101_10.log"
+    path.unlink()
+    path.write_text("".join(exporter_line(completion=n) for n in (5, 6, 7)))
+    assert [r.output_tokens for r in follower.poll()] == [5, 6, 7]
+    assert export_dir.counts[(LINES, "s0", "malformed")] == 0
 
 
 def test_missing_directory_is_retried(tmp_path: Path) -> None:
