@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession
 from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from kvwatch.agent.heap import freeze_start_up_heap
@@ -244,6 +245,50 @@ async def test_malformed_protobuf_is_400_and_counted(otlp: Harness, http: Client
     assert [(name, ok) for name, ok, *_ in otlp.reports] == [("otlp", False), ("otlp", False)]
     async with http.post(otlp.url, data=REQUESTS, headers=PROTOBUF) as response:  # still serving
         assert response.status == 200
+
+
+def _rpc_status(body: bytes) -> tuple[int, str]:
+    """(code, message) of a ``google.rpc.Status`` (google/rpc/status.proto: ``int32 code = 1``,
+    ``string message = 2``), read by protobuf's own runtime from a descriptor built here."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    file = descriptor_pb2.FileDescriptorProto(name="test_rpc_status.proto", package="test.rpc")
+    status = file.message_type.add(name="Status")
+    status.field.add(name="code", number=1, type=5, label=1)  # TYPE_INT32, optional
+    status.field.add(name="message", number=2, type=9, label=1)  # TYPE_STRING
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    message = message_factory.GetMessageClass(pool.FindMessageTypeByName("test.rpc.Status"))()
+    message.ParseFromString(body)
+    return message.code, message.message
+
+
+async def test_a_failure_answers_a_status_in_the_exports_own_encoding(
+    otlp: Harness, http: ClientSession
+) -> None:
+    # OTLP/HTTP: a 4xx/5xx body is a google.rpc.Status, in the request's content type (it was text)
+    async with http.post(otlp.url, data=b"\xff\xff\xff not protobuf", headers=PROTOBUF) as response:
+        assert (response.status, response.content_type) == (400, "application/x-protobuf")
+        code, message = _rpc_status(await response.read())
+    assert code == 3 and message  # INVALID_ARGUMENT, and why
+    async with http.post(otlp.url, data=b"{nope", headers={"Content-Type": "application/json"}) as response:
+        assert (response.status, response.content_type) == (400, "application/json")
+        doc = json.loads(await response.text())
+    assert doc["code"] == 3 and doc["message"]
+
+
+async def test_spans_kvwatch_cannot_use_are_rejected_in_partial_success(
+    otlp: Harness, http: ClientSession
+) -> None:
+    export = span_export({}, **{TOKENS: -4})  # malformed: no request has -4 tokens
+    export.MergeFrom(decode_export(REQUESTS, "application/x-protobuf"))
+    async with http.post(otlp.url, data=export.SerializeToString(), headers=PROTOBUF) as response:
+        assert response.status == 200
+        answer = ExportTraceServiceResponse.FromString(await response.read())
+    assert answer.partial_success.rejected_spans == 1 and answer.partial_success.error_message
+    assert len(otlp.records) == 3  # the rest was taken
+    async with http.post(otlp.url, data=REQUESTS, headers=PROTOBUF) as response:
+        assert not ExportTraceServiceResponse.FromString(await response.read()).HasField("partial_success")
 
 
 async def test_body_over_the_cap_is_413(otlp: Harness, http: ClientSession) -> None:

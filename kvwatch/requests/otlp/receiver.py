@@ -10,11 +10,13 @@ it: a 2xx answer means every record reached the histograms and the ledger's queu
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 
 from aiohttp import web
+from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from kvwatch.config import Config
@@ -129,7 +131,7 @@ class OtlpReceiver:
             )
             raise
         if self.ledger is not None and self.ledger.busy():  # refused before paying for the decode
-            return self._ledger_busy(request.remote)
+            return self._ledger_busy(request.remote, content_type)
         try:
             async with self._decoding:
                 job = DecodeJob(
@@ -142,7 +144,7 @@ class OtlpReceiver:
             self._throttle.log(
                 log, logging.WARNING, "inflated_too_large", "otlp: %s from %s", exc, request.remote
             )
-            return web.Response(status=413, text=f"{exc}\n")
+            return _failure(413, RESOURCE_EXHAUSTED, str(exc), content_type)
         except WorkerFailedError as exc:  # the worker was killed and is replaced at the next export
             self._report(False, started, str(exc))
             self._throttle.log(
@@ -153,25 +155,21 @@ class OtlpReceiver:
                 exc,
                 request.remote,
             )
-            return web.Response(status=503, text="try again\n")
+            return _failure(503, UNAVAILABLE, "try again", content_type)
         except ValueError as exc:
             self._refuse("undecodable")
             self._report(False, started, str(exc))
             self._throttle.log(log, logging.WARNING, "undecodable", "otlp: %s from %s", exc, request.remote)
-            return web.Response(status=400, text=f"{exc}\n")
+            return _failure(400, INVALID_ARGUMENT, str(exc), content_type)
         if self.ledger is not None and not self.ledger.admit(len(records)):
-            return self._ledger_busy(request.remote)
+            return self._ledger_busy(request.remote, content_type)
         for result, n in results.items():
             self._count(result, n)
         await self._sink_all(records)
         self._report(True, started)
-        if content_type == "application/json":
-            return web.Response(body=b"{}", content_type="application/json")
-        return web.Response(
-            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
-        )
+        return _success(results.get("malformed", 0) + results.get("unmapped", 0), content_type)
 
-    def _ledger_busy(self, remote: str | None) -> web.Response:
+    def _ledger_busy(self, remote: str | None, content_type: str) -> web.Response:
         """503 + Retry-After: the ledger cannot take this export now; nothing of it was counted.
         Backpressure, not a failure: the source's collector status stays as it was."""
         self._count_family(REFUSED, "ledger_busy", 1)
@@ -183,9 +181,9 @@ class OtlpReceiver:
             'retries it (kvwatch_otlp_exports_refused_total{reason="ledger_busy"})',
             remote,
         )
-        return web.Response(
-            status=503, text="request ledger busy, retry\n", headers={"Retry-After": str(RETRY_AFTER_S)}
-        )
+        response = _failure(503, UNAVAILABLE, "request ledger busy, retry", content_type)
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     async def _sink_all(self, records: list[RequestRecord]) -> None:
         """The sink (histograms, ledger) runs on the loop: yield between batches of a big export."""
@@ -227,3 +225,42 @@ class OtlpReceiver:
             self.count(family, label, amount=n)
         except Exception:
             log.exception("otlp: counting failed")
+
+
+#: google.rpc.Code values of the failures kvwatch answers (OTLP/HTTP puts them in the Status body)
+INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE = 3, 8, 14
+
+
+def _failure(status: int, code: int, message: str, content_type: str) -> web.Response:
+    """OTLP/HTTP's failure: a ``google.rpc.Status`` body in the request's own encoding (opentelemetry-
+    proto ``docs/specification.md``, "Failures"). Its two fields are encoded here: the message type
+    lives in googleapis-common-protos, a dependency for 2 fields."""
+    if content_type == "application/json":
+        body = json.dumps({"code": code, "message": message}).encode()
+    else:
+        text = message.encode()
+        body = b"\x08" + _varint(code) + b"\x12" + _varint(len(text)) + text
+    return web.Response(status=status, body=body, content_type=content_type)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _success(rejected: int, content_type: str) -> web.Response:
+    """Accepted; spans kvwatch could not use (malformed, or of no replica it knows) are rejected in
+    ``partial_success``, as the spec asks of a server that drops part of an export."""
+    response = ExportTraceServiceResponse()
+    if rejected:
+        response.partial_success.rejected_spans = rejected
+        response.partial_success.error_message = "spans malformed or of no replica kvwatch knows"
+    if content_type == "application/json":
+        body = json_format.MessageToJson(response, indent=None).encode()
+    else:
+        body = response.SerializeToString()
+    return web.Response(body=body, content_type=content_type)
