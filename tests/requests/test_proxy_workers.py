@@ -489,3 +489,23 @@ def test_every_relay_counter_may_cross_the_worker_channel():
     }
     assert families and families == seams.RELAY_COUNTERS
     assert seams.RELAY_COUNTERS < channel.WORKER_FAMILIES
+
+
+def test_a_proxy_port_another_process_holds_is_refused_not_shared() -> None:
+    # another agent's relay workers hold the port with SO_REUSEPORT, as these would: joining it was
+    # allowed (same user), and the kernel split the clients between the two agents
+    from kvwatch.config import HostPort
+    from kvwatch.requests.proxy.workers import reserve_port
+
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"127.0.0.1:{port} is held by another process"):
+            reserve_port(HostPort("127.0.0.1", port))
+    finally:
+        other.close()
+    reserve_port(HostPort("127.0.0.1", port)).close()  # free again: taken
+    reserve_port(HostPort("127.0.0.1", 0)).close()  # any port: nothing to probe

@@ -90,6 +90,8 @@ def reserve_port(listen: HostPort) -> socket.socket:
         listen.host or None, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
     family, kind, proto, _, address = infos[0]
+    if address[1]:
+        _held_by_no_one(family, kind, proto, address)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,6 +101,22 @@ def reserve_port(listen: HostPort) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _held_by_no_one(family: int, kind: int, proto: int, address: tuple) -> None:
+    """Raise if another socket holds the port. ``SO_REUSEPORT`` lets any process of the same user
+    join it, so a second agent with the same ``proxy_listen`` would start without an error and the
+    kernel would split the clients between the two: a plain bind first fails where that one would not."""
+    probe = socket.socket(family, kind, proto)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        probe.bind(address)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"{address[0]}:{address[1]} is held by another process ({exc.strerror})"
+        ) from None
+    finally:
+        probe.close()
 
 
 class _Slot:
