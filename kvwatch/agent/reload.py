@@ -10,9 +10,10 @@ it reads, every ``poll_s``. (The kubelet itself applies ConfigMap edits within a
 The new file is validated first, with the same loader and environment overrides as at start. A
 bad edit keeps the running config, logs every problem with its key path, and sets
 ``kvwatch_config_last_reload_successful 0`` (Prometheus's name for the same thing). Replicas,
-intervals, scrape settings, the vLLM plugin sockets and the log level apply at once; settings that
-bind sockets or start sources (listen, proxies, OTLP, NVML, ledger, discovery, bands, node) need a
-restart: a changed one is logged and keeps its running value.
+the engine interval, scrape settings, the vLLM plugin sockets and the log level apply at once;
+settings that bind sockets or start sources (listen, proxies and a proxied replica's model_name,
+OTLP, NVML and the GPU and process-map intervals, ledger, discovery, bands, node) need a restart: a
+changed one is logged and keeps its running value.
 """
 
 from __future__ import annotations
@@ -46,12 +47,24 @@ RESTART_ONLY = (
 )
 
 
+#: intervals of jobs scheduled once, at start (the engine scrape's is rescheduled on reload)
+RESTART_ONLY_INTERVALS = ("gpu_s", "process_map_s")
+
+
 def restart_only_changes(running: Config, new: Config) -> list[str]:
     """Keys whose new value needs a restart to take effect."""
     changed = [key for key in RESTART_ONLY if getattr(running, key) != getattr(new, key)]
+    changed += [
+        f"intervals.{key.removesuffix('_s')}"
+        for key in RESTART_ONLY_INTERVALS
+        if getattr(running.intervals, key) != getattr(new.intervals, key)
+    ]
     proxied = {(r.name, r.proxy_listen, r.api_url) for r in running.replicas if r.proxy_listen}
     if proxied != {(r.name, r.proxy_listen, r.api_url) for r in new.replicas if r.proxy_listen}:
         changed.append("replicas[].proxy_listen")
+    labels = {r.name: r.model_name for r in new.replicas if r.proxy_listen}
+    if any(labels.get(r.name, r.model_name) != r.model_name for r in running.replicas if r.proxy_listen):
+        changed.append("replicas[].model_name of a proxied replica")  # its proxy labels with the first
     return changed
 
 
@@ -60,12 +73,20 @@ def applicable(running: Config, new: Config) -> Config:
     kept = {key: getattr(running, key) for key in RESTART_ONLY}
     by_name = {r.name: r for r in running.replicas}
     replicas = tuple(
-        dataclasses.replace(r, proxy_listen=by_name[r.name].proxy_listen, api_url=by_name[r.name].api_url)
+        dataclasses.replace(
+            r,
+            proxy_listen=by_name[r.name].proxy_listen,
+            api_url=by_name[r.name].api_url,
+            model_name=by_name[r.name].model_name if by_name[r.name].proxy_listen else r.model_name,
+        )
         if r.name in by_name
         else dataclasses.replace(r, proxy_listen=None)
         for r in new.replicas
     )
-    return dataclasses.replace(new, replicas=replicas, **kept)
+    intervals = dataclasses.replace(
+        new.intervals, **{key: getattr(running.intervals, key) for key in RESTART_ONLY_INTERVALS}
+    )
+    return dataclasses.replace(new, replicas=replicas, intervals=intervals, **kept)
 
 
 def fingerprint(path: str) -> tuple[str, bytes] | None:

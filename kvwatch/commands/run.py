@@ -27,7 +27,8 @@ With discovery.kubernetes enabled it also lists and watches the engine pods of i
 (KVWATCH_NODE) and scrapes each ready one as replica namespace/pod (docs/deploy.md).
 
 SIGHUP, or a change to the config file (a ConfigMap update included), reloads the config: a valid
-one applies its replicas, intervals and scrape settings at once; an invalid one is refused with
+one applies its replicas, the engine interval and scrape settings at once (the log names a change
+that needs a restart); an invalid one is refused with
 every problem logged and the running config kept (kvwatch_config_last_reload_successful 0). A
 SIGHUP during start-up is held and applied once the agent runs.
 
@@ -115,18 +116,23 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.agent.reload import fingerprint
     from kvwatch.config import ConfigError, load_config, parse_host_port
 
-    path = args.config or os.environ.get("KVWATCH_CONFIG")
+    path = args.config or os.environ.get("KVWATCH_CONFIG") or None  # blank is unset, as KVWATCH_* are
     loaded = fingerprint(path) if path is not None else None  # before reading: an edit from now on shows
 
     def adjust(config: Config) -> Config:
-        return dataclasses.replace(config, listen=parse_host_port(args.listen)) if args.listen else config
+        """The command line over the file, at start and at every reload."""
+        if args.listen:
+            config = dataclasses.replace(config, listen=parse_host_port(args.listen))
+        if args.log_level:
+            config = dataclasses.replace(config, log_level=args.log_level)
+        return config
 
     try:
         config = adjust(load_config(path))
     except (ConfigError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 1
-    configure_logging(args.log_level or config.log_level)
+    configure_logging(config.log_level)
     soft, _ = raise_open_files_limit()
     logging.getLogger("kvwatch").info("open files limit: %d", soft)
     use_uvloop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,52 @@ def test_a_sighup_during_start_up_is_held_and_applied(tmp_path: Path) -> None:
     log.append(rest)
     assert proc.returncode == 0, "".join(log)
     assert "config reloaded (SIGHUP during start-up)" in "".join(log)
+
+
+def test_the_command_lines_log_level_outlives_a_reload(tmp_path: Path) -> None:
+    # a reload set the file's level: --log-level warning gave way to info at the first SIGHUP
+    port = free_port()
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text(_config(port, ["first"]) + "log_level: info\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(config), "--log-level", "warning"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVWATCH_CONFIG": ""},
+    )
+    try:
+
+        def serving(added: str) -> str:
+            body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            return body if f'replica="{added}"' in body else ""
+
+        wait_until(
+            lambda: serving("first"), 60, "the agent to serve", interval_s=0.1, retry_on=(httpx.HTTPError,)
+        )
+        config.write_text(_config(port, ["first", "second"]) + "log_level: info\n")
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: serving("second"), 60, "the reload", interval_s=0.1, retry_on=(httpx.HTTPError,))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 0, log[-3000:]
+    assert " INFO " not in log and "config reloaded" not in log, log[-3000:]  # an INFO line, held back
+
+
+def test_a_blank_kvwatch_config_is_no_config(tmp_path: Path) -> None:
+    # docs/config.md: a blank KVWATCH_* value is unset; KVWATCH_CONFIG= was read as the path ""
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # the agent gets past its config, then stops
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvwatch", "run", "--listen", f"127.0.0.1:{port}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KVWATCH_CONFIG": "", "KVWATCH_NVML__ENABLED": "false"},
+            check=False,
+        )
+    assert result.returncode == 1 and "address already in use" in result.stderr.lower(), result.stderr[-2000:]
+    assert "cannot read" not in result.stderr

@@ -152,3 +152,31 @@ def test_a_reload_applies_what_it_can_and_keeps_what_needs_a_restart():
         ("a", "http://127.0.0.1:8001/metrics", running.replicas[0].proxy_listen),
         ("b", "http://127.0.0.1:8002/metrics", None),
     ]
+
+
+def test_a_reload_keeps_the_gpu_intervals_and_a_proxied_replicas_model_and_says_so():
+    # the GPU and process-map jobs are scheduled once, and a proxy labels with the model it started
+    # with: a reload logged "config reloaded" and changed neither, without a word
+    from kvwatch.agent.reload import applicable, restart_only_changes
+    from kvwatch.config import config_from_mapping
+
+    def config(gpu: str, model: str) -> object:
+        replica = {
+            "name": "a",
+            "metrics_url": "http://127.0.0.1:8000/metrics",
+            "api_url": "http://127.0.0.1:8000",
+            "proxy_listen": "127.0.0.1:8080",
+            "model_name": model,
+        }
+        return config_from_mapping(
+            {"intervals": {"engine": "5s", "gpu": gpu, "process_map": "30s"}, "replicas": [replica]}
+        )
+
+    running, new = config("60s", "qwen"), config("1s", "llama")
+    assert restart_only_changes(running, new) == [
+        "intervals.gpu",
+        "replicas[].model_name of a proxied replica",
+    ]
+    applied = applicable(running, new)
+    assert (applied.intervals.gpu_s, applied.replicas[0].model_name) == (60.0, "qwen")
+    assert restart_only_changes(running, running) == []
