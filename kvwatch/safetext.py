@@ -13,6 +13,8 @@ escaped text.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 
 def terminal_safe(text: str) -> str:
     """``text`` with every non-printable character written as an escape; printable text unchanged."""
@@ -26,3 +28,16 @@ def _escape(ch: str) -> str:
     if code < 0x100:
         return f"\\x{code:02x}"
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def shown_url(url: str) -> str:
+    """A configured URL as a log line, an error or the status page shows it: a password (``user:pw@``)
+    or a query (``?token=...``) can be a secret, and both stay out (``***@``, ``?...``)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(unreadable URL)"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "..." if parts.query else "", ""))

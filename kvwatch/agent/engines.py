@@ -31,6 +31,7 @@ from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
 from kvwatch.engines.page_worker import PageJob, parse_in_worker
 from kvwatch.engines.registry import NoEngineMetricsError, ParseResult, extra_page, parse_families
 from kvwatch.model import InFlightRequest, ReplicaSample
+from kvwatch.safetext import shown_url
 from kvwatch.state import NodeState, TargetState
 from kvwatch.workers import WorkerFailedError, WorkerProcess, brief_error
 
@@ -112,7 +113,7 @@ async def _parse(
 ) -> ParseResult:
     """A large page goes to the worker process (its objects would make the agent's garbage
     collections pause the loop for tenths of a second), a small one is parsed here."""
-    where = f"replica {replica_cfg.name}: {replica_cfg.metrics_url}"
+    where = f"replica {replica_cfg.name}: {shown_url(replica_cfg.metrics_url)}"
     try:
         if worker is not None and len(body) > WORKER_PARSE_BYTES:
             job = PageJob(
@@ -173,9 +174,11 @@ async def _extra_page(
         )
         completed = page.apply(body, samples)
     except (ScrapeError, ValueError) as exc:
-        return _extra_page_failed(page, target, f"{url}: {exc}", samples)
+        return _extra_page_failed(page, target, f"{shown_url(url)}: {exc}", samples)
     except Exception as exc:  # an adapter bug must not take the agent down, as on the /metrics page
-        return _extra_page_failed(page, target, f"{url} could not be read: {brief_error(exc)}", samples)
+        return _extra_page_failed(
+            page, target, f"{shown_url(url)} could not be read: {brief_error(exc)}", samples
+        )
     if target.extra_page_error is not None:
         log.info("replica %s: %s works again", replica_cfg.name, page.path)
     target.extra_page_error = None

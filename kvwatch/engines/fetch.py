@@ -14,6 +14,7 @@ import asyncio
 import httpx
 
 from kvwatch.catalog import SCRAPE_ERROR_REASONS
+from kvwatch.safetext import shown_url
 
 ACCEPT_METRICS = "text/plain;version=0.0.4;q=0.9,text/plain;q=0.5,*/*;q=0.1"
 ACCEPT_JSON = "application/json"
@@ -39,7 +40,7 @@ async def fetch_body(
     accept: str = ACCEPT_METRICS,
 ) -> tuple[bytes, str]:
     """GET ``url``; return (body, content type). Raises ``ScrapeError``."""
-    where = f"replica {replica}: {url}" if replica else url
+    where = f"replica {replica}: {shown_url(url)}" if replica else shown_url(url)
     try:
         async with asyncio.timeout(timeout_s):
             return await _get(client, url, where, timeout_s, max_bytes, accept)
@@ -100,7 +101,7 @@ async def _get(
 
 def metrics_text(body: bytes, content_type: str, *, replica: str, url: str) -> str:
     """Decode a metrics body, refusing what is plainly not an exposition (HTML, JSON, binary)."""
-    where = f"replica {replica}: {url}" if replica else url
+    where = f"replica {replica}: {shown_url(url)}" if replica else shown_url(url)
     kind = content_type.split(";", maxsplit=1)[0].strip().lower()
     head = body[:512].lstrip().lower()
     if kind == "text/html" or head.startswith((b"<!doctype", b"<html", b"<?xml", b"<")):

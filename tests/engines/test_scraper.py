@@ -184,6 +184,19 @@ async def test_a_new_reason_while_down_is_logged_once(server, client, state, clo
     assert dict(state.target("r0").errors) == {"http_status": 1, "connect": 2}
 
 
+async def test_a_password_or_query_in_the_url_stays_out_of_the_log_and_the_error(
+    server, client, state, clock, caplog, refused_url
+):
+    # httpx sends user:password as Basic auth; the URL went whole into the log and the status page
+    secret = refused_url.replace("http://", "http://user:s3cret@") + "?token=abc123"
+    await scrape(client, secret, state, clock)
+    server.status = 500
+    await scrape(client, server.url.replace("http://", "http://user:s3cret@") + "?token=abc123", state, clock)
+    shown = [*log_lines(caplog), state.target("r0").last_error or ""]
+    assert not any("s3cret" in text or "abc123" in text for text in shown), shown
+    assert any("***@127.0.0.1" in text for text in shown), shown
+
+
 async def test_engine_restart_with_counters_reset(server, client, state, clock, caplog):
     server.body = page("vllm_0_32_cpu_preempting.prom")
     await scrape(client, server.url, state, clock)
