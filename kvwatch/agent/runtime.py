@@ -561,8 +561,11 @@ class Agent:
                         self.state.report,
                     )
                 except OSError as exc:
-                    if at_start:
-                        raise
+                    if at_start:  # a config error: the agent stops, saying which socket
+                        raise OSError(
+                            exc.errno,
+                            f"vllm_plugin_sockets ({replica}): cannot bind {path}: {exc.strerror or exc}",
+                        ) from None
                     log.error("vLLM plugin socket %s for %s cannot be bound: %s", path, replica, exc)
                     self.state.report(f"vllm_plugin:{replica}", False, 0.0, f"bind {path}: {exc}")
                     continue

@@ -136,3 +136,17 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
     finally:
         await agent.stop()
     assert not os.path.lexists(b) and not os.path.lexists(c)
+
+
+async def test_a_socket_that_cannot_be_bound_at_start_names_its_key_and_path(short_dir: Path) -> None:
+    # the agent stopped with "cannot start: [Errno 2] No such file or directory", no path, no key
+    path = short_dir / "kvwatch.yaml"
+    blocked = short_dir / "not-a-dir"
+    blocked.write_text("a file where the socket's folder should be\n")
+    _write(path, [("r1", blocked / "vllm.sock")])
+    agent = Agent(load_config(str(path)))
+    try:
+        with pytest.raises(OSError, match=rf"vllm_plugin_sockets \(r1\): cannot bind {blocked}/vllm.sock"):
+            await agent.start()
+    finally:
+        await agent.stop()
