@@ -76,8 +76,13 @@ connector_only.flush()
 errors = KvwatchStatLogger(config(caching=True), engine_index=3)
 it = IterationStats()
 now = time.monotonic()
-failed = RequestStateStats(arrival_time=time.time() - 1.0, queued_ts=now - 0.9, scheduled_ts=now - 0.5)
-failed.first_token_ts = failed.last_token_ts = now  # update_from_output's stamps, token or not
+failed = RequestStateStats(
+    arrival_time=time.time() - 1.0,
+    queued_ts=now - 0.9,
+    scheduled_ts=now - 0.5,
+    first_token_ts=now,  # update_from_output's stamps, token or not
+    last_token_ts=now,
+)
 it.update_from_finished_request(FinishReason.ERROR, "SECRET-E1", 40, 64, failed)
 it.update_from_finished_request(
     FinishReason.ABORT,
