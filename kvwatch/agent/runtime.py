@@ -248,6 +248,10 @@ class Agent:
             await self._discovery.stop()
             self._discovery = None
         if self._scheduler is not None and self._scheduler.running:
+            # a job submitted but not started yet would be cancelled before its first step, where
+            # _ends_quietly_on_shutdown cannot catch it, and logged as failed: pause, let it start
+            self._scheduler.pause()
+            await asyncio.sleep(0)
             self._scheduler.shutdown(wait=False)
         for proxy in self._proxies:
             await proxy.stop()

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -138,15 +139,22 @@ async def test_a_reload_rebinds_the_plugin_sockets_live(short_dir: Path, tmp_pat
     assert not os.path.lexists(b) and not os.path.lexists(c)
 
 
-async def test_a_socket_that_cannot_be_bound_at_start_names_its_key_and_path(short_dir: Path) -> None:
-    # the agent stopped with "cannot start: [Errno 2] No such file or directory", no path, no key
+def test_a_socket_that_cannot_be_bound_at_start_names_its_key_and_path(short_dir: Path) -> None:
+    # kvwatch run stopped with "cannot start: [Errno 2] No such file or directory", no path, no key,
+    # then logged a scrape job it had just scheduled as failed, with a CancelledError traceback
     path = short_dir / "kvwatch.yaml"
     blocked = short_dir / "not-a-dir"
     blocked.write_text("a file where the socket's folder should be\n")
     _write(path, [("r1", blocked / "vllm.sock")])
-    agent = Agent(load_config(str(path)))
-    try:
-        with pytest.raises(OSError, match=rf"vllm_plugin_sockets \(r1\): cannot bind {blocked}/vllm.sock"):
-            await agent.start()
-    finally:
-        await agent.stop()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"vllm_plugin_sockets (r1): cannot bind {blocked}/vllm.sock" in result.stderr
+    assert "Error running job" not in result.stderr and "Traceback" not in result.stderr, result.stderr[
+        -3000:
+    ]

@@ -509,3 +509,19 @@ def test_a_proxy_port_another_process_holds_is_refused_not_shared() -> None:
         other.close()
     reserve_port(HostPort("127.0.0.1", port)).close()  # free again: taken
     reserve_port(HostPort("127.0.0.1", 0)).close()  # any port: nothing to probe
+
+
+async def test_a_worker_that_exits_at_start_stops_the_agent_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a RuntimeError, which `kvwatch run` does not catch: a traceback instead of "cannot start: ..."
+    from kvwatch.requests.proxy import workers
+
+    monkeypatch.setattr(workers.sys, "executable", "/bin/false")  # the worker's interpreter: exits 1
+    agent = Agent(_agent_config("http://127.0.0.1:9", tmp_path / "ledger.jsonl", workers=2))
+    try:
+        with pytest.raises(OSError, match="proxy worker 0 exited at start"):
+            await agent.start()
+    finally:
+        monkeypatch.undo()
+        await agent.stop()

@@ -103,6 +103,11 @@ def reserve_port(listen: HostPort) -> socket.socket:
     return sock
 
 
+class WorkerStartError(OSError):
+    """A relay worker exited before it served: ``kvwatch run`` stops with the message, as it does
+    when a socket cannot be bound (a RuntimeError ended it in a traceback)."""
+
+
 def _held_by_no_one(family: int, kind: int, proto: int, address: tuple) -> None:
     """Raise if another socket holds the port. ``SO_REUSEPORT`` lets any process of the same user
     join it, so a second agent with the same ``proxy_listen`` would start without an error and the
@@ -235,8 +240,10 @@ class WorkerGroup:
             on_ready,
         )
         assert process.stdin is not None
-        process.stdin.write(pickle.dumps(spec))
-        with contextlib.suppress(ConnectionError):
+        # a worker that already exited: asyncio's pipe says ConnectionError, uvloop's a closed handle
+        # (RuntimeError); the watcher below reports why it ended
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            process.stdin.write(pickle.dumps(spec))
             await process.stdin.drain()
         process.stdin.close()
         watcher = loop.create_task(self._fail_start_if_exits(slot, ready))
@@ -249,7 +256,7 @@ class WorkerGroup:
         await process.wait()
         if not ready.done():
             ready.set_exception(
-                RuntimeError(
+                WorkerStartError(
                     f"proxy worker {slot.index} exited at start (status {process.returncode}); "
                     "see its log above"
                 )
