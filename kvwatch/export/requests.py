@@ -127,9 +127,12 @@ class RequestCollector:
     def _proxy_sources(self, sources: set[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
         """Where the proxy-only families start at zero: each proxied replica under its configured
         ``model_name`` or, without one, under each label its requests were seen with (``_sources``)."""
-        learned = {r.name for r in self.config.replicas if _proxied(r) and not r.model_name}
-        configured = self.configured_sources()
-        return {key for key in sources if key[2] == PROXY_SOURCE and (key[0] in learned or key in configured)}
+        models = {r.name: r.model_name for r in self.config.replicas if _proxied(r)}
+        return {
+            (replica, model, source)
+            for replica, model, source in sources
+            if source == PROXY_SOURCE and replica in models and (models[replica] or model) == model
+        }
 
     def collect(self) -> Iterator[Metric]:
         stats = self.state.requests
