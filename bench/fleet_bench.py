@@ -52,6 +52,7 @@ from aiohttp import web
 
 from bench._harness import listen
 from bench.agent_bench import CAPTURE, REPLICAS, build_state, kvwatch_registry
+from bench.proxybench.common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_RULES = sorted((ROOT / "alerts").glob("*.rules.yaml"))
@@ -154,10 +155,7 @@ class Prometheus:
     def __init__(self, workdir: Path, phase: Phase, targets: list[str], interval_s: int) -> None:
         self.workdir = workdir / phase.name
         self.workdir.mkdir(parents=True)
-        port_probe = __import__("socket").socket()
-        port_probe.bind(("127.0.0.1", 0))
-        self.port = port_probe.getsockname()[1]
-        port_probe.close()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         job = "vllm" if phase.kind == "vllm" else "kvwatch"
         rules = [] if phase.kind == "vllm" else (NATIVE_RULES if phase.native else SHIPPED_RULES)

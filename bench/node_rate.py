@@ -50,7 +50,7 @@ from pathlib import Path
 from _harness import parser
 from _harness import percentile as _pct
 from proxybench.clients import _children, _cpu_seconds, one_stream
-from proxybench.common import ROOT, _free_port, _use_uvloop, rotated, run_until_sigterm
+from proxybench.common import ROOT, _use_uvloop, free_port, rotated, run_until_sigterm
 from proxybench.cores import CoreQuota
 from proxybench.peers import _spawn_nginx
 from proxybench.report import _ms
@@ -245,9 +245,9 @@ def _kvwatch_target(workers: int) -> str:
 
 def orchestrate(args: argparse.Namespace) -> int:
     _use_uvloop(True)
-    up_ports = [_free_port() for _ in range(ENGINES)]
-    nginx_ports = [_free_port() for _ in range(ENGINES)]
-    kv_ports = [_free_port() for _ in range(ENGINES)]
+    up_ports = [free_port() for _ in range(ENGINES)]
+    nginx_ports = [free_port() for _ in range(ENGINES)]
+    kv_ports = [free_port() for _ in range(ENGINES)]
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-node-rate-"))
     upstreams = _spawn(
         "upstreams",
@@ -279,12 +279,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             _kvwatch_target(args.workers[0]): (kv_ports, _children(kvwatch.pid)),
         }
         for workers in args.workers[1:]:  # the --workers sweep: each count its own agent, same upstreams
-            ports = [_free_port() for _ in range(ENGINES)]
+            ports = [free_port() for _ in range(ENGINES)]
             more = _spawn_agent(ports, up_ports, workers)
             procs.append(more)
             targets[_kvwatch_target(workers)] = (ports, _children(more.pid))
         if args.baseline:  # the code before a change, interleaved with it in every step
-            base_ports = [_free_port() for _ in range(ENGINES)]
+            base_ports = [free_port() for _ in range(ENGINES)]
             base = _spawn_agent(base_ports, up_ports, 1, tree=Path(args.baseline).resolve())
             procs.append(base)
             targets["kvwatch-baseline"] = (base_ports, _children(base.pid))

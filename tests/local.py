@@ -10,7 +10,6 @@ import inspect
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now and this process has not handed out before: two calls in
-    a row can otherwise get the same port back from the kernel before either is bound."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+from bench.proxybench.common import free_port  # noqa: F401 (the tests take their ports where the benches do)
 
 
 async def serve_app(app: web.Application, port: int = 0, **runner_options: Any) -> tuple[web.AppRunner, int]:

@@ -40,10 +40,20 @@ USAGE_CHUNK = (
 DONE = b"data: [DONE]\n\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now and this process has not handed out before: the kernel
+    can give a released port back on the next call, so a bench that takes 24 in a row before binding
+    any would otherwise, now and then, hand two roles the same one (the tests take theirs here too)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def _use_uvloop(on: bool) -> None:

@@ -28,7 +28,7 @@ from proxybench.clients import (
     reused_connections,
     steady,
 )
-from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _free_port, _use_uvloop, pair, rotated
+from proxybench.common import BASELINE_ENV, ROOT, SCRIPT, _use_uvloop, free_port, pair, rotated
 from proxybench.peers import _spawn_nginx
 from proxybench.report import Result, _median, _ms, _print, _rows
 
@@ -95,7 +95,7 @@ def _measure_flat(port: int, pids: list[int], streams: int, rounds: int) -> tupl
 def _start_target(name: str, up_port: int, workdir: Path) -> tuple[int, subprocess.Popen | None, list[int]]:
     if name == "direct":
         return up_port, None, []
-    port = _free_port()
+    port = free_port()
     if name == "nginx":
         proc = _spawn_nginx(port, up_port, workdir / f"nginx-{up_port}")
     elif name == "nginxlua":
@@ -139,7 +139,7 @@ def _start_nginx_meter(port: int, up_port: int, workdir: Path) -> tuple[int, sub
     of both counts (the meter does the agent's share, as the kvwatch role does in its process)."""
     workdir.mkdir(parents=True, exist_ok=True)
     socket_path = str(workdir / "meter.sock")
-    meter = _spawn("meter", _free_port(), 0, ["--socket", socket_path], uvloop=True)
+    meter = _spawn("meter", free_port(), 0, ["--socket", socket_path], uvloop=True)
     nginx = _spawn_nginx(port, up_port, workdir, meter_socket=socket_path)
     pair = _Pair(nginx, meter, socket_path)
     return port, pair, [meter.pid, *_children(nginx.pid)]  # type: ignore[return-value]
@@ -168,7 +168,7 @@ def check_meter(up_port: int, workdir: Path, streams: int, cut: int = 2) -> bool
     chunks its client counted and its tokens from the usage the module asked for (a client reading
     the raw stream sees no usage chunk), aborted, or error; each with a gap per chunk after the
     first and a TTFT within the e2e; no datagram refused, nothing left in flight."""
-    port, pair, _pids = _start_nginx_meter(_free_port(), up_port, workdir / "nginxlua-check")
+    port, pair, _pids = _start_nginx_meter(free_port(), up_port, workdir / "nginxlua-check")
     path = "/v1/chat/completions"
 
     async def run() -> tuple[list[int], bytes]:
@@ -215,7 +215,7 @@ def orchestrate_late_tail(args: argparse.Namespace) -> int:
     if "direct" not in targets:
         targets.insert(0, "direct")
     _use_uvloop(True)
-    up_port = _free_port()
+    up_port = free_port()
     upstream = _spawn(
         "upstream",
         up_port,
@@ -285,7 +285,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         targets.insert(0, "direct")
     if args.uvloop_client:
         _use_uvloop(True)
-    paced_port, flat_port = _free_port(), _free_port()
+    paced_port, flat_port = free_port(), free_port()
     chunks = str(args.chunks)
     paced = _spawn("upstream", paced_port, 0, ["--chunks", chunks, "--interval", "0.01"], uvloop=True)
     flat = _spawn("upstream", flat_port, 0, ["--chunks", chunks, "--interval", "0"], uvloop=True)
