@@ -25,6 +25,11 @@ event). The protocol, as client-go's reflector (``tools/cache/reflector.go``) fo
 4. API unreachable (connect error, timeout, 5xx, 401/403): keep the last known pods, marked stale,
    retry with exponential backoff with jitter (see ``backoff_delay``).
 
+Every retry, whatever the cause, draws its wait from one ``Backoff``, which, as client-go's
+``ExponentialBackoffManager``, forgets the failures only after two minutes without a retry, not at the
+first answer: an API server (or a load balancer before it) that accepts each watch and then ends it
+at once would otherwise be retried every second by every agent of the fleet, forever.
+
 A list over 128 KiB comes gzipped (kube-apiserver compresses non-watch responses past that size when
 the client offers gzip, as httpx does; watch streams never are). The offer is kept, since it cuts what
 a fleet of agents relisting costs the API server's network, and the body is inflated here in bounded
@@ -63,7 +68,8 @@ EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 WATCH_EVENTS = "kvwatch_discovery_watch_events"
 WATCH_ERRORS = "kvwatch_discovery_watch_errors"
 RELISTS = "kvwatch_discovery_relists"
-BACKOFF_BASE_S = 0.8  # client-go's reflector: NewExponentialBackoffManager(800ms, 30s, ...)
+BACKOFF_BASE_S = 0.8  # client-go's reflector: NewExponentialBackoffManager(800ms, 30s, 2min, ...)
+BACKOFF_RESET_S = 120.0  # ... and its backoffResetDuration: that long without a retry starts over
 STATUS_BYTES = 64 * 1024  # an error's Status body; the API's are a few hundred bytes
 OFF_LOOP_BYTES = 1024 * 1024
 COLLECTOR = "kubernetes"
@@ -215,6 +221,26 @@ def backoff_delay(failures: int, cap_s: float) -> float:
     return random.uniform(step, 2.0 * step)
 
 
+class Backoff:
+    """The waits of one watch loop: ``backoff_delay`` for the retries counted since the last stretch
+    of ``BACKOFF_RESET_S`` without one (client-go's ``exponentialBackoffManagerImpl``), so a loop
+    that fails right after each success still backs off further every time."""
+
+    def __init__(self, cap_s: float, reset_s: float = BACKOFF_RESET_S) -> None:
+        self.cap_s = cap_s
+        self.reset_s = reset_s
+        self.failures = 0
+        self._last: float | None = None
+
+    def next_wait(self, now: float) -> float:
+        """The wait before the retry that starts at ``now`` (monotonic seconds)."""
+        if self._last is None or now - self._last > self.reset_s:
+            self.failures = 0
+        self._last = now
+        self.failures += 1
+        return backoff_delay(self.failures, self.cap_s)
+
+
 def _metadata(obj: Any, key: str) -> str | None:
     """``metadata.<key>`` of an API object: a non-empty string, as the API server writes it, else None."""
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
@@ -268,7 +294,7 @@ class PodWatch:
         self._report = report
         self._environ = os.environ if environ is None else environ
         self._sleep = sleep
-        self._failures = 0
+        self._backoff_waits = Backoff(config.backoff_max_s)
         #: client-go's isLastSyncResourceVersionUnavailable: the last version was refused (410/504)
         self._version_unavailable = False
 
@@ -347,8 +373,7 @@ class PodWatch:
         return {"fieldSelector": f"spec.nodeName={self.node}", **extra}
 
     async def _backoff(self) -> None:
-        self._failures += 1
-        await self._sleep(backoff_delay(self._failures, self.config.backoff_max_s))
+        await self._sleep(self._backoff_waits.next_wait(time.monotonic()))
 
     def _list_version(self) -> str:
         """client-go's ``relistResourceVersion()``: "" (consistent read) once the version was refused,
@@ -374,7 +399,6 @@ class PodWatch:
         self.status.stale = False
         self._on_stale(False)
         self.status.last_error = None
-        self._failures = 0
         self._report(COLLECTOR, True, time.perf_counter() - started)
 
     # -- list --------------------------------------------------------------------------------------

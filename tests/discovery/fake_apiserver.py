@@ -164,6 +164,9 @@ class FakeApiServer:
         #: (rv, type, object before, object after) for every write, oldest first
         self.history: list[tuple[int, str, dict | None, dict | None]] = []
         self.oldest_rv = self.rv  # watches from before this get 410
+        #: a Status every watch answers at once as an ERROR event, and ends (kube-apiserver's watch
+        #: handler writes a failed watch's Status so, after its 200); None: watches serve events
+        self.failing_watches: dict[str, Any] | None = None
         self.requests: list[dict[str, str]] = []
         self.list_bytes: list[int] = []  # each list answer, before compression
         self.list_encodings: list[str] = []  # and the Content-Encoding it went out with
@@ -435,8 +438,9 @@ class FakeApiServer:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        if since < self.oldest_rv:
-            await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+        failure = status if since < self.oldest_rv else self.failing_watches
+        if failure is not None:
+            await response.write(json.dumps({"type": "ERROR", "object": failure}).encode() + b"\n")
             return response
         loop = asyncio.get_running_loop()
         began = loop.time()

@@ -15,7 +15,9 @@ from aiohttp import web
 from kvwatch.config import KubernetesDiscoveryConfig
 from kvwatch.discovery.kube_api import (
     BACKOFF_BASE_S,
+    BACKOFF_RESET_S,
     ApiError,
+    Backoff,
     GoneError,
     PodWatch,
     StreamError,
@@ -530,6 +532,55 @@ def test_backoff_is_client_gos_with_its_jitter_and_never_past_the_cap():
         waits = [backoff_delay(failures, 30.0) for _ in range(200)]
         assert all(step <= w < 2 * step for w in waits) and max(waits) <= 30.0
         assert max(waits) - min(waits) > step / 2  # spread, not a fixed delay
+
+
+def test_the_backoff_forgets_failures_only_after_two_minutes_without_a_retry():
+    """client-go's ExponentialBackoffManager(800ms, 30s, 2min): the step doubles while retries come
+    within two minutes of each other, whatever answered between them, and starts over after that."""
+    backoff = Backoff(cap_s=30.0)
+    now = 1000.0
+    steps = []
+    for _ in range(7):
+        now += backoff.next_wait(now)  # each retry as soon as its wait is over
+        steps.append(backoff.failures)
+    assert steps == [1, 2, 3, 4, 5, 6, 7]
+    assert backoff.next_wait(now + 5.0) >= 15.0  # the step stopped at the cap's half: [15 s, 30 s)
+    assert backoff.next_wait(now + 5.0 + BACKOFF_RESET_S + 1.0) < 2 * BACKOFF_BASE_S  # a quiet spell
+    assert backoff.failures == 1
+
+
+async def test_an_api_that_accepts_each_watch_and_fails_it_at_once_is_retried_ever_more_slowly(tmp_path):
+    """Each watch answers 200, then an ERROR event. The 200 once reset the failure count, so every
+    agent of a fleet retried such an API server every 0.8 to 1.6 s, forever; as client-go's reflector,
+    the waits now double up to backoff_max."""
+    server = FakeApiServer()
+    await server.start()
+    server.failing_watches = server._status(500, "InternalError", "Internal error occurred: watch chan error")
+    token = tmp_path / "token"
+    token.write_text("test-token\n")
+    config = KubernetesDiscoveryConfig(
+        enabled=True, api_url=server.url, token_file=str(token), ca_file=None, backoff_max_s=30.0
+    )
+    waits: list[float] = []
+
+    async def no_wait(seconds: float) -> None:  # the waits are recorded, not slept
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    sinks = Sinks()
+    watch = PodWatch(config, "node-a", sinks.on_change, sinks.count, sinks.report, sleep=no_wait)
+    task = asyncio.create_task(watch.run())
+    try:
+        await until(lambda: len(waits) >= 7)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop()
+    assert sinks.counts[("kvwatch_discovery_watch_errors", "error_event")] >= 7
+    for n, wait in enumerate(waits[:7], start=1):  # [0.8, 1.6), [1.6, 3.2), ..., then [15, 30)
+        step = min(15.0, BACKOFF_BASE_S * 2 ** (n - 1))
+        assert step <= wait < 2 * step, waits
 
 
 async def test_each_watch_asks_for_a_timeout_drawn_from_t_to_2t(tmp_path):
