@@ -170,6 +170,19 @@ def log_tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no file)"
 
 
+def kvwatch_run(*args: str) -> subprocess.Popen[str]:
+    """``kvwatch run ARGS`` from this checkout: its log (stderr) piped, as text, unbuffered; no
+    ``KVWATCH_CONFIG`` from the test's environment."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvwatch", "run", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVWATCH_CONFIG": ""},
+    )
+
+
 def spawn_logged(argv: Iterable[str], log_path: Path, **popen: Any) -> subprocess.Popen:
     """Start ``argv`` in a session of its own (so ``stop_group`` stops all it started), its stdout and
     stderr appended to ``log_path``."""

@@ -139,8 +139,8 @@ class ConfigReloader:
         running = self.running()
         for key in restart_only_changes(running, new):
             log.warning("config reload (%s): %s changed; it takes effect at the next restart", why, key)
+        logging.getLogger("kvwatch").setLevel(new.log_level.upper())  # before apply: it hands it on
         self.apply(applicable(running, new))
-        logging.getLogger("kvwatch").setLevel(new.log_level.upper())
         self.status.successful = True
         self.status.last_error = None
         self.status.last_success_ts = self.clock()

@@ -169,9 +169,11 @@ class Agent:
     def apply_config(self, config: Config) -> None:
         """A reloaded (already validated) config: replicas, intervals and scrape settings take effect
         now, and so do the vLLM plugin sockets; what needs a restart (listeners, NVML, ledger, bands)
-        stays as started."""
+        stays as started. The log level (set already) reaches the relay workers."""
         self._base_config = config
         self._reconfigure()
+        if self._proxy_workers is not None:
+            self._proxy_workers.set_log_level(logging.getLogger("kvwatch").getEffectiveLevel())
 
     def _reconfigure(self) -> None:
         base = self._base_config

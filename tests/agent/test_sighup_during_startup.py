@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.local import free_port, wait_until
+from tests.local import free_port, kvwatch_run, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,14 +29,7 @@ def test_a_sighup_during_start_up_is_held_and_applied(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(_config(port, ["first"]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = kvwatch_run("--config", str(config))
     log: list[str] = []
     try:
         assert proc.stderr is not None
@@ -78,14 +71,7 @@ def test_the_command_lines_log_level_outlives_a_reload(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(_config(port, ["first"]) + "log_level: info\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvwatch", "run", "--config", str(config), "--log-level", "warning"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVWATCH_CONFIG": ""},
-    )
+    proc = kvwatch_run("--config", str(config), "--log-level", "warning")
     try:
 
         def serving(added: str) -> str:

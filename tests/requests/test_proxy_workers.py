@@ -13,10 +13,12 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from kvwatch.requests.proxy.channel import ChannelReceiver, WorkerChannel
 from kvwatch.requests.proxy.cpus import cgroup_cpu_limit, parse_cpu_max, relay_workers, usable_cpus
 from kvwatch.requests.proxy.workers import WorkerGroup, worker_share
 from kvwatch.state import InFlightTracker
-from tests.local import serve_app, until
+from tests.local import free_port, kvwatch_run, serve_app, until, wait_until
 from tests.requests.scripted import DONE, text_chunk, usage_chunk
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT and SOCK_SEQPACKET: Linux")
@@ -525,3 +527,65 @@ async def test_a_worker_that_exits_at_start_stops_the_agent_with_a_message(
     finally:
         monkeypatch.undo()
         await agent.stop()
+
+
+def test_a_reloaded_log_level_reaches_the_relay_workers(tmp_path: Path) -> None:
+    """Each worker took the agent's log level once, at its start, so a reload that turned logging up
+    to find a fault on a busy node changed the agent's lines and none of its workers'."""
+    agent_port, proxy_port = free_port(), free_port()
+    config = tmp_path / "kvwatch.yaml"
+
+    def write(level: str) -> None:
+        config.write_text(
+            f"listen: 127.0.0.1:{agent_port}\nnode: node-a\nnvml: {{enabled: false}}\n"
+            "proxy: {workers: 2}\n"
+            f"log_level: {level}\n"
+            "replicas: [{name: r0, metrics_url: 'http://127.0.0.1:9/metrics', api_url: 'http://127.0.0.1:9', "
+            f"proxy_listen: '127.0.0.1:{proxy_port}', model_name: tiny}}]\n"
+        )
+
+    write("warning")
+    proc = kvwatch_run("--config", str(config))
+    lines: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    try:
+
+        def relaying() -> bool:  # the agent holds the port bound, not listening, until a worker listens
+            httpx.get(f"http://127.0.0.1:{agent_port}/metrics", timeout=2)
+            with socket.create_connection(("127.0.0.1", proxy_port), timeout=2):
+                return True
+
+        wait_until(relaying, 60, "the relay workers", interval_s=0.1, retry_on=(httpx.HTTPError, OSError))
+        held_back = [line for line in lines if "[worker" in line and " INFO " in line]
+        write("info")
+        proc.send_signal(signal.SIGHUP)
+
+        def told(level: str) -> list[str]:
+            return [line for line in list(lines) if "[worker" in line and f"log level now {level}" in line]
+
+        wait_until(lambda: len(told("INFO")) == 2, 30, "both workers to log at the reloaded level")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    assert proc.returncode == 0, "".join(lines)[-3000:]
+    assert held_back == [], held_back  # at warning, the workers' start lines were held back
+    assert {line.split("[worker ")[1][0] for line in told("INFO")} == {"0", "1"}
+
+
+def test_a_worker_takes_only_a_well_formed_log_level_from_the_agent() -> None:
+    assert channel.read_log_level(channel.log_level_message(logging.DEBUG)) == logging.DEBUG
+    for data in (
+        b"",
+        b"x",
+        b'["log_level"]',
+        b'["log_level", true]',
+        b'["log_level", 20.0]',
+        b'["log_level", 99]',
+        b'["log_level", -1]',
+        b'["other", 20]',
+        b'{"log_level": 20}',
+    ):
+        assert channel.read_log_level(data) is None, data

@@ -24,6 +24,9 @@ carry labels, counts and times only, never prompt or completion text (``RequestR
 field for either). The agent checks every field's type, and that its replica is one this worker
 group serves, before applying anything: a datagram that fails is refused whole and counted
 (``kvwatch_proxy_worker_datagrams_refused_total``).
+
+The other way, the agent sends a worker one message only: ``["log_level", N]`` when a config reload
+changed the log level (``logging`` level numbers), so the workers log as the agent does.
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ MAX_LABELS = 4
 # message kinds (the first item of each message)
 RECORD, START, PROGRESS, FINISH, CALIBRATE, COUNT, READY = "r", "s", "p", "f", "k", "c", "ready"
 MESSAGE_KINDS = (RECORD, START, PROGRESS, FINISH, CALIBRATE, COUNT, READY)
+LOG_LEVEL = "log_level"  # the agent's one message to a worker
+AGENT_MESSAGE_BYTES = 64
+
+
+def log_level_message(level: int) -> bytes:
+    return json.dumps([LOG_LEVEL, level]).encode()
+
+
+def read_log_level(data: bytes) -> int | None:
+    """The level a message from the agent sets; None for anything else (ignored, not fatal)."""
+    try:
+        message = loads(data)
+    except ValueError:
+        return None
+    if (
+        isinstance(message, list)
+        and len(message) == 2
+        and message[0] == LOG_LEVEL
+        and type(message[1]) is int
+        and logging.NOTSET <= message[1] <= logging.CRITICAL
+    ):
+        return message[1]
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +376,13 @@ class ChannelReceiver:
                 self.close()
                 return
             self.handle(data)
+
+    def tell_log_level(self, level: int) -> None:
+        """A reloaded log level, to the worker: one small datagram, never waited for (a worker whose
+        buffer is full, or that is gone, reads the level anew when it is started again)."""
+        if not self.closed.done():
+            with contextlib.suppress(OSError):
+                self.sock.send(log_level_message(level))
 
     def close(self) -> None:
         if self.closed.done():

@@ -38,18 +38,20 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvwatch.config import ProxyConfig, ReplicaConfig
 from kvwatch.config.validate import HostPort
 from kvwatch.model import LengthBands
 from kvwatch.requests.proxy.channel import (
+    AGENT_MESSAGE_BYTES,
     DATAGRAMS_REFUSED,
     RECORDS_LOST,
     WORKER_RESTARTS,
     ChannelReceiver,
     WorkerChannel,
+    read_log_level,
 )
 from kvwatch.requests.proxy.metering import Accounting
 
@@ -307,6 +309,12 @@ class WorkerGroup:
             except OSError:
                 log.exception("proxy worker %d could not be started; trying again", slot.index)
 
+    def set_log_level(self, level: int) -> None:
+        """A reload changed the agent's log level: every running worker takes it too."""
+        for slot in self.slots:
+            if slot.receiver is not None:
+                slot.receiver.tell_log_level(level)
+
     async def stop(self) -> None:
         """Stop every worker (SIGTERM: it closes its connections, so engines free KV), then the ports."""
         self._stopping = True
@@ -356,7 +364,7 @@ async def serve(spec: WorkerSpec) -> None:
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops its workers itself
     # the agent gone (its end closed): nothing is left to account to, so stop relaying
-    loop.add_reader(sock.fileno(), lambda: _agent_gone(sock, finish))
+    loop.add_reader(sock.fileno(), lambda: _from_agent(sock, finish))
     servers = []
     for replica in spec.replicas:
         servers.append(
@@ -379,15 +387,21 @@ async def serve(spec: WorkerSpec) -> None:
     channel.flush()
 
 
-def _agent_gone(sock: socket.socket, finish: object) -> None:
+def _from_agent(sock: socket.socket, finish: Callable[[], None]) -> None:
+    """The agent's end of the channel: closed (the agent is gone: stop relaying), or a log level."""
     try:
-        data = sock.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        data = sock.recv(AGENT_MESSAGE_BYTES, socket.MSG_DONTWAIT)
     except BlockingIOError:
         return
     except OSError:
         data = b""
-    if not data and callable(finish):
+    if not data:
         finish()
+        return
+    level = read_log_level(data)
+    if level is not None:
+        logging.getLogger().setLevel(level)
+        log.info("log level now %s (the agent's config was reloaded)", logging.getLevelName(level))
 
 
 def main() -> None:
