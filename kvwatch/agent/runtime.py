@@ -118,6 +118,7 @@ class Agent:
         self._site_port: int | None = None
         self._gpu: NvmlCollector | None = None
         self._xid: XidWatcher | None = None
+        self._xid_tried = False  # the watcher starts once NVML answers, and is not tried again after
         self._proxies: list[Any] = []
         self._proxy_workers: Any = None  # a requests.proxy.workers.WorkerGroup when proxy.workers > 1
         self._otlp: OtlpReceiver | None = None
@@ -344,12 +345,8 @@ class Agent:
             log.info("NVML collection disabled by config (nvml.enabled: false)")
             return
         self._gpu = NvmlCollector(module, now=self.clock)
-        available = await asyncio.to_thread(self._gpu.start)
-        if available and cfg.nvml.events:
-            self._xid = XidWatcher(xid_recorder(self.state), module)
-            started = await asyncio.to_thread(self._xid.start)
-            if not started:
-                self._xid = None
+        if await asyncio.to_thread(self._gpu.start):
+            await self._start_xid(module)
         self._every(self._poll_gpus, cfg.intervals.gpu_s, "nvml")
         self._every(self._map_gpus, cfg.intervals.process_map_s, "gpu_mapping")
 
@@ -381,6 +378,16 @@ class Agent:
         if self._gpu is not None:
             await self._map_gpus()
 
+    async def _start_xid(self, module: Any) -> None:
+        """The XID watcher, once, when NVML first answers: at start, or at the first poll that finds
+        it (a GPU Operator's driver container often comes up after the agent's pod)."""
+        if self._xid_tried or not self.config.nvml.events:
+            return
+        self._xid_tried = True
+        watcher = XidWatcher(xid_recorder(self.state), module)
+        if await asyncio.to_thread(watcher.start):
+            self._xid = watcher
+
     @_ends_quietly_on_shutdown
     async def _poll_gpus(self) -> None:
         gpu = self._gpu
@@ -388,6 +395,8 @@ class Agent:
             return
         await asyncio.to_thread(refresh_gpu_state, gpu, self.state, self.clock())
         self._update_derived()
+        if gpu.available:
+            await self._start_xid(gpu.nvml)
 
     def _mig_parent(self, mig_uuid: str) -> str | None:
         """The GPU a MIG device was carved from (NVML; answers are kept: a MIG device keeps its GPU)."""

@@ -34,6 +34,13 @@ _ERROR_PAUSE_S = 1.0  # after a failed wait; doubles while failures last
 _ERROR_PAUSE_MAX_S = 30.0
 
 
+def event_bits(nvml: Any) -> list[tuple[int, str]]:
+    """(bit, label) of each type in ``EVENT_TYPES`` this nvidia-ml-py names: the two newest came in
+    12.570, and a type the library does not know is one no GPU is registered for, not a failed start."""
+    named = ((getattr(nvml, const, None), label) for const, label in EVENT_TYPES)
+    return [(bit, label) for bit, label in named if isinstance(bit, int)]
+
+
 @dataclass(frozen=True, slots=True)
 class _Gpu:
     index: int
@@ -130,7 +137,7 @@ class XidWatcher:
         except n.NVMLError as exc:
             log.warning("XID events: GPU %d not registered: %s", index, exc)
             return
-        wanted = [(getattr(n, const), label) for const, label in EVENT_TYPES]
+        wanted = event_bits(n)
         try:
             supported = n.nvmlDeviceGetSupportedEventTypes(handle)
             wanted = [(bit, label) for bit, label in wanted if bit & supported]
@@ -192,8 +199,7 @@ class XidWatcher:
             log.warning("NVML event for an unregistered GPU handle (type 0x%x)", data.eventType)
             return
         label = next(
-            (lbl for const, lbl in EVENT_TYPES if getattr(self.nvml, const) == data.eventType),
-            f"0x{data.eventType:x}",
+            (lbl for bit, lbl in event_bits(self.nvml) if bit == data.eventType), f"0x{data.eventType:x}"
         )
         try:
             if label == "xid":

@@ -247,6 +247,7 @@ class NvmlCollector:
             return self._unavailable("NVML sees no GPU on this host")
         self._devices = [_Device(i) for i in range(count)]
         self._driver_version = _text(driver)
+        self._downgraded.clear()  # the driver may be another one now (upgraded while NVML was gone)
         self._started = True
         self._retry_delay_s = self._retry_initial_s
         self._next_retry = None

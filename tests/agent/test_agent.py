@@ -111,6 +111,28 @@ async def test_a_vanished_replica_drops_out_and_comes_back():
         await node.stop()
 
 
+async def test_xids_are_watched_once_nvml_answers_even_when_it_did_not_at_the_agents_start():
+    """A GPU Operator's driver container often comes up after the agent's pod: the GPU metrics came
+    back at the collector's next retry, but the XID watcher was only ever started at the agent's
+    start, so no XID was counted and the XID alerts could never fire."""
+    node = await _sim()
+    fake = FakeNvml(2, library_missing=True)
+    now = [time.time()]
+    agent = Agent(_config(node), nvml=fake, clock=lambda: now[0])
+    await agent.start()
+    try:
+        await _shown(agent, 'kvwatch_collector_success{collector="nvml"} 0.0')
+        fake.library_missing = False  # the driver is in place now
+        now[0] += 10.0  # past the collector's first retry (5 s)
+        await _shown(agent, 'kvwatch_collector_success{collector="nvml"} 1.0')
+        fake.inject_xid(1, 79)
+        await _shown(agent, 'kvwatch_gpu_xid_errors_total{container="",gpu="1"')
+        assert 'xid="79"} 1.0' in (await _metrics(agent)).split("kvwatch_gpu_xid_errors_total{", 1)[1]
+    finally:
+        await agent.stop()
+        await node.stop()
+
+
 async def test_gpus_follow_nvml_and_vanish_when_nvml_does():
     node = await _sim()
     fake = FakeNvml(2)

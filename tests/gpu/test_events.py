@@ -171,3 +171,21 @@ def test_a_lasting_wait_failure_is_logged_once(caplog: pytest.LogCaptureFixture)
         finally:
             watcher.stop()
     assert len([r for r in caplog.records if "event wait failed" in r.getMessage()]) == 1
+
+
+def test_event_types_an_older_nvidia_ml_py_does_not_name_are_skipped_not_fatal():
+    """nvidia-ml-py before 12.570 has no nvmlEventTypeGpuUnavailableError or ...GpuRecoveryAction
+    (12.560.30, the least vLLM asks for, among them): the watcher's start raised AttributeError, and
+    with it the agent's start on every GPU node."""
+    fake = FakeNvml(gpus=1)
+    for name in ("nvmlEventTypeGpuUnavailableError", "nvmlEventTypeGpuRecoveryAction"):
+        delattr(fake, name)
+    rec = Recorder()
+    watcher = XidWatcher(rec.on_xid, nvml=fake, wait_timeout_ms=100)
+    assert watcher.start()
+    try:
+        assert watcher.registered[0] == ("xid", "ecc_double_bit", "ecc_single_bit")
+        fake.inject_xid(0, 79)
+        assert wait_until(lambda: rec.xids[(0, fake.gpu(0).uuid, 79)] == 1)
+    finally:
+        watcher.stop()

@@ -241,6 +241,27 @@ def test_memory_falls_back_to_v1_once_and_keeps_reserved_inside_used(
     assert fake.calls["nvmlDeviceGetMemoryInfo"] - before == 2  # v1 only: one call per GPU
 
 
+def test_a_driver_upgraded_while_nvml_was_gone_is_asked_for_memory_v2_again(fake: FakeNvml) -> None:
+    """The fall-back to v1 memory held for the collector's life, not until NVML re-initialised as
+    promised: after a driver upgrade, reserved memory stayed missing and inside "used"."""
+    now = [1000.0]
+    collector = NvmlCollector(fake, now=lambda: now[0])
+    assert collector.start()
+    for i in range(2):
+        fake.gpu(i).memory_v2 = False
+    assert by_index(collector.poll())[0].memory_reserved_bytes is None
+    fake.fail("nvmlDeviceGetUtilizationRates", pynvml.NVMLError_DriverNotLoaded, times=1)
+    collector.poll()  # the driver went away (it is being upgraded)
+    assert not collector.available
+    for i in range(2):
+        fake.gpu(i).memory_v2 = True
+    now[0] += 60.0  # past the retry
+    s = by_index(collector.poll())[0]
+    assert collector.available
+    assert s.memory_reserved_bytes == 700 * MIB
+    assert s.memory_used_bytes == 1 * MIB
+
+
 def test_clock_reasons_use_the_deprecated_call_on_drivers_without_the_new_one(
     fake: FakeNvml, collector: NvmlCollector
 ):
