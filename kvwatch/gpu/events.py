@@ -82,6 +82,7 @@ class XidWatcher:
         self._gpus: dict[Any, _Gpu] = {}
         self.registered: dict[int, tuple[str, ...]] = {}  # gpu index -> event labels registered
         self.errors = 0  # unexpected wait/callback errors (visible to tests and the status page)
+        self._logged: set[tuple[int, str]] = set()  # (gpu index, event label) logged at warning once
 
     @property
     def running(self) -> bool:
@@ -206,8 +207,19 @@ class XidWatcher:
                 self.on_xid(gpu.index, gpu.uuid, int(data.eventData))
             elif self.on_event is not None:
                 self.on_event(gpu.index, gpu.uuid, label, int(data.eventData))
+            elif (gpu.index, label) not in self._logged:  # a GPU with a flaky row sends thousands
+                self._logged.add((gpu.index, label))
+                log.warning(
+                    "GPU %d (%s): NVML event %s, data %d (its count is in the polled ECC and "
+                    "remapped-row counters; later %s events of this GPU are logged at debug level)",
+                    gpu.index,
+                    gpu.uuid,
+                    label,
+                    data.eventData,
+                    label,
+                )
             else:
-                log.warning("GPU %d (%s): NVML event %s, data %d", gpu.index, gpu.uuid, label, data.eventData)
+                log.debug("GPU %d (%s): NVML event %s, data %d", gpu.index, gpu.uuid, label, data.eventData)
         except Exception:  # a callback bug must not end the watcher
             self.errors += 1
             log.exception("NVML event callback failed")

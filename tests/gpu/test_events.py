@@ -189,3 +189,23 @@ def test_event_types_an_older_nvidia_ml_py_does_not_name_are_skipped_not_fatal()
         assert wait_until(lambda: rec.xids[(0, fake.gpu(0).uuid, 79)] == 1)
     finally:
         watcher.stop()
+
+
+def test_each_gpus_ecc_events_are_logged_at_warning_once(caplog: pytest.LogCaptureFixture):
+    """The agent passes no on_event: every single-bit ECC event was a warning line, and a GPU with a
+    weak row sends them by the thousand (their counts are the polled ECC counters)."""
+    fake = FakeNvml(gpus=2)
+    watcher = XidWatcher(Recorder().on_xid, nvml=fake, wait_timeout_ms=100)
+    assert watcher.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvwatch.gpu.events"):
+            for _ in range(50):
+                fake.inject_event(0, pynvml.nvmlEventTypeSingleBitEccError, 0)
+            fake.inject_event(1, pynvml.nvmlEventTypeSingleBitEccError, 0)
+            wait_until(lambda: sum("ecc_single_bit" in r.getMessage() for r in caplog.records) == 51)
+    finally:
+        watcher.stop()
+    warned = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "ecc_single_bit" in r.getMessage()
+    ]
+    assert [r.getMessage().split(" ")[1] for r in warned] == ["0", "1"]  # once per GPU
