@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvwatch.model import LengthBands
+from kvwatch.model import LengthBands, Outcome
 from kvwatch.plan.calibration import Calibration, load_calibration
 from kvwatch.plan.candidate import CALIBRATED, Candidate, CandidateError, observed_fit, unobserved_layout
 from kvwatch.plan.inputs import Workload, workload_of
@@ -48,6 +48,7 @@ from kvwatch.sim.presets import DEMO_MODEL
 GPU_TYPES = ("h100", "h200", "b200")
 KV_DTYPES = ("auto", "fp8")
 _SLI_COLUMN = {"ttft": "ttft_seconds", "tpot": "tpot_seconds", "e2e": "e2e_seconds"}
+FINISHED = (Outcome.COMPLETED.value, Outcome.TRUNCATED.value)  # ended as the engine meant them to
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +180,13 @@ def attainment(result: ReplayResult, objectives: Sequence, bands: LengthBands) -
                 continue
             if obj.is_latency:
                 values = frame[_SLI_COLUMN[obj.sli]].to_numpy(dtype=float)[mask]
+                # a request that finished has no value only where it cannot have one (TPOT of a
+                # one-token answer): not counted, as the rules do not; one abandoned first is bad
+                undefined = np.isnan(values) & np.isin(outcome[mask], FINISHED)
                 good = int(np.sum(values <= obj.threshold))  # NaN compares False: bad
-                total = n
+                total = n - int(undefined.sum())
+                if not total:
+                    continue
             else:
                 total = int(np.isin(outcome[mask], [*obj.good_outcomes, *obj.bad_outcomes]).sum())
                 good = int(np.isin(outcome[mask], obj.good_outcomes).sum())

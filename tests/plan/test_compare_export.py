@@ -106,3 +106,42 @@ def test_export_writes_mooncake_lines_the_trace_reader_replays_identically(tmp_p
         assert b.output_tokens == min(a.output_tokens, a.max_tokens or a.output_tokens)
         assert b.arrival == pytest.approx(a.arrival, abs=0.0005)
     assert mooncake_lines(read_workload([str(out)]))[0] == text.splitlines()[0]
+
+
+def test_a_finished_answer_without_a_tpot_is_not_a_tpot_failure_but_an_abandoned_one_is(tmp_path):
+    """TPOT needs two output tokens. compare counted every one-token completion as a TPOT miss, so no
+    hardware met a TPOT objective that the rules (which count only requests with the value) met."""
+    import types
+
+    import numpy as np
+    import pandas as pd
+
+    from kvwatch.model import LengthBands
+    from kvwatch.plan.compare import attainment
+
+    slo_file = tmp_path / "slo.yaml"
+    slo_file.write_text(
+        "version: 1\nperiod: 28d\nlength_bands: [1000]\nobjectives:\n"
+        "  - {name: tpot, sli: tpot, threshold: 2, objective: 0.99, bands: [0-1k]}\n"
+    )
+    slo = load_slo_file(str(slo_file))
+    frame = pd.DataFrame(
+        {
+            "output_tokens": [1.0, 1.0, 1.0, 50.0, 50.0, 50.0, 0.0],
+            "outcome": [
+                "completed",
+                "truncated",
+                "completed",
+                "completed",
+                "completed",
+                "completed",
+                "aborted",
+            ],
+            "tpot_seconds": [np.nan, np.nan, np.nan, 0.05, 0.05, 3.0, np.nan],
+            "ttft_seconds": [0.1] * 6 + [np.nan],
+            "e2e_seconds": [0.2] * 7,
+        }
+    )
+    (row,) = attainment(types.SimpleNamespace(requests=frame), slo.objectives, LengthBands((1000,)))
+    # three one-token answers are left out; of the other four, the slow one and the abandoned one miss
+    assert (row.requests, row.attainment) == (4, 0.5)
