@@ -280,6 +280,14 @@ def closest(evaluated: Sequence[Evaluated], prices: dict[str, float]) -> list[Ev
     return sorted(runnable, key=lambda e: (-e.worst_margin, cost(e, prices)))
 
 
+def knob_bases(evaluated: Sequence[Evaluated], prices: dict[str, float]) -> list[Candidate]:
+    """Where stage 2 tries its knobs: the three cheapest candidates meeting every SLO, or, when none
+    does, the three closest (by cost, the knobs would have gone to whatever failed cheapest)."""
+    meeting = [e for e in evaluated if e.meets]
+    chosen = ranked(meeting, prices) if meeting else closest(evaluated, prices)
+    return [e.candidate for e in chosen[:3]]
+
+
 def gap_advice(evaluated: Sequence[Evaluated], max_gpus: int, prices: dict[str, float]) -> list[str]:
     """What would close the gap when no candidate meets every SLO, from what the sweep saw."""
     near = closest(evaluated, prices)
@@ -330,9 +338,7 @@ def sweep(
     stage1 = hardware_grid(max_gpus, model, KV_DTYPES if grid == "standard" else ("auto",), calibrated_on)
     results = evaluate_all(stage1, workload, objectives, bands, calibration, jobs)
     if grid == "standard":
-        runnable = [e for e in ranked(results, prices) if e.error is None]
-        bases = [e.candidate for e in runnable[:3]]
-        stage2 = [v for b in bases for v in knob_variants(b)]
+        stage2 = [v for b in knob_bases(results, prices) for v in knob_variants(b)]
         results += evaluate_all(stage2, workload, objectives, bands, calibration, jobs)
     return ranked(results, prices)
 

@@ -145,3 +145,22 @@ def test_a_finished_answer_without_a_tpot_is_not_a_tpot_failure_but_an_abandoned
     (row,) = attainment(types.SimpleNamespace(requests=frame), slo.objectives, LengthBands((1000,)))
     # three one-token answers are left out; of the other four, the slow one and the abandoned one miss
     assert (row.requests, row.attainment) == (4, 0.5)
+
+
+def test_when_nothing_meets_the_knobs_go_to_the_closest_candidates_not_the_cheapest():
+    """The docstring promised the best worst-band attainment; the cheapest failing candidates got
+    the knobs, so the admission policies ran on one-GPU layouts at 0% and the gap advice read as if
+    admission control could not help."""
+    from kvwatch.plan.candidate import Candidate
+    from kvwatch.plan.compare import BandAttainment, Evaluated, knob_bases
+
+    def evaluated(name: str, gpus: int, attainment: float) -> Evaluated:
+        row = BandAttainment("tpot", "0-1k", 100, attainment, 0.99)
+        return Evaluated(Candidate(name=name, tp=gpus), None, (row,))
+
+    results = [evaluated("cheap-a", 1, 0.0), evaluated("cheap-b", 1, 0.01), evaluated("near", 8, 0.985)]
+    results += [evaluated("nearer", 8, 0.989), evaluated("mid", 4, 0.5), evaluated("cheap-c", 1, 0.0)]
+    assert [c.name for c in knob_bases(results, {})] == ["nearer", "near", "mid"]
+    results.append(evaluated("meets", 8, 0.995))
+    results.append(evaluated("meets-cheaper", 4, 0.999))
+    assert [c.name for c in knob_bases(results, {})] == ["meets-cheaper", "meets"]
