@@ -137,8 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrated-on",
         choices=("h100", "h200", "b200"),
         metavar="GPU",
-        help="the GPU type the calibration was measured on (with a preset --model): those candidates "
-        "are timed by the fit of their layout where the calibration observed it, else by the roofline",
+        help="the GPU type the calibration was measured on: with a preset --model, those candidates "
+        "are timed by the fit of their layout where the calibration observed it, else by the roofline; "
+        "with --model calibrated, the one type swept (default h200)",
     )
     cmp_.add_argument(
         "--price",

@@ -30,6 +30,7 @@ from kvwatch.sim.steptime import StepCost
 STEP_MODELS = ("roofline", "calibrated")
 ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
 CALIBRATED = "calibrated"
+DEFAULT_GPU = "h200"  # the reference node's
 
 
 #: the most GPUs one candidate may use: a 1,000-node fleet of 8-GPU nodes is 8,000
@@ -44,7 +45,7 @@ class CandidateError(ValueError):
 class Candidate:
     name: str = "default"
     model: str = DEMO_MODEL
-    gpu: str = "h200"
+    gpu: str = DEFAULT_GPU
     tp: int = 1
     dp: int = 8
     pp: int = 1  # pipeline stages per replica (each of tp GPUs)

@@ -39,7 +39,14 @@ import numpy as np
 
 from kvwatch.model import LengthBands, Outcome
 from kvwatch.plan.calibration import Calibration, load_calibration
-from kvwatch.plan.candidate import CALIBRATED, Candidate, CandidateError, observed_fit, unobserved_layout
+from kvwatch.plan.candidate import (
+    CALIBRATED,
+    DEFAULT_GPU,
+    Candidate,
+    CandidateError,
+    observed_fit,
+    unobserved_layout,
+)
 from kvwatch.plan.inputs import Workload, workload_of
 from kvwatch.plan.replay import ReplayResult, replay
 from kvwatch.sim.models import GPUS, model_preset
@@ -119,7 +126,9 @@ def hardware_grid(
     where the calibration observed it, the roofline where not (and the output says which)."""
     moe = is_moe(model)
     out = []
-    for gpu in GPU_TYPES:
+    # the calibrated engine's blocks and step times are the calibration's whatever the GPU type: one
+    # type (the one it was measured on), or the sweep prices identical figures three ways
+    for gpu in (calibrated_on or DEFAULT_GPU,) if model == CALIBRATED else GPU_TYPES:
         for tp, pp, dp in layouts(max_gpus):
             for ep in (False, True) if moe and tp > 1 else (False,):
                 for dtype in dtypes:
@@ -408,15 +417,16 @@ def render_compare_text(
 
     meeting = [e for e in evaluated if e.meets]
     fitted = sum(1 for e in evaluated if e.timed_by.startswith("fit"))
-    unobserved = [e for e in evaluated if e.timed_by == "roofline (never observed)"]
+    by_roofline = sum(1 for e in evaluated if e.error is None and not e.timed_by.startswith("fit"))
+    unobserved = [e for e in evaluated if e.timed_by == "roofline (never observed)" and e.error is None]
     lines = [
         f"kvwatch plan compare: {len(workload.requests):,} requests from {workload.kind} "
         f"{', '.join(workload.paths)}; {len(evaluated)} candidates, {len(meeting)} meet every band's SLO",
         "step time: "
         + (
             f"the calibration's fit for {fitted} candidate(s) (observed layouts: "
-            f"{', '.join(f'TP={tp}' for tp in calibration.observed_tp)}); the UNCALIBRATED datasheet "
-            "roofline for the rest"
+            f"{', '.join(f'TP={tp}' for tp in calibration.observed_tp)})"
+            + (f"; the UNCALIBRATED datasheet roofline for the other {by_roofline}" if by_roofline else "")
             if calibration
             else "UNCALIBRATED datasheet roofline for every candidate: a ranking to check on "
             "hardware, not a measurement"

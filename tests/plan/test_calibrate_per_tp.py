@@ -101,6 +101,13 @@ def test_compare_names_how_each_candidate_was_timed(tmp_path, capsys):
     assert by_layout[("h200", 1, 1)].timed_by == "fit TP=1"
     assert "never observed" in by_layout[("h200", 4, 1)].error
     assert "never observed" in by_layout[("h200", 2, 2)].error
+    # its blocks and step times are the calibration's on any GPU type: one type, not three priced apart
+    assert {e.candidate.gpu for e in out} == {"h200"}
+    text = render_compare_text(out, workload, 40, {}, cal, 4)
+    # the layouts it never saw cannot run, and are listed so; the header does not call them roofline-timed
+    assert (
+        "cannot run" in text and "their layout was never observed" not in text and "for the other" not in text
+    )
     # a preset measured on H200: its unobserved layouts fall back to the roofline, and the text says so
     out = sweep(
         workload,
@@ -119,6 +126,15 @@ def test_compare_names_how_each_candidate_was_timed(tmp_path, capsys):
     assert by_layout[("b200", 2, 1)].timed_by == "roofline"
     text = render_compare_text(out, workload, 40, {}, cal, 4)
     assert "their layout was never observed" in text and "roofline (never observed)" in text
+    assert "the UNCALIBRATED datasheet roofline for the other" in text
+
+
+def test_the_calibrated_engine_is_swept_on_the_gpu_type_it_was_measured_on():
+    from kvwatch.plan.compare import hardware_grid
+
+    assert {c.gpu for c in hardware_grid(4, CALIBRATED, ("auto",))} == {"h200"}
+    assert {c.gpu for c in hardware_grid(4, CALIBRATED, ("auto",), calibrated_on="h100")} == {"h100"}
+    assert {c.gpu for c in hardware_grid(4, "llama-3.1-8b", ("auto",))} == {"h100", "h200", "b200"}
 
 
 def test_a_prometheus_series_without_a_usable_tp_label_is_refused_by_name():
