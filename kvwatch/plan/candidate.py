@@ -29,6 +29,9 @@ from kvwatch.sim.steptime import StepCost
 
 STEP_MODELS = ("roofline", "calibrated")
 ADMISSIONS = ("none", "reserve_max_tokens", "quantile_budget", "long_pool")
+#: the simulator's routers a candidate can use: ``weighted`` needs one weight per replica, which no
+#: candidate key gives (it raised a traceback from the router)
+ROUTERS = tuple(policy for policy in POLICIES if policy != "weighted")
 CALIBRATED = "calibrated"
 DEFAULT_GPU = "h200"  # the reference node's
 
@@ -131,7 +134,7 @@ class Candidate:
             )
         for key, value, allowed in (
             ("admission", self.admission, ADMISSIONS),
-            ("router", self.router, POLICIES),
+            ("router", self.router, ROUTERS),
             ("step_model", self.step_model, STEP_MODELS),
         ):
             if value not in allowed:

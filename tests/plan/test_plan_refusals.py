@@ -108,3 +108,13 @@ def test_the_lower_rate_advice_does_not_say_limit_thins_the_trace():
     advice = " ".join(gap_advice([preempting], 8, {}))
     assert "thinned" not in advice
     assert "--limit keeps the first N requests at the recorded rate, it does not thin them" in advice
+
+
+def test_a_candidate_router_that_needs_weights_no_key_gives_is_refused_by_name(tmp_path, capsys):
+    # router: weighted reached the simulator's router without weights: a ValueError traceback
+    candidate = tmp_path / "weighted.yaml"
+    candidate.write_text("router: weighted\n")
+    assert main(["plan", "replay", str(_ledger(tmp_path)), "--candidate", str(candidate)]) == 1
+    err = capsys.readouterr().err
+    assert "router 'weighted' is not one of round_robin, least_loaded, skewed" in err
+    assert "Traceback" not in err
