@@ -348,6 +348,7 @@ class SimEngine:
         self.config = config
         self.name = name
         self.now = start_time
+        self.busy_until = start_time  # when its last step ended (``now`` also moves on while idle)
         self.stats = EngineStats(config.context_len)
         self.last_step = StepInfo()
         # called once per ended request, from inside a step: it must not call back into the engine
@@ -667,6 +668,7 @@ class SimEngine:
             d = self._layout.seconds(prefill_tokens, n_dec, live, seqs) + wait
         t = self.now + d
         self.now = t
+        self.busy_until = t
         self._s = si + 1
         self._grown = 0
         st = self.stats

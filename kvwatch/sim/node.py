@@ -157,10 +157,12 @@ def run_headless(
                 e.abort(rid)
                 report.abandoned += 1
 
+    last_arrival = 0.0
     for wr in requests:
         t = wr.arrival
         if until is not None and t > until:
             break
+        last_arrival = t
         sample_until(t)
         fire(t)
         for e in engines:
@@ -190,7 +192,9 @@ def run_headless(
     if until is None and on_sample is not None:
         while any(e.has_work() for e in engines):
             sample_until(next_sample)
-        end = max(e.now for e in engines)
+        # each sample moves idle engines on to its time: the run ended when the last work did, not at
+        # the next sample (or requests per GPU-hour would depend on --sample-every)
+        end = max(last_arrival, *(e.busy_until for e in engines))
     elif until is None:
         while deadlines:
             if not any(e.has_work() for e in engines):

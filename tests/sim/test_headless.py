@@ -133,3 +133,16 @@ def test_gpu_coupling_reports_nvml_like_memory_and_pcie_traffic():
     assert tx == stats.offload_store_bytes / 2 > 0 and rx == stats.offload_load_bytes / 2 > 0
     assert node.kv_bytes_in_use(0) == node.engines[0].used_blocks * node.engines[0].block_bytes
     assert 0 < node.busy_seconds(0) <= 300 + 1
+
+
+def test_the_span_of_a_drained_run_is_when_its_work_ended_whatever_the_sample_interval():
+    """Samples move idle engines on to the sample's time, and the span was the engines' clocks after
+    the drain: kvwatch plan replay's requests per GPU-hour read 748 at --sample-every 0.25, 675 at
+    100 and 135 at 1000 for the same 300 requests."""
+    reqs = list(generate(WorkloadSpec(rate=0.3, patience=Patience(first_token_s=None), seed=5), count=40))
+    spans = set()
+    for every in (0.25, 7.0, 1000.0):
+        report = run_headless([tight_engine()], reqs, sample_every=every, on_sample=lambda _t: None)
+        spans.add(round(report.sim_seconds, 6))
+    unsampled = run_headless([tight_engine()], reqs)
+    assert spans == {round(unsampled.sim_seconds, 6)}, (spans, unsampled.sim_seconds)
