@@ -182,7 +182,7 @@ def observations_from_prometheus(
                     decode_seqs=seqs,
                     seconds=min(itl_sum[key][t] / gaps, w / n),  # module doc
                     kv_tokens=None if kv is None else kv * capacity,
-                    weight=1.0,
+                    weight=n,  # the steps this window mean stands for, as every source weighs its means
                     tp=tp,
                 )
             )

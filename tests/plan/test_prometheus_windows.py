@@ -65,3 +65,6 @@ def test_a_window_s_mean_step_is_the_lesser_of_the_mean_gap_and_the_window_over_
     assert idle.seconds == pytest.approx(0.8 / 100)
     assert busy.decode_seqs == 2.0 and busy.prefill_tokens == pytest.approx(1200 / 400 - 2)
     assert busy.kv_tokens == pytest.approx(0.5 * 20 * 128)
+    # each window's mean stands for its steps, as every other source weighs its means (it counted 1:
+    # the summary said "2 engine steps", and a near-idle window pulled the fit as hard as a busy one)
+    assert (busy.weight, idle.weight) == (400.0, 100.0)
