@@ -298,10 +298,13 @@ def _replay(args: argparse.Namespace) -> int:
     if args.candidate:
         candidate = load_candidate(args.candidate)
     elif calibration is not None:
+        # the calibrated engine once per replica the ledger recorded: one engine carrying all their
+        # traffic would be set against the node that spread it
+        replicas = {r.klass for r in workload.requests} if workload.kind == "ledger" else set()
         candidate = Candidate(
             name="calibrated engine",
             model=CALIBRATED,
-            dp=1,
+            dp=max(1, len(replicas - {""})),
             step_model=CALIBRATED,
             tp=calibration.engine.tensor_parallel_size or 1,
         )

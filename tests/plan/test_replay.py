@@ -101,3 +101,20 @@ def test_replay_with_calibration_shows_recorded_figures_side_by_side(ledger, tmp
     out = capsys.readouterr().out
     assert "step time: calibrated at TP=1 (step_samples" in out
     assert "(recorded, error)" in out
+
+
+def test_the_calibrated_engine_is_replayed_once_per_replica_the_ledger_recorded(ledger, tmp_path, capsys):
+    # --calibration alone built one engine for a ledger two replicas had served: all their traffic on one
+    path, _ = ledger
+    lines = path.read_text().splitlines()
+    two = tmp_path / "two-replicas.jsonl"
+    two.write_text(
+        "".join(
+            json.dumps({**json.loads(line), "replica": str(i % 2)}) + "\n" for i, line in enumerate(lines)
+        )
+    )
+    _calibration().dump(tmp_path / "cal.yaml")
+    assert main(["plan", "replay", str(two), "--calibration", str(tmp_path / "cal.yaml")]) == 0
+    assert "twin: 2 GPU(s): calibrated, 2xh200" in capsys.readouterr().out
+    assert main(["plan", "replay", str(path), "--calibration", str(tmp_path / "cal.yaml")]) == 0
+    assert "twin: 1 GPU(s): calibrated, 1xh200" in capsys.readouterr().out
