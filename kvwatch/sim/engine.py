@@ -168,6 +168,14 @@ class EngineConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.context_len})"
             )
+        heads = self.model.kv_heads
+        if not self.model.mla and heads % self.tp and self.tp % heads:
+            # vLLM's QKVParallelLinear shards the KV heads over the TP ranks, or replicates each on
+            # tp / heads ranks: one must divide the other (a rank cannot hold 8/3 of a head)
+            raise ValueError(
+                f"tp={self.tp} cannot split the model's {heads} KV heads: vLLM needs tp to divide them "
+                "or them to divide tp"
+            )
         self.step_model()  # refuses a bad layout (EP on a dense model, imbalance < 1)
         capacity = self.num_gpu_blocks * self.block_size
         if self.admission not in ADMISSION_POLICIES:

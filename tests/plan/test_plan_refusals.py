@@ -118,3 +118,18 @@ def test_a_candidate_router_that_needs_weights_no_key_gives_is_refused_by_name(t
     err = capsys.readouterr().err
     assert "router 'weighted' is not one of round_robin, least_loaded, skewed" in err
     assert "Traceback" not in err
+
+
+def test_a_tensor_parallel_degree_that_cannot_split_the_kv_heads_cannot_run(tmp_path, capsys):
+    # tp: 3 on Llama-3.1-8B (8 KV heads) was simulated with 8/3 heads per rank; vLLM refuses it
+    candidate = tmp_path / "tp3.yaml"
+    candidate.write_text("model: llama-3.1-8b\ntp: 3\ndp: 1\n")
+    assert main(["plan", "replay", str(_ledger(tmp_path)), "--candidate", str(candidate)]) == 1
+    assert "tp=3 cannot split the model's 8 KV heads" in capsys.readouterr().err
+    for tp in (1, 2, 4, 8, 16):  # shards, or (16) replicates each head on two ranks
+        replay(
+            read_workload([str(_ledger(tmp_path))]),
+            Candidate(model="llama-3.1-8b", tp=tp, dp=1),
+            None,
+            bands=DEFAULT_BANDS,
+        )
