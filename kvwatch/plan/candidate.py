@@ -61,7 +61,7 @@ class Candidate:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = False
-    cpu_offload_gb: float = 0.0  # per replica (vLLM --kv-offloading-size)
+    cpu_offload_gb: float = 0.0  # GiB per replica (vLLM --kv-offloading-size, in GiB)
     gpus_per_pcie_switch: int | None = None  # GPUs sharing one host uplink (None: the GPU preset's, 1)
     admission: str = "none"
     admission_quantile: float = 0.9  # quantile_budget: output budget = this quantile of outputs
@@ -96,7 +96,7 @@ class Candidate:
             f"block {self.block_size}",
         ]
         if self.cpu_offload_gb:
-            parts.append(f"CPU tier {self.cpu_offload_gb:g} GB")
+            parts.append(f"CPU tier {self.cpu_offload_gb:g} GiB")
         if self.gpus_per_pcie_switch and self.gpus_per_pcie_switch > 1:
             parts.append(f"{self.gpus_per_pcie_switch} GPUs per PCIe switch")
         if self.admission != "none":
@@ -215,7 +215,7 @@ def engine_config(
             gpu_memory_utilization=c.gpu_memory_utilization,
             kv_cache_dtype=c.kv_cache_dtype,
             enable_prefix_caching=c.enable_prefix_caching,
-            kv_offload_bytes=c.cpu_offload_gb * 1e9,
+            kv_offload_bytes=c.cpu_offload_gb * 2**30,  # GiB, as vLLM's --kv-offloading-size
             gpus_per_pcie_switch=c.gpus_per_pcie_switch,
             step_cost=_calibrated_cost(c, cal),
             admission=_engine_admission(c.admission),

@@ -8,7 +8,7 @@ The sweep, in two stages so it stays a few dozen replays rather than the full pr
    parallelism, x KV dtype (bf16, fp8), vLLM's default scheduler knobs;
 2. knobs, one at a time, on the three cheapest stage-1 candidates that meet the SLOs (or, if none
    does, the three with the best worst-band attainment): ``max_num_seqs`` 256, block size 32, the
-   CPU offload tier (200 GB per replica), and the admission policies ``reserve_max_tokens``,
+   CPU offload tier (200 GiB per replica), and the admission policies ``reserve_max_tokens``,
    ``quantile_budget`` (output p90 budget, 10 % shared headroom) and ``long_pool`` (half the
    replicas for requests whose max_tokens exceeds 5,000).
 

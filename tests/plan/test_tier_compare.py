@@ -75,3 +75,11 @@ def test_compare_reports_the_ratio_and_the_extra_work_against_the_same_candidate
     assert tier_report([base, unused]) == [
         "- small-cache-offload200: never used (nothing was preempted, so nothing was kept)"
     ]
+
+
+def test_cpu_offload_gb_is_gib_as_vllms_kv_offloading_size_is():
+    # it was multiplied by 1e9: the twin's tier was 7% smaller than the flag it mirrors
+    from kvwatch.plan.candidate import engine_config
+
+    config = engine_config(Candidate(model="llama-3.1-8b", dp=1, cpu_offload_gb=200.0))
+    assert config.kv_offload_bytes == 200 * 2**30
