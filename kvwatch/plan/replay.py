@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from kvwatch.derive.stranded import SampleKey, stranded_capacity
 from kvwatch.jsonsafe import finite
-from kvwatch.model import OUTCOMES, LengthBands, Outcome, RequestRecord
+from kvwatch.model import OUTCOMES, LengthBands, Outcome, ReplicaSample, RequestRecord
 from kvwatch.plan.calibration import Calibration
 from kvwatch.plan.candidate import Candidate, engine_config, observed_fit, unobserved_layout
 from kvwatch.plan.inputs import PlanInputError, Workload
@@ -42,6 +43,7 @@ from kvwatch.sim.routing import Router, RouterSpec
 from kvwatch.sim.workload import WorkloadRequest
 
 _OUTCOME = {"stop": Outcome.COMPLETED, "length": Outcome.TRUNCATED, "abort": Outcome.ABORTED}
+TWIN_MODEL = "twin"  # the one model the twin serves, as the stranded-capacity rule groups replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,16 +199,29 @@ def replay(
     replica_peak = [0.0]
     stranded: list[float] = []
 
-    def sample(_t: float) -> None:
+    previous: dict[SampleKey, ReplicaSample] = {}
+
+    def sample(t: float) -> None:
         used = [e.used_blocks for e in engines]
         usage.append(sum(used) / (cap_blocks * len(engines)))
         replica_peak[0] = max(replica_peak[0], max(used) / cap_blocks)
-        if len(engines) > 1 and any(e.num_waiting for e in engines):
-            stranded.append(
-                float(sum((cap_blocks - e.used_blocks) * block for e in engines if not e.num_waiting))
+        # as the agent computes it (derive/stranded.py): a request caught between arrival and the end
+        # of the step it arrived in is not a queue, one that lasted a sample interval is
+        current = [
+            ReplicaSample(
+                e.name,
+                "vllm",
+                t,
+                model_name=TWIN_MODEL,
+                kv_capacity_tokens=float(cap_blocks * block),
+                kv_used_tokens=float(e.used_blocks * block),
+                requests_waiting=float(e.num_waiting),
+                preemptions_total=float(e.preemptions_total),
             )
-        else:
-            stranded.append(0.0)
+            for e in engines
+        ]
+        stranded.append(stranded_capacity(current, previous)[TWIN_MODEL].stranded_tokens)
+        previous.update((s.key, s) for s in current)
 
     started = time.perf_counter()
     report = run_headless(engines, workload.requests, router, sample_every=every, on_sample=sample)

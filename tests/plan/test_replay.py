@@ -118,3 +118,34 @@ def test_the_calibrated_engine_is_replayed_once_per_replica_the_ledger_recorded(
     assert "twin: 2 GPU(s): calibrated, 2xh200" in capsys.readouterr().out
     assert main(["plan", "replay", str(path), "--calibration", str(tmp_path / "cal.yaml")]) == 0
     assert "twin: 1 GPU(s): calibrated, 1xh200" in capsys.readouterr().out
+
+
+def test_a_request_waiting_for_the_step_it_arrived_in_strands_nothing(tmp_path):
+    """The twin counted free KV as stranded whenever a replica had a request waiting at a sample: a
+    request that arrived mid-step waits a few ms for the step to end, so a node at 8% KV showed
+    stranded capacity. As the agent (derive/stranded.py): only a queue that lasted a sample, or a
+    preemption, is pressure."""
+    from kvwatch.plan.inputs import Workload
+    from kvwatch.sim.workload import WorkloadRequest
+
+    # both replicas always busy (each request decodes ~2 s), so arrivals land mid-step; KV stays low
+    light = [WorkloadRequest(f"r{i}", 0.137 * i, 200, 400, 500) for i in range(200)]
+    workload = Workload("trace", ("light",), tuple(light), {}, None)
+    twin = replay(
+        workload, Candidate(model="llama-3.1-8b", dp=2), None, bands=DEFAULT_BANDS, sample_every=0.05
+    )
+    assert twin.node.peak_kv_usage < 0.05 and twin.node.preemptions == 0
+    assert twin.node.stranded_sample_share == 0.0 and twin.node.mean_stranded_tokens == 0.0
+    # a queue that lasts beside a replica with room is still stranded capacity
+    long = [WorkloadRequest(f"l{i}", 0.5 * i, 200, 6000, 6000) for i in range(40)]
+    skewed = Candidate(
+        model="llama-3.1-8b", dp=2, router="skewed", max_num_seqs=2, max_num_batched_tokens=8192
+    )
+    twin = replay(
+        Workload("trace", ("long",), tuple(long), {}, None),
+        skewed,
+        None,
+        bands=DEFAULT_BANDS,
+        sample_every=0.25,
+    )
+    assert twin.node.stranded_sample_share > 0.2 and twin.node.mean_stranded_tokens > 100_000
