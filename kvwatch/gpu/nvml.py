@@ -485,15 +485,21 @@ class _DeviceReader:
 
     # -- identity ------------------------------------------------------------------------------
     def identify(self) -> _Identity | None:
-        """Handle and identity, asked once and remembered; None while NVML does not give them."""
+        """Handle and identity, asked until every part answered (or is not supported) and then
+        remembered; None while NVML does not give the UUID. A part that failed once is asked again
+        next poll, not left blank in ``kvwatch_gpu_info`` until NVML re-initializes."""
         dev = self.dev
         if dev.handle is None:
             dev.handle = self.call("nvmlDeviceGetHandleByIndex", dev.index, handle=False)
         if dev.handle is None:
             return None
-        if dev.identity is None:
-            dev.identity = self.identity()
-        return dev.identity
+        if dev.identity is not None:
+            return dev.identity
+        failed_before = len(self.errors)
+        identity = self.identity()
+        if len(self.errors) == failed_before:
+            dev.identity = identity
+        return identity
 
     def identity(self) -> _Identity | None:
         uuid = self.call("nvmlDeviceGetUUID")

@@ -262,6 +262,19 @@ def test_a_driver_upgraded_while_nvml_was_gone_is_asked_for_memory_v2_again(fake
     assert s.memory_used_bytes == 1 * MIB
 
 
+def test_a_gpu_name_that_failed_once_is_asked_again_not_blank_for_the_session(
+    fake: FakeNvml, collector: NvmlCollector
+) -> None:
+    fake.fail("nvmlDeviceGetName", pynvml.NVMLError_Unknown, times=1)
+    first = by_index(collector.poll())
+    assert {first[0].name, first[1].name} == {None, fake.gpu(1).name}  # one GPU's call failed
+    again = by_index(collector.poll())
+    assert [again[i].name for i in range(2)] == [fake.gpu(0).name, fake.gpu(1).name]
+    asked = fake.calls["nvmlDeviceGetName"]
+    collector.poll()
+    assert fake.calls["nvmlDeviceGetName"] == asked  # once whole, remembered
+
+
 def test_clock_reasons_use_the_deprecated_call_on_drivers_without_the_new_one(
     fake: FakeNvml, collector: NvmlCollector
 ):
