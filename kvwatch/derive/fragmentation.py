@@ -50,12 +50,14 @@ class Fragmentation:
 def engine_live_tokens(sample: ReplicaSample) -> float | None:
     """Tokens held by running requests as the engine measures them; ``None`` when it does not.
 
-    - ``live_tokens`` (e.g. SGLang ``decode_sum_seq_lens``): that gauge keeps its last batch's value
-      when the engine goes idle, so with no running request the live count is 0.
+    - ``live_tokens``, as the adapter read it (SGLang's used slots at page size 1, llama.cpp's
+      processing slots): taken as is. It is not zeroed when nothing is counted as running: SGLang's
+      running count leaves out a request in chunked prefill, whose tokens are held all the same (that
+      made an idle-looking pool read 100% fragmented).
     - Page size 1 (SGLang default): allocated slots are exactly the tokens held.
     """
     if sample.live_tokens is not None:
-        return 0.0 if sample.requests_running == 0 else float(sample.live_tokens)
+        return float(sample.live_tokens)
     if sample.block_size == 1 and sample.kv_used_tokens is not None:
         return float(sample.kv_used_tokens)
     return None

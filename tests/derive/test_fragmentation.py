@@ -58,10 +58,13 @@ def test_sglang_page_size_one_is_exact_and_unfragmented():
     assert (f.live_tokens, f.source, f.ratio) == (30_000.0, ENGINE, 0.0)
 
 
-def test_engine_live_gauge_left_over_from_the_last_batch_reads_zero_when_idle():
-    # sglang:decode_sum_seq_lens keeps its last value (313 in the real 0.5.8 capture) with 0 running
-    assert engine_live_tokens(sglang(block_size=16, live_tokens=313.0, requests_running=0.0)) == 0.0
-    assert engine_live_tokens(sglang(block_size=16, live_tokens=313.0, requests_running=1.0)) == 313.0
+def test_tokens_held_with_nothing_counted_as_running_are_live_not_fragmentation():
+    # SGLang counts a request in chunked prefill in no running batch, but its slots are held: the
+    # live count was zeroed whenever running was 0, and the pool read 100% fragmented
+    [f] = replica_fragmentation(
+        [sglang(kv_used_tokens=6000.0, live_tokens=6000.0, requests_running=0.0)], [], proxied=False
+    )
+    assert (f.live_tokens, f.allocated_tokens, f.ratio) == (6000.0, 6000.0, 0.0)
 
 
 def test_vllm_without_a_live_gauge_has_no_engine_count():
