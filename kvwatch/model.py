@@ -170,6 +170,9 @@ class ReplicaSample:
     # throughput and cache (cumulative)
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    #: the two token counters move when requests finish, not as tokens are made (SGLang's tokenizer
+    #: counters): right for throughput over long windows, no measure of how fast the pool grows now
+    token_counters_at_finish: bool = False
     prefix_cache_queries_total: float | None = None
     prefix_cache_hits_total: float | None = None
     finished_requests_total: tuple[tuple[str, float], ...] = ()  # (finished_reason, count)

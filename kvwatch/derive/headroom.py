@@ -115,6 +115,9 @@ def kv_growth(
         return None, "samples are not in time order"
     if current.requests_running is None:
         return None, "running requests unknown"
+    if current.token_counters_at_finish:
+        # a window where requests decode and none finishes reads as no growth (+Inf headroom)
+        return None, "the engine counts tokens when requests finish, not as the pool grows"
     reads = [
         (previous.generation_tokens_total, current.generation_tokens_total),
         (finished_total(previous), finished_total(current)),

@@ -315,6 +315,7 @@ MEASURED_FIELDS: tuple[str, ...] = tuple(
         "model_name",
         "dp_rank",
         "version_hint",
+        "token_counters_at_finish",
         "finished_requests_total",
         "tier_traffic",
         "histograms",

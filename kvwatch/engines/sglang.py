@@ -15,6 +15,15 @@ pages (``sglang:page_size`` > 1) used slots are whole pages and live tokens stay
 being reverse-engineered from the usage ratio. KV bytes per token (per GPU) come from
 ``kv_cache_memory_usage_gb`` (0.5.12+, GiB) over the pool's slots (``kv_bytes_per_token``).
 
+Token counters: ``prompt_tokens_total`` / ``generation_tokens_total`` (tokenizer side) move only when
+a request finishes, by its whole length, so over a window where requests decode and none finishes
+they stand still: no measure of how fast the pool grows. Where the scheduler's
+``realtime_tokens_total{mode}`` is on the page (0.5.8+, per rank) the sample's token counters are
+that, counted as each batch runs (prompt = ``prefill_compute`` + ``prefill_cache``, generation =
+``decode``); on older pages they are the tokenizer's, marked ``token_counters_at_finish`` (headroom
+is then unknown). Prefix-cache queries stay the tokenizer's prompt tokens, the base its
+``cached_tokens_total`` hits are counted against.
+
 Finished requests: ``num_requests_total`` (tokenizer side, no reason label) is kept as
 ``finished_requests_total = (("all", n),)``; headroom sums every reason, so one key serves it.
 Per-request ``prompt_tokens_histogram`` / ``generation_tokens_histogram`` become the ``prompt_tokens``
@@ -80,6 +89,7 @@ FINISHED = "sglang:num_requests_total"
 #: ``finished_requests_total`` key: SGLang counts finished requests without a reason split
 FINISHED_ALL = "all"
 KV_MEMORY_GIB = "sglang:kv_cache_memory_usage_gb"
+REALTIME = "sglang:realtime_tokens_total"  # scheduler side, per rank, by mode (0.5.8+)
 GIB = 1024**3  # SGLang's ``GB`` (mem_cache/memory_pool.py: GB = 1024 * 1024 * 1024)
 
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -208,6 +218,15 @@ def _finished(view: RankView) -> tuple[tuple[str, float], ...]:
     return () if total is None else ((FINISHED_ALL, total),)
 
 
+def _realtime_tokens(view: RankView) -> tuple[float, float] | None:
+    """(prompt, generation) tokens from the scheduler's ``realtime_tokens_total`` (0.5.8+), counted as
+    each batch runs, per rank; None on pages without it. A mode not yet run has no series (0)."""
+    if not view.series(REALTIME):
+        return None
+    prompt = sum(view.value(REALTIME, mode=mode) or 0.0 for mode in ("prefill_compute", "prefill_cache"))
+    return prompt, view.value(REALTIME, mode="decode") or 0.0
+
+
 def _sum_or_none(*values: float | None) -> float | None:
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
@@ -217,6 +236,10 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
     out = []
     for model, dp_rank, view in rank_views(expo, ranks(expo), "dp_rank", lowest=COPY_LABELS):
         values = read_fields(view, FIELDS)
+        finished_prompts = values["prompt_tokens_total"]  # what the prefix-cache hits are counted against
+        realtime = _realtime_tokens(view)
+        if realtime is not None:
+            values["prompt_tokens_total"], values["generation_tokens_total"] = realtime
         page = as_int(view.value("sglang:page_size"))
         tiers = [t for t in _tier_traffic(view) if t is not None]
         tiers.extend(lmcache.tier_traffic(view, model))
@@ -232,7 +255,8 @@ def parse(expo: Exposition, replica: str, scraped_at: float) -> list[ReplicaSamp
                 finished_requests_total=_finished(view),
                 live_tokens=values["kv_used_tokens"] if page in (None, 1) else None,
                 recomputed_tokens_total=_sum_or_none(*(view.value(n) for n in RETRACTED_TOKENS)),
-                prefix_cache_queries_total=values["prompt_tokens_total"],
+                prefix_cache_queries_total=finished_prompts,
+                token_counters_at_finish=realtime is None and values["generation_tokens_total"] is not None,
                 prefix_cache_hits_total=_prefix_hits(view),
                 tier_traffic=tuple(tiers),
                 histograms=read_histograms(view, HISTOGRAMS),

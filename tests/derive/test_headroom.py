@@ -150,6 +150,16 @@ def test_sglang_token_pool_headroom():
     assert headroom(now, before).seconds == pytest.approx(80.0)
 
 
+def test_token_counters_that_move_only_when_requests_finish_give_unknown_not_safe():
+    """SGLang's tokenizer counters (before realtime_tokens_total) stand still while requests decode
+    and none finishes: headroom read +Inf ("not growing") on a pool filling in 95 s."""
+    common = {"requests_running": 8.0, "prompt_tokens_total": 0.0, "token_counters_at_finish": True}
+    now = sglang(scraped_at=40.0, kv_used_tokens=84_800.0, generation_tokens_total=1000.0, **common)
+    before = sglang(scraped_at=10.0, kv_used_tokens=80_000.0, generation_tokens_total=1000.0, **common)
+    result = headroom(now, before)
+    assert result.seconds is None and "when requests finish" in result.note
+
+
 def test_growth_and_finished_helpers():
     assert finished_total(vllm()) is None
     assert finished_total(at(0.0, 0.0, 1, finished=3.0)) == 3.0

@@ -15,7 +15,9 @@ def test_real_dynamo_capture():
     (s,) = result.samples
     assert (s.backend, s.model_name, s.dp_rank) == ("sglang", "Qwen/Qwen3-0.6B", None)
     assert (s.kv_capacity_tokens, s.kv_usage_ratio, s.kv_used_tokens) == (92962.0, 0.0, 0.0)
+    # the scheduler's realtime_tokens_total (prefill_compute 33 + prefill_cache 0, decode 300)
     assert (s.prompt_tokens_total, s.generation_tokens_total) == (33.0, 300.0)
+    assert not s.token_counters_at_finish and s.prefix_cache_queries_total == 33.0
     assert s.histogram("ttft").count == 1.0
     assert s.histogram("num_preemptions").count == 1.0
     assert s.version_hint == (
@@ -198,3 +200,29 @@ def test_prompt_and_output_token_histograms_feed_headroom():
     assert prompt is not None and (prompt.count, prompt.sum) == (1100.0, 2_800_000.0)
     assert finished_total(after) - finished_total(before) == 100.0
     assert mean_finished_tokens(after, before) == 300_000 / 100 + 700_000 / 100
+
+
+def test_token_counters_are_the_schedulers_per_rank_where_the_page_has_them():
+    """The tokenizer's prompt/generation counters move when a request finishes, and carry no rank;
+    realtime_tokens_total (0.5.8+) moves as batches run, per rank: headroom needs the latter."""
+    name = "sglang_0_5_20_two_dp_ranks_hicache.prom"
+    without = samples(name)
+    assert all(s.token_counters_at_finish is False and s.generation_tokens_total is None for s in without)
+    assert only("sglang_0_4_10_no_capacity.prom").token_counters_at_finish is True  # single rank, no realtime
+    labels = 'engine_type="unified",model_name="deepseek-v3",moe_ep_rank="{ep}",pp_rank="0",tp_rank="{tp}"'
+    realtime = [
+        f'sglang:realtime_tokens_total{{dp_rank="{dp}",{labels.format(ep=tp, tp=tp)},mode="{mode}"}} {value}'
+        for dp, tp, mode, value in (
+            ("0", 0, "decode", 5000),
+            ("0", 0, "prefill_compute", 700),
+            ("0", 0, "prefill_cache", 300),
+            ("0", 1, "decode", 5000),  # another TP rank of the same DP rank: a copy, not more
+            ("1", 4, "decode", 900),  # no prefix hit yet on this rank: no prefill_cache series
+            ("1", 4, "prefill_compute", 100),
+        )
+    ]
+    text = page(name) + "# TYPE sglang:realtime_tokens_total counter\n" + "\n".join(realtime) + "\n"
+    by_rank = {s.dp_rank: s for s in sglang.parse(parse_text(text), "r0", SCRAPED_AT)}
+    assert (by_rank["0"].prompt_tokens_total, by_rank["0"].generation_tokens_total) == (1000.0, 5000.0)
+    assert (by_rank["1"].prompt_tokens_total, by_rank["1"].generation_tokens_total) == (100.0, 900.0)
+    assert not any(s.token_counters_at_finish for s in by_rank.values())
