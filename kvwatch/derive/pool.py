@@ -35,11 +35,25 @@ def used_blocks(sample: ReplicaSample) -> float | None:
     return float(round(sample.kv_usage_ratio * usable))
 
 
+def tokens_per_block(sample: ReplicaSample) -> float | None:
+    """Token slots one block serves: the engine's token capacity over its blocks where it reports both,
+    else ``block_size``. They differ on hybrid models (sliding-window or Mamba layers beside full
+    attention): the KV groups share one block pool, so vLLM's ``kv_cache_size_tokens`` is not
+    ``num_gpu_blocks x block_size`` (less with two attention groups; far more with Mamba, whose
+    attention pages are sized to the state), and counting ``block_size`` a block let free tokens
+    exceed the pool's capacity. A difference under one block is the cut into whole blocks (SGLang's
+    partial last page, which no request gets): ``block_size`` then."""
+    capacity, blocks, size = sample.kv_capacity_tokens, sample.num_gpu_blocks, sample.block_size
+    if capacity and blocks and (not size or abs(capacity - blocks * size) >= size):
+        return capacity / blocks
+    return float(size) if size else None
+
+
 def usable_tokens(sample: ReplicaSample) -> float | None:
-    """Token slots requests can hold (usable blocks x block size, else the engine's token capacity)."""
-    usable = usable_blocks(sample)
-    if usable is not None and sample.block_size:
-        return float(usable * sample.block_size)
+    """Token slots requests can hold (usable blocks x tokens a block, else the engine's token capacity)."""
+    usable, per_block = usable_blocks(sample), tokens_per_block(sample)
+    if usable is not None and per_block:
+        return usable * per_block
     return sample.kv_capacity_tokens
 
 
@@ -51,9 +65,9 @@ def allocated_tokens(sample: ReplicaSample) -> float | None:
     """
     if sample.kv_used_tokens is not None:
         return float(sample.kv_used_tokens)
-    blocks = used_blocks(sample)
-    if blocks is not None and sample.block_size:
-        return blocks * sample.block_size
+    blocks, per_block = used_blocks(sample), tokens_per_block(sample)
+    if blocks is not None and per_block:
+        return blocks * per_block
     if sample.kv_usage_ratio is not None and sample.kv_capacity_tokens is not None:
         return sample.kv_usage_ratio * sample.kv_capacity_tokens
     return None

@@ -16,6 +16,17 @@ def test_vllm_usage_is_relative_to_num_gpu_blocks_minus_the_null_block():
     assert pool.free_tokens(sample) == 250 * 16
 
 
+@pytest.mark.parametrize("capacity", [8008.0, 1001 * 16 * 181.0])  # two attention groups; a Mamba hybrid
+def test_hybrid_models_count_the_tokens_a_block_serves_not_block_size(capacity):
+    """vLLM's kv_cache_size_tokens is what the pool serves; on hybrid models it is not
+    num_gpu_blocks x block_size, and free tokens counted by block_size exceeded the capacity."""
+    sample = vllm(kv_capacity_tokens=capacity, kv_usage_ratio=0.5)  # 500 of 1000 usable blocks
+    per_block = capacity / 1001
+    assert pool.allocated_tokens(sample) == pytest.approx(500 * per_block)
+    assert pool.free_tokens(sample) == pytest.approx(500 * per_block)
+    assert pool.free_tokens(sample) < capacity
+
+
 def test_vllm_full_pool_has_no_free_tokens():
     assert pool.free_tokens(vllm(kv_usage_ratio=1.0)) == 0.0
 
