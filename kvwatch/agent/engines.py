@@ -25,7 +25,7 @@ import httpx
 
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.cooperative import BudgetExceededError, run_sliced
-from kvwatch.engines.base import RANK_LABELS, ExtraPage
+from kvwatch.engines.base import RANK_LABELS, ExtraPage, with_capacity
 from kvwatch.engines.exposition_parser import ExpositionError, Limits, TooManySeriesError, parse_steps
 from kvwatch.engines.fetch import ScrapeError, fetch_body, metrics_text
 from kvwatch.engines.page_worker import PageJob, parse_in_worker
@@ -291,6 +291,8 @@ async def scrape_target(
     page = extra_page(result.backend)
     if page is not None:
         samples = await _extra_page(client, page, replica_cfg, scrape_cfg, target, samples)
+    if replica_cfg.kv_capacity_tokens is not None:
+        samples = tuple(with_capacity(s, replica_cfg.kv_capacity_tokens) for s in samples)
     target.scrape_duration_s = time.perf_counter() - clock
     _succeeded(target, result, samples, started, in_flight)
     state.report(f"engine:{replica_cfg.name}", True, target.scrape_duration_s, now=started)

@@ -102,6 +102,17 @@ class ReplicaConfig:
             "KV bytes per token on one GPU, when the engine does not say (overrides what it says)",
         ),
     )
+    kv_capacity_tokens: int | None = field(
+        default=None,
+        metadata=setting(
+            "kv_capacity_tokens",
+            INTEGER,
+            "the KV pool in tokens (per data-parallel rank), when the engine does not say it right "
+            "(overrides what it says): llama-server started without -np shares one pool of its -c "
+            "tokens among 4 slots, and /slots gives each slot the whole",
+            minimum=1,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import product
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -321,6 +321,15 @@ MEASURED_FIELDS: tuple[str, ...] = tuple(
         "histograms",
     )
 )
+
+
+def with_capacity(sample: ReplicaSample, tokens: int) -> ReplicaSample:
+    """``sample`` with a configured KV pool of ``tokens`` (``replicas[].kv_capacity_tokens``): the usage
+    ratio follows where the engine counts the tokens used (llama.cpp's slots, SGLang), else it stays
+    the engine's own (vLLM's is of its blocks)."""
+    used = sample.kv_used_tokens
+    usage = used / tokens if used is not None else sample.kv_usage_ratio
+    return replace(sample, kv_capacity_tokens=float(tokens), kv_usage_ratio=usage)
 
 
 def missing_fields(sample: ReplicaSample) -> list[str]:

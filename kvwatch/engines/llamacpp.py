@@ -5,9 +5,14 @@
 the per-slot state on ``/slots`` is the only KV source. In 2026 builds ``prompt_tokens_total`` excludes
 cached prompt tokens (``prompt_tokens_cached_total`` counts those), so prompt tokens = processed + cached.
 
-``/slots``: one JSON object per slot (``-np``), each with its own ``n_ctx`` (the context is split
-evenly between slots). A slot keeps its tokens in the KV cache after a request ends, for prompt
-reuse. Tokens held (``SlotSample.tokens_in_use``):
+``/slots``: one JSON object per slot (``-np``), each with its own ``n_ctx``. With ``-np N`` the
+context is split evenly between the slots, and their ``n_ctx`` add up to the pool. Without ``-np``,
+llama-server (since late 2025, ggml-org/llama.cpp#16736) runs 4 slots sharing one pool
+(``kv_unified``), and each slot's ``n_ctx`` is the whole pool (or the model's training context, if
+smaller): nothing on ``/slots`` or ``/props`` tells the two apart, so the sum stands, 4 equal slots get
+a hint in the version line, and ``replicas[].kv_capacity_tokens`` gives the pool (``-c``). A slot keeps
+its tokens in the KV cache after a request ends, for prompt reuse. Tokens held
+(``SlotSample.tokens_in_use``):
 
 * 2025+ builds: ``n_prompt_tokens`` is the slot's whole token list (prompt *and* generated so far;
   seen live: 42 = 18 processed + 24 decoded); ``n_prompt_tokens_processed + n_prompt_tokens_cache +
@@ -140,6 +145,10 @@ def _total(values: Sequence[int | None]) -> float | None:
     return float(sum(v for v in values if v is not None))
 
 
+#: slots llama-server runs without -np, all sharing one KV pool (kv_unified)
+DEFAULT_UNIFIED_SLOTS = 4
+
+
 def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> ReplicaSample:
     """Fill KV capacity, usage and live tokens from slots where ``/metrics`` had none."""
     if not slots:
@@ -152,6 +161,13 @@ def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> R
     if usage is None and used is not None and capacity:
         usage = used / capacity
     hint = replica_sample.version_hint or DEFAULT_HINT
+    sizes = {s.n_ctx for s in slots}
+    shared = (
+        f"; {len(slots)} slots of equal n_ctx, as llama-server's default without -np, whose slots share "
+        "one pool: if so, set kv_capacity_tokens to its -c"
+        if len(slots) == DEFAULT_UNIFIED_SLOTS and len(sizes) == 1
+        else ""
+    )
     return dataclasses.replace(
         replica_sample,
         kv_capacity_tokens=replica_sample.kv_capacity_tokens or capacity,
@@ -159,7 +175,7 @@ def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> R
         kv_usage_ratio=usage,
         kv_evictable_tokens=idle,
         live_tokens=live,
-        version_hint=f"{hint}; KV from /slots ({len(slots)} slots)",
+        version_hint=f"{hint}; KV from /slots ({len(slots)} slots){shared}",
     )
 
 

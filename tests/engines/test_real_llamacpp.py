@@ -24,7 +24,7 @@ from kvwatch.agent.engines import scrape_target
 from kvwatch.config import ReplicaConfig, ScrapeConfig
 from kvwatch.model import LengthBands
 from kvwatch.state import NodeState
-from tests.local import wait_until
+from tests.local import free_port, start_llama_server, stop_group, wait_until
 
 from .real_checks import engine_metrics, inspect_json, value
 
@@ -118,3 +118,29 @@ async def test_scraper_reads_metrics_and_slots_of_the_real_server(real_llamacpp)
     (s,) = target.samples
     assert s.version_hint.endswith("KV from /slots (2 slots)")
     assert (s.model_name, s.kv_capacity_tokens) == ("tiny", 512.0)
+
+
+async def test_a_default_llama_server_s_shared_pool_is_the_configured_capacity(tmp_path):
+    """Without -np, llama-server runs 4 slots sharing one pool (kv_unified), and /slots gives each slot
+    the whole pool: their sum was kvwatch's capacity, 4x the pool (here 2x: the tiny model's training
+    context of 512 caps each slot's n_ctx at 512 of the 1024 cells). kv_capacity_tokens says the pool."""
+    port = free_port()
+    proc = start_llama_server(port, tmp_path / "llama.log", "-c", "1024", "-t", "1")
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        slots = httpx.get(f"http://127.0.0.1:{port}/slots", timeout=30.0).json()
+        assert [s["n_ctx"] for s in slots] == [512] * 4  # the shared pool is 1024 cells
+        state = NodeState("n", LengthBands())
+        async with httpx.AsyncClient() as client:
+            for name, configured in (("summed", None), ("configured", 1024)):
+                replica = ReplicaConfig(name, metrics_url, model_name="tiny", kv_capacity_tokens=configured)
+                await scrape_target(client, replica, ScrapeConfig(timeout_s=30), state)
+        (summed,) = state.target("summed").samples
+        assert (
+            summed.kv_capacity_tokens == 2048.0 and "set kv_capacity_tokens to its -c" in summed.version_hint
+        )
+        (configured,) = state.target("configured").samples
+        assert configured.kv_capacity_tokens == 1024.0 and configured.kv_usage_ratio == 0.0
+    finally:
+        stop_group(proc.pid, grace_s=5.0)
+        proc.wait(timeout=10)
