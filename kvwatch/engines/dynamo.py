@@ -7,6 +7,9 @@
   config, not one pool, so no capacity is claimed.
 * **Worker KV stats** without engine pass-through (``dynamo_component_kvstats_*`` Jan-2026 names,
   ``dynamo_component_{total_blocks,gpu_cache_usage_percent}`` 1.6 names): one sample per (model, dp_rank).
+  The usage ratio is active over total blocks where both are on the page: Dynamo's TRT-LLM publisher
+  computes its percent gauge from ``allocTotalBlocks``, which is cumulative, so it grows past 1 and
+  stays there. Where only the gauge is, a value outside 0..1 is no usage at all (None).
 * **KVBM** (``kvbm_*``, port 6880): block counters per transfer direction, mapped to plain tiers.
   KVBM's direction words mean different things per verb (offload ``h2d`` is host->disk, onboard ``h2d``
   is host->GPU), so the mapping is a table, below. Units are blocks, not bytes.
@@ -142,6 +145,7 @@ def _kvstats(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
     for model, dp_rank, view in rank_views(expo, keys, "dp_rank", model_label="model"):
         values = read_fields(view, KVSTATS_FIELDS)
         blocks = as_int(values.pop("num_gpu_blocks"))
+        values["kv_usage_ratio"] = _usage(values["kv_usage_ratio"], values["kv_used_blocks"], blocks)
         out.append(
             scrape.sample(
                 model_name=model,
@@ -151,6 +155,13 @@ def _kvstats(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:
             )
         )
     return out
+
+
+def _usage(gauge: float | None, active: float | None, blocks: int | None) -> float | None:
+    """Active over total blocks, else the percent gauge where it is a ratio at all (module doc)."""
+    if active is not None and blocks:
+        return active / blocks
+    return gauge if gauge is not None and 0.0 <= gauge <= 1.0 else None
 
 
 def _kvbm(expo: Exposition, scrape: Scrape) -> list[ReplicaSample]:

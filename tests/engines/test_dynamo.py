@@ -57,3 +57,20 @@ def test_old_kvstats_names():
 
 def test_notes_say_kvbm_counts_blocks():
     assert any("blocks" in n for n in parse("dynamo_kvbm_1_6.prom").notes)
+
+
+def test_a_trtllm_workers_cumulative_percent_gauge_gives_way_to_its_block_counts():
+    """Dynamo's TRT-LLM publisher divides allocTotalBlocks, a cumulative count, by the pool: the
+    percent gauge read 3.2 (and climbing) with 800 of 4,000 blocks active, and the pressure alert
+    fired for good."""
+    labels = '{dynamo_component="tensorrt_llm",dynamo_namespace="ns"}'
+    text = (
+        f"dynamo_component_kvstats_active_blocks{labels} 800\n"
+        f"dynamo_component_kvstats_total_blocks{labels} 4000\n"
+        f"dynamo_component_kvstats_gpu_cache_usage_percent{labels} 3.2\n"
+    )
+    (s,) = dynamo.parse(parse_text(text), "r0", SCRAPED_AT)
+    assert (s.kv_used_blocks, s.kv_usage_ratio) == (800.0, 0.2)
+    gauge_only = text.replace(f"dynamo_component_kvstats_active_blocks{labels} 800\n", "")
+    (s,) = dynamo.parse(parse_text(gauge_only), "r0", SCRAPED_AT)
+    assert s.kv_usage_ratio is None  # no ratio at all, rather than 320%
