@@ -23,7 +23,8 @@ from kvwatch.model import ReplicaSample
 
 class EngineAdapter(Protocol):
     """What every adapter module provides. Optional: ``notes(expo) -> list[str]`` (what ``inspect``
-    says about a page) and ``EXTRA_PAGE`` (a page read besides ``/metrics``)."""
+    says about a page), ``refuse(expo) -> str | None`` (why a page with the engine's names is not an
+    engine's) and ``EXTRA_PAGE`` (a page read besides ``/metrics``)."""
 
     BACKEND: str
 
@@ -91,6 +92,9 @@ def parse_families(
         raise ValueError(f"unknown backend {backend!r} (one of auto, {', '.join(ADAPTERS)})")
     if chosen is None or adapter is None or not adapter.detect(expo):
         raise NoEngineMetricsError(_why_nothing(expo, backend))
+    refusal = adapter.refuse(expo) if hasattr(adapter, "refuse") else None
+    if refusal:
+        raise NoEngineMetricsError(refusal)
     samples = tuple(adapter.parse(expo, replica, when))
     if not samples:
         raise NoEngineMetricsError(f"{chosen} families present but no replica could be identified")

@@ -142,6 +142,23 @@ def detect(expo: Exposition) -> bool:
     return any(expo.has(name) for name in ANCHORS)
 
 
+#: families only vllm-project/production-stack's router exports (vllm_router metrics_service), each
+#: ``vllm:``-named and labelled by ``server`` (a backend's URL), beside its own sums of the engines'
+#: ``num_requests_running`` / ``_waiting``
+ROUTER_ONLY = ("vllm:healthy_pods_total", "vllm:current_qps")
+
+
+def refuse(expo: Exposition) -> str | None:
+    """Why a page with vLLM's names is no engine's: the production-stack router's page, whose
+    per-backend gauges would read as one made-up replica with every backend summed."""
+    if any(labels.get("server") for name in ROUTER_ONLY for labels, _ in expo.series(name)):
+        return (
+            "this is vllm-project/production-stack's router page (vllm:healthy_pods_total, "
+            "vllm:current_qps by server), not an engine's: scrape each vLLM engine's /metrics"
+        )
+    return None
+
+
 def ranks(expo: Exposition) -> list[tuple[str | None, str | None]]:
     """(model_name, engine) pairs on the page, ordered by model then numeric rank."""
     return rank_keys(expo, ANCHORS, "engine")

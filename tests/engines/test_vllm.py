@@ -249,3 +249,23 @@ def test_real_cpu_vllm_prompt_and_output_sizes_of_finished_requests():
     assert prompt is not None and (prompt.count, prompt.sum) == (3.0, 450.0)
     assert finished_total(busy) - finished_total(idle) == 3.0
     assert mean_finished_tokens(busy, idle) == 450 / 3 + 4500 / 3
+
+
+def test_the_production_stack_routers_page_is_refused_not_read_as_one_replica():
+    # vllm_router's metrics_service: vLLM-named gauges per backend `server`; they were summed into
+    # one replica with no model and a "V0 engine" version hint
+    from kvwatch.engines.registry import NoEngineMetricsError, parse_exposition
+
+    router = "".join(
+        f'vllm:{name}{{server="http://10.0.0.{i}:8000"}} {value}\n'
+        for i in (1, 2)
+        for name, value in (
+            ("num_requests_running", 42),
+            ("num_requests_waiting", 9),
+            ("num_requests_swapped", 0),
+            ("current_qps", 3.5),
+            ("healthy_pods_total", 2),
+        )
+    )
+    with pytest.raises(NoEngineMetricsError, match="production-stack's router page"):
+        parse_exposition(router, "r0")
