@@ -150,15 +150,20 @@ DEFAULT_UNIFIED_SLOTS = 4
 
 
 def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> ReplicaSample:
-    """Fill KV capacity, usage and live tokens from slots where ``/metrics`` had none."""
+    """Fill KV capacity, usage and live tokens from slots. Where the slots count their tokens, used
+    tokens are the processing slots' (``/metrics``' ``kv_cache_tokens`` of older builds counts the
+    cells idle slots keep for prompt reuse too, which are ``kv_evictable_tokens`` here: free on
+    demand, as vLLM and SGLang count them); else what ``/metrics`` said."""
     if not slots:
         return replica_sample
     capacity = _total([s.n_ctx for s in slots])
     live = _total([s.tokens_in_use for s in slots if s.is_processing])
     idle = _total([s.tokens_in_use for s in slots if not s.is_processing])
-    used = replica_sample.kv_used_tokens if replica_sample.kv_used_tokens is not None else live
-    usage = replica_sample.kv_usage_ratio
-    if usage is None and used is not None and capacity:
+    used, usage = replica_sample.kv_used_tokens, replica_sample.kv_usage_ratio
+    if live is not None and all(s.tokens_in_use is not None for s in slots):
+        used = live
+        usage = live / capacity if capacity else usage
+    elif usage is None and used is not None and capacity:
         usage = used / capacity
     hint = replica_sample.version_hint or DEFAULT_HINT
     sizes = {s.n_ctx for s in slots}

@@ -94,6 +94,20 @@ def test_apply_slots_keeps_the_old_builds_own_kv_gauges():
     assert s.live_tokens is None  # this build's slots carry no token counts
 
 
+def test_the_cells_idle_slots_keep_are_evictable_not_used_where_the_slots_count_them():
+    """A build with both the old /metrics KV gauges (used cells, idle slots' kept prompts included)
+    and token counts on /slots: used + evictable came to more than the pool (7,000 + 6,000 of 8,192)."""
+    from kvwatch.model import SlotSample
+
+    base = dataclasses.replace(
+        only("llamacpp_2024_kv_cache_usage_ratio.prom"), kv_used_tokens=7000.0, kv_usage_ratio=7000 / 8192
+    )
+    slots = (SlotSample(0, 4096, 1000, True), SlotSample(1, 4096, 6000, False))
+    s = apply_slots(base, slots)
+    assert (s.kv_used_tokens, s.kv_evictable_tokens, s.live_tokens) == (1000.0, 6000.0, 1000.0)
+    assert s.kv_usage_ratio == pytest.approx(1000 / 8192)
+
+
 def test_apply_no_slots_changes_nothing():
     base = only(LLAMACPP_TINY)
     assert apply_slots(base, ()) is base
