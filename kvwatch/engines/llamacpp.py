@@ -160,7 +160,8 @@ def apply_slots(replica_sample: ReplicaSample, slots: Sequence[SlotSample]) -> R
     live = _total([s.tokens_in_use for s in slots if s.is_processing])
     idle = _total([s.tokens_in_use for s in slots if not s.is_processing])
     used, usage = replica_sample.kv_used_tokens, replica_sample.kv_usage_ratio
-    if live is not None and all(s.tokens_in_use is not None for s in slots):
+    counted = used is None or all(s.tokens_in_use is not None for s in slots)
+    if live is not None and counted:
         used = live
         usage = live / capacity if capacity else usage
     elif usage is None and used is not None and capacity:
