@@ -361,6 +361,9 @@ class RequestRecord:
     #: the proxy's estimate of the prompt from the request body's size, where no usage came (a
     #: stream its client left): never mixed into ``prompt_tokens``, which only the engine's count fills
     prompt_tokens_estimate: int | None = None
+    #: sequences the request ran (``n``, times a completions batch's prompts); ``output_tokens`` is
+    #: a sequence's (the mean), so the request generated ``output_tokens x choices`` in all
+    choices: int = 1
 
     @property
     def tpot_seconds(self) -> float | None:

@@ -71,7 +71,7 @@ class RequestInfo:
     max_tokens: int | None
     wants_usage: bool  # the client itself set stream_options.include_usage
     stream_options_present: bool
-    choices: int = 1  # n
+    choices: int = 1  # sequences the engine runs: n, times the prompts of a completions list
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     max_tokens_out_of_range: bool = False  # a limit over MAX_COUNT: max_tokens is None, and noted
     body_bytes: int = 0  # the request body's size, for a prompt estimate where no usage comes
@@ -92,7 +92,9 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
     n = doc.get("n")
     model = doc.get("model")
     options = doc.get("stream_options")
-    limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    limit = doc.get("max_completion_tokens")
+    if limit is None:  # null or absent: vLLM falls back to max_tokens (`is not None`)
+        limit = doc.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         limit = None
     return RequestInfo(
@@ -103,11 +105,22 @@ def inspect_request(body: bytes, endpoint: str) -> RequestInfo:
         max_tokens=limit if limit is None or limit <= MAX_COUNT else None,
         wants_usage=isinstance(options, dict) and _lax_true(options.get("include_usage")),
         stream_options_present="stream_options" in doc,
-        choices=n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1,
+        choices=(n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)
+        * (_prompts(doc) if endpoint == "completions" else 1),
         continuous_usage=isinstance(options, dict) and _lax_true(options.get("continuous_usage_stats")),
         max_tokens_out_of_range=limit is not None and limit > MAX_COUNT,
         body_bytes=len(body),
     )
+
+
+def _prompts(doc: dict) -> int:
+    """Prompts in one completions request: a list of strings or of token lists is a batch (vLLM
+    merges their outputs into one stream, choice index = prompt x n + i); a string or one list of
+    token ids is one prompt."""
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return min(len(prompt), MAX_COUNT)
+    return 1
 
 
 def _lax_true(value: object) -> bool:
@@ -128,7 +141,9 @@ def body_requesting_usage(body: bytes, info: RequestInfo) -> bytes | None:
     choices (``n`` > 1) nothing is asked: the relay could not put the engine's final-chunk fields
     back in place without reordering choices, so those streams are counted from chunks.
     """
-    if not (info.parsed and info.streaming) or info.wants_usage or info.choices > 1:
+    if not (info.parsed and info.streaming) or info.wants_usage or info.choices > 1 or info.continuous_usage:
+        # continuous_usage_stats alone does nothing on a direct connection; with include_usage added
+        # the engine would put usage on every chunk the client reads
         return None
     if body.lstrip(b" \t\r\n")[:1] != b"{" or not _utf8(body):
         return None
@@ -182,13 +197,19 @@ class ModelLabels:
         return terminal_safe(requested) if requested in self.known else OTHER_MODEL
 
 
-def decide_outcome(status: int | None, end: End, finish_reason: str | None) -> Outcome:
+def decide_outcome(
+    status: int | None, end: End, finish_reason: str | None, stream_error: bool = False
+) -> Outcome:
+    """``stream_error``: the engine wrote an error event into its 200 stream (a generation that failed
+    after it began), which is an error whatever finish reason a choice had reached."""
     if end is End.CLIENT_GONE:
         return Outcome.ABORTED
     if status is None or end is End.UPSTREAM_FAILED or status >= 500:
         return Outcome.ERROR
     if status >= 400:
         return Outcome.REJECTED
+    if stream_error:
+        return Outcome.ERROR
     if finish_reason == "length":
         return Outcome.TRUNCATED
     if finish_reason in ("abort", "error"):
@@ -225,6 +246,8 @@ class RequestMeter:
     finish_reason: str | None = field(init=False, default=None)
     usage: sse.Usage | None = field(init=False, default=None)
     prompt_tokens: int | None = field(init=False, default=None)
+    finished_choices: int = field(init=False, default=0)  # finish reasons seen (one a choice)
+    stream_error: bool = field(init=False, default=False)  # an engine error event in the stream
 
     def on_events(self, events: bytes, separator: bytes, now: float) -> None:
         """Complete SSE events just written to the client at ``now`` (perf_counter seconds)."""
@@ -233,7 +256,16 @@ class RequestMeter:
             self.on_content(n, now)
         reason = sse.finish_reason(events)
         if reason is not None:
-            self.finish_reason = reason
+            # a token-budget cut on any choice stays: a later read's ``stop`` must not hide it
+            self.finish_reason = "length" if self.finish_reason == "length" else reason
+            self.finished_choices += sse.finish_count(events)
+        if sse.has_error_event(events):
+            self.stream_error = True
+
+    @property
+    def every_choice_finished(self) -> bool:
+        """Every choice (``n``, and every prompt of a list) reached its finish reason."""
+        return self.finished_choices >= self.info.choices
 
     def on_content(self, n: int, now: float) -> None:
         """``n`` content-bearing events written together at ``now``, none with a finish reason: the
@@ -264,6 +296,7 @@ class RequestMeter:
             self.usage = usage
         if reason is not None:
             self.finish_reason = reason
+            self.finished_choices = self.info.choices  # the whole answer is in the body
 
     def on_end(self, now: float) -> None:
         self.e2e = now - self.t0
@@ -273,7 +306,7 @@ class RequestMeter:
         return None if self._first is None else self._first - self.t0
 
     def record(self, status: int | None, end: End) -> RequestRecord:
-        outcome = decide_outcome(status, end, self.finish_reason)
+        outcome = decide_outcome(status, end, self.finish_reason, self.stream_error)
         usage = self.usage
         dropped = ["max_tokens"] if self.info.max_tokens_out_of_range else []
         output, estimated = None, False
@@ -283,6 +316,11 @@ class RequestMeter:
         ended = outcome in (Outcome.COMPLETED, Outcome.TRUNCATED)
         if output is None and self.info.streaming and (self.chunks or ended):
             output, estimated = self.chunks, True
+        choices = self.info.choices
+        if output is not None and choices > 1:
+            # the engine runs one sequence a choice (vLLM: n child requests), and the band, TPOT and
+            # the output histograms describe a sequence; the ledger keeps ``choices`` for the total
+            output = round(output / choices)
         gaps = tuple(self._bins) if self.chunks > 1 else ()
         gap_end = self._max_gap_end if self._max_gap_end is not None else self._first
         return RequestRecord(
@@ -309,4 +347,5 @@ class RequestMeter:
             max_gap_ended_at=self.started_at + (gap_end - self.t0) if gaps and gap_end is not None else None,
             dropped_values=tuple(dropped),
             prompt_tokens_estimate=estimate_prompt_tokens(self.info.body_bytes) if prompt is None else None,
+            choices=choices,
         )

@@ -32,6 +32,11 @@ FINISH = re.compile(rb'"finish_reason"[ \t]*:[ \t]*"([A-Za-z0-9_\-]{1,32})"')
 USAGE_MARK = b'"usage"'
 USAGE_OBJECT = re.compile(rb'"usage"[ \t]*:[ \t]*\{')
 EMPTY_CHOICES = re.compile(rb'"choices"[ \t]*:[ \t]*\[[ \t]*\]')
+#: an engine's error event inside a 200 stream: vLLM (serving_engine create_streaming_error_response),
+#: SGLang and llama.cpp all write ``data: {"error": {...}}``; generated text is JSON-escaped inside
+#: ``choices``, so no client can make an event start so
+ERROR_MARK = b'"error"'
+ERROR_EVENT = re.compile(rb'(?:^|\n)data:[ \t]*\{[ \t]*"error"[ \t]*:')
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,16 @@ def finish_reason(events: bytes) -> str | None:
     if b"length" in found:
         return "length"
     return found[-1].decode("ascii")
+
+
+def has_error_event(events: bytes) -> bool:
+    """Whether an engine reported an error in these events (``ERROR_EVENT``)."""
+    return ERROR_MARK in events and ERROR_EVENT.search(events) is not None
+
+
+def finish_count(events: bytes) -> int:
+    """Choices these events finish (each finishing chunk carries one non-null finish reason)."""
+    return len(FINISH.findall(events))
 
 
 def event_data(event: bytes) -> bytes:

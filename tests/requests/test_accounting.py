@@ -28,6 +28,8 @@ from kvwatch.requests.accounting import (
         (b'{"stream":"yes","max_tokens":true}', (None, False, None, False)),
         (b'{"model":7,"max_tokens":-3,"stream_options":{"include_usage":true}}', (None, False, None, True)),
         (b'{"model":"m","max_tokens":0}', ("m", False, None, False)),
+        # a null max_completion_tokens is unset: vLLM takes max_tokens (`is not None`)
+        (b'{"model":"m","max_completion_tokens":null,"max_tokens":7000}', ("m", False, 7000, False)),
     ],
 )
 def test_inspect_request(body: bytes, expected: tuple) -> None:
@@ -65,10 +67,32 @@ def test_usage_is_added_to_existing_stream_options() -> None:
         b'{"stream": true, "stream_options": {"include_usage": true}}',
         b'{"stream": true, "stream_options": "weird"}',
         b'{"stream": true, "n": 2}',
+        # alone it does nothing on a direct connection; with include_usage added the engine would put
+        # usage on every chunk the client reads
+        b'{"stream": true, "stream_options": {"continuous_usage_stats": true}}',
     ],
 )
 def test_usage_is_not_requested(body: bytes) -> None:
     assert body_requesting_usage(body, inspect_request(body, "chat")) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "choices"),
+    [
+        (b'{"stream": true, "prompt": "one"}', 1),
+        (b'{"stream": true, "prompt": [1, 2, 3]}', 1),  # one prompt of token ids
+        (b'{"stream": true, "prompt": ["a", "b"]}', 2),
+        (b'{"stream": true, "prompt": [[1, 2], [3]], "n": 3}', 6),
+    ],
+)
+def test_a_completions_batch_runs_a_sequence_per_prompt_and_choice(body: bytes, choices: int) -> None:
+    """vLLM merges a prompt list's outputs into one stream (choice index = prompt x n + i); usage was
+    asked for such a stream, and the relay held the first prompt's finish chunk and every later
+    event behind it (a 1.3 s stall the client saw, and the meter recorded as a gap)."""
+    info = inspect_request(body, "completions")
+    assert info.choices == choices
+    assert (body_requesting_usage(body, info) is None) == (choices > 1)
+    assert inspect_request(body, "chat").choices == (3 if b'"n": 3' in body else 1)  # chat has no prompt list
 
 
 def test_prompt_estimate_is_a_quarter_of_the_body() -> None:

@@ -610,7 +610,7 @@ class Exchange:
         if meter is not None:
             with contextlib.suppress(Exception):
                 meter.on_end(self.metering.accounting.clock())
-        self._end(End.COMPLETE if meter is not None and meter.finish_reason else End.CLIENT_GONE)
+        self._end(End.COMPLETE if meter is not None and meter.every_choice_finished else End.CLIENT_GONE)
 
     def pause_upstream(self, paused: bool) -> None:
         if self.up is not None:
