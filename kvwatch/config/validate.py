@@ -405,6 +405,10 @@ class KeyPathReader:
             return default_of(f) if read is None else read
         if "entries" in meta:
             return self.entries(node.get(key), join(path, key), meta["entries"])
+        if key in node and node[key] is None and "None" in str(f.type):
+            # an explicit null where null means something (ca_file: null, the system's CAs), not
+            # "the default": the default of such a key is a value, and null turns it off
+            return None
         return self.get(
             node, key, path, lambda raw: read_value(meta, raw), default=default_of(f), required=is_required(f)
         )

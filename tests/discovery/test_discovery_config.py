@@ -21,6 +21,17 @@ def test_discovery_is_off_unless_asked_and_defaults_to_the_in_cluster_api():
     assert cfg.discovery.pod_resources.resource_names == ("nvidia.com/gpu",)
 
 
+def test_ca_file_null_is_the_systems_cas_as_the_docs_and_the_error_say():
+    # an explicit null read as "the default", the service account's CA file: the advice kvwatch
+    # gives when that file is missing (set ca_file: null) did nothing
+    kube = {"enabled": True, "api_url": "https://10.0.0.1:6443", "ca_file": None}
+    config = config_from_mapping({"node": "n", "discovery": {"kubernetes": kube}})
+    assert config.discovery.kubernetes.ca_file is None
+    assert config.discovery.kubernetes.token_file == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    unset = config_from_mapping({"node": "n", "discovery": {"kubernetes": {"enabled": True}}})
+    assert unset.discovery.kubernetes.ca_file == "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+
 def test_bad_discovery_keys_are_named_with_their_path():
     with pytest.raises(ConfigError) as err:
         config_from_mapping(
