@@ -261,6 +261,23 @@ class BoundedSafeLoader(yaml.SafeLoader):
             _expanded_size(node)
         return node
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """A key written twice in one mapping is refused: PyYAML keeps the last silently, so a second
+        ``replicas:`` further down a file dropped every replica of the first. Keys a merge (``<<``)
+        brings in may be overridden, as YAML means them to be."""
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                first = seen[key]
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
 
 def _expanded_size(root: yaml.Node) -> int:
     """Nodes ``root`` stands for once every alias is expanded; YAMLError past MAX_YAML_NODES."""
@@ -306,6 +323,10 @@ def read_yaml_file(path: str | Path) -> Any:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([("(file)", f"cannot read: {exc.strerror or exc}")], source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [("(file)", f"not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x})")], source
+        ) from None
     try:
         return safe_load(text)
     except yaml.YAMLError as exc:
@@ -324,7 +345,8 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] | None = Non
     source = "environment"
     if path is not None:
         source = str(path)
-        data = read_yaml_file(path) or {}
+        data = read_yaml_file(path)
+        data = {} if data is None else data  # an empty file; `[]`, `false` or `0` is no mapping
     if not isinstance(data, dict):
         raise ConfigError([("(top level)", "expected a mapping of settings")], source)
     overrides, env_problems = read_env_overrides(environ)

@@ -162,6 +162,40 @@ def test_yaml_syntax_errors_name_the_line(tmp_path):
     assert where.startswith("line ") and "YAML" in reason
 
 
+def test_a_key_written_twice_is_refused_not_the_first_dropped(tmp_path):
+    # PyYAML keeps the last: a second `replicas:` further down dropped every replica of the first
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        'replicas: [{name: a, metrics_url: "http://h:1/metrics"}]\nscrape: {timeout: 1s}\n'
+        'replicas: [{name: b, metrics_url: "http://h:2/metrics"}]\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    ((where, reason),) = err.value.problems
+    assert where == "line 3, column 1" and "duplicate key 'replicas' (first at line 1)" in reason
+    merged = tmp_path / "merged.yaml"  # a merge's keys may be overridden: that is what `<<` is for
+    merged.write_text('x: &r {name: a, metrics_url: "http://h:1/metrics"}\nreplicas: [{<<: *r, name: b}]\n')
+    with pytest.raises(ConfigError, match="x: unknown key"):
+        load_config(merged, environ={})  # read (the top-level x is not a setting), not refused as YAML
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"node: \xff\n", "not UTF-8 text (byte 6 is 0xff)"),
+        (b"[]\n", "expected a mapping"),
+        (b"0\n", "expected a mapping"),
+    ],
+)
+def test_a_file_that_is_no_utf8_mapping_is_refused_by_name(tmp_path, content, problem):
+    # a non-UTF-8 byte raised UnicodeDecodeError; `[]`, `false` or `0` loaded as an empty config
+    path = tmp_path / "odd.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert problem in str(err.value)
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), (3, 3.0)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
