@@ -67,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=20.0,
         metavar="X",
-        help="simulated seconds per wall second (default 20)",
+        help="simulated seconds per wall second (default 20, at most 1000)",
     )
     parser.add_argument(
         "--rate",
         type=float,
         default=None,
         metavar="R",
-        help="requests per simulated second for the whole node (default 1.0)",
+        help="requests per simulated second for the whole node (default 1.0, at most 100)",
     )
     parser.add_argument(
         "--router",
@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("lean", "full"),
         help="the agent's metrics.profile (default lean; docs/scale.md)",
     )
+
+
+#: simulated seconds a wall second, and requests a simulated second, the demo can keep up with (past
+#: them the simulation falls behind the wall clock and never reaches --duration)
+MAX_SPEED = 1000.0
+MAX_RATE = 100.0
 
 
 @dataclass
@@ -129,8 +135,14 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.commands.run import configure_logging, use_uvloop
     from kvwatch.config import parse_host_port
 
-    if args.replicas < 1 or args.tp < 1 or args.speed <= 0:
-        print("kvwatch demo: --replicas and --tp must be >= 1 and --speed > 0", file=sys.stderr)
+    problems = ["--replicas and --tp must be >= 1"] if args.replicas < 1 or args.tp < 1 else []
+    for flag, value, most in (("--speed", args.speed, MAX_SPEED), ("--rate", args.rate, MAX_RATE)):
+        if value is not None and not 0 < value <= most:  # NaN too: it ran away, ignoring --duration
+            problems.append(f"{flag} must be a number > 0 and at most {most:g}, got {value:g}")
+    if args.duration is not None and not 0 < args.duration < math.inf:
+        problems.append(f"--duration must be a finite number of seconds > 0, got {args.duration:g}")
+    if problems:
+        print(f"kvwatch demo: {'; '.join(problems)}", file=sys.stderr)
         return 2
     try:
         listen = parse_host_port(args.listen)
@@ -159,7 +171,11 @@ async def _demo(args: argparse.Namespace, listen: HostPort) -> int:
         ledger=args.ledger,
         metrics_profile=args.metrics_profile,
     )
-    demo = DemoNode(settings)
+    try:
+        demo = DemoNode(settings)
+    except ValueError as exc:  # a layout the engine refuses, e.g. --tp 3 for 8 KV heads
+        print(f"kvwatch demo: {exc}", file=sys.stderr)
+        return 2
     try:
         await demo.start()
     except OSError as exc:

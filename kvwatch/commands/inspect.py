@@ -39,6 +39,9 @@ BACKEND_CHOICES = ("auto", "vllm", "sglang", "trtllm", "dynamo", "llamacpp", "tg
 REPLICA = "inspect"
 
 
+MAX_TIMEOUT_S = 3600.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="metrics URL, file path, or - for stdin")
     parser.add_argument(
@@ -220,6 +223,13 @@ def main(args: argparse.Namespace) -> int:
     from kvwatch.engines.registry import NoEngineMetricsError, parse_exposition
     from kvwatch.jsonsafe import jsonable
 
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN too: "deadline must not be NaN" from deep inside
+        print(
+            f"kvwatch inspect: --timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, "
+            f"got {args.timeout:g}",
+            file=sys.stderr,
+        )
+        return 2
     slots: Slots = None
     try:
         text = asyncio.run(_fetch(args.source, args.timeout)) if _is_url(args.source) else _read(args.source)

@@ -129,3 +129,12 @@ def test_an_unreachable_slots_url_is_said_and_the_page_still_shown(capsys, refus
     code, out, _ = run(capsys, "--slots-url", refused_url, str(LLAMACPP_TINY))
     assert code == 0
     assert f"slots    unavailable: {refused_url}:" in out and "backend  llamacpp" in out
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-3", "inf"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_refused_naming_the_flag(timeout, capsys):
+    # NaN raised "deadline must not be NaN" from the HTTP client; 0 and -3 blamed scrape.timeout
+    from kvwatch.cli import main
+
+    assert main(["inspect", "http://127.0.0.1:9/metrics", "--timeout", timeout]) == 2
+    assert "--timeout must be a number of seconds > 0" in capsys.readouterr().err
