@@ -98,6 +98,9 @@ def parse_host_port(value: Any) -> HostPort:
     return HostPort(host, num)
 
 
+MAX_DURATION_S = 365 * 86400.0  # no interval, timeout or SLO period a node agent means is longer
+
+
 def parse_duration(value: Any) -> float:
     """Seconds from a number or a string like ``500ms``, ``5s``, ``2m``."""
     if isinstance(value, bool):
@@ -112,6 +115,9 @@ def parse_duration(value: Any) -> float:
         seconds = float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
     if not 0 < seconds < math.inf:
         raise ValueError(f"duration must be positive and finite, got {quoted(value)}")
+    if seconds > MAX_DURATION_S:
+        # past ~8.6e13 s the scheduler's datetime arithmetic overflows when the agent starts
+        raise ValueError(f"duration must be at most a year ({MAX_DURATION_S:g} s), got {quoted(value)}")
     return seconds
 
 

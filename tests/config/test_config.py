@@ -196,6 +196,13 @@ def test_a_file_that_is_no_utf8_mapping_is_refused_by_name(tmp_path, content, pr
     assert problem in str(err.value)
 
 
+@pytest.mark.parametrize("value", [1.0e300, "100000000h"])
+def test_a_duration_past_a_year_is_refused_before_the_scheduler_overflows(value):
+    # intervals.engine: 1.0e+300 passed check-config, then run died in APScheduler's datetime maths
+    with pytest.raises(ConfigError, match=r"intervals.engine: duration must be at most a year"):
+        config_from_mapping({"intervals": {"engine": value}})
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), (3, 3.0)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
