@@ -62,3 +62,24 @@ def test_run_raises_the_open_files_soft_limit_to_the_hard_limit() -> None:
     before, soft, hard, after = (int(v) for v in out)
     assert before == 256 and soft == after > 256
     assert after == min(hard, 1 << 20) or hard == resource.RLIM_INFINITY
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["rules", "--out", "{file}/sub"],
+        ["dashboards", "--out", "{file}/sub"],
+        ["manifests", "--out", "{file}/sub"],
+        ["docs", "--file", "{file}/metrics.md"],
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, args):
+    # an --out under a file raised NotADirectoryError out of every generator
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [arg.format(file=blocker) for arg in args]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", *argv], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "Not a directory" in result.stderr

@@ -112,6 +112,10 @@ def _update(path: Path, empty: str, generated: str, check: bool) -> bool:
         )
         print(f"{path} is stale: run `kvwatch docs`", file=sys.stderr)
         return True
-    path.write_text(wanted, encoding="utf-8")
+    try:
+        path.write_text(wanted, encoding="utf-8")
+    except OSError as exc:
+        print(f"kvwatch docs: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return True
     print(f"wrote {path}")
     return False

@@ -40,9 +40,9 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    if not args.check:
-        out.mkdir(parents=True, exist_ok=True)
     try:
+        if not args.check:
+            out.mkdir(parents=True, exist_ok=True)
         files = generate(Path(args.alerts), Path(args.dashboards))
     except (ManifestError, OSError) as exc:
         print(f"kvwatch manifests: {exc}", file=sys.stderr)
@@ -64,7 +64,11 @@ def main(args: argparse.Namespace) -> int:
             )
             sys.stdout.writelines(list(diff)[:40])
         else:
-            path.write_text(text, encoding="utf-8")
+            try:
+                path.write_text(text, encoding="utf-8")
+            except OSError as exc:
+                print(f"kvwatch manifests: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+                return 1
             print(f"wrote {path}")
     if args.check and stale:
         print(f"\n{len(stale)} file(s) out of date: run `kvwatch manifests`", file=sys.stderr)

@@ -86,13 +86,19 @@ def write_or_check(
             return 1
         stdout.write(f"{len(files)} generated file(s) up to date in {out_dir}\n")
         return 0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        path = out_dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        stdout.write(f"wrote {path}\n")
-    for path in left:
-        path.unlink()
-        stdout.write(f"removed {path} (retired)\n")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = out_dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            stdout.write(f"wrote {path}\n")
+        for path in left:
+            path.unlink()
+            stdout.write(f"removed {path} (retired)\n")
+    except OSError as exc:  # an --out that is a file, a read-only or vanished directory
+        print(
+            f"cannot write into {out_dir}: {exc.strerror or exc} ({exc.filename or out_dir})", file=sys.stderr
+        )
+        return 1
     return 0
