@@ -223,10 +223,13 @@ def _merge(data: Mapping[str, Any], overrides: Mapping[tuple[str, ...], tuple[st
         node = out
         for part in parts[:-1]:
             child = node.get(part)
-            child = dict(child) if isinstance(child, Mapping) else {}
+            if child is not None and not isinstance(child, Mapping):
+                break  # the file's section is no mapping: left as written, for the validator to name
+            child = dict(child) if child is not None else {}
             node[part] = child
             node = child
-        node[parts[-1]] = value
+        else:
+            node[parts[-1]] = value
     return out
 
 

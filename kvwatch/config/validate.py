@@ -79,7 +79,7 @@ _SIZE_UNITS = {
     "mib": 1024**2,
     "gib": 1024**3,
 }
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}")  # fullmatch: `$` also matched before a final newline
 
 
 def parse_host_port(value: Any) -> HostPort:
@@ -145,7 +145,7 @@ def parse_size(value: Any) -> int:
 def short_name(value: Any) -> str:
     """A replica, node or SLO name: a label value short and plain enough for any config or query."""
     text = _scalar_text(value)
-    if not _NAME.match(text):
+    if not _NAME.fullmatch(text):
         raise ValueError(f"expected a short name of letters, digits, '_', '.', '-', got {quoted(text)}")
     return text
 

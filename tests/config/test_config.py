@@ -196,6 +196,20 @@ def test_a_file_that_is_no_utf8_mapping_is_refused_by_name(tmp_path, content, pr
     assert problem in str(err.value)
 
 
+def test_a_name_with_a_trailing_newline_is_no_short_name():
+    # `$` matched before a final newline: a block scalar `name: |` gave replica "a\n", unlike "a"
+    with pytest.raises(ConfigError, match=r"replicas\[0\].name: expected a short name"):
+        config_from_mapping({"replicas": [{"name": "a\n", "metrics_url": "http://h:1/metrics"}]})
+
+
+def test_a_section_that_is_no_mapping_is_named_even_when_a_variable_sets_a_key_under_it(tmp_path):
+    # the environment override replaced the file's bad section with {}, and check-config said OK
+    path = tmp_path / "bad-section.yaml"
+    path.write_text("intervals: [engine, 5s]\n")
+    with pytest.raises(ConfigError, match="intervals"):
+        load_config(path, environ={"KVWATCH_INTERVALS__GPU": "2s"})
+
+
 @pytest.mark.parametrize("value", [1.0e300, "100000000h"])
 def test_a_duration_past_a_year_is_refused_before_the_scheduler_overflows(value):
     # intervals.engine: 1.0e+300 passed check-config, then run died in APScheduler's datetime maths
