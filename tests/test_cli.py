@@ -83,3 +83,26 @@ def test_an_output_path_that_cannot_be_written_is_one_line_not_a_traceback(tmp_p
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "Not a directory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # NaN passed `speed <= 0` and ran away: it ignored --duration and SIGINT, 24 GB in 7 minutes
+        (["--speed", "nan"], "--speed must be a number > 0 and at most 1000, got nan"),
+        (["--rate", "inf"], "--rate must be a number > 0 and at most 100, got inf"),
+        (["--rate", "-1"], "--rate must be a number > 0"),  # a ValueError traceback from the workload
+        (["--duration", "nan"], "--duration must be a finite number of seconds > 0"),
+        (["--tp", "3"], "tp=3 cannot split the model's 8 KV heads"),  # a traceback from the engine
+    ],
+)
+def test_demo_refuses_numbers_it_cannot_run_on(args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwatch", "demo", "--listen", "127.0.0.1:0", "--view", "none", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
