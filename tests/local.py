@@ -183,6 +183,20 @@ def kvwatch_run(*args: str) -> subprocess.Popen[str]:
     )
 
 
+def kvwatch_run_refused(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``kvwatch run ARGS`` from this checkout, expected to stop by itself (a refusal): its exit status
+    and output as text. ``env`` adds to the test's environment, without ``KVWATCH_CONFIG``."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch", "run", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVWATCH_CONFIG": "", **env},
+        check=False,
+    )
+
+
 def spawn_logged(argv: Iterable[str], log_path: Path, **popen: Any) -> subprocess.Popen:
     """Start ``argv`` in a session of its own (so ``stop_group`` stops all it started), its stdout and
     stderr appended to ``log_path``."""

@@ -16,7 +16,7 @@ from kvwatch.agent import Agent
 from kvwatch.config import Config, HostPort, IntervalsConfig, NvmlConfig, ReplicaConfig, ScrapeConfig
 from kvwatch.gpu.fake import FakeNvml
 from kvwatch.sim.node import SimNode, h200_node
-from tests.local import serve_app, until
+from tests.local import kvwatch_run_refused, serve_app, until
 
 LISTEN = HostPort("127.0.0.1", 0)
 
@@ -188,13 +188,7 @@ def test_kvwatch_run_stops_cleanly_on_sigterm(tmp_path):
 def test_kvwatch_run_names_a_bad_config_and_exits_1(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("replicas: [{name: x, metrics_url: ftp://nope}]\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvwatch", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = kvwatch_run_refused("--config", str(config))
     assert result.returncode == 1 and "replicas[0].metrics_url" in result.stderr
 
 

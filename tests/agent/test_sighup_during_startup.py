@@ -4,16 +4,13 @@ for is done once the agent runs."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
-from tests.local import free_port, kvwatch_run, wait_until
+from tests.local import free_port, kvwatch_run, kvwatch_run_refused, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,14 +92,6 @@ def test_a_blank_kvwatch_config_is_no_config(tmp_path: Path) -> None:
     # docs/config.md: a blank KVWATCH_* value is unset; KVWATCH_CONFIG= was read as the path ""
     with socket.create_server(("127.0.0.1", 0)) as taken:  # the agent gets past its config, then stops
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "kvwatch", "run", "--listen", f"127.0.0.1:{port}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "KVWATCH_CONFIG": "", "KVWATCH_NVML__ENABLED": "false"},
-            check=False,
-        )
+        result = kvwatch_run_refused("--listen", f"127.0.0.1:{port}", KVWATCH_NVML__ENABLED="false")
     assert result.returncode == 1 and "address already in use" in result.stderr.lower(), result.stderr[-2000:]
     assert "cannot read" not in result.stderr

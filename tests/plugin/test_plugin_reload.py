@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from kvwatch.agent import Agent
 from kvwatch.agent.reload import ConfigReloader
 from kvwatch.config import load_config
-from tests.local import until
+from tests.local import kvwatch_run_refused, until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "vllm"))
 from kvwatch_vllm_plugin import wire
@@ -146,13 +145,7 @@ def test_a_socket_that_cannot_be_bound_at_start_names_its_key_and_path(short_dir
     blocked = short_dir / "not-a-dir"
     blocked.write_text("a file where the socket's folder should be\n")
     _write(path, [("r1", blocked / "vllm.sock")])
-    result = subprocess.run(
-        [sys.executable, "-m", "kvwatch", "run", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = kvwatch_run_refused("--config", str(path))
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"vllm_plugin_sockets (r1): cannot bind {blocked}/vllm.sock" in result.stderr
     assert "Error running job" not in result.stderr and "Traceback" not in result.stderr, result.stderr[
