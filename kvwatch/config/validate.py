@@ -82,6 +82,12 @@ _SIZE_UNITS = {
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}")  # fullmatch: `$` also matched before a final newline
 
 
+#: a host name (RFC 1123 labels) or an IPv4 / IPv6 literal (hex, dots, colons, a %zone)
+_HOST = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9\-_]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9\-_]*[A-Za-z0-9])?)*\.?|[0-9A-Fa-f:.]+(%[\w.\-]+)?"
+)
+
+
 def parse_host_port(value: Any) -> HostPort:
     """``HOST:PORT`` or ``:PORT`` (all interfaces, said explicitly); IPv6 as ``[::1]:PORT``."""
     text = _scalar_text(value).strip()
@@ -89,6 +95,8 @@ def parse_host_port(value: Any) -> HostPort:
     if not sep:
         raise ValueError(f"expected HOST:PORT, got {quoted(text)}")
     host = host.strip("[]") or "0.0.0.0"
+    if not _HOST.fullmatch(host):  # "http://127.0.0.1:9477" or a space failed only at bind, unnamed
+        raise ValueError(f"expected HOST:PORT with a host name or IP address, got {quoted(text)}")
     try:
         num = int(port)
     except ValueError:

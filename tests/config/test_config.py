@@ -196,6 +196,13 @@ def test_a_file_that_is_no_utf8_mapping_is_refused_by_name(tmp_path, content, pr
     assert problem in str(err.value)
 
 
+@pytest.mark.parametrize("listen", ["http://127.0.0.1:9477", "foo bar:9477", "a/b:1"])
+def test_a_listen_address_whose_host_is_no_host_is_named(listen):
+    # they passed check-config, then kvwatch run failed to bind with no key named
+    with pytest.raises(ConfigError, match=r"listen: expected HOST:PORT with a host name or IP address"):
+        config_from_mapping({"listen": listen})
+
+
 def test_a_name_with_a_trailing_newline_is_no_short_name():
     # `$` matched before a final newline: a block scalar `name: |` gave replica "a\n", unlike "a"
     with pytest.raises(ConfigError, match=r"replicas\[0\].name: expected a short name"):

@@ -87,7 +87,7 @@ async def test_kvwatch_run_discovers_pods_and_reloads_its_configmap(tmp_path, cl
             'kvwatch_target_up{backend="vllm",replica="llm/qwen-0"} 1.0',
         )
         # a bad edit: refused, the running config kept, the metric says so
-        volume.write(_config(api, token, listen, static + "\nintervals: {engine: fast}"))
+        volume.write(_config(api, token, listen, static).replace("{engine: 300ms}", "{engine: fast}"))
         body = await scrape_until(url, "kvwatch_config_last_reload_successful 0.0")
         assert 'kvwatch_target_up{backend="vllm",replica="bare-1"} 1.0' in body
         # fixed in place (no swap) and SIGHUP: applied; bare-1 gone with its series
