@@ -462,6 +462,7 @@ function M.log()
     num(gaps and ctx.gap_sum or 0), gaps and num(ctx.max_gap) or NULL,
     (gaps and gap_end) and num(ctx.started_at + (gap_end - ctx.t0)) or NULL,
     NULL, NULL, NULL, "[]", NULL,
+    "1",  -- choices: the bench's clients ask one sequence a request (n = 1)
   }
   enqueue('["r",[' .. concat(fields, ",") .. "]]", replica)
   if ctx.completion_tokens and ctx.chunks > 0 then
