@@ -254,11 +254,11 @@ class RequestMeter:
         n = sse.count_content_events(events, separator)
         if n:
             self.on_content(n, now)
-        reason = sse.finish_reason(events)
+        reason, finished = sse.finishes(events)
         if reason is not None:
             # a token-budget cut on any choice stays: a later read's ``stop`` must not hide it
             self.finish_reason = "length" if self.finish_reason == "length" else reason
-            self.finished_choices += sse.finish_count(events)
+            self.finished_choices += finished  # each finishing chunk carries one reason
         if sse.has_error_event(events):
             self.stream_error = True
 

@@ -83,23 +83,21 @@ def count_content_events(events: bytes, separator: bytes) -> int:
 
 def finish_reason(events: bytes) -> str | None:
     """The last non-null finish reason in these events, if any."""
+    return finishes(events)[0]
+
+
+def finishes(events: bytes) -> tuple[str | None, int]:
+    """(the finish reason these events give, how many choices they finish): one scan."""
     found = FINISH.findall(events)
     if not found:
-        return None
+        return None, 0
     # several choices (n > 1): a token-budget cut on any of them is what the band needs to know
-    if b"length" in found:
-        return "length"
-    return found[-1].decode("ascii")
+    return ("length" if b"length" in found else found[-1].decode("ascii")), len(found)
 
 
 def has_error_event(events: bytes) -> bool:
     """Whether an engine reported an error in these events (``ERROR_EVENT``)."""
     return ERROR_MARK in events and ERROR_EVENT.search(events) is not None
-
-
-def finish_count(events: bytes) -> int:
-    """Choices these events finish (each finishing chunk carries one non-null finish reason)."""
-    return len(FINISH.findall(events))
 
 
 def event_data(event: bytes) -> bytes:

@@ -164,8 +164,9 @@ class FakeApiServer:
         #: (rv, type, object before, object after) for every write, oldest first
         self.history: list[tuple[int, str, dict | None, dict | None]] = []
         self.oldest_rv = self.rv  # watches from before this get 410
-        #: a Status every watch answers at once as an ERROR event, and ends (kube-apiserver's watch
-        #: handler writes a failed watch's Status so, after its 200); None: watches serve events
+        #: a Status every watch answers at once as an ERROR event, and ends (kube-apiserver's
+        #: apiserver/pkg/endpoints/handlers/watch.go writes a failed watch's Status so, after its
+        #: 200); None: watches serve events
         self.failing_watches: dict[str, Any] | None = None
         self.requests: list[dict[str, str]] = []
         self.list_bytes: list[int] = []  # each list answer, before compression
